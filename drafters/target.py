@@ -1,0 +1,248 @@
+"""The frozen target model every drafter is trained against and verified by.
+
+`Target` wraps any Hugging Face causal LM loaded through `AutoModelForCausalLM` (never a vendored
+modeling file) and adds what drafters need: the input embedding and LM head as functions,
+hidden-state capture at chosen layers, per-layer access for the Llama-style families, and a
+fingerprint that checkpoints and hidden-state caches record so a drafter is never silently used
+with a different target.
+
+Layer numbering follows transformers' `output_hidden_states=True`: index 0 is the embedding
+output, index i (1 <= i < L) the output of decoder layer i, and index L the final, normed hidden
+state that feeds the LM head (L = number of layers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+DEMO_TARGETS = ("demo", "demo-tiny")
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # (batch, seq, vocab); only the last `logits_to_keep` positions if set
+    hidden_states: dict[int, torch.Tensor] = field(
+        default_factory=dict
+    )  # layer -> (batch, seq, hidden)
+    cache: object | None = None  # the HF Cache after this forward, when use_cache
+
+
+class TargetError(ValueError):
+    """A target that cannot be used as asked (wrong family, bad layer id, mismatched drafter)."""
+
+
+class Target:
+    """A frozen causal LM plus its tokenizer. Build with `load_target` or `Target(model, tok)`."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer, name: str | None = None) -> None:
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self.config = model.config
+        self.num_layers: int = model.config.num_hidden_layers
+        self.hidden_size: int = model.config.hidden_size
+        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.fingerprint: dict = make_fingerprint(model, tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    # -- pieces drafters reuse ------------------------------------------------------------------
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(batch, seq) token ids -> (batch, seq, hidden) input embeddings."""
+        return self.model.get_input_embeddings()(input_ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) final-normed hidden states -> (..., vocab) logits."""
+        return self.model.get_output_embeddings()(hidden)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers, for drafters that run a prefix of them (LayerSkip)."""
+        return self._llama_style()[0]
+
+    @property
+    def norm(self) -> nn.Module:
+        """The final norm applied before the LM head."""
+        return self._llama_style()[1]
+
+    def _llama_style(self) -> tuple[nn.ModuleList, nn.Module]:
+        inner = getattr(self.model, "model", None)
+        layers = getattr(inner, "layers", None)
+        norm = getattr(inner, "norm", None)
+        if not isinstance(layers, nn.ModuleList) or norm is None:
+            raise TargetError(
+                f"{type(self.model).__name__} does not have the Llama-style layout "
+                "(model.model.layers, model.model.norm, model.lm_head) that per-layer access needs; "
+                "supported families: Llama, Qwen2/Qwen3, Mistral. Use a drafter kind that only "
+                "needs hidden states (eagle, medusa, distill) with this target."
+            )
+        return layers, norm
+
+    def check_layer_ids(self, layer_ids: Sequence[int]) -> list[int]:
+        """Validate hidden-state layer ids (0..L, see module docstring); negative ids count from L."""
+        resolved = []
+        for i in layer_ids:
+            j = i + self.num_layers + 1 if i < 0 else i
+            if not 0 <= j <= self.num_layers:
+                raise TargetError(
+                    f"layer id {i} is out of range for {self.name}, which has {self.num_layers} "
+                    f"layers: use 0 (embeddings) .. {self.num_layers} (final normed state), or "
+                    f"-1 .. -{self.num_layers + 1} from the end"
+                )
+            resolved.append(j)
+        return resolved
+
+    # -- forward --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: object | None = None,
+        use_cache: bool = False,
+        capture_layers: Sequence[int] = (),
+        logits_to_keep: int = 0,
+    ) -> TargetOutput:
+        """Run the target (no grad) and return logits plus the hidden states at `capture_layers`.
+
+        `attention_mask` may be the usual (batch, seq) padding mask or a float 4D mask
+        (batch, 1, seq, past + seq) with 0 where attention is allowed, as tree verification uses.
+        """
+        layer_ids = self.check_layer_ids(capture_layers)
+        captured: dict[int, torch.Tensor] = {}
+        hooks = self._capture_hooks(layer_ids, captured)
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                output_hidden_states=hooks is None and bool(layer_ids),
+                logits_to_keep=logits_to_keep,
+            )
+        finally:
+            for h in hooks or ():
+                h.remove()
+        if hooks is None and layer_ids:
+            captured = {i: out.hidden_states[i] for i in layer_ids}
+        return TargetOutput(
+            logits=out.logits,
+            hidden_states={i: captured[j] for i, j in zip(capture_layers, layer_ids, strict=True)},
+            cache=getattr(out, "cache", None),
+        )
+
+    __call__ = forward
+
+    def _capture_hooks(self, layer_ids: list[int], captured: dict[int, torch.Tensor]):
+        """Forward hooks that keep only the requested layers' outputs (not all L of them, as
+        output_hidden_states would). None where the model lacks the Llama-style layout."""
+        if not layer_ids:
+            return []
+        try:
+            layers, norm = self._llama_style()
+        except TargetError:
+            return None
+
+        def keep(index: int):
+            def hook(_module, _args, output):
+                captured[index] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        modules = {0: self.model.get_input_embeddings(), self.num_layers: norm}
+        modules.update({i: layers[i - 1] for i in range(1, self.num_layers)})
+        return [modules[i].register_forward_hook(keep(i)) for i in sorted(set(layer_ids))]
+
+
+def make_fingerprint(model: PreTrainedModel, tokenizer) -> dict:
+    """What identifies a target for a drafter: architecture, sizes and the exact tokenizer."""
+    config = model.config
+    architectures = getattr(config, "architectures", None) or [type(model).__name__]
+    return {
+        "architecture": architectures[0],
+        "hidden_size": int(config.hidden_size),
+        "num_layers": int(config.num_hidden_layers),
+        "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+    }
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """A short hash of the tokenizer's vocabulary, merges and special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        payload = json.dumps([spec.get("model"), spec.get("added_tokens")], sort_keys=True)
+    else:
+        payload = json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def fingerprint_differences(expected: dict, actual: dict) -> list[str]:
+    """Human-readable differences between two fingerprints (empty when they match)."""
+    keys = sorted(set(expected) | set(actual))
+    return [
+        f"{k}: expected {expected.get(k)!r}, got {actual.get(k)!r}"
+        for k in keys
+        if expected.get(k) != actual.get(k)
+    ]
+
+
+def load_target(
+    name: str = "demo",
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    trust_remote_code: bool = False,
+) -> Target:
+    """Load a target: "demo" / "demo-tiny" (built and cached on first use), a local folder, or a
+    hub id. dtype defaults to the checkpoint's own; `trust_remote_code` stays off unless asked."""
+    if name in DEMO_TARGETS:
+        from specdraft.scripts.build_demo_target import ensure_demo_target
+
+        path: str = str(ensure_demo_target(variant="tiny" if name == "demo-tiny" else "default"))
+    else:
+        path = os.path.expanduser(name)
+        if not Path(path).exists() and (path.startswith((".", "/", "~")) or os.sep in path[:1]):
+            raise TargetError(
+                f"target folder {path} does not exist; pass a folder, a hub id or 'demo'"
+            )
+    if isinstance(dtype, str):
+        dtype = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32,
+                 "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                 "float16": torch.float16, "fp16": torch.float16}.get(dtype, dtype)  # fmt: skip
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype if dtype is not None else "auto", trust_remote_code=trust_remote_code
+        )
+    except OSError as err:
+        raise TargetError(
+            f"could not load target {name!r}: {err}. Pass 'demo', a local model folder, or a hub "
+            "id that is reachable (or already in the HF cache when HF_HUB_OFFLINE=1)."
+        ) from err
+    if device is not None:
+        model.to(device)
+    return Target(model, tokenizer, name=name)

@@ -1,0 +1,43 @@
+"""Shared test setup: offline, deterministic, and nothing written outside pytest's temp folders."""
+
+from __future__ import annotations
+
+import os
+
+# No hub is reachable on the machines this runs on, and tests must not try.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def specdraft_home(tmp_path_factory: pytest.TempPathFactory):
+    """Every test session gets its own SPECDRAFT_HOME, so the demo-target cache of a user's
+    machine is never read or written by tests."""
+    home = tmp_path_factory.mktemp("specdraft_home")
+    old = os.environ.get("SPECDRAFT_HOME")
+    os.environ["SPECDRAFT_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("SPECDRAFT_HOME", None)
+    else:
+        os.environ["SPECDRAFT_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_target_path(specdraft_home) -> str:
+    """The tiny demo target, built once per test session (about a second)."""
+    from specdraft.scripts.build_demo_target import ensure_demo_target
+
+    return str(ensure_demo_target(variant="tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_target_path):
+    from specdraft.drafters.target import load_target
+
+    torch.manual_seed(0)
+    return load_target(tiny_target_path)

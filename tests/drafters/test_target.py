@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.drafters.target import (
+    Target,
+    TargetError,
+    fingerprint_differences,
+    load_target,
+)
+
+
+def test_load_demo_tiny_by_name_is_frozen_and_fingerprinted(tiny_target_path):
+    target = load_target("demo-tiny")
+    assert all(not p.requires_grad for p in target.model.parameters())
+    assert not target.model.training
+    fp = target.fingerprint
+    assert fp["architecture"] == "LlamaForCausalLM"
+    assert fp["num_layers"] == target.model.config.num_hidden_layers
+    assert fp["vocab_size"] == len(target.tokenizer)
+    assert len(fp["tokenizer_hash"]) == 16
+    assert load_target(tiny_target_path).fingerprint == fp
+
+
+def test_captured_states_equal_output_hidden_states(tiny_target):
+    ids = torch.randint(
+        0, tiny_target.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1)
+    )
+    layers = list(range(tiny_target.num_layers + 1))
+    out = tiny_target.forward(ids, capture_layers=layers)
+    ref = tiny_target.model(input_ids=ids, output_hidden_states=True)
+    assert torch.equal(out.logits, ref.logits)
+    assert len(ref.hidden_states) == tiny_target.num_layers + 1
+    for i in layers:
+        assert torch.equal(out.hidden_states[i], ref.hidden_states[i]), f"layer {i}"
+    # The last captured state is the normed one that feeds the LM head.
+    assert torch.allclose(tiny_target.lm_head(out.hidden_states[-1 + len(layers)]), ref.logits)
+    # Negative ids count from the end, like Python indexing.
+    neg = tiny_target.forward(ids, capture_layers=[-1])
+    assert torch.equal(neg.hidden_states[-1], ref.hidden_states[-1])
+
+
+def test_embed_matches_model_embedding(tiny_target):
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(tiny_target.embed(ids), tiny_target.model.model.embed_tokens(ids))
+
+
+def test_layer_id_out_of_range_names_the_range(tiny_target):
+    with pytest.raises(
+        TargetError, match=r"layer id 99 is out of range .* 0 \(embeddings\) \.\. 2"
+    ):
+        tiny_target.forward(torch.tensor([[1, 2]]), capture_layers=[99])
+
+
+def test_llama_layout_exposed_and_other_families_rejected(tiny_target):
+    assert len(tiny_target.layers) == tiny_target.num_layers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    other = Target(gpt2, tiny_target.tokenizer)
+    with pytest.raises(TargetError, match="Llama-style layout"):
+        _ = other.layers
+    # Hidden-state capture still works there, through output_hidden_states.
+    out = other.forward(torch.tensor([[1, 2, 3]]), capture_layers=[1])
+    assert out.hidden_states[1].shape == (1, 3, 32)
+
+
+def test_fingerprint_differences_name_the_field(tiny_target):
+    other = dict(tiny_target.fingerprint, hidden_size=1)
+    diffs = fingerprint_differences(tiny_target.fingerprint, other)
+    assert diffs == [f"hidden_size: expected {tiny_target.hidden_size}, got 1"]
+
+
+def test_missing_local_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(TargetError, match="does not exist"):
+        load_target(str(tmp_path / "nope"))
