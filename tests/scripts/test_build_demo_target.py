@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdraft.data.demo import demo_corpus_files, demo_prompts
+from specdraft.scripts import build_demo_target as bdt
+
+
+def test_tiny_build_is_a_standard_hf_folder(tiny_target_path):
+    tok = AutoTokenizer.from_pretrained(tiny_target_path)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_path)
+    info = json.loads((bdt.Path(tiny_target_path) / bdt.COMPLETE_MARKER).read_text())
+    assert info["parameters"] == sum(p.numel() for p in model.parameters())
+    assert model.config.vocab_size == len(tok)
+    eos = model.generation_config.eos_token_id
+    assert tok.eos_token_id in eos and tok.convert_tokens_to_ids("<|end|>") in eos
+    assert (
+        tok.apply_chat_template(
+            [{"role": "user", "content": "x"}], tokenize=False, add_generation_prompt=True
+        )
+        == "<|bos|><|user|>\nx<|end|>\n<|assistant|>\n"
+    )
+
+
+def test_second_call_reuses_the_cache(tiny_target_path, monkeypatch):
+    def fail(*_a, **_k):
+        raise AssertionError("rebuilt although cached")
+
+    monkeypatch.setattr(bdt, "build", fail)
+    assert str(bdt.ensure_demo_target(variant="tiny")) == tiny_target_path
+
+
+def test_same_seed_rebuilds_bit_identical_weights(tmp_path, tiny_target_path):
+    spec = bdt.resolve_spec("tiny")
+    bdt.build(spec, tmp_path)
+    a = load_file(tmp_path / "model.safetensors")
+    b = load_file(bdt.Path(tiny_target_path) / "model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(a[k].equal(b[k]) for k in a)
+
+
+def test_another_seed_is_another_folder_and_other_weights(tmp_path):
+    s0, s1 = bdt.resolve_spec("tiny", seed=0), bdt.resolve_spec("tiny", seed=1)
+    assert bdt.demo_target_dir(s0, "tiny") != bdt.demo_target_dir(s1, "tiny")
+    bdt.build(s1, tmp_path)
+    other = load_file(tmp_path / "model.safetensors")
+    ref = bdt.ensure_demo_target(variant="tiny")
+    assert not all(other[k].equal(v) for k, v in load_file(ref / "model.safetensors").items())
+
+
+def test_interrupted_build_leaves_no_folder(monkeypatch, specdraft_home):
+    def boom(spec, out):
+        (out / "partial").write_text("half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bdt, "build", boom)
+    with pytest.raises(KeyboardInterrupt):
+        bdt.ensure_demo_target(variant="tiny", seed=7)
+    target_dir = bdt.demo_target_dir(bdt.resolve_spec("tiny", seed=7), "tiny")
+    assert not target_dir.exists()
+    assert not [
+        p
+        for p in target_dir.parent.iterdir()
+        if p.is_dir() and "seed" not in p.name and p.name.startswith(f".{target_dir.name}")
+    ]
+
+
+def test_bad_variant_and_budget_are_named():
+    with pytest.raises(ValueError, match="unknown demo variant 'huge'"):
+        bdt.resolve_spec("huge")
+    with pytest.raises(ValueError, match="unknown build budget 'forever'"):
+        bdt.resolve_spec("tiny", budget="forever")
+
+
+def test_heldout_files_are_disjoint_from_training_and_prompts_come_from_them():
+    train = set(demo_corpus_files("train"))
+    heldout = set(demo_corpus_files("heldout"))
+    assert heldout and train and not train & heldout
+    prompts = demo_prompts(10)
+    assert len(prompts) == 10 and len(set(prompts)) == 10
+    assert prompts == demo_prompts(10)
+    heldout_text = "".join(p.read_text(errors="replace") for p in heldout)
+    assert all(p.rstrip().endswith(":") and p in heldout_text for p in prompts)
+
+
+def test_loop_detector():
+    assert bdt.loops([1, 2, 3] * 40)
+    assert not bdt.loops(list(range(120)))
