@@ -311,7 +311,7 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 # --- YAML: one dialect (YAML 1.2 core scalars) for reading files, overrides and for writing ---
 
-_INT_RE = re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$")
+_INT_RE = re.compile(r"^[-+]?[0-9]+$")
 _FLOAT_RE = re.compile(
     r"""^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?
     |[-+]?\.(?:inf|Inf|INF)
@@ -325,7 +325,8 @@ def _yaml12(base: type) -> type:
     """A PyYAML Loader/Dumper class that resolves bool, int and float as YAML 1.2 does.
 
     PyYAML follows YAML 1.1, where `3e-4` is a string, `no` is False, `010` is 8 and dates
-    become datetime objects; none of that is what a config author means.
+    become datetime objects; none of that is what a config author means. Int and float are
+    resolved in that order, so `10` is an int and `1e1` a float.
     """
     replaced = {"bool", "int", "float", "timestamp"}
     cls = type(f"_YAML12{base.__name__}", (base,), {})
@@ -336,6 +337,9 @@ def _yaml12(base: type) -> type:
     cls.add_implicit_resolver("tag:yaml.org,2002:bool", _BOOL_RE, list("tTfF"))
     cls.add_implicit_resolver("tag:yaml.org,2002:int", _INT_RE, list("-+0123456789"))
     cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
+    if hasattr(cls, "add_constructor"):
+        # Decimal always: PyYAML's own int constructor reads a leading 0 as octal.
+        cls.add_constructor("tag:yaml.org,2002:int", lambda loader, node: int(node.value))
     return cls
 
 
@@ -468,7 +472,13 @@ def _construct_value(tp: Any, node: yaml.Node, loader: Any, key: str, layer: _La
     is_str_list = typing.get_origin(base) is list and typing.get_args(base) == (str,)
     if is_str_list and isinstance(node, yaml.SequenceNode):
         return [_construct_value(str, item, loader, key, layer) for item in node.value]
-    return loader.construct_object(node, deep=True)
+    try:
+        return loader.construct_object(node, deep=True)
+    except (yaml.YAMLError, ValueError) as e:
+        # E.g. a python/object tag: the safe loader builds plain data only.
+        raise ConfigError(
+            f"{layer.where(key)}: cannot read the value of {key}: {_first_line(e)}", key=key
+        ) from None
 
 
 def _field_or_error(cls: type, name: str, prefix: str, layer: _Layer) -> dataclasses.Field:

@@ -1,0 +1,355 @@
+"""The typed config: defaults, file and command-line layers, strictness, round trip, subclassing."""
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from specdraft.data.config import DataConfig
+from specdraft.train.config import (
+    CONFIG_FILENAME,
+    ConfigError,
+    TrainConfig,
+    choice,
+    config_to_dict,
+    format_help,
+    load_config,
+    parse_cli,
+    save_config,
+)
+
+
+@dataclass
+class DummyDrafterConfig:
+    # Draft tokens per step.
+    depth: int = 4
+    # How the dummy drafter mixes features.
+    mode: str = choice("sum", "concat")
+    widths: list[int] = field(default_factory=lambda: [8, 16])
+
+
+@dataclass
+class DummyTrainConfig(TrainConfig):
+    """The pattern every drafter kind follows: a kind name and a nested drafter section."""
+
+    kind: ClassVar[str] = "dummy"
+    drafter: DummyDrafterConfig = field(default_factory=DummyDrafterConfig)
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_defaults_without_file_or_overrides():
+    cfg = load_config(TrainConfig, None)
+    assert cfg == TrainConfig()
+    assert cfg.target == "demo"
+    assert cfg.data == DataConfig()
+    assert cfg.output_dir == "runs/base-demo"
+    assert cfg.run_name == "base-demo"
+    assert cfg.report_to == "none" and cfg.lr_schedule == "cosine"
+    assert cfg.resume_from is None and cfg.tags == []
+
+
+def test_file_then_overrides_precedence(tmp_path):
+    path = write(
+        tmp_path / "c.yaml",
+        "lr: 1e-3\nmax_steps: 50\nreport_to: wandb\ndata:\n  max_length: 128\n",
+    )
+    cfg = load_config(TrainConfig, path, ["lr=3e-4", "data.split=test"])
+    assert cfg.lr == 3e-4 and isinstance(cfg.lr, float)  # the command line wins over the file
+    assert cfg.max_steps == 50 and cfg.report_to == "wandb"  # the file wins over the defaults
+    assert cfg.data.max_length == 128 and cfg.data.split == "test"
+    # Setting one key of a section keeps the section's other defaults.
+    assert cfg.data.path == DataConfig().path
+    assert cfg.micro_batch_size == TrainConfig().micro_batch_size
+    # Later overrides win over earlier ones.
+    assert load_config(TrainConfig, path, ["max_steps=7", "max_steps=9"]).max_steps == 9
+
+
+def test_yaml_12_scalars(tmp_path):
+    # PyYAML's YAML 1.1 reads 3e-4 as a string, `no` as False and 010 as 8.
+    path = write(tmp_path / "c.yaml", "lr: 3e-4\nmixed_precision: no\nrun_name: 1e3\nseed: 010\n")
+    cfg = load_config(TrainConfig, path, ["min_lr_ratio=5E-2", "target=007", "tags=[a, 2, yes]"])
+    assert cfg.lr == 3e-4 and isinstance(cfg.lr, float)
+    assert cfg.min_lr_ratio == 0.05
+    assert cfg.mixed_precision == "no"
+    assert cfg.seed == 10
+    # str fields keep the text as written rather than a number's repr.
+    assert cfg.run_name == "1e3" and cfg.target == "007" and cfg.tags == ["a", "2", "yes"]
+
+
+def test_null_and_lists_on_command_line(tmp_path):
+    path = write(tmp_path / "c.yaml", "resume_from: latest\ntags: [x]\ndata:\n  max_samples: 9\n")
+    cfg = load_config(
+        TrainConfig,
+        path,
+        ["resume_from=null", "tags=[a,b]", "data.max_samples=~", "run_name='null'"],
+    )
+    assert cfg.resume_from is None and cfg.data.max_samples is None
+    assert cfg.tags == ["a", "b"]  # a list replaces the file's list
+    assert cfg.run_name == "null"  # quoted: the string, not None
+
+
+def test_nested_dotted_overrides():
+    cfg = load_config(
+        DummyTrainConfig, None, ["data.max_length=256", "drafter.depth=6", "drafter.widths=[1,2,3]"]
+    )
+    assert cfg.data.max_length == 256
+    assert cfg.drafter == DummyDrafterConfig(depth=6, widths=[1, 2, 3])
+
+
+def test_unknown_key_in_file_names_key_file_line_and_suggestion(tmp_path):
+    path = write(tmp_path / "recipe.yaml", "lr: 1e-3\n\nmax_step: 5\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(TrainConfig, path)
+    msg = str(err.value)
+    assert "max_step" in msg and str(path) in msg and "line 3" in msg
+    assert "did you mean 'max_steps'" in msg
+    assert err.value.key == "max_step"
+
+
+def test_unknown_nested_key_in_file(tmp_path):
+    path = write(tmp_path / "recipe.yaml", "data:\n  path: demo\n  max_lenght: 5\n")
+    with pytest.raises(ConfigError, match=r"line 3.*'data\.max_lenght'.*'data\.max_length'"):
+        load_config(TrainConfig, path)
+
+
+def test_unknown_key_on_command_line():
+    with pytest.raises(ConfigError) as err:
+        load_config(TrainConfig, None, ["lrr=1e-3"])
+    msg = str(err.value)
+    assert "command line" in msg and "lrr" in msg and "did you mean 'lr'" in msg
+    # Without a close match, the valid keys of that section are listed.
+    with pytest.raises(ConfigError, match=r"'drafter\.zzz'.*valid keys there: depth, mode, widths"):
+        load_config(DummyTrainConfig, None, ["drafter.zzz=1"])
+
+
+def test_wrong_type_names_key_value_and_source(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(TrainConfig, None, ["max_steps=abc"])
+    msg = str(err.value)
+    assert "command line (max_steps=abc)" in msg and "max_steps expects int" in msg
+    assert "'abc'" in msg
+
+    path = write(tmp_path / "c.yaml", "seed: 1\ndata:\n  max_length: long\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(TrainConfig, path)
+    msg = str(err.value)
+    assert str(path) in msg and "line 3" in msg and "data.max_length expects int" in msg
+    assert err.value.key == "data.max_length"
+
+    with pytest.raises(ConfigError, match=r"max_steps expects int; got 2\.5"):
+        load_config(TrainConfig, None, ["max_steps=2.5"])
+    with pytest.raises(ConfigError, match=r"tags expects list\[str\].*\[a,b\]"):
+        load_config(TrainConfig, None, ["tags=a"])
+
+
+def test_section_and_value_confusion():
+    with pytest.raises(ConfigError, match="data is a section, not a value"):
+        load_config(TrainConfig, None, ["data=foo"])
+    with pytest.raises(ConfigError, match="lr is a value, not a section"):
+        load_config(TrainConfig, None, ["lr.peak=1"])
+
+
+@pytest.mark.parametrize(
+    ("item", "key", "allowed"),
+    [
+        ("report_to=wandbb", "report_to", "none | wandb | tensorboard"),
+        ("lr_schedule=step", "lr_schedule", "cosine | linear | constant"),
+        ("mixed_precision=fp8", "mixed_precision", "no | bf16 | fp16"),
+        ("data.overlong=cut", "data.overlong", "truncate | drop"),
+        ("data.format=csv", "data.format", "sharegpt"),
+        ("drafter.mode=max", "drafter.mode", "sum | concat"),
+    ],
+)
+def test_bad_choice_names_key_value_and_allowed(item, key, allowed):
+    with pytest.raises(ConfigError) as err:
+        load_config(DummyTrainConfig, None, [item])
+    msg = str(err.value)
+    bad = item.split("=", 1)[1]
+    assert f"command line ({item})" in msg and f"{key}={bad!r}" in msg and allowed in msg
+    assert err.value.key == key
+
+
+def test_bad_choice_and_range_in_file_name_the_file(tmp_path):
+    path = write(tmp_path / "c.yaml", "max_steps: 10\nreport_to: mlflow\n")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))}, line 2: report_to='mlflow'"):
+        load_config(TrainConfig, path)
+    path = write(tmp_path / "d.yaml", "grad_accum: 0\n")
+    with pytest.raises(
+        ConfigError, match=rf"{re.escape(str(path))}, line 1: grad_accum must be >= 1"
+    ):
+        load_config(TrainConfig, path)
+    # The command line overrides the file's bad value, so nothing is wrong any more.
+    assert load_config(TrainConfig, path, ["grad_accum=2"]).grad_accum == 2
+
+
+def test_direct_construction_is_validated():
+    with pytest.raises(ConfigError, match="lr_schedule='step'"):
+        TrainConfig(lr_schedule="step")
+    with pytest.raises(ConfigError, match="lr must be > 0"):
+        TrainConfig(lr=0.0)
+
+
+def test_bad_files_name_the_path(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file not found: .*missing\.yaml"):
+        load_config(TrainConfig, tmp_path / "missing.yaml")
+    bad = write(tmp_path / "bad.yaml", "lr: [1, 2\n")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(bad))} is not valid YAML"):
+        load_config(TrainConfig, bad)
+    listed = write(tmp_path / "list.yaml", "- lr: 1\n")
+    with pytest.raises(
+        ConfigError, match=rf"{re.escape(str(listed))}, line 1: a config file must be a mapping"
+    ):
+        load_config(TrainConfig, listed)
+    twice = write(tmp_path / "twice.yaml", "lr: 1\nseed: 2\nlr: 3\n")
+    with pytest.raises(
+        ConfigError, match=rf"{re.escape(str(twice))}, line 3: lr is set twice \(first on line 1\)"
+    ):
+        load_config(TrainConfig, twice)
+    with pytest.raises(ConfigError, match="not a file"):
+        load_config(TrainConfig, tmp_path)
+    tagged = write(tmp_path / "tagged.yaml", "seed: 1\nmax_steps: !!python/object:os.getcwd {}\n")
+    with pytest.raises(
+        ConfigError, match=rf"{re.escape(str(tagged))}, line 2: cannot read .*max_steps"
+    ):
+        load_config(TrainConfig, tagged)
+    # An empty file sets nothing.
+    assert load_config(TrainConfig, write(tmp_path / "empty.yaml", "")) == TrainConfig()
+
+
+def test_yaml_anchors_and_merge_keys(tmp_path):
+    text = "common: &c\n  max_length: 64\n"
+    path = write(tmp_path / "c.yaml", "data:\n  <<: {max_length: 64, split: dev}\n  seed: 3\n")
+    cfg = load_config(TrainConfig, path)
+    assert (cfg.data.max_length, cfg.data.split, cfg.data.seed) == (64, "dev", 3)
+    # An anchor holder key is still an unknown key: nothing is silently ignored.
+    with pytest.raises(ConfigError, match="unknown key 'common'"):
+        load_config(TrainConfig, write(tmp_path / "d.yaml", text))
+
+
+def test_round_trip_save_load_equal(tmp_path):
+    cfg = load_config(
+        DummyTrainConfig,
+        None,
+        [
+            "lr=3e-4",
+            "tags=[demo, 1e3]",
+            "run_name=no",
+            "resume_from=latest",
+            "data.max_samples=100",
+            "drafter.widths=[3]",
+            "max_grad_norm=0.1",
+            "report_to=tensorboard",
+        ],
+    )
+    path = save_config(cfg, tmp_path / "run" / CONFIG_FILENAME)
+    assert path.is_file() and not list(path.parent.glob(".*.tmp"))
+    loaded = load_config(DummyTrainConfig, path)
+    assert loaded == cfg
+    assert config_to_dict(loaded) == config_to_dict(cfg)
+    # The resolved defaults are written out, so the file alone reproduces the run.
+    assert "output_dir: runs/dummy-demo" in path.read_text()
+
+
+def test_config_to_dict_is_plain_nested_data():
+    d = config_to_dict(DummyTrainConfig())
+    assert d["data"] == dataclasses.asdict(DataConfig())
+    assert d["drafter"] == {"depth": 4, "mode": "sum", "widths": [8, 16]}
+    assert "kind" not in d  # a class attribute, not a key a file may set
+
+
+def test_subclass_with_drafter_section():
+    cfg = load_config(DummyTrainConfig, None, ["drafter.depth=2"])
+    assert cfg.kind == "dummy" and DummyTrainConfig.kind == "dummy"
+    assert cfg.output_dir == "runs/dummy-demo"
+    assert isinstance(cfg.drafter, DummyDrafterConfig) and cfg.drafter.depth == 2
+    # The common keys are still there and still validated.
+    with pytest.raises(ConfigError, match="report_to"):
+        load_config(DummyTrainConfig, None, ["report_to=x"])
+    # The kind cannot be set from a file or the command line.
+    with pytest.raises(ConfigError, match="unknown key 'kind'"):
+        load_config(DummyTrainConfig, None, ["kind=eagle"])
+
+
+def test_parse_cli_uses_default_config_and_overrides(tmp_path):
+    default = write(tmp_path / "demo.yaml", "max_steps: 11\n")
+    cfg = parse_cli(TrainConfig, ["lr=1e-2"], default_config=default)
+    assert (cfg.max_steps, cfg.lr) == (11, 1e-2)
+
+
+def test_parse_cli_config_path_resolution(tmp_path, monkeypatch):
+    kind_dir = tmp_path / "configs" / "dummy"
+    kind_dir.mkdir(parents=True)
+    default = write(kind_dir / "demo.yaml", "max_steps: 11\n")
+    write(kind_dir / "big.yaml", "max_steps: 22\n")
+    elsewhere = tmp_path / "work"
+    elsewhere.mkdir()
+    write(elsewhere / "big.yaml", "max_steps: 33\n")
+
+    # --config replaces the default config (its max_steps: 11 is not applied).
+    monkeypatch.chdir(tmp_path)
+    assert parse_cli(TrainConfig, ["--config", "work/big.yaml"], default).max_steps == 33
+    assert parse_cli(TrainConfig, ["--config=work/big.yaml"], default).max_steps == 33
+    assert parse_cli(TrainConfig, ["config=work/big.yaml", "seed=4"], default).seed == 4
+    # A name not found in the current directory is looked up beside the default config...
+    assert parse_cli(TrainConfig, ["--config", "big.yaml"], default).max_steps == 22
+    # ...but the current directory comes first.
+    monkeypatch.chdir(elsewhere)
+    assert parse_cli(TrainConfig, ["--config", "big.yaml"], default).max_steps == 33
+
+
+def test_parse_cli_errors_exit_2_with_a_message(tmp_path, capsys):
+    default = write(tmp_path / "demo.yaml", "")
+    for argv, expected in [
+        (["--config", "nope.yaml"], "config file not found: nope.yaml nor"),
+        (["--config"], "--config needs a path"),
+        (["--config", "a.yaml", "config=b.yaml"], "--config given twice"),
+        (["--max_steps", "3"], "did you mean max_steps=...?"),
+        (["max_stepz=3"], "did you mean 'max_steps'"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            parse_cli(TrainConfig, argv, default, prog="dummy.py")
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert expected in err and "dummy.py --help" in err
+
+
+def test_help_lists_every_key_with_type_value_and_comment(tmp_path, capsys):
+    default = write(tmp_path / "demo.yaml", "max_steps: 123\n")
+    with pytest.raises(SystemExit) as exit_:
+        parse_cli(DummyTrainConfig, ["-h", "lr=5e-4"], default, prog="dummy.py")
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: dummy.py [--config PATH] [key=value ...]")
+
+    def leaf_keys(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.default_factory if f.default_factory else None):
+                yield from leaf_keys(f.default_factory, f"{prefix}{f.name}.")
+            else:
+                yield prefix + f.name
+
+    keys = list(leaf_keys(DummyTrainConfig))
+    assert "data.max_length" in keys and "drafter.depth" in keys and "lr" in keys
+    listed = [
+        line.split()[0] for line in out.splitlines() if line.startswith("  ") and line[2] != " "
+    ]
+    assert listed == keys
+    # Type, the value this run would use, choices and the field's comment.
+    assert any(line.split()[:3] == ["max_steps", "int", "123"] for line in out.splitlines())
+    assert any(line.split()[:3] == ["lr", "float", "0.0005"] for line in out.splitlines())
+    assert "(cosine | linear | constant)" in out and "(sum | concat)" in out
+    assert "Draft tokens per step." in out
+    assert "Peak learning rate" in out
+
+
+def test_help_falls_back_to_defaults_when_config_is_bad(tmp_path):
+    text = format_help(TrainConfig, None, ["max_steps=abc"], prog="x")
+    assert "the config did not load" in text and "max_steps expects int" in text
+    assert any(line.split()[:3] == ["max_steps", "int", "2000"] for line in text.splitlines())
