@@ -1,1 +1,17 @@
+"""Training data: rows from files or the hub, conversations with assistant-only loss masks, packed
+plain text. Trainers call `build_datasets(cfg, tokenizer)`."""
 
+from specdraft.data.chat import ChatTemplateError
+from specdraft.data.config import DataConfig
+from specdraft.data.dataset import DataSummary, build_datasets
+from specdraft.data.formats import Example
+from specdraft.data.sources import DataError
+
+__all__ = [
+    "ChatTemplateError",
+    "DataConfig",
+    "DataError",
+    "DataSummary",
+    "Example",
+    "build_datasets",
+]
