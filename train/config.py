@@ -200,15 +200,27 @@ def load_config(cls: type[T], path: str | Path | None, overrides: Sequence[str] 
             raise _type_error(cls, layer, e) from None
     try:
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
-    except ConfigError as e:
-        # Raised by __post_init__, which cannot know where the value came from: the last layer
-        # that set the key did.
-        setters = [layer for layer in layers if e.key is not None and layer.sets(e.key)]
-        where = setters[-1].where(e.key) if setters else f"the defaults of {cls.__name__}"
-        raise ConfigError(f"{where}: {e}", key=e.key) from None
     except OmegaConfBaseException as e:
         # Interpolations (${...}) resolve here; the rest was checked while merging.
         raise ConfigError(f"cannot resolve the config: {_first_line(e)}") from None
+    except ValueError as e:
+        # Raised by a __post_init__, which cannot know where the value came from: the last layer
+        # that set the key did. A section's own __post_init__ (a drafter config) names its key
+        # relative to the section, so a key ending in it counts too.
+        key = e.key if isinstance(e, ConfigError) else None
+        exact = [(layer, key) for layer in layers if key and key in layer.dotted_keys()]
+        inner = [
+            (layer, k)
+            for layer in layers
+            if key
+            for k in layer.dotted_keys()
+            if k.endswith("." + key)
+        ]
+        if exact or inner:
+            layer, key = (exact or inner)[-1]
+            raise ConfigError(f"{layer.where(key)}: {e}", key=key) from None
+        sources = ", ".join([f"the defaults of {cls.__name__}"] + [x.source for x in layers])
+        raise ConfigError(f"config built from {sources}: {e}", key=key) from None
 
 
 def parse_cli(
@@ -360,13 +372,18 @@ class _Layer:
         line = self.lines.get(key or "")
         return f"{self.source}, line {line}" if line else self.source
 
-    def sets(self, key: str) -> bool:
-        node: Any = self.values
-        for part in key.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return False
-            node = node[part]
-        return True
+    def dotted_keys(self) -> list[str]:
+        """Every dotted key this layer sets, sections included."""
+        return _dotted_keys(self.values, "")
+
+
+def _dotted_keys(values: dict[str, Any], prefix: str) -> list[str]:
+    keys = []
+    for name, value in values.items():
+        keys.append(_dotted(prefix, name))
+        if isinstance(value, dict):
+            keys.extend(_dotted_keys(value, _dotted(prefix, name)))
+    return keys
 
 
 def _read_file(cls: type, path: Path) -> _Layer:

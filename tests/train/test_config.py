@@ -32,6 +32,22 @@ class DummyDrafterConfig:
 
 
 @dataclass
+class CheckedDrafterConfig:
+    # A drafter config that validates itself, as a kind's own __post_init__ may.
+    heads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.heads < 1:
+            raise ConfigError(f"heads must be >= 1; got {self.heads}", key="heads")
+
+
+@dataclass
+class CheckedTrainConfig(TrainConfig):
+    kind: ClassVar[str] = "checked"
+    drafter: CheckedDrafterConfig = field(default_factory=CheckedDrafterConfig)
+
+
+@dataclass
 class DummyTrainConfig(TrainConfig):
     """The pattern every drafter kind follows: a kind name and a nested drafter section."""
 
@@ -189,6 +205,18 @@ def test_bad_choice_and_range_in_file_name_the_file(tmp_path):
     assert load_config(TrainConfig, path, ["grad_accum=2"]).grad_accum == 2
 
 
+def test_drafter_section_validation_names_the_full_key_and_source(tmp_path):
+    # The section's __post_init__ names its key relative to the section ("heads"); the error
+    # still points at the file line or command-line item that set drafter.heads.
+    path = write(tmp_path / "c.yaml", "seed: 1\ndrafter:\n  heads: 0\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(CheckedTrainConfig, path)
+    assert f"{path}, line 3: heads must be >= 1" in str(err.value)
+    assert err.value.key == "drafter.heads"
+    with pytest.raises(ConfigError, match=r"command line \(drafter\.heads=-1\): heads must be"):
+        load_config(CheckedTrainConfig, path, ["drafter.heads=-1"])
+
+
 def test_direct_construction_is_validated():
     with pytest.raises(ConfigError, match="lr_schedule='step'"):
         TrainConfig(lr_schedule="step")
@@ -330,7 +358,7 @@ def test_help_lists_every_key_with_type_value_and_comment(tmp_path, capsys):
 
     def leaf_keys(cls, prefix=""):
         for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(f.default_factory if f.default_factory else None):
+            if dataclasses.is_dataclass(f.default_factory):
                 yield from leaf_keys(f.default_factory, f"{prefix}{f.name}.")
             else:
                 yield prefix + f.name
