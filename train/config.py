@@ -388,10 +388,16 @@ def _dotted_keys(values: dict[str, Any], prefix: str) -> list[str]:
 
 def _read_file(cls: type, path: Path) -> _Layer:
     if not path.exists():
-        raise ConfigError(f"config file not found: {path} (looked in {Path.cwd()})")
+        relative = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        raise ConfigError(f"config file not found: {path}{relative}")
     if not path.is_file():
         raise ConfigError(f"config path is not a file: {path}; give a .yaml file")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{path} is not a UTF-8 text file ({e.reason}); give a YAML file"
+        ) from None
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
