@@ -71,13 +71,20 @@ def specdraft_home() -> Path:
     return Path(os.environ.get("SPECDRAFT_HOME", "~/.cache/specdraft")).expanduser()
 
 
-def resolve_spec(variant: str = "default", budget: str = "default", seed: int = 0) -> DemoSpec:
+def resolve_spec(
+    variant: str = "default", budget: str = "default", seed: int = 0, overrides: dict | None = None
+) -> DemoSpec:
+    """The build settings of a variant, scaled by a budget, with optional field overrides."""
     if variant not in SPECS:
         raise ValueError(f"unknown demo variant {variant!r}; choose one of {sorted(SPECS)}")
     if budget not in BUDGETS:
         raise ValueError(f"unknown build budget {budget!r}; choose one of {sorted(BUDGETS)}")
     spec = SPECS[variant]
-    return replace(spec, steps=spec.steps * BUDGETS[budget], seed=seed)
+    spec = replace(spec, steps=spec.steps * BUDGETS[budget], seed=seed)
+    unknown = sorted(set(overrides or {}) - set(asdict(spec)))
+    if unknown:
+        raise ValueError(f"unknown demo build setting(s) {unknown}; valid: {sorted(asdict(spec))}")
+    return replace(spec, **(overrides or {}))
 
 
 def demo_target_dir(spec: DemoSpec, variant: str) -> Path:
@@ -93,11 +100,15 @@ def demo_target_dir(spec: DemoSpec, variant: str) -> Path:
 
 
 def ensure_demo_target(
-    variant: str = "default", budget: str = "default", seed: int = 0, force: bool = False
+    variant: str = "default",
+    budget: str = "default",
+    seed: int = 0,
+    force: bool = False,
+    overrides: dict | None = None,
 ) -> Path:
     """The cached demo target's folder, built first if missing (or if `force`). Safe to call from
     several processes at once: one builds under a file lock, the others wait and reuse it."""
-    spec = resolve_spec(variant, budget, seed)
+    spec = resolve_spec(variant, budget, seed, overrides)
     out = demo_target_dir(spec, variant)
     if (out / COMPLETE_MARKER).exists() and not force:
         return out
@@ -272,8 +283,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     parser.add_argument("--report", action="store_true", help="measure decoding speed and loops")
     parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=INT|FLOAT",
+        help="override build settings, e.g. --set hidden_size=384 num_layers=6 lr=2e-3",
+    )
     args = parser.parse_args(argv)
-    path = ensure_demo_target(args.variant, args.budget, args.seed, force=args.force)
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set takes KEY=VALUE items, got {item!r}")
+        overrides[key] = float(value) if any(c in value for c in ".e") else int(value)
+    try:
+        path = ensure_demo_target(args.variant, args.budget, args.seed, args.force, overrides)
+    except ValueError as err:
+        parser.error(str(err))
     info = json.loads((path / COMPLETE_MARKER).read_text())
     info["path"] = str(path)
     if args.report:
