@@ -35,7 +35,7 @@ class DataSummary:
 
     source: str
     rows_read: int = 0
-    rows_kept: int = 0  # rows that made it into an example
+    rows_kept: int = 0  # conversations encoded + text documents packed
     rows_beyond_max_samples: int = 0  # usable rows left out by max_samples (not an error)
     skipped: Counter = field(default_factory=Counter)  # reason -> rows
     skipped_where: dict[str, list[str]] = field(default_factory=dict)  # reason -> "where: detail"
@@ -102,7 +102,7 @@ def build_datasets(cfg: DataConfig, tokenizer) -> tuple[list[Example], list[Exam
         raise DataError(
             f"no usable training examples in {cfg.path}: {summary.rows_read} rows read.\n"
             f"{summary.format()}\nFix the rows above or point data.path at another dataset "
-            f"(data.format is {cfg.format!r}; see specdraft/data/formats.py for the formats read)."
+            f"(data.format is {cfg.format!r}; data/formats.py lists the formats read)."
         )
     logger.info("%s", summary.format())
     if summary.skipped:
@@ -142,7 +142,8 @@ def _check_config(cfg: DataConfig, tokenizer) -> None:
 
 def _rows(cfg: DataConfig):
     if cfg.path == "demo":
-        # Imported here: the demo corpus is only read when asked for.
+        # Imported here: the demo corpus is only read when asked for. Its held-out files are the
+        # demo's evaluation prompts, not data here; eval examples come from eval_fraction.
         from specdraft.data.demo import demo_corpus_texts
 
         return (Row(f"demo[{i}]", text) for i, text in enumerate(demo_corpus_texts(split="train")))

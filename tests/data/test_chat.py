@@ -175,8 +175,10 @@ def test_template_that_rewrites_earlier_turns_is_a_clear_error(chatml_tokenizer)
         r"{% endfor %}"
         r"{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
     )
-    with pytest.raises(ChatTemplateError, match="not a prefix of the whole conversation"):
+    with pytest.raises(ChatTemplateError, match="not a prefix of the whole conversation") as info:
         encode_conversation(TWO_TURNS, tokenizer, max_length=512, source="chats.jsonl:3")
+    assert str(info.value).startswith("chats.jsonl:3: ")
+    assert "first 3 messages rendered without a generation prompt" in str(info.value)
 
 
 def test_tokenizer_without_chat_template_is_a_clear_error(chatml_tokenizer):
