@@ -1,0 +1,271 @@
+"""The one writer and the one reader of drafter weights (DESIGN.md, "Checkpoint").
+
+A drafter folder holds:
+
+    config.json         a `specdraft` block: kind, format_version, the kind's config, the target
+                        fingerprint it was trained against (`target_fingerprint`) and provenance
+                        (git commit, data, steps). For a drafter that is a plain Hugging Face
+                        causal LM (a distilled draft) it is the model's own HF config with the
+                        block added, so `AutoModelForCausalLM.from_pretrained` loads the folder.
+    model.safetensors   the drafter's own tensors (tensors shared with the target are recorded in
+                        the block, not stored)
+    train_config.yaml   the resolved training config, when a trainer wrote the folder
+    COMPLETE            written last; a specdraft folder without it is never loaded
+
+Folders are written to a temporary sibling and renamed into place, so a crash leaves the old
+folder or the new one, never half of one. Loading is strict: a drafter loaded for a target whose
+fingerprint differs is an error naming every difference. Only safetensors are read: no pickle.
+
+A drafter kind takes part with `kind`, `config` (its dataclass), `config_class`, and a classmethod
+`from_checkpoint(config, target, hf_model)` that rebuilds the module (hf_model is the loaded HF
+model for kinds whose drafter *is* one, exposed as `drafter.hf_model`, else None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from specdraft.drafters.base import Drafter, vocab_mismatch_error
+from specdraft.drafters.target import Target, fingerprint_differences
+
+FORMAT_VERSION = 1
+COMPLETE_MARKER = "COMPLETE"
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+# kind -> "module:Class", imported on load so reading a distilled draft never imports EAGLE code.
+KINDS: dict[str, str] = {
+    "distill": "specdraft.drafters.distill:DistillDrafter",
+    "eagle": "specdraft.drafters.eagle:EagleDrafter",
+    "medusa": "specdraft.drafters.medusa:MedusaDrafter",
+    "layerskip": "specdraft.drafters.layerskip:LayerSkipDrafter",
+}
+
+
+class CheckpointError(ValueError):
+    """A folder that cannot be loaded: missing, incomplete, corrupt, or for another target."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No drafter folder (or no config.json in it) where one was asked for."""
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+def save_drafter(
+    drafter: Drafter,
+    folder: str | Path,
+    *,
+    target_fingerprint: dict,
+    train_config_yaml: str | None = None,
+    provenance: dict | None = None,
+    tokenizer: Any = None,
+    extra_files: dict[str, bytes] | None = None,
+) -> Path:
+    """Write `drafter` as a complete checkpoint folder at `folder`, atomically, and return it.
+
+    `extra_files` (name -> bytes) go inside the folder before it is marked complete: the trainer
+    puts its resume state there, so a checkpoint is complete as a whole or not at all. An existing
+    `folder` is replaced only once the new one is fully written.
+    """
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        meta = {
+            "kind": drafter.kind,
+            "format_version": FORMAT_VERSION,
+            "config": dataclasses.asdict(drafter.config),
+            "target_fingerprint": target_fingerprint,
+            "provenance": {"git_commit": git_commit(), **(provenance or {})},
+        }
+        hf_model = getattr(drafter, "hf_model", None)
+        if hf_model is not None:
+            # A plain HF folder: transformers writes the config and (tie-aware) safetensors.
+            hf_model.save_pretrained(tmp, safe_serialization=True)
+            config = json.loads((tmp / CONFIG_NAME).read_text())
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        else:
+            shared = set(getattr(drafter, "shared_with_target", ()))
+            state = {
+                k: v.detach().contiguous().cpu()
+                for k, v in drafter.state_dict().items()
+                if k not in shared
+            }
+            save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+            config = {}
+            meta["shared_with_target"] = sorted(shared)
+        config["specdraft"] = meta
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        if train_config_yaml is not None:
+            (tmp / "train_config.yaml").write_text(train_config_yaml)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
+        (tmp / COMPLETE_MARKER).write_text("complete\n")
+        _replace_dir(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _replace_dir(new: Path, dest: Path) -> None:
+    """Move `new` to `dest`; an existing `dest` is swapped out only once `new` is beside it."""
+    if not dest.exists():
+        os.rename(new, dest)
+        return
+    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+    os.rename(dest, old)
+    os.rename(new, dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def git_commit() -> str | None:
+    """The specdraft source's git commit (+dirty with local changes), for provenance."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        run = dict(cwd=root, capture_output=True, text=True, timeout=10)
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], **run).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], **run).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (commit + ("+dirty" if dirty else "")) or None
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+def load_drafter(
+    path: str | Path,
+    target: Target,
+    *,
+    strict: bool = True,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Drafter:
+    """Load the drafter in `path` for `target`, on the target's device and dtype unless given.
+
+    A plain HF causal-LM folder (no `specdraft` block) loads as a two-model (`distill`) drafter;
+    its vocabulary must be the target's. A folder written by specdraft must have been trained
+    against this target: strict (the default) compares the whole fingerprint, strict=False only
+    the vocabulary size.
+    """
+    folder = Path(path).expanduser()
+    meta, hf_config = read_metadata(folder)
+    device = device if device is not None else target.device
+    dtype = dtype if dtype is not None else target.dtype
+    if meta is not None:
+        diffs = fingerprint_differences(meta.get("target_fingerprint") or {}, target.fingerprint)
+        if not strict:
+            diffs = [d for d in diffs if d.startswith("vocab_size")]
+        if diffs:
+            raise CheckpointError(
+                f"the {meta.get('kind')} drafter in {folder} was trained for another target than "
+                f"{target.name!r} ({'; '.join(diffs)}); load the target it was trained against, "
+                "or train a drafter for this one"
+            )
+    kind = meta["kind"] if meta is not None else "distill"
+    cls = drafter_class(kind)
+    config = _config_from_dict(cls.config_class, meta["config"]) if meta is not None else None
+    if hf_config is not None:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        if vocab != target.vocab_size:
+            raise vocab_mismatch_error(f"the draft model in {folder}", vocab, target)
+        drafter = cls.from_checkpoint(config, target, model)
+    else:
+        drafter = cls.from_checkpoint(config, target, None)
+        missing, unexpected = drafter.load_state_dict(
+            load_file(folder / WEIGHTS_NAME), strict=False
+        )
+        missing = [k for k in missing if k not in set(meta.get("shared_with_target", ()))]
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{folder / WEIGHTS_NAME} does not fit the {kind} drafter its config describes: "
+                f"missing {missing[:5]}, unexpected {unexpected[:5]}; the folder is corrupt or "
+                "was written by another version"
+            )
+    drafter.to(device=device, dtype=dtype)
+    if meta is not None:
+        drafter.target_fingerprint = meta.get("target_fingerprint")
+    return drafter
+
+
+def read_metadata(folder: str | Path) -> tuple[dict | None, dict | None]:
+    """(the `specdraft` block or None, the HF model config or None) of a drafter folder.
+
+    Raises CheckpointError when the folder is missing, incomplete or unreadable.
+    """
+    folder = Path(folder)
+    config_file = folder / CONFIG_NAME
+    if not config_file.is_file():
+        raise CheckpointNotFoundError(
+            f"{folder} has no {CONFIG_NAME}: pass a drafter folder (a trained run's best/ or "
+            "final/, or a Hugging Face causal-LM folder sharing the target's vocabulary)"
+        )
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            f"{config_file} is not valid JSON ({e}): the folder is corrupt"
+        ) from e
+    meta = config.pop("specdraft", None)
+    if meta is not None:
+        if not (folder / COMPLETE_MARKER).exists():
+            raise CheckpointError(
+                f"{folder} has no {COMPLETE_MARKER} marker: it was cut off while being written. "
+                "Use an earlier checkpoint (resume_from=latest skips incomplete ones)."
+            )
+        if meta.get("format_version", 0) > FORMAT_VERSION:
+            raise CheckpointError(
+                f"{folder} has checkpoint format {meta.get('format_version')}, newer than this "
+                f"specdraft reads ({FORMAT_VERSION}); upgrade specdraft"
+            )
+    if not any(folder.glob("*.safetensors")):
+        raise CheckpointError(f"{folder} has no weights ({WEIGHTS_NAME}): the folder is incomplete")
+    return meta, (config if "model_type" in config else None)
+
+
+def check_complete(folder: str | Path) -> None:
+    """Raise CheckpointError unless `folder` is complete and every weight file reads in full."""
+    read_metadata(folder)
+    for weights in Path(folder).glob("*.safetensors"):
+        try:
+            load_file(weights)  # reads the header and every tensor: detects truncation
+        except Exception as e:  # safetensors raises several types for a damaged file
+            raise CheckpointError(f"{weights} cannot be read ({e}): the file is damaged") from e
+
+
+def drafter_class(kind: str) -> type:
+    if kind not in KINDS:
+        raise CheckpointError(f"unknown drafter kind {kind!r}; known kinds: {', '.join(KINDS)}")
+    module, name = KINDS[kind].split(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise CheckpointError(
+            f"drafter kind {kind!r} is not available in this specdraft ({e})"
+        ) from e
+
+
+def _config_from_dict(cls: type, values: dict) -> Any:
+    unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise CheckpointError(
+            f"the checkpoint's {cls.__name__} has keys this specdraft does not know: "
+            f"{sorted(unknown)}; it was written by a newer version"
+        )
+    return cls(**values)
