@@ -1,0 +1,222 @@
+"""The speculative decoding loop: one loop for every drafter kind, chains and trees alike.
+
+    out = generate(target, input_ids, drafter=drafter, max_new_tokens=128)
+    out.tokens  # (batch, new) the new token ids
+    out.stats   # tau, acceptance per position, target passes, draft/verify seconds, ...
+
+`drafter=None` is plain autoregressive decoding through this same loop (an empty draft every
+step); `drafter="prompt_lookup"` is the training-free n-gram drafter.
+
+Invariants the loop keeps between steps: the target's KV cache holds the first `cached` tokens of
+the sequence, and the tokens after them (`pending`: the whole prompt at first, then the last bonus
+token, then sometimes more) are fed at the start of the next verification. So prefill is simply
+the first step's pending tokens, and every target pass emits tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from specdraft.drafters.base import DraftContext, DraftTree, SamplingSettings
+from specdraft.drafters.target import Target, fingerprint_differences
+from specdraft.inference.cache import compact
+from specdraft.inference.metrics import Stats
+from specdraft.inference.tree import tree_attention
+from specdraft.inference.verify import process_logits, verify_greedy, verify_sampling
+
+
+@dataclass
+class GenerateOutput:
+    tokens: torch.Tensor  # (batch, new) new token ids, EOS included when one ended the output
+    stats: Stats
+
+
+@torch.no_grad()
+def generate(
+    target: Target,
+    input_ids: torch.Tensor | list[int],
+    drafter=None,
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    gamma: int = 5,
+    topk: int = 1,
+    dynamic_gamma: bool = False,
+) -> GenerateOutput:
+    """Decode up to `max_new_tokens` after `input_ids` (batch 1), stopping after an EOS token.
+
+    drafter: None (plain decoding), "prompt_lookup", a drafter from `load_drafter`, or any HF
+    causal LM sharing the target's vocabulary (drafts as a two-model drafter).
+    temperature 0 is greedy: output equals the target's greedy decoding token for token. Above
+    0, output follows the target's distribution after temperature, top-k and top-p exactly.
+    gamma: draft depth; topk > 1 drafts a tree of the topk best nodes per depth (two-model);
+    dynamic_gamma adapts gamma to recent acceptance.
+    """
+    seq_ids = _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k, gamma)
+    sampling = SamplingSettings(temperature=float(temperature), top_k=int(top_k), top_p=top_p)
+    device = target.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    session, stats = _start_session(
+        target, drafter, sampling, generator, gamma, topk, dynamic_gamma
+    )
+    eos = _eos_ids(target)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+    # 1. Buffers: the whole sequence lives in one preallocated row; the cache starts empty.
+    prompt_len = seq_ids.shape[-1]
+    seq = torch.empty(1, prompt_len + max_new_tokens, dtype=torch.long, device=device)
+    seq[0, :prompt_len] = seq_ids.to(device)
+    length, cached = prompt_len, 0
+    cache = DynamicCache(config=target.config)
+    no_draft = DraftTree.empty(device=device)
+    start = time.perf_counter()
+    while True:
+        remaining = prompt_len + max_new_tokens - length
+        # 2. Draft. One token is always the target's own, so a draft deeper than
+        # remaining - 1 could never be emitted.
+        t0 = time.perf_counter()
+        tree = no_draft
+        if session is not None and remaining > 1:
+            tree = session.propose(DraftContext(seq[:, :length], max_depth=remaining - 1))
+            sync()
+        t1 = time.perf_counter()
+
+        # 3. Verify: one target forward over pending tokens + tree, logits for root and nodes.
+        n = len(tree)
+        pending = length - cached
+        inputs = seq[:, cached:length]
+        if n:
+            inputs = torch.cat([inputs, tree.tokens.to(device)], dim=1)  # (1, pending + n)
+        mask, positions = tree_attention(tree, cached, pending, target.dtype, device)
+        logits = target.forward(
+            inputs,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=n + 1,
+        ).logits[0]  # (n + 1, vocab): the root (last pending token), then each node
+        if sampling.greedy:
+            path, next_token = verify_greedy(tree, logits.argmax(-1).tolist())
+        else:
+            p = process_logits(logits, sampling)  # (n + 1, vocab)
+            path, next_token = verify_sampling(tree, p, generator)
+
+        # 4. Keep both caches on the accepted path; the new token stays pending.
+        compact(cache, length, path)
+        cached = length + len(path)
+        t2 = time.perf_counter()
+        if session is not None and n:
+            session.accept(path)
+        t3 = time.perf_counter()
+
+        # 5. Emit accepted + bonus/correction, cut at the first EOS and at max_new_tokens.
+        drafted = tree.tokens[0].tolist() if path else []
+        new = [drafted[i] for i in path] + [next_token]
+        new = new[:remaining]
+        stop = len(new) == remaining
+        for i, t in enumerate(new):
+            if t in eos:
+                new, stop = new[: i + 1], True
+                break
+        seq[0, length : length + len(new)] = torch.tensor(new, device=device)
+        length += len(new)
+        stats.record_step(n, tree.depth, len(path), len(new))
+        stats.draft_seconds += (t1 - t0) + (t3 - t2)
+        stats.verify_seconds += t2 - t1
+        if stop:
+            break
+    stats.total_seconds = time.perf_counter() - start
+    if session is not None:
+        stats.drafter_kv_bytes = session.extra_memory_bytes()
+    return GenerateOutput(tokens=seq[:, prompt_len:length].clone(), stats=stats)
+
+
+def _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k, gamma):
+    """The prompt as a (1, L) tensor, or a clear error for input the loop cannot honour."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be (seq,) or (batch, seq); got shape {tuple(ids.shape)}")
+    if ids.shape[0] != 1:
+        raise NotImplementedError(
+            f"generate decodes one sequence at a time; got a batch of {ids.shape[0]}. "
+            "Call it once per prompt."
+        )
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token)")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    limit = getattr(target.config, "max_position_embeddings", None)
+    if limit is not None and ids.shape[1] + max_new_tokens > limit:
+        raise ValueError(
+            f"the prompt ({ids.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
+            f"the target's {limit} positions; shorten the prompt or ask for fewer new tokens"
+        )
+    if (ids < 0).any() or (ids >= target.vocab_size).any():
+        raise ValueError(f"input_ids must be token ids in [0, {target.vocab_size})")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 is off), got {top_k}")
+    if gamma < 1:
+        raise ValueError(f"gamma (draft length) must be >= 1, got {gamma}")
+    return ids
+
+
+def _start_session(target, drafter, sampling, generator, gamma, topk, dynamic_gamma):
+    """The drafting session for this call (None for plain decoding) and fresh stats."""
+    stats = Stats()
+    if drafter is None:
+        return None, stats
+    if isinstance(drafter, str):
+        if drafter != "prompt_lookup":
+            raise ValueError(
+                f"unknown drafter {drafter!r}: pass None, 'prompt_lookup', a drafter from "
+                "load_drafter(path, target), or an HF causal LM sharing the target's vocabulary"
+            )
+        from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+
+        drafter = PromptLookupDrafter()
+    elif isinstance(drafter, PreTrainedModel):
+        from specdraft.drafters.distill import DistillDrafter
+
+        drafter = DistillDrafter(drafter)
+    expected = getattr(drafter, "target_fingerprint", None)
+    if expected is not None:
+        diffs = fingerprint_differences(expected, target.fingerprint)
+        if diffs:
+            raise ValueError(
+                f"this {drafter.kind} drafter was trained for another target ({'; '.join(diffs)}); "
+                "load the target it was trained against, or train a drafter for this one"
+            )
+    session = drafter.new_session(
+        target,
+        sampling=sampling,
+        generator=generator,
+        gamma=gamma,
+        topk=topk,
+        dynamic_gamma=dynamic_gamma,
+    )
+    stats.drafter_params = drafter.num_extra_parameters(target)
+    return session, stats
+
+
+def _eos_ids(target: Target) -> set[int]:
+    """The target's EOS ids (its generation config first, as transformers' generate does)."""
+    eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(target.config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}

@@ -1,0 +1,101 @@
+"""Decoding statistics, collected as the loop runs. Definitions follow DESIGN.md ("Metrics").
+
+- tau: new tokens per target forward pass, bonus/correction token included (plain decoding: 1).
+  The first pass also prefills the prompt; it emits tokens like any other.
+- acceptance per position alpha_i: of the steps whose verification reached depth i (a draft
+  existed at depth i and depths 1..i-1 were accepted), the fraction that accepted a depth-i token.
+- draft / verify seconds: wall time inside `propose` vs the target forward plus acceptance.
+- extra memory: drafter parameters beyond the target's, plus the drafter's KV bytes at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    new_tokens: int = 0
+    target_passes: int = 0
+    drafted: int = 0  # draft tree nodes proposed
+    accepted: int = 0  # draft tokens accepted
+    reached_at: list[int] = field(default_factory=list)  # index i: depth i + 1
+    accepted_at: list[int] = field(default_factory=list)
+    emitted_per_pass: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+    drafter_params: int = 0
+    drafter_kv_bytes: int = 0
+
+    def record_step(self, tree_size: int, tree_depth: int, path_len: int, emitted: int) -> None:
+        self.target_passes += 1
+        self.new_tokens += emitted
+        self.emitted_per_pass.append(emitted)
+        self.drafted += tree_size
+        self.accepted += path_len
+        reached = min(path_len + 1, tree_depth)
+        if reached > len(self.reached_at):
+            grow = reached - len(self.reached_at)
+            self.reached_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for i in range(reached):
+            self.reached_at[i] += 1
+            self.accepted_at[i] += i < path_len
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / r for a, r in zip(self.accepted_at, self.reached_at, strict=True)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    @property
+    def draft_time_frac(self) -> float:
+        busy = self.draft_seconds + self.verify_seconds
+        return self.draft_seconds / busy if busy > 0 else 0.0
+
+    @property
+    def extra_memory_bytes(self) -> int:
+        return self.drafter_kv_bytes
+
+    def merge(self, other: Stats) -> Stats:
+        """Sum of two runs (e.g. over prompts); memory figures take the larger."""
+        out = Stats()
+        for name in ("new_tokens", "target_passes", "drafted", "accepted"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        for name in ("draft_seconds", "verify_seconds", "total_seconds"):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        n = max(len(self.reached_at), len(other.reached_at))
+        out.reached_at = _add_padded(self.reached_at, other.reached_at, n)
+        out.accepted_at = _add_padded(self.accepted_at, other.accepted_at, n)
+        out.emitted_per_pass = self.emitted_per_pass + other.emitted_per_pass
+        out.drafter_params = max(self.drafter_params, other.drafter_params)
+        out.drafter_kv_bytes = max(self.drafter_kv_bytes, other.drafter_kv_bytes)
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "tau": self.tau,
+            "acceptance_per_position": self.acceptance_per_position,
+            "new_tokens": self.new_tokens,
+            "target_passes": self.target_passes,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "total_seconds": self.total_seconds,
+            "tokens_per_s": self.tokens_per_s,
+            "draft_time_frac": self.draft_time_frac,
+            "drafter_params": self.drafter_params,
+            "drafter_kv_bytes": self.drafter_kv_bytes,
+        }
+
+
+def _add_padded(a: list[int], b: list[int], n: int) -> list[int]:
+    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)), strict=True)]

@@ -1,0 +1,69 @@
+"""Tree attention: the mask, positions and paths that let one forward pass verify a draft tree.
+
+One verification forward feeds `pending` tokens (emitted but not yet in the KV cache; the whole
+prompt on the first step, the last bonus token after that) followed by the tree's n nodes. The
+pending tokens attend causally, as in plain decoding; each node attends to the cache, the pending
+tokens, its ancestors and itself, at position `past + pending - 1 + depth`. Then every node sees
+exactly the sequence it would see if its root-to-leaf path were decoded alone, which is what makes
+tree verification exact. A chain's tree mask is the plain causal mask, so chains need neither.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdraft.drafters.base import DraftTree
+
+
+def ancestors(parents: list[int]) -> torch.Tensor:
+    """(n, n) bool: [i, j] is True when node j is node i or one of its ancestors."""
+    n = len(parents)
+    anc = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:  # parents come first, so row p is already complete
+            anc[i] |= anc[p]
+    return anc
+
+
+def tree_attention(
+    tree: DraftTree,
+    past: int,
+    pending: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The 4D float mask (1, 1, pending + n, past + pending + n) and position ids
+    (1, pending + n) for one verification forward; (None, None) when the tree is a chain, for
+    which the model's own causal mask and positions are identical and cheaper."""
+    if tree.is_chain:
+        return None, None
+    n = len(tree)
+    allowed = torch.ones(pending + n, past + pending + n, dtype=torch.bool)
+    allowed[:, past:] = False
+    allowed[:pending, past : past + pending] = torch.ones(pending, pending).tril().bool()
+    allowed[pending:, past : past + pending] = True
+    allowed[pending:, past + pending :] = ancestors(tree.parents)
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    positions = list(range(past, past + pending)) + [past + pending - 1 + d for d in tree.depths]
+    return (
+        mask[None, None].to(device),
+        torch.tensor([positions], dtype=torch.long, device=device),
+    )
+
+
+def children_of(parents: list[int]) -> dict[int, list[int]]:
+    """Node -> its children in node order; the root is -1."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    return children
+
+
+def path_to(node: int, parents: list[int]) -> list[int]:
+    """Node indices from the root's child down to `node` (empty for the root, -1)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]

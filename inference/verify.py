@@ -1,0 +1,103 @@
+"""Accepting a draft tree against the target: greedy, and lossless sampling.
+
+Both return the accepted path (node indices, root to leaf) and the one token the target adds after
+it: the correction at the first rejection, or the bonus token below an accepted leaf. Row 0 of the
+target's per-node outputs belongs to the root (the last emitted token); row 1 + i to node i.
+
+Lossless sampling (Leviathan et al. 2023, Chen et al. 2023; for trees, recursive rejection as in
+SpecInfer): at a node with target distribution p, try its children in turn. Child x_i, drawn from
+draft distribution q_i, is accepted with probability min(1, p'(x_i) / q_i(x_i)), where p' starts as
+p; on rejection p' <- norm(max(p' - q_i, 0)). A deterministic child is a point mass q_i = δ(x_i), so
+its rejection only removes x_i's mass. If every child is rejected, the token is sampled from p'.
+Each emitted token then has exactly the distribution p, whatever the draft.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdraft.drafters.base import DraftTree, SamplingSettings
+from specdraft.inference.tree import children_of
+
+
+def process_logits(logits: torch.Tensor, sampling: SamplingSettings) -> torch.Tensor:
+    """(..., vocab) logits -> (..., vocab) probabilities after temperature, top-k and top-p (the
+    order transformers applies them). The output of speculative sampling follows exactly these."""
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the tokens ranked above it already reach top_p; the first always stays
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= sampling.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def verify_greedy(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], int]:
+    """Accept the children that equal the target's argmax, depth by depth.
+
+    target_tokens: the target's argmax at the root and at each node (n + 1 entries).
+    """
+    tokens = tree.tokens[0].tolist()
+    if tree.is_chain:  # the common case, without building the children map
+        accepted = 0
+        while accepted < len(tokens) and tokens[accepted] == target_tokens[accepted]:
+            accepted += 1
+        return list(range(accepted)), target_tokens[accepted]
+    children = children_of(tree.parents)
+    path: list[int] = []
+    node = -1
+    while True:
+        wanted = target_tokens[node + 1]
+        nxt = next((c for c in children.get(node, ()) if tokens[c] == wanted), None)
+        if nxt is None:
+            return path, wanted
+        path.append(nxt)
+        node = nxt
+
+
+def verify_sampling(
+    tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """Recursive rejection sampling over the tree (module docstring).
+
+    p: (n + 1, vocab) the target's processed distribution at the root and at each node.
+    """
+    tokens = tree.tokens[0].tolist()
+    q = tree.q[0] if tree.q is not None else None  # (n, vocab) or None: all point masses
+    children = children_of(tree.parents)
+    # One uniform per node, drawn up front: a single random call and host sync per step.
+    u = torch.rand(len(tokens), generator=generator, device=p.device).tolist()
+    path: list[int] = []
+    node = -1
+    while True:
+        p_res = p[node + 1]
+        accepted = None
+        for c in children.get(node, ()):
+            x = tokens[c]
+            if q is None:
+                # q_c = δ(x): accept with probability p'(x); rejection removes x's mass
+                if u[c] < p_res[x].item():
+                    accepted = c
+                    break
+                residual = p_res.clone()
+                residual[x] = 0.0
+            else:
+                px, qx = p_res[x].item(), q[c, x].item()
+                if qx > 0 and u[c] * qx < px:  # q >= p: always accept (u < p/q, without dividing)
+                    accepted = c
+                    break
+                residual = (p_res - q[c]).clamp_(min=0.0)
+            total = residual.sum().item()
+            # An empty residual means p' <= q_c everywhere, so x was accepted with probability
+            # one; only rounding gets here, and then the rejection is ignored.
+            if total > 1e-12:
+                p_res = residual / total
+        if accepted is None:
+            return path, int(torch.multinomial(p_res, 1, generator=generator).item())
+        path.append(accepted)
+        node = accepted
