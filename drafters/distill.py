@@ -15,9 +15,17 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from specdraft.drafters.base import Drafter
+from specdraft.drafters.base import (
+    DraftContext,
+    Drafter,
+    DraftTree,
+    SamplingSettings,
+    vocab_mismatch_error,
+)
+from specdraft.inference.cache import compact, kv_bytes
+from specdraft.inference.verify import process_logits
 
 # --- config ------------------------------------------------------------------------------------
 
@@ -171,6 +179,10 @@ class DistillDrafter(Drafter):
     def vocab_size(self) -> int:
         return self.hf_model.get_output_embeddings().weight.shape[0]
 
+    def new_session(self, target, **options) -> DistillSession:
+        """Per-call drafting state for the inference loop (see the propose section below)."""
+        return new_distill_session(self, target, **options)
+
     @classmethod
     def build(cls, config: DistillConfig, target) -> DistillDrafter:
         return cls(build_student(config, target), config)
@@ -321,8 +333,166 @@ def sample(
 
 
 # --- propose / session (inference) -------------------------------------------------------------
-# NOTE for the inference helper: at 09:25 the trainer helper's `create` of this file raced with
-# yours and replaced your session/propose code (it was untracked, so git has no copy). Sorry -
-# please re-add it below this line; the sections above are the trainer's (config, module, loss,
-# on-policy data). DistillDrafter(hf_model) works with one argument and has `vocab_size` and
-# `target_fingerprint`, as your checkpoint.py expects. Delete this note when you re-add.
+
+
+@dataclass
+class DraftOptions:
+    """How a two-model session drafts (set per `generate` call)."""
+
+    gamma: int = 5  # draft depth (the starting depth when dynamic)
+    topk: int = 1  # 1: a chain; k > 1: a tree keeping the k best nodes per depth
+    dynamic_gamma: bool = False
+    max_gamma: int = 16  # dynamic gamma's ceiling
+
+
+def new_distill_session(
+    drafter: DistillDrafter,
+    target,
+    *,
+    sampling: SamplingSettings,
+    generator: torch.Generator | None = None,
+    gamma: int = 5,
+    topk: int = 1,
+    dynamic_gamma: bool = False,
+    **_ignored,
+) -> DistillSession:
+    """A drafting session for one generate call (`DistillDrafter.new_session`)."""
+    if drafter.vocab_size != target.vocab_size:
+        raise vocab_mismatch_error("the draft model", drafter.vocab_size, target)
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1 (1 drafts a chain), got {topk}")
+    options = DraftOptions(gamma, topk, dynamic_gamma, max_gamma=max(16, gamma))
+    return DistillSession(drafter.hf_model, options, sampling, generator)
+
+
+class DistillSession:
+    """One generate call's drafting state: the draft model's KV cache and the current gamma.
+
+    Drafting runs the small model autoregressively with its own KV cache, as
+    - a chain of gamma tokens (sampled from its distribution q when sampling, argmax if greedy),
+    - a top-k tree: each depth keeps the topk best children by cumulative draft log-probability,
+      chosen deterministically (point masses for lossless verification) and fed with a tree mask,
+    - either with a dynamic gamma that grows after a fully accepted draft and shrinks otherwise.
+    The cache holds the first `cached` tokens of the context; a proposal first feeds the rest.
+    """
+
+    def __init__(self, model, options: DraftOptions, sampling: SamplingSettings, generator):
+        self.model = model
+        self.options = options
+        self.sampling = sampling
+        self.generator = generator
+        self.gamma = options.gamma
+        self.cache = DynamicCache(config=model.config)
+        self.cached = 0
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self._base = 0  # context length at the last proposal
+        self._fed_slots: list[int] = []  # per node of the last tree: its cache slot, or -1
+        self._depth = 0
+
+    def propose(self, context: DraftContext) -> DraftTree:
+        seq = context.tokens.to(self.model.device)  # (batch, seq)
+        length = seq.shape[-1]
+        depth = min(self.gamma, context.max_depth)
+        if self.max_positions is not None:  # a draft may have fewer positions than the target
+            depth = min(depth, self.max_positions - length)
+        self._base, self._depth = length, max(depth, 0)
+        if depth <= 0:
+            self._fed_slots = []
+            return DraftTree.empty(seq.shape[0], seq.device)
+        if self.options.topk == 1:
+            return self._chain(seq[:, self.cached :], depth)
+        return self._tree(seq[:, self.cached :], depth)
+
+    def _forward(self, ids, mask=None, positions=None) -> torch.Tensor:
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1 if mask is None else 0,
+        )
+        return out.logits  # (batch, 1 or seq, vocab)
+
+    def _chain(self, pending: torch.Tensor, depth: int) -> DraftTree:
+        """gamma tokens, each fed back in; the last one is never fed (the target checks it)."""
+        tokens, qs = [], []
+        ids = pending  # fed first, then every drafted token but the last
+        for _ in range(depth):
+            logits = self._forward(ids)[:, -1]  # (batch, vocab)
+            if self.sampling.greedy:
+                ids = logits.argmax(-1, keepdim=True)  # (batch, 1)
+            else:
+                q = process_logits(logits, self.sampling)  # (batch, vocab)
+                ids = torch.multinomial(q, 1, generator=self.generator)
+                qs.append(q)
+            tokens.append(ids)
+        self._fed_slots = [*range(depth - 1), -1]
+        q = torch.stack(qs, dim=1) if qs else None  # (batch, depth, vocab)
+        return DraftTree.chain(torch.cat(tokens, dim=1), q)
+
+    def _tree(self, pending: torch.Tensor, depth: int) -> DraftTree:
+        """Best-first top-k tree (batch 1: trees differ per row).
+
+        1. Feed the pending tokens; the root's topk tokens are depth 1.
+        2. For each further depth, feed the previous depth's nodes together (each attends to the
+           context, its fed ancestors and itself) and keep the topk of all their children by
+           cumulative draft log-probability.
+        The deepest nodes are never fed.
+        """
+        k, base, device = self.options.topk, self._base, pending.device
+        logp = self._forward(pending)[0, -1].float().log_softmax(-1)  # (vocab,)
+        scores, tokens = logp.topk(k)
+        tok_list, parents, depths, cum = tokens.tolist(), [-1] * k, [1] * k, scores.tolist()
+        frontier: list[int] = list(range(k))
+        fed: list[int] = []  # node ids in cache-slot order
+        dtype = self.model.dtype
+        for d in range(2, depth + 1):
+            past = base + len(fed)
+            slot = {node: s for s, node in enumerate(fed)}
+            allowed = torch.zeros(len(frontier), past + len(frontier), dtype=torch.bool)
+            allowed[:, :base] = True
+            for row, node in enumerate(frontier):
+                allowed[row, past + row] = True
+                a = parents[node]
+                while a >= 0:
+                    allowed[row, base + slot[a]] = True
+                    a = parents[a]
+            mask = torch.zeros(allowed.shape, dtype=dtype)
+            mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+            positions = [[base - 1 + depths[node] for node in frontier]]
+            logits = self._forward(
+                torch.tensor([[tok_list[node] for node in frontier]], device=device),
+                mask[None, None].to(device),
+                torch.tensor(positions, device=device),
+            )[0]  # (frontier, vocab)
+            fed += frontier
+            child_scores, child_tokens = logits.float().log_softmax(-1).topk(k, dim=-1)
+            total = child_scores + torch.tensor([cum[n] for n in frontier], device=device)[:, None]
+            best = total.flatten().topk(k).indices.tolist()  # (k,) over frontier x k children
+            flat_tokens, flat_total = child_tokens.flatten().tolist(), total.flatten().tolist()
+            prev, frontier = frontier, []
+            for b in best:
+                frontier.append(len(tok_list))
+                tok_list.append(flat_tokens[b])
+                parents.append(prev[b // k])
+                depths.append(d)
+                cum.append(flat_total[b])
+        slot = {node: s for s, node in enumerate(fed)}
+        self._fed_slots = [slot.get(i, -1) for i in range(len(tok_list))]
+        return DraftTree(torch.tensor([tok_list], device=device), parents, depths, None)
+
+    def accept(self, path: list[int]) -> None:
+        """Keep the cache entries of the accepted nodes that were fed; adapt gamma."""
+        slots = [self._fed_slots[i] for i in path if self._fed_slots[i] >= 0]
+        compact(self.cache, self._base, slots)
+        self.cached = self._base + len(slots)
+        if self.options.dynamic_gamma and self._depth > 0:
+            # grow after a fully accepted draft, shrink after a rejection
+            if len(path) == self._depth:
+                self.gamma = min(self.gamma + 2, self.options.max_gamma)
+            else:
+                self.gamma = max(1, self.gamma - 1)
+
+    def extra_memory_bytes(self) -> int:
+        return kv_bytes(self.cache)
