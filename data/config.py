@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+# The values `format` and `overlong` accept; the config loader (train/config.py) reads them from the
+# field metadata, so a typo fails when the config loads, not deep inside the pipeline.
+FORMATS = ("auto", "sharegpt", "messages", "ultrachat", "text")
+OVERLONG = ("truncate", "drop")
 
 
 @dataclass
@@ -14,11 +19,11 @@ class DataConfig:
     name: str | None = None
     split: str = "train"
     # auto | sharegpt | messages | ultrachat | text. "auto" detects per row.
-    format: str = "auto"
+    format: str = field(default="auto", metadata={"choices": FORMATS})
     # Tokens per sample (conversations) or per packed block (plain text).
     max_length: int = 512
     # What to do with a conversation longer than max_length: truncate | drop.
-    overlong: str = "truncate"
+    overlong: str = field(default="truncate", metadata={"choices": OVERLONG})
     # Held-out share for evaluation, taken after a seeded shuffle.
     eval_fraction: float = 0.05
     # Keep at most this many rows after shuffling (None: all).

@@ -19,8 +19,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from specdraft.data.chat import encode_conversation
-from specdraft.data.config import DataConfig
-from specdraft.data.formats import FORMATS, Conversation, Example, Text, parse_record
+from specdraft.data.config import FORMATS, OVERLONG, DataConfig
+from specdraft.data.formats import Conversation, Example, Text, parse_record
 from specdraft.data.packing import pack_texts
 from specdraft.data.sources import DataError, Row, SkipRow, read_rows
 
@@ -120,7 +120,7 @@ def _check_config(cfg: DataConfig, tokenizer) -> None:
     problems = []
     if cfg.format not in FORMATS:
         problems.append(f"data.format must be one of {', '.join(FORMATS)}, got {cfg.format!r}")
-    if cfg.overlong not in ("truncate", "drop"):
+    if cfg.overlong not in OVERLONG:
         problems.append(f"data.overlong must be 'truncate' or 'drop', got {cfg.overlong!r}")
     if not isinstance(cfg.max_length, int) or cfg.max_length < 2:
         problems.append(f"data.max_length must be an integer >= 2, got {cfg.max_length!r}")

@@ -20,8 +20,6 @@ from typing import Any
 
 from specdraft.data.sources import SkipRow
 
-FORMATS = ("auto", "sharegpt", "messages", "ultrachat", "text")
-
 # Roles as datasets spell them -> the three roles every chat template knows. Other roles (tool,
 # function, observation) are skipped rather than guessed at: templates disagree on them.
 ROLES = {

@@ -44,13 +44,6 @@ T = TypeVar("T")
 
 _NULL_TAG = "tag:yaml.org,2002:null"
 
-# DataConfig (data/config.py) lists its choices in comments; they are enforced here so that a typo
-# fails when the config loads, not deep inside the data pipeline.
-_DATA_CHOICES: dict[str, tuple[str, ...]] = {
-    "format": ("auto", "sharegpt", "messages", "ultrachat", "text"),
-    "overlong": ("truncate", "drop"),
-}
-
 
 class ConfigError(ValueError):
     """A config that cannot be built. The message names the key, where it was set and what to do.
@@ -553,8 +546,6 @@ def _check_choices(obj: Any, prefix: str) -> None:
 def _choices(cls: type, f: dataclasses.Field) -> tuple[str, ...] | None:
     if "choices" in f.metadata:
         return tuple(f.metadata["choices"])
-    if issubclass(cls, DataConfig):
-        return _DATA_CHOICES.get(f.name)
     return None
 
 
