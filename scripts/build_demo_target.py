@@ -117,6 +117,9 @@ def ensure_demo_target(
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (out / COMPLETE_MARKER).exists() and not force:
             return out
+        # Holding the lock, any temp folder of this build is a killed build's leftover.
+        for stale in out.parent.glob(f".{out.name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         print(f"[specdraft] building the demo target ({variant}) into {out}", file=sys.stderr)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
         try:

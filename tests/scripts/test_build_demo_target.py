@@ -62,11 +62,19 @@ def test_interrupted_build_leaves_no_folder(monkeypatch, specdraft_home):
         bdt.ensure_demo_target(variant="tiny", seed=7)
     target_dir = bdt.demo_target_dir(bdt.resolve_spec("tiny", seed=7), "tiny")
     assert not target_dir.exists()
-    assert not [
-        p
-        for p in target_dir.parent.iterdir()
-        if p.is_dir() and "seed" not in p.name and p.name.startswith(f".{target_dir.name}")
-    ]
+    assert not list(target_dir.parent.glob(f".{target_dir.name}-*"))
+
+
+def test_leftover_of_a_killed_build_is_cleared_by_the_next(monkeypatch, specdraft_home):
+    spec = bdt.resolve_spec("tiny", seed=8)
+    target_dir = bdt.demo_target_dir(spec, "tiny")
+    leftover = target_dir.parent / f".{target_dir.name}-killed"
+    leftover.mkdir(parents=True)
+    monkeypatch.setattr(
+        bdt, "build", lambda spec, out: (out / bdt.COMPLETE_MARKER).write_text("{}")
+    )
+    assert bdt.ensure_demo_target(variant="tiny", seed=8) == target_dir
+    assert not leftover.exists()
 
 
 def test_bad_variant_and_budget_are_named():
