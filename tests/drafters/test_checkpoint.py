@@ -1,0 +1,131 @@
+"""drafters/checkpoint.py: the one writer and reader of drafter weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from specdraft.drafters import checkpoint
+from specdraft.drafters.checkpoint import CheckpointError, load_drafter, save_drafter
+from specdraft.drafters.distill import DistillConfig, DistillDrafter
+from specdraft.drafters.target import Target
+
+
+@pytest.fixture
+def student(tiny_target) -> DistillDrafter:
+    torch.manual_seed(1)
+    return DistillDrafter.build(DistillConfig(init="random", num_layers=1), tiny_target)
+
+
+def _same_state(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def test_distill_round_trip_is_bit_exact_and_a_plain_hf_folder(tiny_target, student, tmp_path):
+    folder = save_drafter(
+        student, tmp_path / "final", target_fingerprint=tiny_target.fingerprint,
+        train_config_yaml="lr: 0.1\n", provenance={"steps": 7}, tokenizer=tiny_target.tokenizer,
+    )  # fmt: skip
+    loaded = load_drafter(folder, tiny_target)
+    _same_state(student, loaded)
+    assert loaded.config == student.config
+    assert loaded.target_fingerprint == tiny_target.fingerprint
+
+    block = json.loads((folder / "config.json").read_text())["specdraft"]
+    assert block["kind"] == "distill"
+    assert block["format_version"] == checkpoint.FORMAT_VERSION
+    assert block["config"]["num_layers"] == 1
+    assert block["provenance"]["steps"] == 7 and "git_commit" in block["provenance"]
+    assert (folder / "train_config.yaml").read_text() == "lr: 0.1\n"
+    # A plain HF folder: transformers alone loads the same weights.
+    plain = AutoModelForCausalLM.from_pretrained(folder)
+    _same_state(student.hf_model, plain)
+
+
+def test_saving_over_a_folder_replaces_it_whole(tiny_target, student, tmp_path):
+    save_drafter(student, tmp_path / "best", target_fingerprint=tiny_target.fingerprint)
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(1.0)
+    save_drafter(student, tmp_path / "best", target_fingerprint=tiny_target.fingerprint)
+    _same_state(student, load_drafter(tmp_path / "best", tiny_target))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]  # no temp or old folder left
+
+
+def test_loading_for_another_target_names_what_differs(tiny_target, student, tmp_path):
+    folder = save_drafter(student, tmp_path / "d", target_fingerprint=tiny_target.fingerprint)
+    other = Target(tiny_target.model, tiny_target.tokenizer, name="other")
+    other.fingerprint = {**tiny_target.fingerprint, "num_layers": 99, "tokenizer_hash": "x"}
+    with pytest.raises(CheckpointError) as err:
+        load_drafter(folder, other)
+    assert "num_layers: expected 2, got 99" in str(err.value)
+    assert "tokenizer_hash" in str(err.value)
+    # strict=False checks only the vocabulary, which matches here.
+    load_drafter(folder, other, strict=False)
+
+
+def test_incomplete_and_damaged_folders_are_refused(tiny_target, student, tmp_path):
+    folder = save_drafter(student, tmp_path / "d", target_fingerprint=tiny_target.fingerprint)
+    checkpoint.check_complete(folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="damaged"):
+        checkpoint.check_complete(folder)
+    (folder / checkpoint.COMPLETE_MARKER).unlink()
+    with pytest.raises(CheckpointError, match="COMPLETE"):
+        load_drafter(folder, tiny_target)
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        load_drafter(tmp_path / "nothing", tiny_target)
+
+
+def test_plain_hf_folder_of_another_vocabulary_is_refused(tiny_target, tmp_path):
+    config = tiny_target.model.config.__class__(
+        **{**tiny_target.model.config.to_dict(), "vocab_size": 50}
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "small")
+    with pytest.raises(ValueError, match="vocabulary of 50"):
+        load_drafter(tmp_path / "small", tiny_target)
+
+
+# A drafter that is not an HF model (the EAGLE / Medusa shape): own tensors stored, tensors it
+# shares with the target recorded but not stored.
+@dataclass
+class _HeadConfig:
+    width: int = 8
+
+
+class _HeadDrafter(nn.Module):
+    kind = "toyhead"
+    config_class = _HeadConfig
+    shared_with_target = ("lm_head.weight",)
+
+    def __init__(self, config: _HeadConfig, lm_head: nn.Linear):
+        super().__init__()
+        self.config = config
+        self.proj = nn.Linear(config.width, config.width)
+        self.lm_head = lm_head
+
+    @classmethod
+    def from_checkpoint(cls, config, target, hf_model):
+        return cls(config, target.model.lm_head)
+
+
+def test_non_hf_drafter_stores_only_its_own_tensors(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.setitem(checkpoint.KINDS, "toyhead", f"{__name__}:_HeadDrafter")
+    torch.manual_seed(0)
+    drafter = _HeadDrafter(_HeadConfig(width=8), tiny_target.model.lm_head)
+    folder = save_drafter(drafter, tmp_path / "h", target_fingerprint=tiny_target.fingerprint)
+    from safetensors.torch import load_file
+
+    assert set(load_file(folder / "model.safetensors")) == {"proj.weight", "proj.bias"}
+    loaded = load_drafter(folder, tiny_target)
+    _same_state(drafter, loaded)
+    assert loaded.lm_head is tiny_target.model.lm_head

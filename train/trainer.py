@@ -1,0 +1,661 @@
+"""The one training loop, shared by every drafter kind (DESIGN.md, "Trainer").
+
+`train(cfg, drafter, target, train_examples, eval_examples)` runs it. The loop knows a drafter
+only through this small interface (`TrainableDrafter`):
+
+    drafter(batch, target_out) -> (loss, metrics)    its forward is its loss: the mean over the
+                                                     batch's loss tokens (DDP needs the forward)
+    drafter.acceptance(batch, target_out)            (alpha summed, count) per draft depth, for
+                                                     the simulated tau of evaluation
+    drafter.capture_layers                           target hidden states the loss needs
+    drafter.prepare_batch(batch, target, generator)  optional: swap data (on-policy distillation)
+    parameters with requires_grad                    what the optimizer trains
+    kind, config, hf_model (optional)                what checkpoint.py saves
+
+A batch is a dict of (batch, seq) tensors: input_ids, attention_mask, loss_mask.
+
+Reproducibility rests on one rule: everything random or scheduled is a pure function of the step.
+The learning rate is `lr_at(step)`, the examples of a step are a seeded permutation indexed by
+the step, and torch's generators are reseeded from (seed, step, rank) before each step. Resuming
+therefore needs only the weights, the optimizer state and the step, and a run split over N
+processes sees the same global batch, weighted by the same token count, as one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+import math
+import re
+import resource
+import shutil
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from specdraft.drafters import checkpoint
+from specdraft.train.config import CONFIG_FILENAME, TrainConfig, config_to_dict, save_config
+
+STATE_NAME = "trainer_state.json"
+OPTIMIZER_NAME = "optimizer.pt"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+class TrainableDrafter(Protocol):
+    kind: str
+    config: Any
+    capture_layers: Sequence[int]
+
+    def __call__(
+        self, batch: dict[str, torch.Tensor], target_out: Any
+    ) -> tuple[torch.Tensor, dict]: ...
+
+    def acceptance(
+        self, batch: dict[str, torch.Tensor], target_out: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradient norm became inf/nan; nothing was saved after the last good step."""
+
+
+class ResumeError(ValueError):
+    """resume_from points at nothing usable, or a fresh run would overwrite a previous one."""
+
+
+@dataclass
+class TrainResult:
+    step: int  # optimizer steps completed
+    losses: list[float]  # training loss of every step from 0, resumed runs included
+    evals: list[dict] = field(default_factory=list)  # {"step", "loss", "tau", "alpha"} per eval
+    best_tau: float | None = None
+    stopped_by_signal: str | None = None  # "SIGTERM" / "SIGINT" when preempted
+    output_dir: Path | None = None
+
+
+# --- schedules: pure functions of the step -----------------------------------------------------
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then the decay."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    floor = cfg.lr * cfg.min_lr_ratio
+    if cfg.lr_schedule == "cosine":
+        return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return cfg.lr - (cfg.lr - floor) * progress
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of torch's generators for `step` on process `rank` (fits in 63 bits)."""
+    return (seed * 1_000_003 + step * 9_176 + rank * 7_919_111) % (2**63 - 1)
+
+
+def examples_for(
+    step: int, micro: int, rank: int, n_examples: int, cfg: TrainConfig, world: int
+) -> list[int]:
+    """Indices of the examples micro-batch `micro` of `step` uses on process `rank`.
+
+    The data is a stream of epochs, each a permutation seeded by (seed, epoch). A step takes the
+    next micro_batch_size * grad_accum * world examples; micro-batch m of rank r takes slice
+    (m * world + r), so one process with world x the micro-batch sees the same examples per step.
+    """
+    mb = cfg.micro_batch_size
+    start = (step * cfg.grad_accum * world + micro * world + rank) * mb
+    indices = []
+    for pos in range(start, start + mb):
+        epoch, offset = divmod(pos, n_examples)
+        indices.append(int(_epoch_order(cfg.seed, epoch, n_examples)[offset]))
+    return indices
+
+
+@functools.lru_cache(maxsize=2)  # a memo of a pure function: the current and the next epoch
+def _epoch_order(seed: int, epoch: int, n: int) -> torch.Tensor:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+
+
+def simulated_tau(alphas: Sequence[float]) -> float:
+    """Expected tokens per target pass for per-depth acceptance rates alpha_1..alpha_gamma.
+
+    tau = 1 + sum_k prod_{i<=k} alpha_i; with every alpha_i = alpha this is Leviathan et al.'s
+    (1 - alpha^(gamma+1)) / (1 - alpha).
+    """
+    tau, reach = 1.0, 1.0
+    for alpha in alphas:
+        reach *= alpha
+        tau += reach
+    return tau
+
+
+def collate(examples: Sequence[Any], device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-pad examples (input_ids, loss_mask lists) into a batch of (batch, seq) tensors."""
+    length = max(len(e.input_ids) for e in examples)
+    ids = torch.zeros(len(examples), length, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    loss_mask = torch.zeros_like(ids)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        attention[i, :n] = 1
+        loss_mask[i, :n] = torch.tensor(e.loss_mask)
+    loss_mask[:, 0] = 0  # the first token has nothing before it to predict it from
+    return {
+        "input_ids": ids.to(device),
+        "attention_mask": attention.to(device),
+        "loss_mask": loss_mask.to(device),
+    }
+
+
+# --- the loop ----------------------------------------------------------------------------------
+
+
+def train(
+    cfg: TrainConfig,
+    drafter: TrainableDrafter,
+    target: Any,
+    train_examples: Sequence[Any],
+    eval_examples: Sequence[Any],
+    *,
+    tokenizer: Any = None,
+    provenance: dict | None = None,
+) -> TrainResult:
+    """Train `drafter` against the frozen `target`; see the module docstring.
+
+    Writes output_dir/train_config.yaml, checkpoint-<step>/ every save_every steps (keeping the
+    last keep_last), best/ (best simulated tau) and final/. Raises NonFiniteLossError on inf/nan
+    (nothing is written for that step) and ResumeError for an unusable resume_from. On SIGTERM
+    or SIGINT it saves a checkpoint and returns with `stopped_by_signal` set.
+    """
+    return _Run(cfg, drafter, target, train_examples, eval_examples, tokenizer, provenance).run()
+
+
+class _Run:
+    """One call of `train`: the prepared objects and the handful of counters the loop updates."""
+
+    def __init__(self, cfg, drafter, target, train_examples, eval_examples, tokenizer, provenance):
+        if not train_examples:
+            raise ValueError("no training examples: check the data section of the config")
+        self.cfg = cfg
+        self.acc = Accelerator(mixed_precision=cfg.mixed_precision, cpu=_force_cpu())
+        self.main = self.acc.is_main_process
+        self.world = self.acc.num_processes
+        self.rank = self.acc.process_index
+        self.out = Path(cfg.output_dir)
+        self.target = target
+        self.target.model.to(self.acc.device)
+        self.train_examples, self.eval_examples = train_examples, eval_examples
+        self.tokenizer = tokenizer
+        self.provenance = {"target": cfg.target, "data": cfg.data.path, **(provenance or {})}
+        self.losses: list[float] = []
+        self.evals: list[dict] = []
+        self.best_tau: float | None = None
+        self.signal: str | None = None
+
+        resume = self._find_resume()  # before anything is written into output_dir
+        drafter.to(self.acc.device)
+        if resume is not None:
+            self._load_weights(drafter, resume)
+        decay = [p for p in drafter.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in drafter.parameters() if p.requires_grad and p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=lr_at(0, cfg),
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+        )
+        self.start_step = 0
+        if resume is not None:
+            self.start_step = self._load_state(optimizer, resume)
+        self.model, self.optimizer = self.acc.prepare(drafter, optimizer)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            for stale in self.out.glob(".*.tmp-*"):  # left by a crash mid-save
+                shutil.rmtree(stale, ignore_errors=True)
+            self.config_yaml = save_config(cfg, self.out / CONFIG_FILENAME).read_text()
+        self.tracker = _Tracker.create(cfg, self.out) if self.main else _Tracker()
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        bar = tqdm(
+            total=cfg.max_steps, initial=self.start_step, disable=not self.main, desc=f"train {cfg.kind}",
+            dynamic_ncols=True, file=sys.stderr,
+        )  # fmt: skip
+        try:
+            if self.start_step == 0 and cfg.eval_every > 0 and self.eval_examples:
+                self._evaluate(0, bar, label="before training")
+            step = self.start_step
+            while step < cfg.max_steps:
+                logs = self._step(step)
+                step += 1
+                self.losses.append(logs["loss"])
+                bar.update(1)
+                bar.set_postfix(
+                    loss=f"{logs['loss']:.4f}",
+                    lr=f"{logs['lr']:.2e}",
+                    tok_s=f"{logs['tokens_per_s']:.0f}",
+                )
+                if step % cfg.log_every == 0 or step == cfg.max_steps:
+                    self.tracker.log({f"train/{k}": v for k, v in logs.items()}, step)
+                if (
+                    cfg.eval_every > 0
+                    and self.eval_examples
+                    and (step % cfg.eval_every == 0 or step == cfg.max_steps)
+                ):
+                    self._evaluate(step, bar)
+                stop = self._agreed_signal()
+                if stop or (
+                    cfg.save_every > 0 and step % cfg.save_every == 0 and step < cfg.max_steps
+                ):
+                    self._save_checkpoint(step)
+                if stop:
+                    bar.write(
+                        f"[specdraft] {stop}: saved {self.out / f'checkpoint-{step}'}; rerun with "
+                        "resume_from=latest to continue", file=sys.stderr,
+                    )  # fmt: skip
+                    self.signal = stop
+                    break
+            if self.signal is None:
+                self._save_checkpoint(step)  # the end state is resumable too (e.g. to extend)
+                self._save_drafter(self.out / "final", step)
+        finally:
+            bar.close()
+            self.tracker.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        self.acc.wait_for_everyone()
+        return TrainResult(
+            step=step, losses=self.losses, evals=self.evals, best_tau=self.best_tau,
+            stopped_by_signal=self.signal, output_dir=self.out,
+        )  # fmt: skip
+
+    def _step(self, step: int) -> dict[str, float]:
+        """One optimizer step: grad_accum micro-batches, weighted by their share of loss tokens."""
+        cfg, acc = self.cfg, self.acc
+        t_start = time.perf_counter()
+        torch.manual_seed(step_seed(cfg.seed, step, self.rank))
+        generator = torch.Generator(acc.device).manual_seed(step_seed(cfg.seed, step, self.rank))
+        lr = lr_at(step, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+        unwrapped = acc.unwrap_model(self.model)
+        batches = []
+        for micro in range(cfg.grad_accum):
+            idx = examples_for(step, micro, self.rank, len(self.train_examples), cfg, self.world)
+            batch = collate([self.train_examples[i] for i in idx], acc.device)
+            if hasattr(unwrapped, "prepare_batch"):
+                batch = unwrapped.prepare_batch(batch, self.target, generator)
+            batches.append(batch)
+        # The step's loss is the mean over every loss token of the global batch, whatever the
+        # split into processes and micro-batches: each micro-batch's mean is weighted by its
+        # token count over the global count (x world, because DDP averages gradients).
+        counts = [b["loss_mask"][:, 1:].sum().float() for b in batches]
+        global_tokens = acc.reduce(torch.stack(counts).sum(), reduction="sum").clamp(min=1)
+
+        loss_sum = torch.zeros((), device=acc.device)
+        metric_sums: dict[str, torch.Tensor] = {}
+        target_time = 0.0
+        for micro, (batch, count) in enumerate(zip(batches, counts, strict=True)):
+            t0 = time.perf_counter()
+            with acc.autocast():
+                target_out = self.target.forward(
+                    batch["input_ids"], attention_mask=batch["attention_mask"],
+                    capture_layers=unwrapped.capture_layers,
+                )  # fmt: skip
+            _sync(acc.device)
+            target_time += time.perf_counter() - t0
+            last = micro == cfg.grad_accum - 1
+            with acc.no_sync(self.model) if not last else contextlib.nullcontext():
+                with acc.autocast():
+                    loss, metrics = self.model(batch, target_out)
+                acc.backward(loss * count / global_tokens * self.world)
+            loss_sum += loss.detach().float() * count
+            for k, v in metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0) + v.detach().float() * count
+
+        total = acc.reduce(loss_sum, reduction="sum") / global_tokens
+        if cfg.max_grad_norm > 0:
+            grad_norm = acc.clip_grad_norm_(self.params, cfg.max_grad_norm)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, float("inf"))
+        grad_norm = float(grad_norm)
+        if not (math.isfinite(float(total)) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(
+                f"step {step + 1}: the loss is {float(total)} and the gradient norm {grad_norm}. "
+                f"Nothing was saved for this step; the last good checkpoint in {self.out} is "
+                "intact. Lower lr (or raise warmup_steps), check the data for empty or extreme "
+                "rows, or use mixed_precision=no, then resume with resume_from=latest."
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        _sync(acc.device)
+        elapsed = time.perf_counter() - t_start
+        tokens = acc.reduce(
+            torch.stack([b["attention_mask"].sum().float() for b in batches]).sum(), reduction="sum"
+        )
+        logs = {
+            "loss": float(total),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": float(tokens) / elapsed,
+            "target_forward_share": target_time / elapsed,
+            "peak_memory_mb": _peak_memory_mb(acc.device),
+        }
+        for k, v in metric_sums.items():
+            logs[k] = float(acc.reduce(v, reduction="sum") / global_tokens)
+        return logs
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _evaluate(self, step: int, bar, label: str = "") -> dict:
+        """Held-out loss and simulated acceptance, over the first eval_batches micro-batches."""
+        cfg, acc = self.cfg, self.acc
+        model = acc.unwrap_model(self.model)
+        n = len(self.eval_examples)
+        if cfg.eval_batches:
+            n = min(n, cfg.eval_batches * cfg.micro_batch_size)
+        mine = list(range(self.rank, n, self.world))
+        loss_sum = torch.zeros((), device=acc.device)
+        tokens = torch.zeros((), device=acc.device)
+        alpha_sum = count = None
+        model.eval()
+        for start in range(0, max(len(mine), 1), cfg.micro_batch_size):
+            chunk = mine[start : start + cfg.micro_batch_size]
+            if not chunk:
+                break
+            batch = collate([self.eval_examples[i] for i in chunk], acc.device)
+            with acc.autocast():
+                target_out = self.target.forward(
+                    batch["input_ids"], attention_mask=batch["attention_mask"],
+                    capture_layers=model.capture_layers,
+                )  # fmt: skip
+                loss, _ = model(batch, target_out)
+                a, c = model.acceptance(batch, target_out)
+            k = batch["loss_mask"][:, 1:].sum().float()
+            loss_sum += loss.float() * k
+            tokens += k
+            alpha_sum = a.float() if alpha_sum is None else alpha_sum + a.float()
+            count = c.float() if count is None else count + c.float()
+        model.train()
+        loss_sum, tokens = acc.reduce(loss_sum, "sum"), acc.reduce(tokens, "sum")
+        alpha_sum = acc.reduce(alpha_sum, "sum")
+        count = acc.reduce(count, "sum")
+        alphas = (alpha_sum / count.clamp(min=1)).tolist()
+        result = {
+            "step": step,
+            "loss": float(loss_sum / tokens.clamp(min=1)),
+            "tau": simulated_tau(alphas),
+            "alpha": alphas,
+        }
+        self.evals.append(result)
+        logs = {"eval/loss": result["loss"], "eval/simulated_tau": result["tau"]}
+        logs.update({f"eval/alpha_{i + 1}": a for i, a in enumerate(alphas)})
+        self.tracker.log(logs, step, table=("eval/alpha_table", alphas))
+        bar.write(
+            f"[specdraft] step {step}{' (' + label + ')' if label else ''}: eval loss "
+            f"{result['loss']:.4f}, simulated tau {result['tau']:.3f} for gamma={len(alphas)} "
+            f"(alpha per depth {', '.join(f'{a:.3f}' for a in alphas)})",
+            file=sys.stderr,
+        )
+        if step > 0 and (self.best_tau is None or result["tau"] > self.best_tau):
+            self.best_tau = result["tau"]
+            self._save_drafter(
+                self.out / "best", step, extra_provenance={"simulated_tau": result["tau"]}
+            )
+        return result
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def _save_drafter(
+        self, folder: Path, step: int, extra_files=None, extra_provenance=None
+    ) -> None:
+        self.acc.wait_for_everyone()
+        if self.main:
+            checkpoint.save_drafter(
+                self.acc.unwrap_model(self.model),
+                folder,
+                target_fingerprint=self.target.fingerprint,
+                train_config_yaml=self.config_yaml,
+                provenance={**self.provenance, "steps": step, **(extra_provenance or {})},
+                tokenizer=self.tokenizer,
+                extra_files=extra_files,
+            )
+        self.acc.wait_for_everyone()
+
+    def _save_checkpoint(self, step: int) -> None:
+        """checkpoint-<step>/: the drafter plus optimizer and trainer state, one atomic folder."""
+        buffer = io.BytesIO()
+        torch.save(self.optimizer.state_dict(), buffer)
+        state = {
+            "step": step,
+            "losses": self.losses,
+            "evals": self.evals,
+            "best_tau": self.best_tau,
+            "world_size": self.world,
+            "global_batch": self.cfg.micro_batch_size * self.cfg.grad_accum * self.world,
+            "seed": self.cfg.seed,
+        }
+        extra = {
+            OPTIMIZER_NAME: buffer.getvalue(),
+            STATE_NAME: json.dumps(state, indent=1).encode(),
+        }
+        self._save_drafter(self.out / f"checkpoint-{step}", step, extra_files=extra)
+        if self.main and self.cfg.keep_last > 0:
+            for old in _checkpoints(self.out)[: -self.cfg.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    # -- resuming -----------------------------------------------------------------------------
+
+    def _find_resume(self) -> Path | None:
+        cfg = self.cfg
+        existing = _checkpoints(self.out)
+        if cfg.resume_from is None:
+            if existing:
+                raise ResumeError(
+                    f"{self.out} already holds {existing[-1].name}; pass resume_from=latest to "
+                    "continue that run, or set output_dir to a new folder (nothing was overwritten)"
+                )
+            return None
+        if cfg.resume_from != "latest":
+            path = Path(cfg.resume_from).expanduser()
+            problem = _resume_problem(path)
+            if problem:
+                raise ResumeError(
+                    f"resume_from={cfg.resume_from}: {problem}. Pass resume_from=latest to use the "
+                    f"newest complete checkpoint in {self.out}, or another checkpoint-<step> folder."
+                )
+            return path
+        for path in reversed(existing):
+            problem = _resume_problem(path)
+            if problem is None:
+                return path
+            if self.main:
+                warnings.warn(f"skipping {path}: {problem}", stacklevel=2)
+                print(f"[specdraft] warning: skipping {path}: {problem}", file=sys.stderr)
+        if existing:
+            raise ResumeError(
+                f"resume_from=latest: none of the {len(existing)} checkpoints in {self.out} is "
+                "complete (see the warnings above); move them away to start afresh"
+            )
+        if self.main:
+            print(
+                f"[specdraft] resume_from=latest: no checkpoint in {self.out} yet, starting fresh",
+                file=sys.stderr,
+            )
+        return None
+
+    def _load_weights(self, drafter, path: Path) -> None:
+        dtype = next(drafter.parameters()).dtype
+        saved = checkpoint.load_drafter(path, self.target, device=self.acc.device, dtype=dtype)
+        drafter.load_state_dict(saved.state_dict())
+
+    def _load_state(self, optimizer, path: Path) -> int:
+        state = json.loads((path / STATE_NAME).read_text())
+        global_batch = self.cfg.micro_batch_size * self.cfg.grad_accum * self.world
+        if state["global_batch"] != global_batch or state["seed"] != self.cfg.seed:
+            raise ResumeError(
+                f"{path} was trained with global batch {state['global_batch']} and seed "
+                f"{state['seed']}; this run has {global_batch} and {self.cfg.seed}. The data order "
+                "depends on both: resume with the same micro_batch_size x grad_accum x processes "
+                "and seed."
+            )
+        # weights_only: the optimizer state is tensors and numbers; no pickle is executed.
+        optimizer.load_state_dict(
+            torch.load(path / OPTIMIZER_NAME, map_location=self.acc.device, weights_only=True)
+        )
+        self.losses = list(state["losses"])
+        self.evals = list(state["evals"])
+        self.best_tau = state["best_tau"]
+        if self.main:
+            print(f"[specdraft] resuming from {path} at step {state['step']}", file=sys.stderr)
+        return int(state["step"])
+
+    # -- signals ------------------------------------------------------------------------------
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self.signal is not None:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    def _agreed_signal(self) -> str | None:
+        """The signal any process received, agreed on by all so they save and stop together."""
+        mine = torch.tensor([0.0 if self.signal is None else 1.0], device=self.acc.device)
+        if self.world > 1:
+            mine = self.acc.reduce(mine, reduction="sum")
+        if float(mine) > 0:
+            self.signal = self.signal or "SIGTERM"
+            return self.signal
+        return None
+
+
+def _resume_problem(path: Path) -> str | None:
+    """Why `path` cannot be resumed from, or None when it can."""
+    if not path.is_dir():
+        return "no such folder"
+    try:
+        checkpoint.check_complete(path)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    for name in (STATE_NAME, OPTIMIZER_NAME):
+        if not (path / name).is_file():
+            return f"it has no {name} (a best/ or final/ folder holds weights only, not the resume state)"
+    try:
+        json.loads((path / STATE_NAME).read_text())
+    except json.JSONDecodeError as e:
+        return f"{STATE_NAME} is damaged ({e})"
+    return None
+
+
+def _checkpoints(out: Path) -> list[Path]:
+    """checkpoint-<step> folders in `out`, oldest step first."""
+    if not out.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in out.iterdir() if (m := _CHECKPOINT_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+# --- tracking ----------------------------------------------------------------------------------
+
+
+class _Tracker:
+    """W&B, TensorBoard or nothing; the main process only."""
+
+    def log(
+        self, metrics: dict[str, float], step: int, table: tuple[str, list] | None = None
+    ) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    @staticmethod
+    def create(cfg: TrainConfig, out: Path) -> _Tracker:
+        if cfg.report_to == "wandb":
+            return _WandbTracker(cfg, out)
+        if cfg.report_to == "tensorboard":
+            return _TensorBoardTracker(cfg, out)
+        return _Tracker()
+
+
+class _WandbTracker(_Tracker):
+    def __init__(self, cfg: TrainConfig, out: Path):
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=cfg.wandb_project, name=cfg.run_name, tags=list(cfg.tags), dir=str(out),
+            config=config_to_dict(cfg) | {"kind": cfg.kind}, resume="allow",
+        )  # fmt: skip
+
+    def log(self, metrics, step, table=None):
+        row = dict(metrics)
+        if table is not None:
+            name, values = table
+            row[name] = self.wandb.Table(
+                columns=["depth", "alpha"], data=[[i + 1, a] for i, a in enumerate(values)]
+            )
+        self.run.log(row, step=step)
+
+    def close(self):
+        self.run.finish()
+
+
+class _TensorBoardTracker(_Tracker):
+    def __init__(self, cfg: TrainConfig, out: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(out / "tensorboard" / str(cfg.run_name)))
+        self.writer.add_text(
+            "config", "```\n" + json.dumps(config_to_dict(cfg), indent=1) + "\n```"
+        )
+
+    def log(self, metrics, step, table=None):
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self):
+        self.writer.close()
+
+
+# --- small helpers -----------------------------------------------------------------------------
+
+
+def _force_cpu() -> bool:
+    # accelerate's own switch (ACCELERATE_USE_CPU, set by `accelerate launch --cpu`) is honoured
+    # by Accelerator itself; this only keeps a CUDA-less machine from asking for one.
+    return not torch.cuda.is_available()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
