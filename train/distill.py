@@ -40,16 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(
         DistillTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
     )
-    target = load_target(cfg.target, dtype=target_dtype(cfg))
-    train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
-    print(summary.format(), file=sys.stderr)
-
-    torch.manual_seed(cfg.seed)  # the student's random init; identical on every process
     try:
+        target = load_target(cfg.target, dtype=target_dtype(cfg))
+        train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
+        torch.manual_seed(cfg.seed)  # the student's random init; identical on every process
         drafter = DistillDrafter.build(cfg.drafter, target)
-    except (ValueError, OSError) as e:  # a student of another vocabulary, a missing student_path
-        print(f"{prog}: error: drafter: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # missing data, bad target, a student of another vocab
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    print(summary.format(), file=sys.stderr)
     n_params = sum(p.numel() for p in drafter.parameters())
     print(
         f"[specdraft] student: {cfg.drafter.num_layers} layers, {n_params / 1e6:.2f}M parameters "
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = train(
         cfg, drafter, target, train_examples, eval_examples, tokenizer=target.tokenizer,
-        provenance={"data_summary": summary.format()},
+        provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
     )  # fmt: skip
     if result.stopped_by_signal:
         return 0
