@@ -1,9 +1,10 @@
 """Training data: rows from files or the hub, conversations with assistant-only loss masks, packed
-plain text. Trainers call `build_datasets(cfg, tokenizer)`."""
+plain text. Trainers call `build_datasets(cfg, tokenizer)`; evaluation takes `demo_prompts(n)`."""
 
 from specdraft.data.chat import ChatTemplateError
 from specdraft.data.config import DataConfig
 from specdraft.data.dataset import DataSummary, build_datasets
+from specdraft.data.demo import demo_prompts
 from specdraft.data.formats import Example
 from specdraft.data.sources import DataError
 
@@ -14,4 +15,5 @@ __all__ = [
     "DataSummary",
     "Example",
     "build_datasets",
+    "demo_prompts",
 ]
