@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     if result.stopped_by_signal:
         return 0
-    if len(result.evals) >= 2:
+    if result.main_process and len(result.evals) >= 2:
         before, after = result.evals[0], result.evals[-1]
         print(
             f"[specdraft] simulated tau (gamma={len(after['alpha'])}): before {before['tau']:.3f}, "

@@ -82,6 +82,7 @@ class TrainResult:
     best_tau: float | None = None
     stopped_by_signal: str | None = None  # "SIGTERM" / "SIGINT" when preempted
     output_dir: Path | None = None
+    main_process: bool = True  # False on the other processes of a multi-process run
 
 
 # --- schedules: pure functions of the step -----------------------------------------------------
@@ -285,7 +286,7 @@ class _Run:
         self.acc.wait_for_everyone()
         return TrainResult(
             step=step, losses=self.losses, evals=self.evals, best_tau=self.best_tau,
-            stopped_by_signal=self.signal, output_dir=self.out,
+            stopped_by_signal=self.signal, output_dir=self.out, main_process=self.main,
         )  # fmt: skip
 
     def _step(self, step: int) -> dict[str, float]:
@@ -375,8 +376,8 @@ class _Run:
         cfg, acc = self.cfg, self.acc
         model = acc.unwrap_model(self.model)
         n = len(self.eval_examples)
-        if cfg.eval_batches:
-            n = min(n, cfg.eval_batches * cfg.micro_batch_size)
+        if cfg.eval_batches:  # eval_batches per process: the same examples for any split
+            n = min(n, cfg.eval_batches * cfg.micro_batch_size * self.world)
         mine = list(range(self.rank, n, self.world))
         loss_sum = torch.zeros((), device=acc.device)
         tokens = torch.zeros((), device=acc.device)

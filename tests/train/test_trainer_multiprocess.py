@@ -1,0 +1,55 @@
+"""Two processes (accelerate's MULTI_CPU, gloo) train exactly what one process does with the
+same global batch: the step's loss is weighted by the global token count, and the data order
+depends on the global batch only."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_two_processes_equal_one_with_the_same_global_batch(tiny_target_path, tmp_path):
+    common = [
+        str(ROOT / "train" / "distill.py"), f"target={tiny_target_path}", "max_steps=4",
+        "eval_every=2", "eval_batches=2", "save_every=0", "data.max_samples=20",
+        "data.max_length=32", "warmup_steps=1", "grad_accum=2", "seed=1",
+    ]  # fmt: skip
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    _run(
+        [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", *common,
+         "micro_batch_size=2", f"output_dir={tmp_path / 'two'}"],
+        tmp_path,
+    )  # fmt: skip
+    _run(
+        [sys.executable, *common, "micro_batch_size=4", f"output_dir={tmp_path / 'one'}"], tmp_path
+    )
+
+    one, two = (
+        json.loads((tmp_path / d / "checkpoint-4" / "trainer_state.json").read_text())
+        for d in ("one", "two")
+    )
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert [e["tau"] for e in two["evals"]] == pytest.approx(
+        [e["tau"] for e in one["evals"]], rel=1e-6
+    )
+    assert one["evals"][-1]["tau"] > one["evals"][0]["tau"]  # training moved the weights
+    a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("one", "two"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] - b[k]).abs().max().item() < 1e-5, k
