@@ -23,7 +23,6 @@ processes sees the same global batch, weighted by the same token count, as one p
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import io
 import json
@@ -42,6 +41,7 @@ from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from specdraft.drafters import checkpoint
@@ -191,7 +191,17 @@ class _Run:
         if not train_examples:
             raise ValueError("no training examples: check the data section of the config")
         self.cfg = cfg
-        self.acc = Accelerator(mixed_precision=cfg.mixed_precision, cpu=_force_cpu())
+        self.acc = Accelerator(
+            mixed_precision=cfg.mixed_precision,
+            gradient_accumulation_steps=cfg.grad_accum,
+            cpu=_force_cpu(),
+        )
+        if self.acc.distributed_type == DistributedType.DEEPSPEED:
+            # There is no DataLoader for accelerate to read these from; the config is the truth.
+            ds = self.acc.state.deepspeed_plugin.deepspeed_config
+            ds["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
+            ds["gradient_accumulation_steps"] = cfg.grad_accum
+            ds["gradient_clipping"] = cfg.max_grad_norm
         self.main = self.acc.is_main_process
         self.world = self.acc.num_processes
         self.rank = self.acc.process_index
@@ -316,7 +326,7 @@ class _Run:
         loss_sum = torch.zeros((), device=acc.device)
         metric_sums: dict[str, torch.Tensor] = {}
         target_time = 0.0
-        for micro, (batch, count) in enumerate(zip(batches, counts, strict=True)):
+        for batch, count in zip(batches, counts, strict=True):
             t0 = time.perf_counter()
             with acc.autocast():
                 target_out = self.target.forward(
@@ -325,21 +335,20 @@ class _Run:
                 )  # fmt: skip
             _sync(acc.device)
             target_time += time.perf_counter() - t0
-            last = micro == cfg.grad_accum - 1
-            with acc.no_sync(self.model) if not last else contextlib.nullcontext():
+            # accumulate() syncs gradients (DDP all-reduce, DeepSpeed step) on the last
+            # micro-batch only; backward divides by grad_accum, which the weight undoes.
+            with acc.accumulate(self.model):
                 with acc.autocast():
                     loss, metrics = self.model(batch, target_out)
-                acc.backward(loss * count / global_tokens * self.world)
+                acc.backward(loss * (count / global_tokens * self.world * cfg.grad_accum))
             loss_sum += loss.detach().float() * count
             for k, v in metrics.items():
                 metric_sums[k] = metric_sums.get(k, 0) + v.detach().float() * count
 
         total = acc.reduce(loss_sum, reduction="sum") / global_tokens
-        if cfg.max_grad_norm > 0:
-            grad_norm = acc.clip_grad_norm_(self.params, cfg.max_grad_norm)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, float("inf"))
-        grad_norm = float(grad_norm)
+        # (DeepSpeed clips inside its own step and reports the norm it saw.)
+        grad_norm = acc.clip_grad_norm_(self.params, cfg.max_grad_norm or float("inf"))
+        grad_norm = float(grad_norm) if grad_norm is not None else 0.0
         if not (math.isfinite(float(total)) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLossError(
