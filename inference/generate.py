@@ -213,10 +213,9 @@ def _start_session(target, drafter, sampling, generator, gamma, topk, dynamic_ga
 
 
 def _eos_ids(target: Target) -> set[int]:
-    """The target's EOS ids (its generation config first, as transformers' generate does)."""
-    eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = getattr(target.config, "eos_token_id", None)
+    """The target's EOS ids: its generation config's, as transformers' generate uses."""
+    config = getattr(target.model, "generation_config", None) or target.config
+    eos = config.eos_token_id
     if eos is None:
         return set()
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}

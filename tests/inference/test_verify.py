@@ -8,6 +8,7 @@ import functools
 
 import pytest
 import torch
+from spec_helpers import chi_square_p_value
 
 from specdraft.drafters.base import DraftTree, SamplingSettings
 from specdraft.inference.tree import path_to
@@ -122,16 +123,6 @@ def emit_two(draft, top_p: float, gen: torch.Generator, verify=verify_sampling) 
         path, nxt = verify(tree, torch.stack(rows), gen)
         emitted += [tokens[i] for i in path] + [nxt]
     return emitted[0], emitted[1]
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Upper-tail p-value of Pearson's chi-square; cells the target never emits must be empty."""
-    assert counts[probs == 0].sum() == 0, "emitted a token the target gives probability 0"
-    keep = probs > 0
-    expected = probs[keep] * counts.sum()
-    stat = ((counts[keep] - expected) ** 2 / expected).sum()
-    df = torch.tensor(float(keep.sum() - 1))
-    return float(torch.special.gammaincc(df / 2, stat / 2))
 
 
 def joint_counts(draft, top_p, seed, verify=verify_sampling):

@@ -1,0 +1,225 @@
+"""The loop end to end: greedy output equals transformers' greedy `generate` for every drafter
+(identical, partly agreeing, unrelated; chains and trees; prompt lookup), EOS and max_new_tokens
+inside a draft, one-token prompts; sampled output follows the target's distribution; bad input is
+a clear error. Every run checks that drafting happened, so none passes vacuously."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from spec_helpers import chi_square_p_value, make_target, perturbed, tiny_llama
+
+from specdraft.drafters.distill import DistillDrafter
+from specdraft.inference import generate
+
+PROMPT = [5, 17, 42, 99, 7, 230]
+
+
+def hf_greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = target.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("topk", [1, 3], ids=["chain", "tree"])
+@pytest.mark.parametrize("draft", ["copy", "partial", "random"])
+def test_greedy_equals_plain_greedy(random_target, drafts, draft, topk):
+    ref = hf_greedy(random_target, PROMPT, 24)
+    out = generate(random_target, PROMPT, drafts[draft], max_new_tokens=24, gamma=4, topk=topk)
+    assert out.tokens[0].tolist() == ref
+    s = out.stats
+    assert s.drafted > 0 and s.new_tokens == 24
+    if draft != "random":
+        assert s.accepted > 0
+    if draft == "partial":
+        assert s.accepted < s.drafted and s.target_passes < 24
+    assert s.tau == pytest.approx(24 / s.target_passes)
+
+
+def test_a_copy_of_the_target_accepts_every_draft(random_target, drafts):
+    gamma = 4
+    out = generate(
+        random_target, PROMPT, drafts["copy"], max_new_tokens=3 * (gamma + 1), gamma=gamma
+    )
+    s = out.stats
+    assert out.tokens[0].tolist() == hf_greedy(random_target, PROMPT, 3 * (gamma + 1))
+    assert s.tau == gamma + 1 and s.target_passes == 3
+    assert s.accepted == s.drafted == 3 * gamma
+    assert s.acceptance_per_position == [1.0] * gamma
+    assert s.drafter_params > 0 and s.drafter_kv_bytes > 0
+
+
+def test_plain_decoding_through_the_loop(random_target):
+    out = generate(random_target, PROMPT, None, max_new_tokens=16)
+    assert out.tokens[0].tolist() == hf_greedy(random_target, PROMPT, 16)
+    assert out.stats.tau == 1.0 and out.stats.drafted == 0 and out.stats.target_passes == 16
+
+
+def test_dynamic_gamma_is_still_exact(random_target, drafts):
+    ref = hf_greedy(random_target, PROMPT, 30)
+    for name in ("copy", "partial"):
+        out = generate(random_target, PROMPT, drafts[name], max_new_tokens=30, dynamic_gamma=True)
+        assert out.tokens[0].tolist() == ref
+        assert out.stats.drafted > 0 and out.stats.accepted > 0
+    # a draft that is always right grows gamma: later drafts are deeper than the first
+    copy_run = generate(
+        random_target, PROMPT, drafts["copy"], max_new_tokens=30, gamma=2, dynamic_gamma=True
+    )
+    assert len(copy_run.stats.acceptance_per_position) > 2
+
+
+def test_prompt_lookup_is_exact_and_drafts_from_the_context(tiny_target):
+    # the tiny demo target repeats itself, which is what prompt lookup feeds on
+    prompt = tiny_target.tokenizer("def foo(x):\n    return x\n", return_tensors="pt").input_ids
+    ref = tiny_target.model.generate(prompt, max_new_tokens=40, do_sample=False)
+    out = generate(tiny_target, prompt, "prompt_lookup", max_new_tokens=40)
+    n = out.tokens.shape[1]
+    assert out.tokens[0].tolist() == ref[0, prompt.shape[1] : prompt.shape[1] + n].tolist()
+    assert out.stats.drafted > 0 and out.stats.accepted > 0
+
+
+@pytest.mark.parametrize("topk", [1, 3], ids=["chain", "tree"])
+def test_max_new_tokens_inside_a_draft(random_target, drafts, topk):
+    # gamma 5 with a perfect draft emits 6 per pass: 8 ends inside the second draft
+    out = generate(random_target, PROMPT, drafts["copy"], max_new_tokens=8, gamma=5, topk=topk)
+    assert out.tokens[0].tolist() == hf_greedy(random_target, PROMPT, 8)
+    assert out.stats.new_tokens == 8 and out.stats.accepted > 0
+
+
+@pytest.mark.parametrize("topk", [1, 3], ids=["chain", "tree"])
+def test_eos_inside_a_draft_ends_the_output(random_target, drafts, topk):
+    ref = hf_greedy(random_target, PROMPT, 20)
+    eos = ref[8]  # falls inside the second draft of a perfect gamma-5 drafter
+    first = ref.index(eos)
+    config = random_target.model.generation_config
+    config.eos_token_id = [383, eos]  # a list, as many chat models have
+    try:
+        out = generate(random_target, PROMPT, drafts["copy"], max_new_tokens=20, gamma=5, topk=topk)
+        hf = hf_greedy(random_target, PROMPT, 20)
+    finally:
+        config.eos_token_id = None
+    assert out.tokens[0].tolist() == ref[: first + 1] == hf[: first + 1]
+    assert out.stats.drafted > 0 and out.stats.accepted > 0
+
+
+@pytest.mark.parametrize("drafter", ["copy", "prompt_lookup"])
+def test_one_token_prompt(random_target, drafts, drafter):
+    draft = drafts.get(drafter, drafter)
+    out = generate(random_target, [42], draft, max_new_tokens=20, gamma=3)
+    assert out.tokens[0].tolist() == hf_greedy(random_target, [42], 20)
+    assert out.stats.drafted > 0 and out.stats.accepted > 0
+
+
+def test_the_trained_tiny_target_and_its_copy(tiny_target):
+    ids = tiny_target.tokenizer("import os\n", return_tensors="pt").input_ids
+    ref = tiny_target.model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :]
+    out = generate(
+        tiny_target,
+        ids,
+        DistillDrafter(copy.deepcopy(tiny_target.model)),
+        max_new_tokens=12,
+        gamma=3,
+    )
+    assert out.tokens[0].tolist() == ref.tolist()[: out.tokens.shape[1]]
+    assert out.stats.drafted > 0 and out.stats.accepted > 0
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+V = 6
+SAMPLES = 1500
+FALSE_ALARM = 1e-3  # the chance that a correct sampler fails one test
+
+
+@pytest.fixture(scope="module")
+def small_vocab():
+    """A random target over 6 tokens and two drafts: a noisy copy and an unrelated model."""
+    target = make_target(tiny_llama(V, seed=3, hidden=16, layers=1, init=0.5))
+    return target, {"noisy": perturbed(target.model, 0.3, seed=4), "other": tiny_llama(V, 5, 16, 1)}
+
+
+def exact_joint(target, prompt, temperature, top_p) -> torch.Tensor:
+    """(V, V) the target's probability of each first two tokens, after processing."""
+    from specdraft.drafters.base import SamplingSettings
+    from specdraft.inference.verify import process_logits
+
+    settings = SamplingSettings(temperature=temperature, top_p=top_p)
+    with torch.no_grad():
+        first = process_logits(target.model(torch.tensor([prompt])).logits[0, -1], settings)
+        nxt = torch.stack(
+            [target.model(torch.tensor([[*prompt, y]])).logits[0, -1] for y in range(V)]
+        )
+    return first[:, None] * process_logits(nxt, settings)
+
+
+@pytest.mark.parametrize(
+    ("draft", "topk", "top_p"),
+    [("noisy", 1, 1.0), ("noisy", 2, 1.0), ("other", 1, 0.8), ("noisy", 2, 0.8)],
+    ids=["chain", "tree", "chain-top_p", "tree-top_p"],
+)
+def test_sampled_output_follows_the_target(small_vocab, draft, topk, top_p):
+    """Chi-square on the joint of the first two tokens over SAMPLES seeds (FALSE_ALARM)."""
+    target, drafts = small_vocab
+    prompt = [1, 2, 3]
+    counts = torch.zeros(V, V)
+    drafted = accepted = 0
+    for seed in range(SAMPLES):
+        out = generate(
+            target,
+            prompt,
+            drafts[draft],
+            max_new_tokens=2,
+            temperature=1.3,
+            top_p=top_p,
+            seed=seed,
+            gamma=2,
+            topk=topk,
+        )
+        y1, y2 = out.tokens[0].tolist()
+        counts[y1, y2] += 1
+        drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
+    assert drafted > 0 and accepted > 0
+    exact = exact_joint(target, prompt, 1.3, top_p)
+    assert chi_square_p_value(counts.flatten(), exact.flatten()) > FALSE_ALARM
+
+
+def test_sampling_is_reproducible(random_target, drafts):
+    runs = [
+        generate(
+            random_target, PROMPT, drafts["partial"], max_new_tokens=12, temperature=1.0, seed=s
+        )
+        .tokens[0]
+        .tolist()
+        for s in (7, 7, 8)
+    ]
+    assert runs[0] == runs[1] != runs[2]
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+def test_bad_input_is_a_clear_error(random_target, drafts):
+    t, d = random_target, drafts["copy"]
+    cases = [
+        (dict(input_ids=[]), "prompt is empty"),
+        (dict(input_ids=list(range(1, 250)), max_new_tokens=10), "exceeds the target's 256"),
+        (dict(max_new_tokens=0), "max_new_tokens must be"),
+        (dict(temperature=-0.5), "temperature must be >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(drafter=tiny_llama(100, seed=6)), "vocabulary of 100 tokens"),
+        (dict(drafter="medusa-please"), "unknown drafter"),
+    ]
+    for kwargs, message in cases:
+        call = dict(input_ids=PROMPT, drafter=d, max_new_tokens=4) | kwargs
+        with pytest.raises(ValueError, match=message):
+            generate(t, call.pop("input_ids"), **call)
+
+
+def test_a_drafter_trained_for_another_target_is_refused(random_target, drafts):
+    drafter = DistillDrafter(drafts["copy"])
+    drafter.target_fingerprint = dict(random_target.fingerprint, hidden_size=4096)
+    with pytest.raises(ValueError, match=r"another target.*hidden_size"):
+        generate(random_target, PROMPT, drafter, max_new_tokens=4)
