@@ -1,0 +1,634 @@
+"""EAGLE heads: a one-layer draft model that runs on the target's own hidden states.
+
+EAGLE-1/2 (Li et al. 2024): the feature f_t (the target's final normed hidden state at t) and the
+embedding of the next token x_{t+1} are projected to one vector (fc), pass one decoder layer, and
+the output h_t predicts the next feature f_{t+1}; the target's frozen LM head turns h_t into the
+draft distribution over x_{t+2}. EAGLE-3 (Li et al. 2025) fuses a low, a middle and a high layer of
+the target into the feature (fc_fuse), drops the feature regression, trains with a training-time
+test (the head unrolled K steps on its own outputs) and drafts from its own LM head over a reduced
+draft vocabulary (the most frequent target tokens).
+
+Read top to bottom: the config, the draft vocabulary, the module, the loss (training-time test)
+and acceptance, and the drafting session (chain and EAGLE-2 dynamic tree) the inference loop
+drives. The decoder layer and rotary embedding are the target's own classes, built from a copy of
+its config, so every Llama-style family works without vendored modeling code.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+from specdraft.drafters.base import DraftContext, Drafter, DraftTree, SamplingSettings
+from specdraft.inference.cache import kv_bytes
+from specdraft.inference.verify import process_logits
+
+# --- config ------------------------------------------------------------------------------------
+
+
+def _choice(*choices: str):
+    # The trainer's config checker (train/config.py) reads `choices` from field metadata.
+    return field(default=choices[0], metadata={"choices": choices})
+
+
+@dataclass
+class EagleConfig:
+    # eagle3: fused low/mid/high features, training-time test, reduced draft vocabulary |
+    # eagle1: the final feature, feature regression + cross-entropy, the target's LM head.
+    version: str = _choice("eagle3", "eagle1")
+    # eagle3: the target hidden-state ids fused into the feature (0 = embeddings, i = output of
+    # decoder layer i, L = final normed state); None: EAGLE-3's low/mid/high choice for the target.
+    feature_layers: list[int] | None = None
+    # eagle3: size of the draft vocabulary (the most frequent target tokens in the training
+    # data, EOS always in); 0: the target's whole vocabulary.
+    draft_vocab_size: int = 0
+    # Training-time test depth K: the head is unrolled K steps on its own outputs.
+    # None: 7 for eagle3, 1 for eagle1 (the EAGLE-1 paper trains one step with feature noise).
+    ttt_steps: int | None = None
+    # Step k of the unroll is weighted ttt_decay ** k.
+    ttt_decay: float = 0.8
+    # Half-width a of the uniform noise U(-a, a) added to the input features while training
+    # (EAGLE-1's remedy for the error that accumulates in drafted features).
+    feature_noise: float = 0.0
+    # eagle1: weight of the smooth-L1 regression of h_t onto the next target feature.
+    reg_weight: float = 1.0
+    # eagle1: weight of the cross-entropy against the target's distribution (eagle3 has only it).
+    cls_weight: float = 0.1
+    # Decoding: draft depth (a chain drafts this many tokens; the tree grows this many levels).
+    # Also the depth of the simulated tau reported during training.
+    tree_depth: int = 5
+    # Decoding: children per expanded node and nodes expanded per level of the dynamic tree;
+    # 1 drafts a chain.
+    tree_top_k: int = 4
+    # Decoding: draft tokens verified per step (the tree is reranked down to this many). On a
+    # CPU a 16-token verification costs ~1.8 plain steps and a 64-token one 3.6, so the demo
+    # keeps the tree small; GPUs afford 60+.
+    tree_budget: int = 12
+
+    def __post_init__(self) -> None:
+        if self.ttt_steps is None:
+            self.ttt_steps = 7 if self.version == "eagle3" else 1
+        for key, low in (("ttt_steps", 1), ("tree_depth", 1), ("tree_top_k", 1),
+                         ("tree_budget", 1), ("draft_vocab_size", 0)):  # fmt: skip
+            if getattr(self, key) < low:
+                raise ValueError(f"drafter.{key} must be >= {low}; got {getattr(self, key)}")
+        if not 0 < self.ttt_decay <= 1:
+            raise ValueError(f"drafter.ttt_decay must be in (0, 1]; got {self.ttt_decay}")
+        if self.feature_noise < 0 or self.reg_weight < 0 or self.cls_weight < 0:
+            raise ValueError("drafter.feature_noise, reg_weight and cls_weight must be >= 0")
+        if self.version == "eagle1" and self.reg_weight == 0 and self.cls_weight == 0:
+            raise ValueError("drafter.reg_weight and cls_weight are both 0: eagle1 trains nothing")
+        if self.feature_layers is not None and len(self.feature_layers) != 3:
+            raise ValueError(
+                f"drafter.feature_layers must name 3 target layers (low, mid, high); got "
+                f"{self.feature_layers}"
+            )
+
+
+def default_feature_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high choice: outputs of layers 2, L // 2 and L - 3; spread over what
+    exists when the target is too shallow for that (L < 8)."""
+    if num_layers >= 8:
+        return [2, num_layers // 2, num_layers - 3]
+    return [1, max(1, num_layers // 2), max(1, num_layers - 1)]
+
+
+def resolve_config(config: EagleConfig, target) -> EagleConfig:
+    """A copy of `config` with the target-dependent defaults filled in, or a clear error."""
+    config = copy.deepcopy(config)
+    if config.version == "eagle3":
+        layers = config.feature_layers or default_feature_layers(target.num_layers)
+        config.feature_layers = target.check_layer_ids(layers)
+        if config.draft_vocab_size > target.vocab_size:
+            raise ValueError(
+                f"drafter.draft_vocab_size={config.draft_vocab_size} is larger than the target "
+                f"{target.name!r}'s vocabulary ({target.vocab_size} tokens); use at most "
+                f"{target.vocab_size}, or 0 for the whole vocabulary"
+            )
+    else:
+        config.feature_layers = None
+        config.draft_vocab_size = 0  # eagle1 drafts through the target's own LM head
+    return config
+
+
+# --- draft vocabulary --------------------------------------------------------------------------
+
+
+def build_draft_vocab(
+    examples_or_counts: Iterable | torch.Tensor,
+    size: int,
+    vocab_size: int,
+    *,
+    always: Iterable[int] = (),
+) -> torch.Tensor:
+    """The draft vocabulary d2t: (size,) target ids, ascending, of the most frequent tokens.
+
+    `examples_or_counts` is either a (vocab_size,) tensor of token counts or training examples
+    (with `input_ids` and `loss_mask`; the tokens the head will be trained to predict are
+    counted). `always` (the EOS ids) are included whatever their count, so the head can end a
+    draft. Ties go to the lower id, so the result is deterministic.
+    """
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"draft vocabulary size {size} must be in 1..{vocab_size}")
+    if isinstance(examples_or_counts, torch.Tensor):
+        counts = examples_or_counts.double().flatten()
+        if counts.numel() != vocab_size:
+            raise ValueError(f"token counts have {counts.numel()} entries, vocab is {vocab_size}")
+    else:
+        counts = torch.zeros(vocab_size, dtype=torch.double)
+        for e in examples_or_counts:
+            ids = torch.as_tensor(e.input_ids, dtype=torch.long)
+            keep = torch.as_tensor(e.loss_mask, dtype=torch.bool)
+            counts += torch.bincount(ids[keep], minlength=vocab_size).double()
+    always = sorted({int(i) for i in always if 0 <= int(i) < vocab_size})
+    if len(always) > size:
+        raise ValueError(f"draft vocabulary size {size} cannot hold the {len(always)} EOS ids")
+    score = counts.clone()
+    score[always] = float("inf")
+    # stable sort on -count keeps ascending ids among equal counts
+    order = torch.sort(-score, stable=True).indices
+    return torch.sort(order[:size]).values
+
+
+# --- module ------------------------------------------------------------------------------------
+
+
+class EagleDrafter(Drafter):
+    """The EAGLE head. The target's embedding (and, for eagle1, LM head) are used, not owned:
+    `self.target` is a plain attribute, so they are neither trained nor saved."""
+
+    kind = "eagle"
+    config_class = EagleConfig
+    shared_with_target: tuple[str, ...] = ()
+
+    def __init__(self, config: EagleConfig, target, d2t: torch.Tensor | None = None) -> None:
+        super().__init__()
+        config = resolve_config(config, target)
+        self.config = config
+        self.target = target  # not an nn.Module: not registered, not saved
+        self.target_fingerprint: dict | None = None
+        H, V = target.hidden_size, target.vocab_size
+        L = target.num_layers
+        # eagle1 needs the final normed feature; eagle3 the three fused layers.
+        self.capture_layers: list[int] = (
+            list(config.feature_layers) if config.version == "eagle3" else [L]
+        )
+
+        layer_config = copy.deepcopy(target.config)
+        layer_config.num_hidden_layers = 1
+        if getattr(layer_config, "layer_types", None) is not None:
+            layer_config.layer_types = layer_config.layer_types[:1]
+        self.layer = type(target.layers[0])(layer_config, layer_idx=0)
+        self.rotary = type(target.model.model.rotary_emb)(config=layer_config)
+        norm_class = type(target.norm)
+        eps = getattr(target.config, "rms_norm_eps", 1e-6)
+        if config.version == "eagle1":
+            self.fc = nn.Linear(2 * H, H, bias=True)
+        else:
+            self.fc_fuse = nn.Linear(3 * H, H, bias=False)
+            self.embed_norm = norm_class(H, eps=eps)
+            self.feature_norm = norm_class(H, eps=eps)
+            self.fc_in = nn.Linear(2 * H, H, bias=False)
+            self.final_norm = norm_class(H, eps=eps)
+            Vd = config.draft_vocab_size or V
+            if d2t is None:
+                d2t = torch.arange(Vd)
+            if d2t.shape != (Vd,):
+                raise ValueError(f"d2t has shape {tuple(d2t.shape)}; the config says ({Vd},)")
+            self.lm_head = nn.Linear(H, Vd, bias=False)
+            t2d = torch.full((V,), -1, dtype=torch.long)
+            t2d[d2t] = torch.arange(Vd)
+            # draft id -> target id, and target id -> draft id (-1: not in the draft vocabulary)
+            self.register_buffer("d2t", d2t.long().clone())
+            self.register_buffer("t2d", t2d)
+            with torch.no_grad():  # start from the target's LM head rows: training starts close
+                self.lm_head.weight.copy_(target.model.get_output_embeddings().weight[d2t].float())
+
+    @classmethod
+    def build(cls, config: EagleConfig, target, d2t: torch.Tensor | None = None) -> EagleDrafter:
+        return cls(config, target, d2t)
+
+    @classmethod
+    def from_checkpoint(cls, config: EagleConfig, target, hf_model) -> EagleDrafter:
+        # d2t/t2d are placeholders here; load_drafter fills them from model.safetensors.
+        return cls(config, target)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return (
+            self.lm_head.out_features if self.config.version == "eagle3" else self.target.vocab_size
+        )
+
+    def new_session(self, target, **options) -> EagleSession:
+        """Per-call drafting state for the inference loop (see the session section below)."""
+        return EagleSession(self, target, **options)
+
+    # The three pieces every use (training, acceptance, drafting) is built from.
+
+    def fuse(self, hidden_states: Mapping[int, torch.Tensor]) -> torch.Tensor:
+        """The target's hidden states at `capture_layers` -> (batch, seq, hidden) features."""
+        dtype = self.layer.input_layernorm.weight.dtype
+        if self.config.version == "eagle1":
+            return hidden_states[self.capture_layers[0]].to(dtype)
+        low_mid_high = [hidden_states[i].to(dtype) for i in self.capture_layers]
+        return self.fc_fuse(torch.cat(low_mid_high, dim=-1))  # (batch, seq, hidden)
+
+    def step(
+        self,
+        tokens: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: DynamicCache | None,
+    ) -> torch.Tensor:
+        """One head pass: (batch, n) next tokens + (batch, n, hidden) features of the positions
+        before them -> (batch, n, hidden) h, the predicted next features. `attention_mask` is a
+        float 4D mask (batch, 1, n, cached + n); the keys are appended to `cache`."""
+        x = self.layer_input(tokens, features)
+        cos_sin = self.rotary(x, positions)
+        out = self.layer(
+            x, attention_mask=attention_mask, position_ids=positions, cache=cache,
+            use_cache=cache is not None, position_embeddings=cos_sin,
+        )  # fmt: skip
+        return out[0] if isinstance(out, tuple) else out
+
+    def layer_input(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """(batch, n) tokens + (batch, n, hidden) features -> (batch, n, hidden) layer input."""
+        emb = self.target.embed(tokens).to(features.dtype)  # (batch, n, hidden)
+        if self.config.version == "eagle1":
+            return self.fc(torch.cat([emb, features], dim=-1))
+        return self.fc_in(torch.cat([self.embed_norm(emb), self.feature_norm(features)], dim=-1))
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (..., draft vocab) logits (the target's vocab for eagle1)."""
+        if self.config.version == "eagle1":
+            return self.target.lm_head(h.to(self.target.dtype)).to(h.dtype)
+        return self.lm_head(self.final_norm(h))
+
+    def forward(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, dict]:
+        """The training loss (the trainer calls the module, so DDP sees the forward)."""
+        return self.loss(batch, target_out)
+
+    # --- loss: training-time test ----------------------------------------------------------------
+
+    def unroll(
+        self, batch: Mapping[str, torch.Tensor], target_out, steps: int
+    ) -> list[dict[str, torch.Tensor]]:
+        """Run the head `steps` steps on its own outputs, all positions at once.
+
+        Step k at position t (t < S = seq - 1) takes token x_{t+1+k} and, as feature, the target's
+        f_t for k = 0, else the head's own h from step k - 1 at t; it attends to step 0's keys at
+        positions <= t and to steps 1..k at t only (exactly what the head's KV cache holds while
+        drafting), at position id t + k. Its target is the target's distribution at t + 1 + k.
+        Returns per step: h (batch, S, hidden), logits (batch, S, draft vocab), p_logits
+        (batch, S, vocab), valid (batch, S) bool, and the next true feature (batch, S, hidden).
+        """
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        B, T = input_ids.shape
+        S = T - 1
+        features = self.fuse(target_out.hidden_states)  # (batch, T, hidden)
+        feature = features[:, :S]
+        if self.training and self.config.feature_noise > 0:
+            a = self.config.feature_noise
+            feature = feature + (torch.rand_like(feature) * 2 - 1) * a
+        device, dtype = feature.device, feature.dtype
+        t = torch.arange(S, device=device)
+        causal = t[None, :] <= t[:, None]  # (S, S)
+        eye = torch.eye(S, dtype=torch.bool, device=device)
+        cache = DynamicCache()
+        out = []
+        for k in range(steps):
+            idx = (t + 1 + k).clamp(max=T - 1)  # (S,) token / target position; clamped = invalid
+            nxt = t + 2 + k  # the token position the step predicts
+            valid = (nxt < T)[None, :] & loss_mask[:, nxt.clamp(max=T - 1)]  # (B, S)
+            allowed = torch.cat([causal] + [eye] * k, dim=1)  # (S, (k + 1) S)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+            mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None].expand(
+                B, 1, -1, -1
+            )
+            positions = (t + k)[None].expand(B, S)
+            h = self.step(input_ids[:, idx], feature, positions, mask, cache)  # (B, S, hidden)
+            out.append({
+                "h": h,
+                "logits": self.draft_logits(h),
+                "p_logits": target_out.logits[:, idx],
+                "valid": valid,
+                "next_feature": features[:, idx],
+            })  # fmt: skip
+            feature = h
+        return out
+
+    def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, dict]:
+        """sum_k ttt_decay^k * (mean over step k's valid positions of its loss).
+
+        eagle3: soft cross-entropy to the target distribution restricted (and renormalised) to
+        the draft vocabulary; positions whose target argmax is outside it are masked.
+        eagle1: reg_weight * smooth-L1(h, next feature) + cls_weight * soft cross-entropy to p.
+        """
+        cfg = self.config
+        total = None
+        metrics: dict[str, torch.Tensor] = {}
+        for k, s in enumerate(self.unroll(batch, target_out, cfg.ttt_steps)):
+            step_loss, acc = self._step_loss(s)
+            total = (
+                step_loss * cfg.ttt_decay**k
+                if total is None
+                else total + step_loss * cfg.ttt_decay**k
+            )
+            metrics[f"loss_{k}"] = step_loss.detach()
+            metrics[f"top1_{k}"] = acc.detach()
+        return total, metrics
+
+    def _step_loss(self, s: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean loss, top-1 agreement) of one unrolled step over its valid positions."""
+        cfg = self.config
+        p_logits = s["p_logits"].float()  # (B, S, V)
+        valid = s["valid"]
+        if cfg.version == "eagle3":
+            # the target's argmax must be draftable, else the restricted target is meaningless
+            valid = valid & (self.t2d[p_logits.argmax(-1)] >= 0)
+            p_logits = p_logits.index_select(-1, self.d2t)  # (B, S, Vd): restricted
+        log_q = F.log_softmax(s["logits"].float(), dim=-1)
+        p = F.softmax(p_logits, dim=-1)
+        ce = -(p * log_q).sum(-1)  # (B, S)
+        n = valid.sum().clamp(min=1)
+        w = valid.float()
+        agree = ((log_q.argmax(-1) == p_logits.argmax(-1)).float() * w).sum() / n
+        if cfg.version == "eagle3":
+            return (ce * w).sum() / n, agree
+        reg = F.smooth_l1_loss(s["h"].float(), s["next_feature"].float(), reduction="none").mean(-1)
+        return ((cfg.reg_weight * reg + cfg.cls_weight * ce) * w).sum() / n, agree
+
+    @torch.no_grad()
+    def acceptance(
+        self, batch: Mapping[str, torch.Tensor], target_out
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(alpha summed, count) per draft depth 1..tree_depth, unrolled on the head's own outputs.
+
+        alpha = sum_x min(p(x), q(x)) with p the target softmax over the full vocabulary and q
+        the draft softmax mapped to it through d2t (tokens outside the draft vocabulary get 0).
+        """
+        sums, counts = [], []
+        for s in self.unroll(batch, target_out, self.config.tree_depth):
+            p = F.softmax(s["p_logits"].float(), dim=-1)  # (B, S, V)
+            q_draft = F.softmax(s["logits"].float(), dim=-1)
+            if self.config.version == "eagle3":
+                q = torch.zeros_like(p).index_copy_(-1, self.d2t, q_draft)
+            else:
+                q = q_draft
+            alpha = torch.minimum(p, q).sum(-1)  # (B, S)
+            sums.append((alpha * s["valid"]).sum())
+            counts.append(s["valid"].sum().float())
+        return torch.stack(sums), torch.stack(counts)
+
+
+# --- session (inference): chain and EAGLE-2 dynamic tree ---------------------------------------
+
+
+class EagleSession:
+    """One generate call's drafting state: the head's KV cache and the target features it needs.
+
+    Contract with the inference loop (beyond `DraftSession`):
+
+    - `capture_layers: list[int]`: the target hidden-state ids the session needs; every
+      verification forward must capture them (`Target.forward(..., capture_layers=...)`).
+    - `accept(path, hidden_states)` after EVERY verification forward, also when the tree was
+      empty (the first step, which verifies the prompt, and steps at the end of generation).
+      `hidden_states[layer]` is (batch, pending + n, hidden): every position of that forward in
+      order, i.e. the pending tokens (the whole prompt at first, then the root = the context's
+      last token), then the n tree nodes in tree order. With one pending token this is
+      (batch, n + 1, hidden) with index 0 the root. `prefill(hidden_states)` is the same call for
+      a prompt forward with no tree.
+    - The first `propose` returns an empty tree (no features yet); the loop's first forward is
+      then a plain prefill whose hidden states go to `accept([], hidden_states)`.
+
+    State: the head's cache holds one entry per pair (f_t, x_{t+1}) for t < `fed`, built from the
+    target's true features; tree entries drafted from predicted features are cropped on accept
+    and the accepted tokens are re-fed with their true features at the next proposal (in the same
+    head call as the first draft level, so it costs no extra call).
+
+    Drafting: a chain (tree_top_k = 1) takes the argmax (greedy) or samples from q, recording q
+    for lossless verification. A tree is EAGLE-2's dynamic tree: each level expands the top_k
+    nodes of the newest level by cumulative draft log-probability into their top_k children,
+    and the whole tree is reranked to `tree_budget` nodes. Tree children are deterministic (point
+    masses, q = None) also when sampling: the rerank keeps or drops a node by its own token's
+    probability, so a sampled child that survived it would no longer be distributed as q.
+    """
+
+    def __init__(
+        self,
+        drafter: EagleDrafter,
+        target,
+        *,
+        sampling: SamplingSettings,
+        generator: torch.Generator | None = None,
+        tree_depth: int | None = None,
+        tree_top_k: int | None = None,
+        tree_budget: int | None = None,
+        **_ignored,
+    ) -> None:
+        from specdraft.drafters.target import fingerprint_differences
+
+        if drafter.target_fingerprint is not None:
+            diffs = fingerprint_differences(drafter.target_fingerprint, target.fingerprint)
+            if diffs:
+                raise ValueError(
+                    f"this EAGLE head was trained for another target: {'; '.join(diffs)}"
+                )
+        cfg = drafter.config
+        self.head = drafter
+        self.sampling = sampling
+        self.generator = generator
+        self.depth = tree_depth or cfg.tree_depth
+        self.top_k = tree_top_k or cfg.tree_top_k
+        self.budget = tree_budget or cfg.tree_budget
+        self.capture_layers: list[int] = list(drafter.capture_layers)
+        self.cache = DynamicCache()
+        self.fed = 0  # pairs (f_t, x_{t+1}) in the head's cache: t = 0 .. fed - 1
+        self.features: torch.Tensor | None = None  # (batch, m, hidden): f_fed .. f_{fed+m-1}
+        self._base = 0  # context length at the last proposal
+        self._n = 0  # nodes of the last proposed tree
+        self._waiting = False  # a proposal whose accept has not come yet
+
+    @property
+    def _known(self) -> int:
+        return self.fed + (0 if self.features is None else self.features.shape[1])
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext) -> DraftTree:
+        if self._waiting:
+            raise RuntimeError(
+                "EagleSession.propose was called twice without accept(path, hidden_states) in "
+                "between: the loop must pass the verification forward's hidden states at "
+                f"{self.capture_layers} after every step, also when the tree was empty"
+            )
+        seq = context.tokens  # (batch, length)
+        length = seq.shape[1]
+        self._base, self._waiting = length, True
+        depth = min(self.depth, context.max_depth)
+        if self._known < length - 1 or depth <= 0:  # no features yet (before the prefill)
+            self._n = 0
+            return DraftTree.empty(seq.shape[0], seq.device)
+        # 1. Feed the pairs with true features not yet in the head's cache; the last output
+        # (t = length - 2, token = the root) drafts level 1.
+        n_new = length - 1 - self.fed
+        feats = self.features[:, :n_new]
+        tokens = seq[:, self.fed + 1 : length].to(feats.device)
+        positions = torch.arange(self.fed, length - 1, device=feats.device)[None]
+        mask = self._mask(torch.ones(n_new, n_new, dtype=torch.bool).tril(), self.fed, feats.dtype)
+        h = self.head.step(tokens, feats, positions, mask, self.cache)[:, -1:]  # (batch, 1, hidden)
+        self.fed, self.features = length - 1, self.features[:, n_new:]
+        tree = self._chain(h, depth) if self.top_k == 1 else self._tree(h, depth)
+        self._n = len(tree)
+        return tree
+
+    def _mask(self, allowed_new: torch.Tensor, past: int, dtype) -> torch.Tensor:
+        """(1, 1, n, past + n) float mask: the cache's first `past` entries are visible to all;
+        entries past them follow `allowed_new` (n, cache_len - past)."""
+        n = allowed_new.shape[0]
+        allowed = torch.cat([torch.ones(n, past, dtype=torch.bool), allowed_new], dim=1)
+        mask = torch.zeros(allowed.shape, dtype=dtype)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask[None, None].to(self.head.layer.input_layernorm.weight.device)
+
+    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.head.d2t[draft_ids] if self.head.config.version == "eagle3" else draft_ids
+
+    def _q_full(self, logits: torch.Tensor) -> torch.Tensor:
+        """(batch, draft vocab) logits -> (batch, vocab) the processed draft distribution q."""
+        q = process_logits(logits, self.sampling)
+        if self.head.config.version == "eagle3":
+            q = torch.zeros(q.shape[0], self.head.target.vocab_size, device=q.device).index_copy_(
+                -1, self.head.d2t, q
+            )
+        return q
+
+    def _chain(self, h: torch.Tensor, depth: int) -> DraftTree:
+        """depth tokens, each fed back with the head's h; the last one is never fed."""
+        tokens, qs = [], []
+        pos = self._base - 1  # position id of level d is (length - 2) + d
+        for d in range(depth):
+            logits = self.head.draft_logits(h[:, -1])  # (batch, draft vocab)
+            if self.sampling.greedy:
+                token = self._to_target(logits.argmax(-1, keepdim=True))  # (batch, 1)
+            else:
+                q = self._q_full(logits)  # (batch, vocab)
+                token = torch.multinomial(q, 1, generator=self.generator)
+                qs.append(q)
+            tokens.append(token)
+            if d + 1 < depth:
+                # chain level d + 1 sees the real prefix and the levels before it: causal
+                mask = self._mask(torch.ones(1, d + 1, dtype=torch.bool), self.fed, h.dtype)
+                positions = torch.tensor([[pos + d]], device=h.device)
+                h = self.head.step(token, h[:, -1:], positions, mask, self.cache)
+        q = torch.stack(qs, dim=1) if qs else None  # (batch, depth, vocab)
+        return DraftTree.chain(torch.cat(tokens, dim=1), q)
+
+    def _tree(self, h: torch.Tensor, depth: int) -> DraftTree:
+        """EAGLE-2's dynamic tree (batch 1).
+
+        1. Level 1: the root's top_k tokens, scored by their draft log-probability.
+        2. Each further level: the top_k nodes of the newest level by cumulative log-probability
+           are fed together (each attends to the real prefix, its fed ancestors and itself) and
+           each gets its top_k children, scored by parent score + own log-probability.
+        3. Rerank all nodes by score and keep the best `tree_budget`: a child never outscores its
+           parent, so the kept set is a tree (ties are broken towards the shallower node).
+        """
+        k = self.top_k
+        logp = F.log_softmax(self.head.draft_logits(h[0, -1]).float(), dim=-1)  # (draft vocab,)
+        scores, ids = logp.topk(min(k, logp.shape[-1]))
+        toks = self._to_target(ids).tolist()
+        parents, depths, cum = [-1] * len(toks), [1] * len(toks), scores.tolist()
+        newest = list(range(len(toks)))
+        fed: list[int] = []  # node ids in head-cache order (after the real prefix)
+        h_of: dict[int, torch.Tensor] = {-1: h[0, -1]}  # node -> output h, for its children
+        for d in range(2, depth + 1):
+            frontier = sorted(newest, key=lambda i: -cum[i])[:k]
+            slot = {node: s for s, node in enumerate(fed)}
+            allowed = torch.zeros(len(frontier), len(fed) + len(frontier), dtype=torch.bool)
+            for row, node in enumerate(frontier):
+                allowed[row, len(fed) + row] = True
+                a = parents[node]
+                while a >= 0:
+                    allowed[row, slot[a]] = True
+                    a = parents[a]
+            mask = self._mask(allowed, self.fed, h.dtype)
+            feats = torch.stack([h_of[parents[n]] for n in frontier])[None]  # (1, f, hidden)
+            tokens = torch.tensor([[toks[n] for n in frontier]], device=h.device)
+            # the newest level is depth d - 1: step d - 1 at t = length - 2
+            positions = torch.tensor([[self._base - 3 + d] * len(frontier)], device=h.device)
+            out = self.head.step(tokens, feats, positions, mask, self.cache)[0]  # (f, hidden)
+            fed += frontier
+            for row, node in enumerate(frontier):
+                h_of[node] = out[row]
+            child_logp = F.log_softmax(self.head.draft_logits(out).float(), dim=-1)
+            c_scores, c_ids = child_logp.topk(min(k, child_logp.shape[-1]), dim=-1)  # (f, k)
+            c_tok = self._to_target(c_ids).tolist()
+            newest = []
+            for row, node in enumerate(frontier):
+                for j in range(c_ids.shape[1]):
+                    newest.append(len(toks))
+                    toks.append(c_tok[row][j])
+                    parents.append(node)
+                    depths.append(d)
+                    cum.append(cum[node] + float(c_scores[row, j]))
+        order = sorted(range(len(toks)), key=lambda i: (-cum[i], depths[i], i))
+        keep: set[int] = set()
+        for i in order:
+            if len(keep) == self.budget:
+                break
+            if parents[i] < 0 or parents[i] in keep:
+                keep.add(i)
+        kept = sorted(keep, key=lambda i: (depths[i], i))  # topological: parents first
+        new_index = {old: new for new, old in enumerate(kept)}
+        return DraftTree(
+            torch.tensor([[toks[i] for i in kept]], device=h.device),
+            [new_index[parents[i]] if parents[i] >= 0 else -1 for i in kept],
+            [depths[i] for i in kept],
+            None,
+        )
+
+    @torch.no_grad()
+    def accept(
+        self, path: list[int], hidden_states: Mapping[int, torch.Tensor] | None = None
+    ) -> None:
+        """Take the true features of the verified tokens; drop the drafted entries of the cache.
+
+        `path`: accepted node indices, root to leaf. `hidden_states`: see the class docstring.
+        """
+        if hidden_states is None:
+            raise ValueError(
+                "EagleSession.accept needs hidden_states: the verification forward's hidden "
+                f"states at layers {self.capture_layers} (see the EagleSession docstring)"
+            )
+        self._waiting = False
+        feats = self.head.fuse(hidden_states)  # (batch, pending + n, hidden)
+        pending = feats.shape[1] - self._n
+        if pending < 1 or self._known + pending != self._base:
+            raise ValueError(
+                f"EagleSession.accept got hidden states for {feats.shape[1]} positions; expected "
+                f"the {self._base - self._known} pending token(s) then the {self._n} tree nodes"
+            )
+        rows = list(range(pending)) + [pending + i for i in path]
+        new = feats[:, rows]
+        self.features = new if self.features is None else torch.cat([self.features, new], dim=1)
+        self.cache.crop(self.fed)  # drafted entries were built from predicted features
+
+    def prefill(self, hidden_states: Mapping[int, torch.Tensor]) -> None:
+        """The prompt forward's hidden states (batch, prompt, hidden) per layer: accept([], ...)."""
+        if not self._waiting:  # a prefill before any proposal: stand in for the empty one
+            self._base, self._n, self._waiting = (
+                self._known + next(iter(hidden_states.values())).shape[1],
+                0,
+                True,
+            )
+        self.accept([], hidden_states)
+
+    def extra_memory_bytes(self) -> int:
+        return kv_bytes(self.cache)

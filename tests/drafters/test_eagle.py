@@ -1,0 +1,254 @@
+"""EAGLE heads: the training-time-test loss and acceptance against a naive step-by-step loop,
+the draft vocabulary, checkpoint round trips and the errors for bad input."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaForCausalLM
+
+from specdraft.drafters.checkpoint import CheckpointError, load_drafter, save_drafter
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter, build_draft_vocab
+from specdraft.drafters.target import Target, TargetError
+
+
+def make_batch(target, seq: int = 10):
+    """Two rows of real demo text, the second right-padded by 3, loss on all real tokens."""
+    torch.manual_seed(1)
+    ids = torch.randint(3, target.vocab_size, (2, seq))
+    attention = torch.ones_like(ids)
+    attention[1, -3:] = 0
+    ids[1, -3:] = 0
+    loss_mask = attention.clone()
+    loss_mask[:, 0] = 0
+    loss_mask[0, 4] = 0  # a prompt token in the middle: not a target
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+
+
+def head_for(target, d2t=None, **cfg) -> EagleDrafter:
+    torch.manual_seed(0)
+    head = EagleDrafter.build(
+        EagleConfig(**cfg), target, d2t if d2t is not None else _d2t(target, cfg)
+    )
+    with torch.no_grad():  # a random, not a zero-initialised, head: every term matters
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return head.eval()
+
+
+def _d2t(target, cfg):
+    size = cfg.get("draft_vocab_size", 0)
+    if not size or cfg.get("version") == "eagle1":
+        return None
+    return torch.sort(
+        torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(3))[:size]
+    ).values
+
+
+def naive_reference(head: EagleDrafter, batch, target_out, steps: int):
+    """Loss and alpha per step, one (row, position, step) at a time.
+
+    Step k at position t sees exactly the causal sequence [step-0 inputs at 0..t, the inputs of
+    steps 1..k at t] at positions 0..t+k, so the layer is re-run from scratch on that sequence.
+    """
+    cfg = head.config
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    B, T = ids.shape
+    feats = head.fuse(target_out.hidden_states)
+    d2t = head.d2t.tolist() if cfg.version == "eagle3" else list(range(head.target.vocab_size))
+    terms = [[] for _ in range(steps)]  # (loss term, alpha) of valid positions
+    for b in range(B):
+        for t in range(T - 1):
+            seq = [
+                head.layer_input(ids[b : b + 1, s + 1 : s + 2], feats[b : b + 1, s : s + 1])
+                for s in range(t + 1)
+            ]
+            for k in range(steps):
+                if t + 1 + k > T - 1:
+                    break
+                x = torch.cat(seq, dim=1)  # (1, t + 1 + k, hidden)
+                n = x.shape[1]
+                mask = torch.full((n, n), torch.finfo(x.dtype).min).triu(1)[None, None]
+                pos = torch.arange(n)[None]
+                h = head.layer(
+                    x,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    position_embeddings=head.rotary(x, pos),
+                )
+                h = (h[0] if isinstance(h, tuple) else h)[:, -1]  # (1, hidden)
+                p_logits = target_out.logits[b, t + 1 + k]  # (V,)
+                q_logits = head.draft_logits(h)[0]
+                p_full = p_logits.softmax(-1)
+                q_full = torch.zeros_like(p_full)
+                q_full[d2t] = q_logits.softmax(-1)
+                valid = t + 2 + k < T and bool(loss_mask[b, t + 2 + k])
+                if cfg.version == "eagle3":
+                    in_draft = int(p_logits.argmax()) in d2t
+                    p = p_logits[d2t].softmax(-1)
+                    ce = -(p * q_logits.log_softmax(-1)).sum()
+                    if valid and in_draft:
+                        terms[k].append(("loss", ce))
+                else:
+                    ce = -(p_full * q_logits.log_softmax(-1)).sum()
+                    reg = F.smooth_l1_loss(h[0], feats[b, t + 1 + k])
+                    if valid:
+                        terms[k].append(("loss", cfg.reg_weight * reg + cfg.cls_weight * ce))
+                if valid:
+                    terms[k].append(("alpha", torch.minimum(p_full, q_full).sum()))
+                if t + 2 + k <= T - 1:
+                    seq.append(head.layer_input(ids[b : b + 1, t + 2 + k : t + 3 + k], h[:, None]))
+    loss = 0.0
+    alpha_sums, counts = [], []
+    for k in range(steps):
+        losses = [v for name, v in terms[k] if name == "loss"]
+        alphas = [v for name, v in terms[k] if name == "alpha"]
+        if losses:  # a step with no valid position adds nothing
+            loss = loss + cfg.ttt_decay**k * torch.stack(losses).mean()
+        alpha_sums.append(float(torch.stack(alphas).sum()))
+        counts.append(len(alphas))
+    n_losses = [sum(name == "loss" for name, _ in terms[k]) for k in range(steps)]
+    assert sum(n_losses) > 0, "the reference compares nothing"
+    return loss, alpha_sums, counts
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(version="eagle3", ttt_steps=3, tree_depth=3, draft_vocab_size=200),
+        dict(version="eagle1", ttt_steps=3, tree_depth=3, reg_weight=0.7, cls_weight=0.3),
+    ],
+    ids=["eagle3", "eagle1"],
+)
+def test_ttt_loss_and_acceptance_equal_naive_step_by_step_reference(tiny_target, cfg):
+    batch = make_batch(tiny_target)
+    d2t = None
+    if cfg["version"] == "eagle3":
+        # half of the target's argmax tokens are draftable: both masked and kept positions occur
+        argmax = tiny_target.forward(batch["input_ids"]).logits.argmax(-1).unique()
+        counts = torch.rand(tiny_target.vocab_size, generator=torch.Generator().manual_seed(2))
+        counts[argmax[::2]] = 10.0
+        counts[argmax[1::2]] = -1.0
+        d2t = build_draft_vocab(counts, cfg["draft_vocab_size"], tiny_target.vocab_size)
+    head = head_for(tiny_target, d2t, **cfg)
+    target_out = tiny_target.forward(
+        batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        capture_layers=head.capture_layers,
+    )
+    with torch.no_grad():
+        loss, metrics = head(batch, target_out)
+        ref_loss, ref_alpha, ref_count = naive_reference(head, batch, target_out, cfg["ttt_steps"])
+        alpha, count = head.acceptance(batch, target_out)
+    assert torch.allclose(loss, ref_loss, atol=1e-5, rtol=1e-5), (loss, ref_loss)
+    assert count.tolist() == ref_count and min(ref_count) > 0
+    assert torch.allclose(alpha, torch.tensor(ref_alpha), atol=1e-4)
+    assert set(metrics) >= {"loss_0", "loss_2", "top1_0"}
+
+
+def test_eagle3_masks_positions_whose_target_argmax_is_not_draftable(tiny_target):
+    batch = make_batch(tiny_target)
+    out = tiny_target.forward(
+        batch["input_ids"], capture_layers=head_for(tiny_target).capture_layers
+    )
+    argmax = set(out.logits.argmax(-1).flatten().tolist())
+    without = torch.tensor([i for i in range(tiny_target.vocab_size) if i not in argmax][:50])
+    with_them = torch.sort(
+        torch.cat([without[: 50 - len(argmax)], torch.tensor(sorted(argmax))])
+    ).values
+    with torch.no_grad():
+        loss_without, _ = head_for(tiny_target, without, ttt_steps=2, draft_vocab_size=50)(
+            batch, out
+        )
+        loss_with, _ = head_for(tiny_target, with_them, ttt_steps=2, draft_vocab_size=50)(
+            batch, out
+        )
+    assert loss_without.item() == 0.0 and loss_with.item() > 0.0
+
+
+def test_feature_noise_only_while_training(tiny_target):
+    head = head_for(tiny_target, version="eagle1", feature_noise=0.5)
+    batch = make_batch(tiny_target)
+    out = tiny_target.forward(batch["input_ids"], capture_layers=head.capture_layers)
+    with torch.no_grad():
+        a, b = head(batch, out)[0], head(batch, out)[0]
+        head.train()
+        c = head(batch, out)[0]
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_gradients_reach_the_head_only(tiny_target):
+    head = head_for(tiny_target, version="eagle3", ttt_steps=2, draft_vocab_size=100)
+    batch = make_batch(tiny_target)
+    out = tiny_target.forward(batch["input_ids"], capture_layers=head.capture_layers)
+    head.train()
+    head(batch, out)[0].backward()
+    assert all(p.grad is not None for p in head.parameters() if p.requires_grad)
+    assert all(p.grad is None for p in tiny_target.model.parameters())
+    assert "d2t" in head.state_dict() and not any(k.startswith("target") for k in head.state_dict())
+
+
+# --- draft vocabulary ----------------------------------------------------------------------------
+
+
+def test_draft_vocab_keeps_most_frequent_loss_tokens_and_eos():
+    examples = [
+        SimpleNamespace(input_ids=[5, 5, 5, 7, 7, 9, 2], loss_mask=[0, 1, 1, 1, 1, 1, 0]),
+        SimpleNamespace(input_ids=[9, 9, 9, 9], loss_mask=[0, 0, 0, 0]),  # prompt only: not counted
+    ]
+    d2t = build_draft_vocab(examples, 3, 10, always=[1])
+    assert d2t.tolist() == [1, 5, 7]  # EOS 1 never seen, still in; 9 counted once, 7 twice
+    counts = torch.tensor([0, 0, 3, 3, 1, 0, 0, 0, 0, 0])
+    assert build_draft_vocab(counts, 2, 10).tolist() == [2, 3]
+    with pytest.raises(ValueError, match=r"1\.\.10"):
+        build_draft_vocab(counts, 11, 10)
+
+
+# --- checkpoints and errors ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["eagle3", "eagle1"])
+def test_checkpoint_round_trip_bit_for_bit(tiny_target, tmp_path, version):
+    head = head_for(tiny_target, version=version, draft_vocab_size=120)
+    folder = save_drafter(head, tmp_path / "final", target_fingerprint=tiny_target.fingerprint)
+    loaded = load_drafter(folder, tiny_target)
+    assert isinstance(loaded, EagleDrafter) and loaded.config == head.config
+    mine, theirs = head.state_dict(), loaded.state_dict()
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    if version == "eagle3":
+        assert torch.equal(loaded.d2t, head.d2t) and loaded.d2t.tolist() != list(range(120))
+        assert (loaded.t2d[loaded.d2t] == torch.arange(120)).all()
+    # the target's embedding / LM head are used, never stored
+    n_target = sum(p.numel() for p in tiny_target.model.parameters())
+    assert head.num_extra_parameters(tiny_target) < n_target
+
+
+def other_target(tiny_target) -> Target:
+    config = copy.deepcopy(tiny_target.config)
+    config.num_hidden_layers = 3
+    torch.manual_seed(0)
+    return Target(LlamaForCausalLM(config), tiny_target.tokenizer, name="other")
+
+
+def test_checkpoint_for_another_target_is_a_clear_error(tiny_target, tmp_path):
+    head = head_for(tiny_target, version="eagle3", draft_vocab_size=100)
+    folder = save_drafter(head, tmp_path / "final", target_fingerprint=tiny_target.fingerprint)
+    with pytest.raises(CheckpointError, match="num_layers: expected 2, got 3"):
+        load_drafter(folder, other_target(tiny_target))
+
+
+def test_bad_config_errors_name_the_problem(tiny_target):
+    with pytest.raises(TargetError, match="layer id 7 is out of range"):
+        EagleDrafter.build(EagleConfig(feature_layers=[1, 2, 7]), tiny_target)
+    with pytest.raises(ValueError, match=r"draft_vocab_size=1000 is larger than .* 384"):
+        EagleDrafter.build(EagleConfig(draft_vocab_size=1000), tiny_target)
+    with pytest.raises(ValueError, match="3 target layers"):
+        EagleConfig(feature_layers=[1, 2])
+    with pytest.raises(ValueError, match="ttt_steps must be >= 1"):
+        EagleConfig(ttt_steps=0)
+    assert EagleConfig(version="eagle1").ttt_steps == 1 and EagleConfig().ttt_steps == 7
