@@ -27,6 +27,7 @@ import functools
 import io
 import json
 import math
+import os
 import re
 import resource
 import shutil
@@ -194,8 +195,9 @@ class _Run:
         self.acc = Accelerator(
             mixed_precision=cfg.mixed_precision,
             gradient_accumulation_steps=cfg.grad_accum,
-            cpu=_force_cpu(),
+            cpu=_cpu_only(),
         )
+        _check_process_group(self.acc)
         if self.acc.distributed_type == DistributedType.DEEPSPEED:
             # There is no DataLoader for accelerate to read these from; the config is the truth.
             ds = self.acc.state.deepspeed_plugin.deepspeed_config
@@ -654,10 +656,29 @@ class _TensorBoardTracker(_Tracker):
 # --- small helpers -----------------------------------------------------------------------------
 
 
-def _force_cpu() -> bool:
-    # accelerate's own switch (ACCELERATE_USE_CPU, set by `accelerate launch --cpu`) is honoured
-    # by Accelerator itself; this only keeps a CUDA-less machine from asking for one.
-    return not torch.cuda.is_available()
+def _cpu_only() -> bool:
+    """True on a machine without CUDA, unless DeepSpeed was asked for.
+
+    Without a GPU, accelerate picks no process-group backend unless told cpu=True, and every
+    process would then think it is the main one; cpu=True gives MULTI_CPU over gloo. cpu=True
+    would also silently drop a DeepSpeed config, so DeepSpeed is left to itself.
+    """
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    return not torch.cuda.is_available() and not deepspeed
+
+
+def _check_process_group(acc: Accelerator) -> None:
+    """Refuse to run when accelerate and torch.distributed disagree on the number of processes."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+        if world != acc.num_processes:
+            raise RuntimeError(
+                f"torch.distributed has {world} processes but accelerate sees {acc.num_processes} "
+                f"({acc.distributed_type}): every process would act as the main one and write the "
+                "same files. This happens with DeepSpeed on a machine without GPUs (accelerate "
+                "selects no backend there). Run DeepSpeed with one process on CPU, or use "
+                "configs/accelerate/cpu_2proc.yaml for several CPU processes."
+            )
 
 
 def _sync(device: torch.device) -> None:
