@@ -1,0 +1,57 @@
+"""The EAGLE entry script end to end on the tiny target, and its recipes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdraft.drafters.checkpoint import load_drafter
+from specdraft.drafters.eagle import EagleDrafter
+from specdraft.train.config import load_config
+from specdraft.train.eagle import DEFAULT_CONFIG, EagleTrainConfig, main
+
+RECIPES = sorted(Path(DEFAULT_CONFIG).parent.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("version", ["eagle3", "eagle1"])
+def test_training_lowers_the_loss_and_final_loads(tiny_target, tiny_target_path, tmp_path, version):
+    out = tmp_path / "run"
+    code = main([
+        f"target={tiny_target_path}", f"output_dir={out}", "max_steps=12", "micro_batch_size=4",
+        "eval_every=12", "eval_batches=2", "save_every=0", "data.max_samples=40",
+        "data.max_length=32", "warmup_steps=1", "lr=3e-3", f"drafter.version={version}",
+        "drafter.draft_vocab_size=256", "drafter.ttt_steps=2", "drafter.tree_depth=3",
+    ])  # fmt: skip
+    assert code == 0
+    state = json.loads((out / "checkpoint-12" / "trainer_state.json").read_text())
+    before, after = state["evals"][0], state["evals"][-1]
+    assert after["loss"] < before["loss"]
+    assert len(after["alpha"]) == 3 and after["tau"] > 1.0
+    head = load_drafter(out / "final", tiny_target)
+    assert isinstance(head, EagleDrafter) and head.config.version == version
+    if version == "eagle3":
+        # the draft vocabulary was counted from the data and always holds EOS
+        assert head.d2t.shape == (256,) and tiny_target.tokenizer.eos_token_id in head.d2t.tolist()
+        assert head.config.feature_layers == [1, 1, 1]  # resolved, saved in the config
+    saved = (out / "final" / "train_config.yaml").read_text()
+    assert f"version: {version}" in saved
+
+
+def test_bad_input_is_a_clear_error(tiny_target_path, tmp_path, capsys):
+    data = tmp_path / "tiny.txt"
+    data.write_text("def f(x):\n    return x + 1\n" * 20)
+    common = [f"target={tiny_target_path}", f"data.path={data}", f"output_dir={tmp_path / 'run'}"]
+    assert main([*common, "drafter.feature_layers=[1,2,9]"]) == 2
+    assert "layer id 9 is out of range" in capsys.readouterr().err
+    assert main([*common, "drafter.draft_vocab_size=5000"]) == 2
+    assert "larger than the target" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipes_load(recipe):
+    cfg = load_config(EagleTrainConfig, recipe)
+    assert cfg.drafter.version == "eagle3" and cfg.drafter.ttt_steps >= 5
+    assert torch.tensor(cfg.drafter.draft_vocab_size) > 0
