@@ -618,7 +618,9 @@ class EagleSession:
         rows = list(range(pending)) + [pending + i for i in path]
         new = feats[:, rows]
         self.features = new if self.features is None else torch.cat([self.features, new], dim=1)
-        self.cache.crop(self.fed)  # drafted entries were built from predicted features
+        drafted = self.cache.get_seq_length() - self.fed
+        if drafted > 0:  # drafted entries were built from predicted features: drop them
+            self.cache.crop(-drafted)
 
     def prefill(self, hidden_states: Mapping[int, torch.Tensor]) -> None:
         """The prompt forward's hidden states (batch, prompt, hidden) per layer: accept([], ...)."""

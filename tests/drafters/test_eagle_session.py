@@ -1,0 +1,154 @@
+"""EAGLE drafting sessions driven by a hand-written loop that follows EagleSession's contract
+(the inference loop does not pass hidden states yet): greedy output equals plain greedy decoding
+for chains and dynamic trees, with tokens actually drafted and accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specdraft.drafters.base import DraftContext, SamplingSettings
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+from specdraft.inference.cache import compact
+from specdraft.inference.tree import tree_attention
+from specdraft.inference.verify import process_logits, verify_greedy, verify_sampling
+
+
+@pytest.fixture(scope="module", params=["eagle3", "eagle1"])
+def trained_head(request, tiny_target):
+    """A head trained for a few dozen steps on the target's own predictions, so it accepts."""
+    torch.manual_seed(0)
+    V = tiny_target.vocab_size
+    d2t = torch.arange(0, V, 2) if request.param == "eagle3" else None  # half the vocabulary
+    if d2t is not None:
+        argmax = tiny_target.forward(torch.randint(3, V, (8, 24))).logits.argmax(-1).unique()
+        d2t = torch.unique(torch.cat([d2t, argmax]))[: V // 2].sort().values
+    cfg = EagleConfig(
+        version=request.param, ttt_steps=2, draft_vocab_size=len(d2t) if d2t is not None else 0
+    )
+    head = EagleDrafter.build(cfg, tiny_target, d2t)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(30):
+        ids = torch.randint(3, V, (8, 24))
+        batch = {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "loss_mask": torch.ones_like(ids),
+        }
+        out = tiny_target.forward(ids, capture_layers=head.capture_layers)
+        loss, _ = head(batch, out)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval()
+
+
+def drive(
+    target, session, prompt: list[int], max_new: int, sampling: SamplingSettings, generator=None
+):
+    """The speculative loop in miniature: propose, verify the tree in one target forward that
+    captures session.capture_layers, compact the target cache, accept with hidden states."""
+    seq, cached = list(prompt), 0
+    cache = DynamicCache(config=target.config)
+    drafted = accepted = 0
+    while len(seq) - len(prompt) < max_new:
+        remaining = len(prompt) + max_new - len(seq)
+        tree = session.propose(DraftContext(torch.tensor([seq]), max_depth=remaining - 1))
+        tree.check()
+        n, pending = len(tree), len(seq) - cached
+        inputs = torch.cat([torch.tensor([seq[cached:]]), tree.tokens], dim=1)
+        mask, positions = tree_attention(tree, cached, pending, target.dtype, torch.device("cpu"))
+        out = target.forward(
+            inputs, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+            capture_layers=session.capture_layers,
+        )  # fmt: skip
+        logits = out.logits[0, pending - 1 :]  # (n + 1, vocab): the root, then each node
+        if sampling.greedy:
+            path, nxt = verify_greedy(tree, logits.argmax(-1).tolist())
+        else:
+            path, nxt = verify_sampling(tree, process_logits(logits, sampling), generator)
+        compact(cache, len(seq), path)
+        cached = len(seq) + len(path)
+        session.accept(path, out.hidden_states)
+        drafted += n
+        accepted += len(path)
+        seq += [int(tree.tokens[0, i]) for i in path] + [nxt]
+    return seq[len(prompt) : len(prompt) + max_new], drafted, accepted
+
+
+def plain_greedy(target, prompt: list[int], max_new: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(max_new):
+        seq.append(int(target.forward(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+PROMPTS = [[5, 17, 42, 99, 7, 250], [300, 12, 12, 64]]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(tree_top_k=1, tree_depth=4), dict(tree_top_k=3, tree_depth=4, tree_budget=10),
+     dict(tree_top_k=2, tree_depth=3, tree_budget=3)],
+    ids=["chain", "tree", "small-budget-tree"],
+)  # fmt: skip
+def test_greedy_output_equals_plain_greedy(tiny_target, trained_head, options):
+    greedy = SamplingSettings()
+    total_drafted = total_accepted = 0
+    for prompt in PROMPTS:
+        session = trained_head.new_session(tiny_target, sampling=greedy, **options)
+        tokens, drafted, accepted = drive(tiny_target, session, prompt, 20, greedy)
+        assert tokens == plain_greedy(tiny_target, prompt, 20)
+        assert session.extra_memory_bytes() > 0
+        total_drafted += drafted
+        total_accepted += accepted
+    assert total_drafted > 0 and total_accepted > 0
+
+
+def test_untrained_head_still_gives_the_target_output(tiny_target):
+    torch.manual_seed(1)
+    head = EagleDrafter.build(EagleConfig(ttt_steps=1), tiny_target)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p))
+    greedy = SamplingSettings()
+    session = head.new_session(tiny_target, sampling=greedy, tree_top_k=3, tree_budget=8)
+    tokens, drafted, _ = drive(tiny_target, session, PROMPTS[0], 12, greedy)
+    assert drafted > 0 and tokens == plain_greedy(tiny_target, PROMPTS[0], 12)
+
+
+def test_sampled_chain_records_q_over_the_full_vocab(tiny_target, trained_head):
+    sampling = SamplingSettings(temperature=1.0)
+    session = trained_head.new_session(
+        tiny_target, sampling=sampling, generator=torch.Generator().manual_seed(0), tree_top_k=1
+    )
+    trees = []
+    original = session.propose
+    session.propose = lambda ctx: trees.append(original(ctx)) or trees[-1]
+    tokens, drafted, accepted = drive(
+        tiny_target, session, PROMPTS[0], 16, sampling, torch.Generator().manual_seed(1)
+    )
+    assert len(tokens) == 16 and drafted > 0 and accepted > 0
+    tree = next(t for t in trees if len(t))
+    assert tree.q.shape == (1, len(tree), tiny_target.vocab_size)
+    assert torch.allclose(tree.q.sum(-1), torch.ones(1, len(tree)))
+    # each drafted token was sampled from its recorded q
+    assert (tree.q[0].gather(-1, tree.tokens[0, :, None]) > 0).all()
+    if trained_head.config.version == "eagle3":
+        outside = torch.ones(tiny_target.vocab_size, dtype=torch.bool)
+        outside[trained_head.d2t] = False
+        assert (tree.q[0][:, outside] == 0).all()
+
+
+def test_contract_violations_are_clear_errors(tiny_target, trained_head):
+    session = trained_head.new_session(tiny_target, sampling=SamplingSettings())
+    ctx = DraftContext(torch.tensor([PROMPTS[0]]), max_depth=4)
+    assert len(session.propose(ctx)) == 0  # no features before the prompt's forward
+    with pytest.raises(RuntimeError, match="without accept"):
+        session.propose(ctx)
+    out = tiny_target.forward(ctx.tokens[:, :3], capture_layers=session.capture_layers)
+    with pytest.raises(ValueError, match="expected the 6 pending"):
+        session.accept([], out.hidden_states)
+    with pytest.raises(ValueError, match="needs hidden_states"):
+        session.accept([])
