@@ -23,6 +23,7 @@ processes sees the same global batch, weighted by the same token count, as one p
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import json
@@ -42,7 +43,7 @@ from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, gather_object
 from tqdm.auto import tqdm
 
 from specdraft.drafters import checkpoint
@@ -233,9 +234,9 @@ class _Run:
             betas=(cfg.adam_beta1, cfg.adam_beta2),
         )
         self.start_step = 0
-        if resume is not None:
-            self.start_step = self._load_state(optimizer, resume)
         self.model, self.optimizer = self.acc.prepare(drafter, optimizer)
+        if resume is not None:  # after prepare: a DeepSpeed optimizer has its own state format
+            self.start_step = self._load_state(self.optimizer, resume)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -445,22 +446,30 @@ class _Run:
         self, folder: Path, step: int, extra_files=None, extra_provenance=None
     ) -> None:
         self.acc.wait_for_everyone()
-        if self.main:
-            checkpoint.save_drafter(
-                self.acc.unwrap_model(self.model),
-                folder,
-                target_fingerprint=self.target.fingerprint,
-                train_config_yaml=self.config_yaml,
-                provenance={**self.provenance, "steps": step, **(extra_provenance or {})},
-                tokenizer=self.tokenizer,
-                extra_files=extra_files,
-            )
+        with _full_parameters(self.acc, self.model):  # a collective under ZeRO-3: all processes
+            if self.main:
+                checkpoint.save_drafter(
+                    self.acc.unwrap_model(self.model),
+                    folder,
+                    target_fingerprint=self.target.fingerprint,
+                    train_config_yaml=self.config_yaml,
+                    provenance={**self.provenance, "steps": step, **(extra_provenance or {})},
+                    tokenizer=self.tokenizer,
+                    extra_files=extra_files,
+                )
         self.acc.wait_for_everyone()
 
     def _save_checkpoint(self, step: int) -> None:
         """checkpoint-<step>/: the drafter plus optimizer and trainer state, one atomic folder."""
         buffer = io.BytesIO()
         torch.save(self.optimizer.state_dict(), buffer)
+        # DeepSpeed ZeRO partitions the optimizer state: every process's part is kept.
+        sharded = self.acc.distributed_type == DistributedType.DEEPSPEED
+        parts = (
+            gather_object([buffer.getvalue()])
+            if sharded and self.world > 1
+            else [buffer.getvalue()]
+        )
         state = {
             "step": step,
             "losses": self.losses,
@@ -470,10 +479,8 @@ class _Run:
             "global_batch": self.cfg.micro_batch_size * self.cfg.grad_accum * self.world,
             "seed": self.cfg.seed,
         }
-        extra = {
-            OPTIMIZER_NAME: buffer.getvalue(),
-            STATE_NAME: json.dumps(state, indent=1).encode(),
-        }
+        extra = {_optimizer_file(sharded, rank): part for rank, part in enumerate(parts)}
+        extra[STATE_NAME] = json.dumps(state, indent=1).encode()
         self._save_drafter(self.out / f"checkpoint-{step}", step, extra_files=extra)
         if self.main and self.cfg.keep_last > 0:
             for old in _checkpoints(self.out)[: -self.cfg.keep_last]:
@@ -534,10 +541,15 @@ class _Run:
                 "depends on both: resume with the same micro_batch_size x grad_accum x processes "
                 "and seed."
             )
-        # weights_only: the optimizer state is tensors and numbers; no pickle is executed.
-        optimizer.load_state_dict(
-            torch.load(path / OPTIMIZER_NAME, map_location=self.acc.device, weights_only=True)
-        )
+        # weights_only: tensors, numbers and (DeepSpeed) three allowlisted classes; no pickle runs.
+        sharded = self.acc.distributed_type == DistributedType.DEEPSPEED
+        files = [_optimizer_file(sharded, r) for r in range(self.world if sharded else 1)]
+        with torch.serialization.safe_globals(_deepspeed_state_classes() if sharded else []):
+            states = [
+                torch.load(path / f, map_location=self.acc.device, weights_only=True) for f in files
+            ]
+        # ZeRO's load_state_dict takes every process's part and picks its own.
+        optimizer.load_state_dict(states if sharded else states[0])
         self.losses = list(state["losses"])
         self.evals = list(state["evals"])
         self.best_tau = state["best_tau"]
@@ -571,7 +583,9 @@ def _resume_problem(path: Path) -> str | None:
         checkpoint.check_complete(path)
     except checkpoint.CheckpointError as e:
         return str(e)
-    for name in (STATE_NAME, OPTIMIZER_NAME):
+    if not any(path.glob("optimizer*.pt")):
+        return "it has no optimizer state (a best/ or final/ folder holds weights only, not the resume state)"
+    for name in (STATE_NAME,):
         if not (path / name).is_file():
             return f"it has no {name} (a best/ or final/ folder holds weights only, not the resume state)"
     try:
@@ -654,6 +668,31 @@ class _TensorBoardTracker(_Tracker):
 
 
 # --- small helpers -----------------------------------------------------------------------------
+
+
+def _optimizer_file(sharded: bool, rank: int) -> str:
+    return f"optimizer-rank{rank}.pt" if sharded else OPTIMIZER_NAME
+
+
+def _deepspeed_state_classes() -> list:
+    """The classes a DeepSpeed ZeRO optimizer state holds besides tensors and numbers."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+def _full_parameters(acc: Accelerator, model):
+    """Under ZeRO-3, gather the partitioned parameters for saving; otherwise nothing to do."""
+    plugin = (
+        acc.state.deepspeed_plugin if acc.distributed_type == DistributedType.DEEPSPEED else None
+    )
+    if plugin is None or plugin.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
 
 
 def _cpu_only() -> bool:
