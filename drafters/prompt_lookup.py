@@ -1,8 +1,10 @@
 """Prompt lookup: the training-free n-gram drafter (Saxena 2023), always available as a baseline.
 
-The draft is what followed the most recent earlier occurrence of the context's last n tokens
-(n from `max_ngram` down to `min_ngram`), up to gamma tokens. It needs no weights and no cache, and
-its tokens are deterministic (point masses), so verification stays lossless when sampling.
+The draft is what followed an earlier occurrence of the context's last n tokens (n from
+`max_ngram` down to `min_ngram`), up to gamma tokens: the latest occurrence followed by gamma
+tokens, else the earliest (inside a repeating run, the latest is followed by almost nothing).
+It needs no weights and no cache, and its tokens are deterministic (point masses), so
+verification stays lossless when sampling.
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ class PromptLookupSession:
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             # windows starting before the trailing n-gram itself, so a hit has a continuation
             windows = seq[: length - 1].unfold(0, n, 1)  # (length - n, n)
-            hits = (windows == seq[length - n :]).all(dim=1).nonzero()
-            if len(hits):
-                start = int(hits[-1]) + n
+            hits = (windows == seq[length - n :]).all(dim=1).nonzero().flatten().tolist()
+            if hits:
+                # the latest match with a full continuation; failing that, the earliest (longest)
+                full = [h for h in hits if h + n + depth <= length]
+                start = (full[-1] if full else hits[0]) + n
                 draft = seq[start : start + depth]
                 return DraftTree.chain(draft[None].clone())
         return DraftTree.empty(1, seq.device)

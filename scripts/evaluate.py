@@ -1,0 +1,365 @@
+"""Measure drafters in specdraft's loop beside plain decoding and transformers' own methods.
+
+    python scripts/evaluate.py --target demo --drafter runs/distill-demo/final \\
+        --baselines ar,hf_ar,prompt_lookup,hf_assisted,hf_prompt_lookup \\
+        --prompts demo --num-prompts 20 --max-new-tokens 128 --temperature 0 --gamma 5 \\
+        --output eval/demo
+
+Every method decodes the same prompts in this one process, after a warm-up, and new tokens are
+counted the same way for all (up to and including the first EOS). Speedups are ratios to our own
+plain decoding (`ar`, always run). Writes DIR/report.json, DIR/report.md and PNG plots
+(acceptance per position, tau distribution, speedup with its draft/verify split).
+
+Methods: `ar` (our loop, no drafter), `hf_ar` (transformers' generate), `prompt_lookup` (our
+loop), `hf_prompt_lookup` (transformers' prompt lookup), each --drafter in our loop, and
+`hf_assisted` (transformers' generate(assistant_model=...) with a constant gamma) for each
+two-model drafter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdraft.drafters import load_drafter, load_target
+from specdraft.inference import generate
+from specdraft.inference.metrics import Stats
+
+BASELINES = ("ar", "hf_ar", "prompt_lookup", "hf_assisted", "hf_prompt_lookup")
+
+
+@dataclass
+class Run:
+    name: str
+    method: str
+    decode: Callable[[torch.Tensor], tuple[list[int], Stats | None]]
+    extra_params: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0
+    stats: Stats = field(default_factory=Stats)
+    has_stats: bool = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    prompts = load_prompts(args.prompts, args.num_prompts, target)
+    runs = build_runs(args, target)
+
+    # 1. Warm-up: every method once on a short decode, so no method pays for first-call costs.
+    for run in runs:
+        run.decode(prompts[0][:, :16])
+    # 2. Measure, method by method, on the same prompts.
+    for run in runs:
+        for ids in prompts:
+            sync(target)
+            start = time.perf_counter()
+            tokens, stats = run.decode(ids)
+            sync(target)
+            run.seconds += time.perf_counter() - start
+            run.outputs.append(tokens)
+            if stats is None:
+                run.has_stats = False
+                stats = Stats(new_tokens=len(tokens))
+            run.stats = run.stats.merge(stats)
+        print(f"[evaluate] {run.name}: {sum(map(len, run.outputs))} tokens", file=sys.stderr)
+
+    report = make_report(args, target, runs, len(prompts))
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(markdown(report))
+    plot(report, runs, out)
+    if args.wandb:
+        log_wandb(report, out, args.wandb)
+    print(markdown(report))
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", default="demo", help="demo, a model folder or a hub id")
+    parser.add_argument("--drafter", action="append", default=[], help="drafter folder (repeat)")
+    parser.add_argument("--baselines", default=",".join(BASELINES))
+    parser.add_argument("--prompts", default="demo", help="demo, or a .txt/.json/.jsonl file")
+    parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--gamma", type=int, default=5)
+    parser.add_argument("--topk", type=int, default=1, help="tree width for two-model drafters")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: as saved)")
+    parser.add_argument("--output", required=True, help="folder for report.json/.md and plots")
+    parser.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to W&B")
+    args = parser.parse_args(argv)
+    unknown = set(args.baselines.split(",")) - set(BASELINES) - {""}
+    if unknown:
+        parser.error(f"unknown baselines {sorted(unknown)}; choose from {','.join(BASELINES)}")
+    if args.max_new_tokens < 1 or args.num_prompts < 1:
+        parser.error("--max-new-tokens and --num-prompts must be >= 1")
+    return args
+
+
+def load_prompts(source: str, n: int, target) -> list[torch.Tensor]:
+    """(1, L) token ids per prompt: the demo's held-out prompts, or a file's."""
+    if source == "demo":
+        from specdraft.data.demo import demo_prompts
+
+        texts = demo_prompts(n)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise SystemExit(f"--prompts {source}: no such file (use 'demo' or a file)")
+        if path.suffix == ".jsonl":
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            texts = [r["prompt"] if isinstance(r, dict) else r for r in rows]
+        elif path.suffix == ".json":
+            rows = json.loads(path.read_text())
+            texts = [r["prompt"] if isinstance(r, dict) else r for r in rows]
+        else:  # plain text: prompts separated by blank lines
+            texts = [t for t in path.read_text().split("\n\n") if t.strip()]
+        texts = texts[:n]
+    return [target.tokenizer(t, return_tensors="pt").input_ids.to(target.device) for t in texts]
+
+
+def build_runs(args: argparse.Namespace, target) -> list[Run]:
+    baselines = [b for b in args.baselines.split(",") if b]
+    sample = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    eos = _eos(target)
+
+    def ours(drafter, **options):
+        def decode(ids):
+            out = generate(
+                target,
+                ids,
+                drafter,
+                max_new_tokens=args.max_new_tokens,
+                seed=args.seed,
+                gamma=args.gamma,
+                **sample,
+                **options,
+            )
+            return out.tokens[0].tolist(), out.stats
+
+        return decode
+
+    def hf(**options):
+        hf_sample = dict(do_sample=args.temperature > 0)
+        if args.temperature > 0:
+            hf_sample.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+
+        def decode(ids):
+            torch.manual_seed(args.seed)  # transformers samples from the global generator
+            out = target.model.generate(
+                ids, max_new_tokens=args.max_new_tokens, **hf_sample, **options
+            )
+            return _until_eos(out[0, ids.shape[1] :].tolist(), eos), None
+
+        return decode
+
+    runs = [Run("ar", "ar", ours(None))]  # the reference for speedups, always run
+    if "hf_ar" in baselines:
+        runs.append(Run("hf_ar", "hf_ar", hf()))
+    if "prompt_lookup" in baselines:
+        runs.append(Run("prompt_lookup", "prompt_lookup", ours("prompt_lookup")))
+    if "hf_prompt_lookup" in baselines:
+        runs.append(
+            Run("hf_prompt_lookup", "hf_prompt_lookup", hf(prompt_lookup_num_tokens=args.gamma))
+        )
+    for path in args.drafter:
+        drafter = load_drafter(path, target)
+        name = Path(path).name if Path(path).name not in ("final", "best") else str(path)
+        params = drafter.num_extra_parameters(target)
+        runs.append(Run(name, drafter.kind, ours(drafter, topk=args.topk), params))
+        hf_model = getattr(drafter, "hf_model", None)
+        if "hf_assisted" in baselines and hf_model is not None:
+            # transformers reads gamma and its schedule from the assistant's own generation
+            # config; a zero confidence threshold turns off its early stop, so gamma is constant
+            hf_model.generation_config.num_assistant_tokens = args.gamma
+            hf_model.generation_config.num_assistant_tokens_schedule = "constant"
+            hf_model.generation_config.assistant_confidence_threshold = 0.0
+            assisted = hf(assistant_model=hf_model)
+            runs.append(Run(f"hf_assisted[{name}]", "hf_assisted", assisted, params))
+    return runs
+
+
+def make_report(args, target, runs: list[Run], num_prompts: int) -> dict:
+    ar = runs[0]
+    ar_tps = ar.stats.new_tokens / ar.seconds
+    greedy = args.temperature == 0
+    rows = []
+    for run in runs:
+        tps = run.stats.new_tokens / run.seconds
+        speedup = tps / ar_tps
+        tau = run.stats.tau if run.has_stats else (1.0 if run.method == "hf_ar" else None)
+        param_bytes = run.extra_params * target.dtype.itemsize
+        rows.append(
+            {
+                "name": run.name,
+                "method": run.method,
+                "tau": tau,
+                "acceptance_per_position": run.stats.acceptance_per_position
+                if run.has_stats
+                else [],
+                "tokens_per_s": tps,
+                "speedup_vs_ar": speedup,
+                "overhead": tau / speedup - 1 if tau is not None else None,
+                "draft_time_frac": run.stats.draft_time_frac if run.has_stats else None,
+                "extra_params": run.extra_params,
+                "extra_memory_bytes": param_bytes + run.stats.drafter_kv_bytes,
+                "num_prompts": num_prompts,
+                "new_tokens": run.stats.new_tokens,
+                "matches_ar": (run.outputs == ar.outputs) if greedy else None,
+            }
+        )
+    settings = {
+        k: getattr(args, k)
+        for k in (
+            "max_new_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "gamma",
+            "topk",
+            "seed",
+            "prompts",
+        )
+    }
+    settings.update(
+        device=str(target.device),
+        dtype=str(target.dtype).removeprefix("torch."),
+        torch_threads=torch.get_num_threads(),
+    )
+    return {
+        "target": {"name": target.name, **target.fingerprint},
+        "settings": settings,
+        "runs": rows,
+    }
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = [
+        f"# Evaluation: {report['target']['name']}",
+        "",
+        f"{s['max_new_tokens']} new tokens, temperature {s['temperature']}, gamma {s['gamma']}, "
+        f"{s['device']} {s['dtype']}. Speedup: tokens/s over our plain decoding (`ar`), same "
+        "process; overhead = tau / speedup - 1.",
+        "",
+        "| run | tau | tokens/s | speedup | overhead | draft time | extra params | matches ar |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+    for r in report["runs"]:
+        lines.append(
+            f"| {r['name']} | {fmt(r['tau'])} | {r['tokens_per_s']:.1f} | "
+            f"{r['speedup_vs_ar']:.2f}x | {fmt(r['overhead'])} | "
+            f"{fmt(r['draft_time_frac'], '{:.0%}')} | {r['extra_params']:,} | "
+            f"{fmt(r['matches_ar'], '{}')} |"
+        )
+    lines += ["", "Acceptance per position (alpha_i):", ""]
+    for r in report["runs"]:
+        if r["acceptance_per_position"]:
+            alphas = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+            lines.append(f"- {r['name']}: {alphas}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, runs: list[Run], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drafted = [
+        (r, run)
+        for r, run in zip(report["runs"], runs, strict=True)
+        if r["acceptance_per_position"]
+    ]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r, _ in drafted:
+        alphas = r["acceptance_per_position"]
+        ax.plot(range(1, len(alphas) + 1), alphas, marker="o", label=r["name"])
+    ax.set(
+        xlabel="draft position i",
+        ylabel="acceptance alpha_i",
+        ylim=(0, 1.05),
+        title="Acceptance per position",
+    )
+    if drafted:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_per_position.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r, run in drafted:
+        counts = run.stats.emitted_per_pass
+        bins = torch.arange(0.5, max(counts) + 1.5).tolist()
+        ax.hist(counts, bins=bins, alpha=0.5, label=f"{r['name']} (tau {r['tau']:.2f})")
+    ax.set(xlabel="tokens emitted per target pass", ylabel="passes", title="tau distribution")
+    if drafted:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tau_distribution.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [r["name"] for r in report["runs"]]
+    speed = [r["speedup_vs_ar"] for r in report["runs"]]
+    draft = [s * (r["draft_time_frac"] or 0.0) for s, r in zip(speed, report["runs"], strict=True)]
+    ax.bar(names, [s - d for s, d in zip(speed, draft, strict=True)], label="verify share")
+    ax.bar(
+        names, draft, bottom=[s - d for s, d in zip(speed, draft, strict=True)], label="draft share"
+    )
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(ylabel="speedup vs our plain decoding", title="Speedup (bar split: draft / verify)")
+    ax.tick_params(axis="x", rotation=30)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=120)
+    plt.close(fig)
+
+
+def log_wandb(report: dict, out: Path, project: str) -> None:
+    import wandb
+
+    run = wandb.init(project=project, config=report["settings"], job_type="evaluate")
+    columns = ["name", "method", "tau", "tokens_per_s", "speedup_vs_ar", "overhead"]
+    table = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in report["runs"]])
+    images = {p.stem: wandb.Image(str(p)) for p in out.glob("*.png")}
+    run.log({"runs": table, **images})
+    run.finish()
+
+
+def sync(target) -> None:
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _eos(target) -> set[int]:
+    eos = target.model.generation_config.eos_token_id
+    return set() if eos is None else set(eos if isinstance(eos, list) else [eos])
+
+
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+if __name__ == "__main__":
+    sys.exit(main())
