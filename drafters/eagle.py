@@ -174,11 +174,7 @@ class EagleDrafter(Drafter):
         self.target = target  # not an nn.Module: not registered, not saved
         self.target_fingerprint: dict | None = None
         H, V = target.hidden_size, target.vocab_size
-        L = target.num_layers
-        # eagle1 needs the final normed feature; eagle3 the three fused layers.
-        self.capture_layers: list[int] = (
-            list(config.feature_layers) if config.version == "eagle3" else [L]
-        )
+        self.capture_layers: list[int] = self.capture_layers_for(config, target)
 
         layer_config = copy.deepcopy(target.config)
         layer_config.num_hidden_layers = 1
@@ -209,6 +205,14 @@ class EagleDrafter(Drafter):
             self.register_buffer("t2d", t2d)
             with torch.no_grad():  # start from the target's LM head rows: training starts close
                 self.lm_head.weight.copy_(target.model.get_output_embeddings().weight[d2t].float())
+
+    @staticmethod
+    def capture_layers_for(config: EagleConfig, target) -> list[int]:
+        """The target hidden states a head of (resolved) `config` reads: eagle1 the final normed
+        feature, eagle3 the three fused layers."""
+        if config.version == "eagle3":
+            return list(config.feature_layers)
+        return [target.num_layers]
 
     @classmethod
     def build(cls, config: EagleConfig, target, d2t: torch.Tensor | None = None) -> EagleDrafter:

@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 
 from specdraft.data.dataset import build_datasets
+from specdraft.data.hidden_cache import CachedTarget, HiddenStateCache
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, build_draft_vocab, resolve_config
 from specdraft.drafters.target import load_target
 from specdraft.train.config import TrainConfig, parse_cli
@@ -28,6 +29,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "eagle" / 
 class EagleTrainConfig(TrainConfig):
     kind: ClassVar[str] = "eagle"
     drafter: EagleConfig = field(default_factory=EagleConfig)
+    # Offline training: a folder written by scripts/dump_hidden_states.py for this config's target
+    # and data; the target's forward then leaves the loop. None: run the target online.
+    hidden_cache: str | None = None
 
 
 def eos_ids(target) -> list[int]:
@@ -62,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # the head's random init; identical on every process
         head = build_head(cfg.drafter, target, train_examples)
+        features = target
+        if cfg.hidden_cache:  # offline: hidden states and p come from the cache
+            cache = HiddenStateCache(
+                cfg.hidden_cache, target, [*train_examples, *eval_examples], head.capture_layers
+            )
+            features = CachedTarget(target, cache)
     except (ValueError, OSError) as e:  # missing data, bad target, bad layer ids or vocab size
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -76,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     result = train(
-        cfg, head, target, train_examples, eval_examples, tokenizer=target.tokenizer,
+        cfg, head, features, train_examples, eval_examples, tokenizer=target.tokenizer,
         provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
     )  # fmt: skip
     if result.stopped_by_signal or not result.main_process:

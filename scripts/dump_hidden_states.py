@@ -1,0 +1,57 @@
+"""Dump the target's hidden states of an EAGLE run's data, for offline training.
+
+    python scripts/dump_hidden_states.py --out runs/eagle-cache [--dtype bf16] [--config X] [key=value ...]
+    accelerate launch train/eagle.py hidden_cache=runs/eagle-cache
+
+The data, target and head settings come from the same config as train/eagle.py (its demo.yaml by
+default, `--config` and `key=value` as there), so the cache holds exactly the examples and layers
+that run needs: the head's feature layers plus the final state the target's distribution is
+computed from. Rerunning after an interruption continues after the last finished shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specdraft.data.dataset import build_datasets
+from specdraft.data.hidden_cache import DTYPES, bytes_per_token, write_cache
+from specdraft.drafters.eagle import EagleDrafter, resolve_config
+from specdraft.drafters.target import load_target
+from specdraft.train.config import parse_cli
+from specdraft.train.distill import target_dtype
+from specdraft.train.eagle import DEFAULT_CONFIG, EagleTrainConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "scripts/dump_hidden_states.py"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, add_help=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--out", required=True, help="the cache folder (created; resumed if there)")
+    parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="stored precision")
+    parser.add_argument("--shard-examples", type=int, default=256, help="examples per shard file")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per target forward")
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    cfg = parse_cli(EagleTrainConfig, rest, DEFAULT_CONFIG, prog=prog)
+    try:
+        target = load_target(cfg.target, dtype=target_dtype(cfg))
+        train_examples, eval_examples, _ = build_datasets(cfg.data, target.tokenizer)
+        head_cfg = resolve_config(cfg.drafter, target)
+        layers = sorted({*EagleDrafter.capture_layers_for(head_cfg, target), target.num_layers})
+        write_cache(
+            args.out, target, [*train_examples, *eval_examples], layers, dtype=args.dtype,
+            shard_examples=args.shard_examples, batch_size=args.batch_size,
+            progress=lambda line: print(f"[specdraft] {line}", file=sys.stderr),
+        )  # fmt: skip
+    except (ValueError, OSError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"[specdraft] hidden-state cache in {args.out}: layers {layers}, {args.dtype}, "
+        f"{bytes_per_token(args.out):.0f} bytes per token"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
