@@ -1,0 +1,119 @@
+"""scripts/evaluate.py end to end on the tiny demo target: every method on the same prompts,
+report.json with the agreed fields, report.md and the three plots."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from specdraft.scripts import evaluate
+
+FIELDS = {
+    "name",
+    "method",
+    "tau",
+    "acceptance_per_position",
+    "tokens_per_s",
+    "speedup_vs_ar",
+    "overhead",
+    "draft_time_frac",
+    "extra_params",
+    "extra_memory_bytes",
+    "num_prompts",
+    "new_tokens",
+    "matches_ar",
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models; a shared machine's busy cores only slow threads
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def draft_folder(tiny_target, tmp_path_factory):
+    """A plain HF folder holding a copy of the target: a two-model drafter that is always right."""
+    folder = tmp_path_factory.mktemp("draft") / "copy"
+    copy.deepcopy(tiny_target.model).save_pretrained(folder)
+    return folder
+
+
+def test_greedy_report(tiny_target_path, draft_folder, tmp_path):
+    out = tmp_path / "eval"
+    evaluate.main(
+        [
+            "--target",
+            tiny_target_path,
+            "--drafter",
+            str(draft_folder),
+            "--num-prompts",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--gamma",
+            "3",
+            "--output",
+            str(out),
+        ]
+    )
+    report = json.loads((out / "report.json").read_text())
+    assert report["target"]["vocab_size"] == 384 and report["settings"]["gamma"] == 3
+    runs = {r["name"]: r for r in report["runs"]}
+    assert set(runs) == {
+        "ar",
+        "hf_ar",
+        "prompt_lookup",
+        "hf_prompt_lookup",
+        "copy",
+        "hf_assisted[copy]",
+    }
+    for r in runs.values():
+        assert set(r) == FIELDS
+        assert r["num_prompts"] == 2 and 0 < r["new_tokens"] <= 24
+        assert r["matches_ar"] is True  # greedy: every method reproduces plain decoding
+        assert r["tokens_per_s"] > 0
+    assert runs["ar"]["tau"] == 1.0 and runs["ar"]["speedup_vs_ar"] == 1.0
+    mine = runs["copy"]
+    assert mine["method"] == "distill" and mine["tau"] > 1
+    assert mine["acceptance_per_position"][0] == 1.0  # a copy of the target is always right
+    assert mine["extra_params"] > 0 and mine["extra_memory_bytes"] > 4 * mine["extra_params"]
+    assert 0 < mine["draft_time_frac"] < 1
+    assert mine["overhead"] == pytest.approx(mine["tau"] / mine["speedup_vs_ar"] - 1)
+    md = (out / "report.md").read_text()
+    assert "| hf_assisted[copy] |" in md and "speedup" in md
+    for plot in ("acceptance_per_position", "tau_distribution", "speedup"):
+        assert (out / f"{plot}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sampling_report_has_no_greedy_match(tiny_target_path, tmp_path):
+    out = tmp_path / "eval"
+    evaluate.main(
+        [
+            "--target",
+            tiny_target_path,
+            "--baselines",
+            "prompt_lookup",
+            "--num-prompts",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "1.0",
+            "--output",
+            str(out),
+        ]
+    )
+    runs = json.loads((out / "report.json").read_text())["runs"]
+    assert [r["name"] for r in runs] == ["ar", "prompt_lookup"]
+    assert all(r["matches_ar"] is None for r in runs)
+
+
+def test_unknown_baseline_is_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        evaluate.main(["--baselines", "ar,medusa", "--output", str(tmp_path)])
