@@ -100,7 +100,14 @@ class DraftSession(Protocol):
     def propose(self, context: DraftContext) -> DraftTree: ...
 
     def accept(self, path: list[int]) -> None:
-        """`path`: the accepted node indices of the last proposed tree, root to leaf (maybe [])."""
+        """`path`: the accepted node indices of the last proposed tree, root to leaf (maybe []).
+
+        Called once after every verification forward that followed a `propose`, also when the
+        tree was empty. A session with a non-empty `capture_layers` attribute (a drafter fed by
+        the target's features, like EAGLE) gets `accept(path, hidden_states)` instead: the
+        verification forward's hidden states at those layers, each (batch, pending + n, hidden)
+        with the pending tokens first and then the tree nodes in node order.
+        """
         ...
 
     def extra_memory_bytes(self) -> int:

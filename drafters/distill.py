@@ -484,10 +484,12 @@ class DistillSession:
 
     def accept(self, path: list[int]) -> None:
         """Keep the cache entries of the accepted nodes that were fed; adapt gamma."""
+        if self._depth == 0:  # nothing was drafted or fed: the cache is as it was
+            return
         slots = [self._fed_slots[i] for i in path if self._fed_slots[i] >= 0]
         compact(self.cache, self._base, slots)
         self.cached = self._base + len(slots)
-        if self.options.dynamic_gamma and self._depth > 0:
+        if self.options.dynamic_gamma:
             # grow after a fully accepted draft, shrink after a rejection
             if len(path) == self._depth:
                 self.gamma = min(self.gamma + 2, self.options.max_gamma)

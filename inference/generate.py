@@ -76,6 +76,7 @@ def generate(
     length, cached = prompt_len, 0
     cache = DynamicCache(config=target.config)
     no_draft = DraftTree.empty(device=device)
+    capture = list(getattr(session, "capture_layers", None) or ())
     start = time.perf_counter()
     while True:
         remaining = prompt_len + max_new_tokens - length
@@ -83,7 +84,8 @@ def generate(
         # remaining - 1 could never be emitted.
         t0 = time.perf_counter()
         tree = no_draft
-        if session is not None and remaining > 1:
+        proposed = session is not None and remaining > 1
+        if proposed:
             tree = session.propose(DraftContext(seq[:, :length], max_depth=remaining - 1))
             sync()
         t1 = time.perf_counter()
@@ -95,14 +97,16 @@ def generate(
         if n:
             inputs = torch.cat([inputs, tree.tokens.to(device)], dim=1)  # (1, pending + n)
         mask, positions = tree_attention(tree, cached, pending, target.dtype, device)
-        logits = target.forward(
+        out = target.forward(
             inputs,
             attention_mask=mask,
             position_ids=positions,
             cache=cache,
             use_cache=True,
+            capture_layers=capture,
             logits_to_keep=n + 1,
-        ).logits[0]  # (n + 1, vocab): the root (last pending token), then each node
+        )
+        logits = out.logits[0]  # (n + 1, vocab): the root (last pending token), then each node
         if sampling.greedy:
             path, next_token = verify_greedy(tree, logits.argmax(-1).tolist())
         else:
@@ -113,7 +117,9 @@ def generate(
         compact(cache, length, path)
         cached = length + len(path)
         t2 = time.perf_counter()
-        if session is not None and n:
+        if proposed and capture:  # drafters fed by the target's features (EAGLE)
+            session.accept(path, out.hidden_states)
+        elif proposed:
             session.accept(path)
         t3 = time.perf_counter()
 
