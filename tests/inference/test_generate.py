@@ -223,3 +223,18 @@ def test_a_drafter_trained_for_another_target_is_refused(random_target, drafts):
     drafter.target_fingerprint = dict(random_target.fingerprint, hidden_size=4096)
     with pytest.raises(ValueError, match=r"another target.*hidden_size"):
         generate(random_target, PROMPT, drafter, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("version", ["eagle1", "eagle3"])
+def test_an_eagle_head_runs_through_the_loop_exactly(tiny_target, version):
+    """Sessions fed by the target's features get its hidden states from the loop; an untrained
+    head drafts (and is rejected), yet output is the target's greedy output."""
+    from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+
+    torch.manual_seed(0)
+    head = EagleDrafter.build(EagleConfig(version=version), tiny_target, None).eval()
+    ids = tiny_target.tokenizer("import os\ndef f(x):\n", return_tensors="pt").input_ids
+    ref = tiny_target.model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :]
+    out = generate(tiny_target, ids, head, max_new_tokens=16)
+    assert out.tokens[0].tolist() == ref.tolist()[: out.tokens.shape[1]]
+    assert out.stats.drafted > 0
