@@ -75,8 +75,7 @@ def test_prompt_lookup_is_exact_and_drafts_from_the_context(tiny_target):
     prompt = tiny_target.tokenizer("def foo(x):\n    return x\n", return_tensors="pt").input_ids
     ref = tiny_target.model.generate(prompt, max_new_tokens=40, do_sample=False)
     out = generate(tiny_target, prompt, "prompt_lookup", max_new_tokens=40)
-    n = out.tokens.shape[1]
-    assert out.tokens[0].tolist() == ref[0, prompt.shape[1] : prompt.shape[1] + n].tolist()
+    assert out.tokens[0].tolist() == ref[0, prompt.shape[1] :].tolist()
     assert out.stats.drafted > 0 and out.stats.accepted > 0
 
 
@@ -122,7 +121,7 @@ def test_the_trained_tiny_target_and_its_copy(tiny_target):
         max_new_tokens=12,
         gamma=3,
     )
-    assert out.tokens[0].tolist() == ref.tolist()[: out.tokens.shape[1]]
+    assert out.tokens[0].tolist() == ref.tolist()
     assert out.stats.drafted > 0 and out.stats.accepted > 0
 
 
@@ -236,5 +235,5 @@ def test_an_eagle_head_runs_through_the_loop_exactly(tiny_target, version):
     ids = tiny_target.tokenizer("import os\ndef f(x):\n", return_tensors="pt").input_ids
     ref = tiny_target.model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :]
     out = generate(tiny_target, ids, head, max_new_tokens=16)
-    assert out.tokens[0].tolist() == ref.tolist()[: out.tokens.shape[1]]
+    assert out.tokens[0].tolist() == ref.tolist()
     assert out.stats.drafted > 0
