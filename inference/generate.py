@@ -11,6 +11,11 @@ Invariants the loop keeps between steps: the target's KV cache holds the first `
 the sequence, and the tokens after them (`pending`: the whole prompt at first, then the last bonus
 token, then sometimes more) are fed at the start of the next verification. So prefill is simply
 the first step's pending tokens, and every target pass emits tokens.
+
+Batch size is 1. The types are batch-shaped (DraftTree.tokens (batch, n), q (batch, n, vocab),
+DraftContext.tokens (batch, seq)); batch > 1 would further need per-row trees (parents per row),
+per-row accepted lengths, hence left padding with a padding-aware 4D mask and per-row position
+ids, and compaction that gathers a different path per row into a common (padded) length.
 """
 
 from __future__ import annotations
