@@ -68,7 +68,7 @@ def verify_sampling(
     p: (n + 1, vocab) the target's processed distribution at the root and at each node.
     """
     tokens = tree.tokens[0].tolist()
-    q = tree.q[0] if tree.q is not None else None  # (n, vocab) or None: all point masses
+    q = tree.q[0].to(p.device) if tree.q is not None else None  # (n, vocab); None: point masses
     children = children_of(tree.parents)
     # One uniform per node, drawn up front: a single random call and host sync per step.
     u = torch.rand(len(tokens), generator=generator, device=p.device).tolist()
