@@ -139,12 +139,12 @@ def small_vocab():
     return target, {"noisy": perturbed(target.model, 0.3, seed=4), "other": tiny_llama(V, 5, 16, 1)}
 
 
-def exact_joint(target, prompt, temperature, top_p) -> torch.Tensor:
+def exact_joint(target, prompt, temperature, top_p, top_k) -> torch.Tensor:
     """(V, V) the target's probability of each first two tokens, after processing."""
     from specdraft.drafters.base import SamplingSettings
     from specdraft.inference.verify import process_logits
 
-    settings = SamplingSettings(temperature=temperature, top_p=top_p)
+    settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k)
     with torch.no_grad():
         first = process_logits(target.model(torch.tensor([prompt])).logits[0, -1], settings)
         nxt = torch.stack(
@@ -154,12 +154,19 @@ def exact_joint(target, prompt, temperature, top_p) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("draft", "topk", "top_p"),
-    [("noisy", 1, 1.0), ("noisy", 2, 1.0), ("other", 1, 0.8), ("noisy", 2, 0.8)],
-    ids=["chain", "tree", "chain-top_p", "tree-top_p"],
+    ("draft", "topk", "top_p", "top_k"),
+    [
+        ("noisy", 1, 1.0, 0),
+        ("noisy", 2, 1.0, 0),
+        ("other", 1, 0.8, 0),
+        ("noisy", 2, 0.8, 0),
+        ("noisy", 1, 1.0, 3),
+    ],
+    ids=["chain", "tree", "chain-top_p", "tree-top_p", "chain-top_k"],
 )
-def test_sampled_output_follows_the_target(small_vocab, draft, topk, top_p):
-    """Chi-square on the joint of the first two tokens over SAMPLES seeds (FALSE_ALARM)."""
+def test_sampled_output_follows_the_target(small_vocab, draft, topk, top_p, top_k):
+    """Chi-square on the joint of the first two tokens over SAMPLES seeds (FALSE_ALARM). Three
+    tokens are asked for, so the first draft is two deep and both tokens can come from it."""
     target, drafts = small_vocab
     prompt = [1, 2, 3]
     counts = torch.zeros(V, V)
@@ -169,18 +176,19 @@ def test_sampled_output_follows_the_target(small_vocab, draft, topk, top_p):
             target,
             prompt,
             drafts[draft],
-            max_new_tokens=2,
+            max_new_tokens=3,
             temperature=1.3,
             top_p=top_p,
+            top_k=top_k,
             seed=seed,
             gamma=2,
             topk=topk,
         )
-        y1, y2 = out.tokens[0].tolist()
+        y1, y2 = out.tokens[0, :2].tolist()
         counts[y1, y2] += 1
         drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
     assert drafted > 0 and accepted > 0
-    exact = exact_joint(target, prompt, 1.3, top_p)
+    exact = exact_joint(target, prompt, 1.3, top_p, top_k)
     assert chi_square_p_value(counts.flatten(), exact.flatten()) > FALSE_ALARM
 
 
