@@ -1,0 +1,153 @@
+"""Regenerate the assistant turns of a conversation dataset with the target, so drafters train on
+what the target actually says (the distribution they will be verified against).
+
+    python scripts/regenerate.py --data chats.jsonl --output chats.regen.jsonl --target demo
+    python scripts/regenerate.py ... --temperature 0.7 --top-p 0.9 --seed 1   # sampled
+
+Each conversation is replayed turn by turn: the target answers every user turn given the history
+so far, its earlier answers included (so a multi-turn row stays coherent). System and user turns
+are kept; rows that are not conversations, or cannot be parsed, are counted and skipped.
+
+Output is JSON lines, one per conversation, `{"messages": [...], "source": "<row location>"}`,
+readable by the data pipeline (`data.format: messages`). The run is resumable: rerunning the same
+command skips conversations already in the output (matched by `source`), and a last line cut off
+by a crash is dropped first. Sampling is seeded per conversation, so a resumed run writes what an
+uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from specdraft.data.formats import Conversation, parse_record
+from specdraft.data.sources import DataError, SkipRow, read_rows
+from specdraft.drafters.target import TargetError, load_target
+
+
+def regenerate(
+    target,
+    data: str,
+    output: str | Path,
+    *,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    limit: int | None = None,
+    fmt: str = "auto",
+) -> Counter:
+    """Append regenerated conversations of `data` to `output`; returns counts of what happened."""
+    output = Path(output)
+    done = _done_sources(output)
+    counts: Counter = Counter(already_done=len(done))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with output.open("a", encoding="utf-8") as out:
+        for index, row in enumerate(read_rows(data)):
+            if limit is not None and counts["written"] >= limit:
+                break
+            if row.where in done:
+                continue
+            if row.error is not None:
+                counts[f"skipped: {row.error.reason}"] += 1
+                continue
+            try:
+                item = parse_record(row.record, fmt)
+            except SkipRow as e:
+                counts[f"skipped: {e.reason}"] += 1
+                continue
+            if not isinstance(item, Conversation):
+                counts["skipped: not a conversation"] += 1
+                continue
+            messages = _replay(target, item, max_new_tokens, temperature, top_p, seed + index)
+            out.write(json.dumps({"messages": messages, "source": row.where}) + "\n")
+            out.flush()
+            os.fsync(out.fileno())  # a line is either fully on disk or dropped on resume
+            counts["written"] += 1
+    return counts
+
+
+@torch.no_grad()
+def _replay(target, conversation: Conversation, max_new_tokens, temperature, top_p, seed) -> list:
+    """The conversation with every assistant turn replaced by the target's answer."""
+    tokenizer, model = target.tokenizer, target.model
+    torch.manual_seed(seed)
+    history: list[dict] = []
+    for message in conversation.messages:
+        if message.role != "assistant":
+            history.append({"role": message.role, "content": message.content})
+            continue
+        prompt = tokenizer.apply_chat_template(
+            history, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        ).to(target.device)
+        sampling = {"do_sample": False}
+        if temperature > 0:
+            sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p}
+        out = model.generate(
+            **prompt, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
+        )
+        reply = tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+        history.append({"role": "assistant", "content": reply})  # exactly what it wrote
+    return history
+
+
+def _done_sources(output: Path) -> set[str]:
+    """Sources already written to `output`; a last line cut off mid-write is removed first."""
+    if not output.exists():
+        return set()
+    data = output.read_bytes()
+    keep = data.rfind(b"\n") + 1  # everything up to the last complete line
+    if keep < len(data):
+        print(f"[specdraft] dropping a partial last line of {output}", file=sys.stderr)
+        with output.open("r+b") as f:
+            f.truncate(keep)
+    done = set()
+    for number, line in enumerate(data[:keep].splitlines(), 1):
+        try:
+            done.add(json.loads(line)["source"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise DataError(
+                f"{output}:{number} is not a line this script wrote ({e}); pass a new --output "
+                "or remove the file to start over"
+            ) from None
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--data", required=True, help="conversations: a local file/folder or hub id"
+    )
+    parser.add_argument("--output", required=True, help="the JSON lines file to write (appended)")
+    parser.add_argument("--target", default="demo", help="demo, a model folder or a hub id")
+    parser.add_argument("--format", default="auto", help="auto | sharegpt | messages | ultrachat")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--limit", type=int, default=None, help="stop after this many new rows")
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    try:
+        target = load_target(args.target, dtype=args.dtype, device=args.device)
+        counts = regenerate(
+            target, args.data, args.output, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_p=args.top_p, seed=args.seed, limit=args.limit,
+            fmt=args.format,
+        )  # fmt: skip
+    except (DataError, TargetError) as e:
+        print(f"regenerate.py: error: {e}", file=sys.stderr)
+        return 2
+    print(f"[specdraft] {args.output}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""scripts/regenerate.py: the target's own answers, greedy or seeded-sampled, resumable."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdraft.scripts.regenerate import main, regenerate
+
+ROWS = [
+    {"messages": [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "x"}]},
+    {"text": "plain text is not a conversation"},
+    {"conversations": [
+        {"from": "human", "value": "import os"}, {"from": "gpt", "value": "y"},
+        {"from": "human", "value": "class A:"}, {"from": "gpt", "value": "z"},
+    ]},
+    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "for i in"},
+                  {"role": "assistant", "content": "w"}]},
+]  # fmt: skip
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return path
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@torch.no_grad()
+def _greedy(target, history, n):
+    prompt = target.tokenizer.apply_chat_template(
+        history, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    out = target.model.generate(**prompt, max_new_tokens=n, do_sample=False)
+    return target.tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def test_greedy_answers_are_the_targets_and_turns_build_on_them(tiny_target, data_file, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    counts = regenerate(tiny_target, str(data_file), out, max_new_tokens=8)
+    assert counts["written"] == 3 and counts["skipped: not a conversation"] == 1
+    rows = _lines(out)
+    assert [r["source"] for r in rows] == [f"{data_file}:1", f"{data_file}:3", f"{data_file}:4"]
+    multi = rows[1]["messages"]
+    assert [m["role"] for m in multi] == ["user", "assistant", "user", "assistant"]
+    first = _greedy(tiny_target, multi[:1], 8)
+    assert multi[1]["content"] == first and first not in ("y", "")
+    assert multi[3]["content"] == _greedy(tiny_target, multi[:3], 8)  # history holds the new answer
+    assert rows[2]["messages"][0] == {"role": "system", "content": "be brief"}
+
+
+def test_resume_after_a_crash_writes_what_one_run_writes(tiny_target, data_file, tmp_path):
+    whole = tmp_path / "whole.jsonl"
+    regenerate(tiny_target, str(data_file), whole, max_new_tokens=6, temperature=1.0, seed=3)
+    parts = tmp_path / "parts.jsonl"
+    regenerate(
+        tiny_target, str(data_file), parts, max_new_tokens=6, temperature=1.0, seed=3, limit=2
+    )
+    assert len(_lines(parts)) == 2
+    with parts.open("a") as f:
+        f.write('{"messages": [{"role": "us')  # a line cut off by a crash
+    counts = regenerate(
+        tiny_target, str(data_file), parts, max_new_tokens=6, temperature=1.0, seed=3
+    )
+    assert counts["already_done"] == 2 and counts["written"] == 1
+    assert parts.read_text() == whole.read_text()
+
+
+def test_cli_reports_a_missing_file(tiny_target_path, tmp_path, capsys):
+    code = main(["--data", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o.jsonl"),
+                 "--target", tiny_target_path])  # fmt: skip
+    assert code == 2
+    assert "nope.jsonl" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists() or (tmp_path / "o.jsonl").read_text() == ""
