@@ -51,8 +51,8 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int = 0,
-    gamma: int = 5,
-    topk: int = 1,
+    gamma: int | None = None,
+    topk: int | None = None,
     dynamic_gamma: bool = False,
 ) -> GenerateOutput:
     """Decode up to `max_new_tokens` after `input_ids` (batch 1), stopping after an EOS token.
@@ -62,7 +62,8 @@ def generate(
     temperature 0 is greedy: output equals the target's greedy decoding token for token. Above
     0, output follows the target's distribution after temperature, top-k and top-p exactly.
     gamma: draft depth; topk > 1 drafts a tree of the topk best nodes per depth (two-model);
-    dynamic_gamma adapts gamma to recent acceptance.
+    dynamic_gamma adapts gamma to recent acceptance. None leaves the drafter's own default (5
+    and 1 for two-model and prompt lookup; a trained drafter's config otherwise).
     """
     seq_ids = _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k, gamma)
     sampling = SamplingSettings(temperature=float(temperature), top_k=int(top_k), top_p=top_p)
@@ -180,7 +181,7 @@ def _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k, 
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 is off), got {top_k}")
-    if gamma < 1:
+    if gamma is not None and gamma < 1:
         raise ValueError(f"gamma (draft length) must be >= 1, got {gamma}")
     return ids
 
@@ -211,14 +212,9 @@ def _start_session(target, drafter, sampling, generator, gamma, topk, dynamic_ga
                 f"this {drafter.kind} drafter was trained for another target ({'; '.join(diffs)}); "
                 "load the target it was trained against, or train a drafter for this one"
             )
-    session = drafter.new_session(
-        target,
-        sampling=sampling,
-        generator=generator,
-        gamma=gamma,
-        topk=topk,
-        dynamic_gamma=dynamic_gamma,
-    )
+    options = {"gamma": gamma, "topk": topk, "dynamic_gamma": dynamic_gamma or None}
+    options = {k: v for k, v in options.items() if v is not None}
+    session = drafter.new_session(target, sampling=sampling, generator=generator, **options)
     stats.drafter_params = drafter.num_extra_parameters(target)
     return session, stats
 
