@@ -12,6 +12,7 @@ import math
 import os
 import signal
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -217,12 +218,12 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_good_checkpoint(
 # --- trackers ----------------------------------------------------------------------------------
 
 
-def _wandb_history(run_dir) -> list[dict]:
-    """History rows of an offline W&B run, read from its .wandb file (LevelDB-style log)."""
+def _wandb_records(run_dir) -> list:
+    """Records of an offline W&B run, read from its .wandb file (LevelDB-style log)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
-    data, pos, block, buf, rows = Path(path).read_bytes(), 7, 32768, b"", []
+    data, pos, block, buf, records = Path(path).read_bytes(), 7, 32768, b"", []
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # block trailer padding
             pos += block - pos % block
@@ -231,13 +232,28 @@ def _wandb_history(run_dir) -> list[dict]:
         chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         buf = chunk if kind in (1, 2) else buf + chunk
         if kind in (1, 4):
-            record = pb.Record()
-            record.ParseFromString(buf)
-            if record.WhichOneof("record_type") == "history":
-                rows.append(
-                    {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
-                )
-    return rows
+            records.append(pb.Record())
+            records[-1].ParseFromString(buf)
+    return records
+
+
+def _wandb_history(run_dir) -> list[dict]:
+    # W&B's writer process may still be flushing when finish() returns under load: wait for the
+    # run's exit record rather than read a file that is still being written.
+    deadline = time.monotonic() + 60
+    while True:
+        records = _wandb_records(run_dir)
+        if (
+            any(r.WhichOneof("record_type") == "exit" for r in records)
+            or time.monotonic() > deadline
+        ):
+            break
+        time.sleep(0.5)
+    return [
+        {i.key or "/".join(i.nested_key): i.value_json for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
 
 
 def test_wandb_offline_run_holds_the_logged_keys(tiny_target, data, tmp_path):
