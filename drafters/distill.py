@@ -256,7 +256,10 @@ class DistillDrafter(Drafter):
         scores them when the trainer runs it on the returned batch).
         """
         cfg = self.config
-        if cfg.on_policy_ratio == 0 or torch.rand((), generator=generator) >= cfg.on_policy_ratio:
+        if (
+            cfg.on_policy_ratio == 0
+            or torch.rand((), generator=generator, device=generator.device) >= cfg.on_policy_ratio
+        ):
             return batch
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         first_loss = torch.where(loss_mask.any(1), loss_mask.int().argmax(1), input_ids.shape[1])

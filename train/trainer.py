@@ -85,6 +85,8 @@ class TrainResult:
     stopped_by_signal: str | None = None  # "SIGTERM" / "SIGINT" when preempted
     output_dir: Path | None = None
     main_process: bool = True  # False on the other processes of a multi-process run
+    # tokens_per_s (all processes), target_forward_share, peak_memory_mb; steps after the first
+    throughput: dict = field(default_factory=dict)
 
 
 # --- schedules: pure functions of the step -----------------------------------------------------
@@ -258,8 +260,14 @@ class _Run:
             if self.start_step == 0 and cfg.eval_every > 0 and self.eval_examples:
                 self._evaluate(0, bar, label="before training")
             step = self.start_step
+            timed = {"tokens": 0.0, "seconds": 0.0, "target_seconds": 0.0, "steps": 0}
             while step < cfg.max_steps:
                 logs = self._step(step)
+                if step > self.start_step:  # the first step warms up (allocations, kernels)
+                    timed["tokens"] += logs["tokens"]
+                    timed["seconds"] += logs["step_time_s"]
+                    timed["target_seconds"] += logs["target_forward_share"] * logs["step_time_s"]
+                    timed["steps"] += 1
                 step += 1
                 self.losses.append(logs["loss"])
                 bar.update(1)
@@ -291,6 +299,16 @@ class _Run:
             if self.signal is None:
                 self._save_checkpoint(step)  # the end state is resumable too (e.g. to extend)
                 self._save_drafter(self.out / "final", step)
+            throughput = _throughput(timed, self.acc.device)
+            if self.main and throughput:
+                bar.write(
+                    f"[specdraft] throughput over {timed['steps']} steps after the first: "
+                    f"{throughput['tokens_per_s']:.0f} tokens/s ({self.world} process"
+                    f"{'es' if self.world > 1 else ''}), {throughput['target_forward_share']:.0%} "
+                    f"of step time in the target forward, peak memory "
+                    f"{throughput['peak_memory_mb']:.0f} MiB",
+                    file=sys.stderr,
+                )
         finally:
             bar.close()
             self.tracker.close()
@@ -300,6 +318,7 @@ class _Run:
         return TrainResult(
             step=step, losses=self.losses, evals=self.evals, best_tau=self.best_tau,
             stopped_by_signal=self.signal, output_dir=self.out, main_process=self.main,
+            throughput=throughput,
         )  # fmt: skip
 
     def _step(self, step: int) -> dict[str, float]:
@@ -374,6 +393,8 @@ class _Run:
             "grad_norm": grad_norm,
             "tokens_per_s": float(tokens) / elapsed,
             "target_forward_share": target_time / elapsed,
+            "step_time_s": elapsed,
+            "tokens": float(tokens),
             "peak_memory_mb": _peak_memory_mb(acc.device),
         }
         for k, v in metric_sums.items():
@@ -718,6 +739,17 @@ def _check_process_group(acc: Accelerator) -> None:
                 "selects no backend there). Run DeepSpeed with one process on CPU, or use "
                 "configs/accelerate/cpu_2proc.yaml for several CPU processes."
             )
+
+
+def _throughput(timed: dict, device: torch.device) -> dict:
+    if not timed["steps"]:
+        return {}
+    return {
+        "tokens_per_s": timed["tokens"] / timed["seconds"],
+        "target_forward_share": timed["target_seconds"] / timed["seconds"],
+        "peak_memory_mb": _peak_memory_mb(device),
+        "steps": timed["steps"],
+    }
 
 
 def _sync(device: torch.device) -> None:
