@@ -412,14 +412,15 @@ class _Run:
         if cfg.eval_batches:  # eval_batches per process: the same examples for any split
             n = min(n, cfg.eval_batches * cfg.micro_batch_size * self.world)
         mine = list(range(self.rank, n, self.world))
+        # A process with no example of its own still joins the all-reduce: it scores example 0
+        # with weight 0, so every process holds tensors of the same shapes.
+        weight = 1.0 if mine else 0.0
         loss_sum = torch.zeros((), device=acc.device)
         tokens = torch.zeros((), device=acc.device)
-        alpha_sum = count = None
+        alpha_sum = count = 0.0
         model.eval()
         for start in range(0, max(len(mine), 1), cfg.micro_batch_size):
-            chunk = mine[start : start + cfg.micro_batch_size]
-            if not chunk:
-                break
+            chunk = mine[start : start + cfg.micro_batch_size] or [0]
             batch = collate([self.eval_examples[i] for i in chunk], acc.device)
             with acc.autocast():
                 target_out = self.target.forward(
@@ -428,11 +429,11 @@ class _Run:
                 )  # fmt: skip
                 loss, _ = model(batch, target_out)
                 a, c = model.acceptance(batch, target_out)
-            k = batch["loss_mask"][:, 1:].sum().float()
+            k = batch["loss_mask"][:, 1:].sum().float() * weight
             loss_sum += loss.float() * k
             tokens += k
-            alpha_sum = a.float() if alpha_sum is None else alpha_sum + a.float()
-            count = c.float() if count is None else count + c.float()
+            alpha_sum = alpha_sum + a.float() * weight
+            count = count + c.float() * weight
         model.train()
         loss_sum, tokens = acc.reduce(loss_sum, "sum"), acc.reduce(tokens, "sum")
         alpha_sum = acc.reduce(alpha_sum, "sum")
