@@ -423,6 +423,11 @@ class EagleSession:
     and the whole tree is reranked to `tree_budget` nodes. Tree children are deterministic (point
     masses, q = None) also when sampling: the rerank keeps or drops a node by its own token's
     probability, so a sampled child that survived it would no longer be distributed as q.
+
+    Tree shape: `tree_depth`, `tree_top_k`, `tree_budget` default to the head's config. The loop's
+    own knobs mean the same here as for every drafter: `gamma` (generate's gamma, evaluate.py's
+    --gamma) is the draft depth and `topk` the children per expanded node (1: a chain); the
+    budget stays the config's unless `tree_budget` is given.
     """
 
     def __init__(
@@ -435,6 +440,8 @@ class EagleSession:
         tree_depth: int | None = None,
         tree_top_k: int | None = None,
         tree_budget: int | None = None,
+        gamma: int | None = None,
+        topk: int | None = None,
         **_ignored,
     ) -> None:
         from specdraft.drafters.target import fingerprint_differences
@@ -449,8 +456,8 @@ class EagleSession:
         self.head = drafter
         self.sampling = sampling
         self.generator = generator
-        self.depth = tree_depth or cfg.tree_depth
-        self.top_k = tree_top_k or cfg.tree_top_k
+        self.depth = _either("tree_depth", tree_depth, "gamma", gamma) or cfg.tree_depth
+        self.top_k = _either("tree_top_k", tree_top_k, "topk", topk) or cfg.tree_top_k
         self.budget = tree_budget or cfg.tree_budget
         self.capture_layers: list[int] = list(drafter.capture_layers)
         self.cache = DynamicCache()
@@ -638,3 +645,10 @@ class EagleSession:
 
     def extra_memory_bytes(self) -> int:
         return kv_bytes(self.cache)
+
+
+def _either(key: str, value: int | None, loop_key: str, loop_value: int | None) -> int | None:
+    """A session option given under its own name or the loop's; both given must agree."""
+    if value is not None and loop_value is not None and value != loop_value:
+        raise ValueError(f"{key}={value} and {loop_key}={loop_value} set the same thing; pass one")
+    return value if value is not None else loop_value

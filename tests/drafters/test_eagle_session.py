@@ -1,6 +1,6 @@
 """EAGLE drafting sessions driven by a hand-written loop that follows EagleSession's contract
-(the inference loop does not pass hidden states yet): greedy output equals plain greedy decoding
-for chains and dynamic trees, with tokens actually drafted and accepted."""
+step by step, and by generate: greedy output equals plain greedy decoding for chains and dynamic
+trees, with tokens actually drafted and accepted."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 from transformers import DynamicCache
 
 from specdraft.drafters.base import DraftContext, SamplingSettings
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter, EagleSession
+from specdraft.inference import generate
 from specdraft.inference.cache import compact
 from specdraft.inference.tree import tree_attention
 from specdraft.inference.verify import process_logits, verify_greedy, verify_sampling
@@ -152,3 +153,28 @@ def test_contract_violations_are_clear_errors(tiny_target, trained_head):
         session.accept([], out.hidden_states)
     with pytest.raises(ValueError, match="needs hidden_states"):
         session.accept([])
+
+
+def test_the_loops_gamma_and_topk_are_the_trees_depth_and_width(
+    tiny_target, trained_head, monkeypatch
+):
+    """generate(gamma=, topk=) and evaluate.py's --gamma/--topk shape an EAGLE tree as they
+    would any drafter's; without them the head's config decides; output stays exact."""
+    trees = []
+    propose = EagleSession.propose
+    monkeypatch.setattr(EagleSession, "propose", lambda s, ctx: trees.append(propose(s, ctx)) or trees[-1])  # fmt: skip
+    prompt = torch.tensor([PROMPTS[0]])
+    plain = plain_greedy(tiny_target, PROMPTS[0], 16)
+    for gamma, topk in ((2, 1), (3, 2)):
+        trees.clear()
+        out = generate(tiny_target, prompt, trained_head, max_new_tokens=16, gamma=gamma, topk=topk)
+        assert out.tokens[0].tolist() == plain and out.stats.drafted > 0
+        drafted = [t for t in trees if len(t)]
+        assert max(t.depth for t in drafted) == gamma
+        assert all(t.depths.count(1) == topk for t in drafted)  # children of the root
+        assert all(t.is_chain for t in drafted) == (topk == 1)
+    cfg = trained_head.config
+    session = trained_head.new_session(tiny_target, sampling=SamplingSettings())
+    assert (session.depth, session.top_k) == (cfg.tree_depth, cfg.tree_top_k)
+    with pytest.raises(ValueError, match="tree_depth=4 and gamma=2"):
+        trained_head.new_session(tiny_target, sampling=SamplingSettings(), tree_depth=4, gamma=2)
