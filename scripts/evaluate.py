@@ -21,57 +21,30 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from specdraft.drafters import load_drafter, load_target
-from specdraft.inference import generate
-from specdraft.inference.metrics import Stats
+from specdraft.inference.measure import Run, load_prompts, loop_decoder, measure, summarize
 
 BASELINES = ("ar", "hf_ar", "prompt_lookup", "hf_assisted", "hf_prompt_lookup")
-
-
-@dataclass
-class Run:
-    name: str
-    method: str
-    decode: Callable[[torch.Tensor], tuple[list[int], Stats | None]]
-    extra_params: int = 0
-    outputs: list[list[int]] = field(default_factory=list)
-    seconds: float = 0.0
-    stats: Stats = field(default_factory=Stats)
-    has_stats: bool = True
+# gamma for transformers' prompt lookup and assisted decoding when --gamma is not given: the
+# loop's own default for two-model drafters and prompt lookup
+HF_GAMMA = 5
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     target = load_target(args.target, dtype=args.dtype, device=args.device)
-    prompts = load_prompts(args.prompts, args.num_prompts, target)
+    try:
+        prompts = load_prompts(args.prompts, args.num_prompts, target)
+    except ValueError as e:
+        raise SystemExit(f"--prompts: {e}") from None
     runs = build_runs(args, target)
+    measure(runs, prompts, target, log=lambda m: print(f"[evaluate] {m}", file=sys.stderr))
 
-    # 1. Warm-up: every method once on a short decode, so no method pays for first-call costs.
-    for run in runs:
-        run.decode(prompts[0][:, :16])
-    # 2. Measure, method by method, on the same prompts.
-    for run in runs:
-        for ids in prompts:
-            sync(target)
-            start = time.perf_counter()
-            tokens, stats = run.decode(ids)
-            sync(target)
-            run.seconds += time.perf_counter() - start
-            run.outputs.append(tokens)
-            if stats is None:
-                run.has_stats = False
-                stats = Stats(new_tokens=len(tokens))
-            run.stats = run.stats.merge(stats)
-        print(f"[evaluate] {run.name}: {sum(map(len, run.outputs))} tokens", file=sys.stderr)
-
-    report = make_report(args, target, runs, len(prompts))
+    report = make_report(args, target, runs)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -96,8 +69,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--gamma", type=int, default=5)
-    parser.add_argument("--topk", type=int, default=1, help="tree width for two-model drafters")
+    parser.add_argument(
+        "--gamma",
+        type=int,
+        default=None,
+        help="draft depth for every method (an EAGLE tree's depth); default: each drafter's own "
+        f"(its trained config; {HF_GAMMA} for prompt lookup and two-model drafters)",
+    )
+    parser.add_argument(
+        "--topk",
+        type=int,
+        default=None,
+        help="tree width of trained drafters: top-k per expanded node for EAGLE, nodes per depth "
+        "for two-model drafters; 1 drafts a chain; default: each drafter's own",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: as saved)")
@@ -112,48 +97,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def load_prompts(source: str, n: int, target) -> list[torch.Tensor]:
-    """(1, L) token ids per prompt: the demo's held-out prompts, or a file's."""
-    if source == "demo":
-        from specdraft.data.demo import demo_prompts
-
-        texts = demo_prompts(n)
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise SystemExit(f"--prompts {source}: no such file (use 'demo' or a file)")
-        if path.suffix == ".jsonl":
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            texts = [r["prompt"] if isinstance(r, dict) else r for r in rows]
-        elif path.suffix == ".json":
-            rows = json.loads(path.read_text())
-            texts = [r["prompt"] if isinstance(r, dict) else r for r in rows]
-        else:  # plain text: prompts separated by blank lines
-            texts = [t for t in path.read_text().split("\n\n") if t.strip()]
-        texts = texts[:n]
-    return [target.tokenizer(t, return_tensors="pt").input_ids.to(target.device) for t in texts]
-
-
 def build_runs(args: argparse.Namespace, target) -> list[Run]:
     baselines = [b for b in args.baselines.split(",") if b]
     sample = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     eos = _eos(target)
 
-    def ours(drafter, **options):
-        def decode(ids):
-            out = generate(
-                target,
-                ids,
-                drafter,
-                max_new_tokens=args.max_new_tokens,
-                seed=args.seed,
-                gamma=args.gamma,
-                **sample,
-                **options,
-            )
-            return out.tokens[0].tolist(), out.stats
+    gamma = args.gamma if args.gamma is not None else HF_GAMMA
 
-        return decode
+    def ours(drafter, **options):
+        return loop_decoder(
+            target, drafter, max_new_tokens=args.max_new_tokens, seed=args.seed,
+            gamma=args.gamma, **sample, **options,
+        )  # fmt: skip
 
     def hf(**options):
         hf_sample = dict(do_sample=args.temperature > 0)
@@ -175,9 +130,7 @@ def build_runs(args: argparse.Namespace, target) -> list[Run]:
     if "prompt_lookup" in baselines:
         runs.append(Run("prompt_lookup", "prompt_lookup", ours("prompt_lookup")))
     if "hf_prompt_lookup" in baselines:
-        runs.append(
-            Run("hf_prompt_lookup", "hf_prompt_lookup", hf(prompt_lookup_num_tokens=args.gamma))
-        )
+        runs.append(Run("hf_prompt_lookup", "hf_prompt_lookup", hf(prompt_lookup_num_tokens=gamma)))
     for path in args.drafter:
         drafter = load_drafter(path, target)
         name = Path(path).name if Path(path).name not in ("final", "best") else str(path)
@@ -187,7 +140,7 @@ def build_runs(args: argparse.Namespace, target) -> list[Run]:
         if "hf_assisted" in baselines and hf_model is not None:
             # transformers reads gamma and its schedule from the assistant's own generation
             # config; a zero confidence threshold turns off its early stop, so gamma is constant
-            hf_model.generation_config.num_assistant_tokens = args.gamma
+            hf_model.generation_config.num_assistant_tokens = gamma
             hf_model.generation_config.num_assistant_tokens_schedule = "constant"
             hf_model.generation_config.assistant_confidence_threshold = 0.0
             assisted = hf(assistant_model=hf_model)
@@ -195,35 +148,9 @@ def build_runs(args: argparse.Namespace, target) -> list[Run]:
     return runs
 
 
-def make_report(args, target, runs: list[Run], num_prompts: int) -> dict:
-    ar = runs[0]
-    ar_tps = ar.stats.new_tokens / ar.seconds
+def make_report(args, target, runs: list[Run]) -> dict:
     greedy = args.temperature == 0
-    rows = []
-    for run in runs:
-        tps = run.stats.new_tokens / run.seconds
-        speedup = tps / ar_tps
-        tau = run.stats.tau if run.has_stats else (1.0 if run.method == "hf_ar" else None)
-        param_bytes = run.extra_params * target.dtype.itemsize
-        rows.append(
-            {
-                "name": run.name,
-                "method": run.method,
-                "tau": tau,
-                "acceptance_per_position": run.stats.acceptance_per_position
-                if run.has_stats
-                else [],
-                "tokens_per_s": tps,
-                "speedup_vs_ar": speedup,
-                "overhead": tau / speedup - 1 if tau is not None else None,
-                "draft_time_frac": run.stats.draft_time_frac if run.has_stats else None,
-                "extra_params": run.extra_params,
-                "extra_memory_bytes": param_bytes + run.stats.drafter_kv_bytes,
-                "num_prompts": num_prompts,
-                "new_tokens": run.stats.new_tokens,
-                "matches_ar": (run.outputs == ar.outputs) if greedy else None,
-            }
-        )
+    rows = [summarize(run, runs[0], target, greedy) for run in runs]
     settings = {
         k: getattr(args, k)
         for k in (
@@ -254,7 +181,8 @@ def markdown(report: dict) -> str:
     lines = [
         f"# Evaluation: {report['target']['name']}",
         "",
-        f"{s['max_new_tokens']} new tokens, temperature {s['temperature']}, gamma {s['gamma']}, "
+        f"{s['max_new_tokens']} new tokens, temperature {s['temperature']}, gamma "
+        f"{s['gamma'] if s['gamma'] is not None else 'per drafter'}, "
         f"{s['device']} {s['dtype']}. Speedup: tokens/s over our plain decoding (`ar`), same "
         "process; overhead = tau / speedup - 1.",
         "",
@@ -342,11 +270,6 @@ def log_wandb(report: dict, out: Path, project: str) -> None:
     images = {p.stem: wandb.Image(str(p)) for p in out.glob("*.png")}
     run.log({"runs": table, **images})
     run.finish()
-
-
-def sync(target) -> None:
-    if target.device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _eos(target) -> set[int]:

@@ -20,6 +20,8 @@ FIELDS = {
     "speedup_vs_ar",
     "overhead",
     "draft_time_frac",
+    "drafted",
+    "accepted",
     "extra_params",
     "extra_memory_bytes",
     "num_prompts",
@@ -82,6 +84,7 @@ def test_greedy_report(tiny_target_path, draft_folder, tmp_path):
     mine = runs["copy"]
     assert mine["method"] == "distill" and mine["tau"] > 1
     assert mine["acceptance_per_position"][0] == 1.0  # a copy of the target is always right
+    assert mine["drafted"] > 0 and mine["accepted"] > 0 and runs["ar"]["drafted"] == 0
     assert mine["extra_params"] > 0 and mine["extra_memory_bytes"] > 4 * mine["extra_params"]
     assert 0 < mine["draft_time_frac"] < 1
     assert mine["overhead"] == pytest.approx(mine["tau"] / mine["speedup_vs_ar"] - 1)

@@ -1,0 +1,156 @@
+"""Measure decoding methods on the same prompts, as DESIGN.md's "Metrics" define it.
+
+Every method decodes the same prompts in this one process, after a warm-up, with new tokens
+counted the same way (up to and including the first EOS); speedups are ratios to our own plain
+decoding (`ar`: the loop with no drafter). scripts/evaluate.py compares many methods with this;
+`measure_vs_plain` is the one-drafter case the training scripts end with.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdraft.inference.generate import generate
+from specdraft.inference.metrics import Stats
+
+
+@dataclass
+class Run:
+    """One method: how it decodes a (1, L) prompt, and what measuring it collected."""
+
+    name: str
+    method: str
+    decode: Callable[[torch.Tensor], tuple[list[int], Stats | None]]
+    extra_params: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0
+    stats: Stats = field(default_factory=Stats)
+    has_stats: bool = True  # False for methods outside our loop (transformers' generate)
+
+
+def load_prompts(
+    source: str, n: int, target, examples: Sequence | None = None
+) -> list[torch.Tensor]:
+    """(1, L) token ids for up to n prompts.
+
+    source: "demo" (the demo corpus's held-out prompts), "eval" (the prompt part of held-out
+    training examples: the tokens before the first loss-bearing one, or the first half of a
+    plain-text example), or a .txt (blank-line separated) / .json / .jsonl file (strings, or
+    objects with a "prompt" field).
+    """
+    if source == "eval":
+        if not examples:
+            raise ValueError("prompts=eval needs held-out examples (data.eval_fraction > 0)")
+        prompts = []
+        for ex in examples[:n]:
+            first = ex.loss_mask.index(1) if 1 in ex.loss_mask else len(ex.input_ids)
+            cut = first if first >= 2 else len(ex.input_ids) // 2
+            if cut:
+                prompts.append(torch.tensor([ex.input_ids[:cut]], device=target.device))
+        return prompts
+    if source == "demo":
+        from specdraft.data.demo import demo_prompts
+
+        texts = demo_prompts(n)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"prompts {source!r}: no such file (use demo, eval or a file)")
+        if path.suffix in (".json", ".jsonl"):
+            text = path.read_text()
+            rows = (
+                json.loads(text)
+                if path.suffix == ".json"
+                else [json.loads(line) for line in text.splitlines() if line.strip()]
+            )
+            texts = [r["prompt"] if isinstance(r, dict) else r for r in rows]
+        else:  # plain text: prompts separated by blank lines
+            texts = [t for t in path.read_text().split("\n\n") if t.strip()]
+        texts = texts[:n]
+    return [target.tokenizer(t, return_tensors="pt").input_ids.to(target.device) for t in texts]
+
+
+def loop_decoder(target, drafter, **options) -> Callable[[torch.Tensor], tuple[list[int], Stats]]:
+    """A Run's decode through our loop: `generate(target, ids, drafter, **options)`."""
+
+    def decode(ids: torch.Tensor) -> tuple[list[int], Stats]:
+        out = generate(target, ids, drafter, **options)
+        return out.tokens[0].tolist(), out.stats
+
+    return decode
+
+
+def measure(runs: Sequence[Run], prompts: Sequence[torch.Tensor], target, log=None) -> None:
+    """Decode every prompt with every run, filling in its outputs, seconds and stats."""
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
+    # 1. Warm-up: every method once on a short decode, so no method pays for first-call costs.
+    for run in runs:
+        run.decode(prompts[0][:, :16])
+    # 2. Measure, method by method, on the same prompts.
+    for run in runs:
+        for ids in prompts:
+            sync()
+            start = time.perf_counter()
+            tokens, stats = run.decode(ids)
+            sync()
+            run.seconds += time.perf_counter() - start
+            run.outputs.append(tokens)
+            if stats is None:
+                run.has_stats = False
+                stats = Stats(new_tokens=len(tokens))
+            run.stats = run.stats.merge(stats)
+        if log is not None:
+            log(f"{run.name}: {sum(map(len, run.outputs))} tokens")
+
+
+def summarize(run: Run, ar: Run, target, greedy: bool) -> dict:
+    """One run's figures beside plain decoding `ar` (measured on the same prompts)."""
+    tps = run.stats.new_tokens / run.seconds
+    speedup = tps / (ar.stats.new_tokens / ar.seconds)
+    tau = run.stats.tau if run.has_stats else (1.0 if run.method == "hf_ar" else None)
+    return {
+        "name": run.name,
+        "method": run.method,
+        "tau": tau,
+        "acceptance_per_position": run.stats.acceptance_per_position if run.has_stats else [],
+        "tokens_per_s": tps,
+        "speedup_vs_ar": speedup,
+        "overhead": tau / speedup - 1 if tau is not None else None,
+        "draft_time_frac": run.stats.draft_time_frac if run.has_stats else None,
+        "drafted": run.stats.drafted if run.has_stats else None,
+        "accepted": run.stats.accepted if run.has_stats else None,
+        "extra_params": run.extra_params,
+        "extra_memory_bytes": run.extra_params * target.dtype.itemsize + run.stats.drafter_kv_bytes,
+        "num_prompts": len(run.outputs),
+        "new_tokens": run.stats.new_tokens,
+        "matches_ar": (run.outputs == ar.outputs) if greedy else None,
+    }
+
+
+def measure_vs_plain(
+    target, drafter, prompts: Sequence[torch.Tensor], *, max_new_tokens: int, log=None, **options
+) -> dict:
+    """A drafter in our loop against plain decoding on `prompts`: summarize's figures for the
+    drafter (tau, speedup_vs_ar, drafted, matches_ar at temperature 0, ...) plus the plain run's
+    tokens/s. options go to both generate calls (temperature, seed, ...; gamma, topk: drafter)."""
+    shared = {k: v for k, v in options.items() if k not in ("gamma", "topk")}
+    ar = Run("ar", "ar", loop_decoder(target, None, max_new_tokens=max_new_tokens, **shared))
+    run = Run(
+        getattr(drafter, "kind", str(drafter)),
+        getattr(drafter, "kind", str(drafter)),
+        loop_decoder(target, drafter, max_new_tokens=max_new_tokens, **options),
+        drafter.num_extra_parameters(target) if hasattr(drafter, "num_extra_parameters") else 0,
+    )
+    measure([ar, run], prompts, target, log)
+    row = summarize(run, ar, target, greedy=options.get("temperature", 0.0) == 0)
+    return {
+        **row,
+        "ar_tokens_per_s": ar.stats.new_tokens / ar.seconds,
+        "max_new_tokens": max_new_tokens,
+    }
