@@ -149,8 +149,24 @@ def measure_vs_plain(
     )
     measure([ar, run], prompts, target, log)
     row = summarize(run, ar, target, greedy=options.get("temperature", 0.0) == 0)
-    return {
-        **row,
-        "ar_tokens_per_s": ar.stats.new_tokens / ar.seconds,
-        "max_new_tokens": max_new_tokens,
-    }
+    row["ar_tokens_per_s"] = ar.stats.new_tokens / ar.seconds
+    return {**row, "max_new_tokens": max_new_tokens, **options}
+
+
+def report_after_training(
+    target, drafter, prompts, output_dir: Path, simulated_tau: float | None, **options
+) -> dict:
+    """The end of a training run: `measure_vs_plain` of the saved drafter, written to
+    output_dir/eval_loop.json with the simulated tau from training, and one console line."""
+    m = measure_vs_plain(target, drafter, prompts, **options)
+    m["simulated_tau"] = simulated_tau
+    path = Path(output_dir) / "eval_loop.json"
+    path.write_text(json.dumps(m, indent=2) + "\n")
+    sim = "none" if simulated_tau is None else f"{simulated_tau:.3f}"
+    print(
+        f"[specdraft] in the loop on {m['num_prompts']} prompts x "
+        f"{m['max_new_tokens']} new tokens: measured tau {m['tau']:.3f} (simulated {sim}), "
+        f"speedup {m['speedup_vs_ar']:.2f}x plain decoding ({m['tokens_per_s']:.1f} vs "
+        f"{m['ar_tokens_per_s']:.1f} tokens/s, same process); {path}"
+    )
+    return m

@@ -66,6 +66,34 @@ def choice(*choices: str) -> Any:
 
 
 @dataclass
+class LoopEvalConfig:
+    """After training: the saved drafter measured in the inference loop against plain decoding
+    (inference/measure.py), written to output_dir/eval_loop.json beside the simulated tau."""
+
+    # Run the measurement at the end of training (it decodes every prompt twice).
+    enabled: bool = True
+    # auto: the demo's held-out prompts when data.path is demo, else the prompt part of the
+    # held-out split; or demo | eval | a .txt/.json/.jsonl file of prompts.
+    prompts: str = "auto"
+    # Prompts decoded, by each of the drafter and plain decoding.
+    num_prompts: int = 8
+    # New tokens per prompt (fewer if EOS comes first).
+    max_new_tokens: int = 128
+    # 0 is greedy (output must equal plain decoding's); above 0, seeded lossless sampling.
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        for key in ("num_prompts", "max_new_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(
+                    f"eval_loop.{key} must be >= 1; got {getattr(self, key)}",
+                    key=f"eval_loop.{key}",
+                )
+        if self.temperature < 0:
+            raise ConfigError("eval_loop.temperature must be >= 0", key="eval_loop.temperature")
+
+
+@dataclass
 class TrainConfig:
     """The keys every drafter kind shares (DESIGN.md, "Common config keys and outputs").
 

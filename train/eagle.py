@@ -16,9 +16,11 @@ import torch
 
 from specdraft.data.dataset import build_datasets
 from specdraft.data.hidden_cache import CachedTarget, HiddenStateCache
+from specdraft.drafters.checkpoint import load_drafter
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, build_draft_vocab, resolve_config
 from specdraft.drafters.target import load_target
-from specdraft.train.config import TrainConfig, parse_cli
+from specdraft.inference.measure import load_prompts, report_after_training
+from specdraft.train.config import LoopEvalConfig, TrainConfig, parse_cli
 from specdraft.train.distill import target_dtype
 from specdraft.train.trainer import train
 
@@ -32,6 +34,8 @@ class EagleTrainConfig(TrainConfig):
     # Offline training: a folder written by scripts/dump_hidden_states.py for this config's target
     # and data; the target's forward then leaves the loop. None: run the target online.
     hidden_cache: str | None = None
+    # After training: the head's measured tau and speedup in the inference loop.
+    eval_loop: LoopEvalConfig = field(default_factory=LoopEvalConfig)
 
 
 def eos_ids(target) -> list[int]:
@@ -72,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
                 cfg.hidden_cache, target, [*train_examples, *eval_examples], head.capture_layers
             )
             features = CachedTarget(target, cache)
+        ev = cfg.eval_loop  # the final measurement's prompts, loaded now so a bad file fails early
+        source = {"auto": "demo" if cfg.data.path == "demo" else "eval"}.get(ev.prompts, ev.prompts)
+        prompts = load_prompts(source, ev.num_prompts, target, eval_examples) if ev.enabled else []
     except (ValueError, OSError) as e:  # missing data, bad target, bad layer ids or vocab size
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -91,19 +98,18 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     if result.stopped_by_signal or not result.main_process:
         return 0
+    sim = result.evals[-1]["tau"] if result.evals else None
     if result.evals:
-        last = result.evals[-1]
-        first = result.evals[0]
         print(
-            f"[specdraft] simulated tau (chain of {len(last['alpha'])}): before "
-            f"{first['tau']:.3f}, after {last['tau']:.3f}; head in {result.output_dir / 'final'}"
+            f"[specdraft] simulated tau (chain of {len(result.evals[-1]['alpha'])}): before "
+            f"{result.evals[0]['tau']:.3f}, after {sim:.3f}; head in {result.output_dir / 'final'}"
         )
-    # The measured tau needs the loop to pass the verification's hidden states to the session
-    # (EagleSession's contract); until inference/generate.py does, only the simulated one exists.
-    print(
-        "[specdraft] measured tau and speedup: run scripts/evaluate.py on the final/ folder once "
-        "the inference loop feeds EAGLE sessions their hidden states"
-    )
+    if ev.enabled:  # the saved head, served: measured tau and speedup on held-out prompts
+        head = load_drafter(result.output_dir / "final", target).eval()
+        report_after_training(
+            target, head, prompts, result.output_dir, sim, max_new_tokens=ev.max_new_tokens,
+            temperature=ev.temperature, seed=cfg.seed,
+        )  # fmt: skip
     return 0
 
 

@@ -24,6 +24,7 @@ def test_training_lowers_the_loss_and_final_loads(tiny_target, tiny_target_path,
         "eval_every=8", "eval_batches=2", "save_every=0", "data.max_samples=40",
         "data.max_length=32", "warmup_steps=1", "lr=3e-3", f"drafter.version={version}",
         "drafter.draft_vocab_size=256", "drafter.ttt_steps=2", "drafter.tree_depth=3",
+        "eval_loop.num_prompts=2", "eval_loop.max_new_tokens=12",
     ])  # fmt: skip
     assert code == 0
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
@@ -38,6 +39,11 @@ def test_training_lowers_the_loss_and_final_loads(tiny_target, tiny_target_path,
         assert head.config.feature_layers == [1, 1, 1]  # resolved, saved in the config
     saved = (out / "final" / "train_config.yaml").read_text()
     assert f"version: {version}" in saved
+    # the saved head, measured in the loop on held-out demo prompts beside plain decoding
+    served = json.loads((out / "eval_loop.json").read_text())
+    assert served["num_prompts"] == 2 and served["drafted"] > 0 and served["tau"] >= 1
+    assert served["matches_ar"] is True  # greedy: the same tokens as plain greedy decoding
+    assert served["speedup_vs_ar"] > 0 and served["simulated_tau"] == after["tau"]
 
 
 def test_bad_input_is_a_clear_error(tiny_target_path, tmp_path, capsys):
