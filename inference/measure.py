@@ -141,9 +141,10 @@ def measure_vs_plain(
     tokens/s. options go to both generate calls (temperature, seed, ...; gamma, topk: drafter)."""
     shared = {k: v for k, v in options.items() if k not in ("gamma", "topk")}
     ar = Run("ar", "ar", loop_decoder(target, None, max_new_tokens=max_new_tokens, **shared))
+    kind = getattr(drafter, "kind", str(drafter))
     run = Run(
-        getattr(drafter, "kind", str(drafter)),
-        getattr(drafter, "kind", str(drafter)),
+        kind,
+        kind,
         loop_decoder(target, drafter, max_new_tokens=max_new_tokens, **options),
         drafter.num_extra_parameters(target) if hasattr(drafter, "num_extra_parameters") else 0,
     )
