@@ -46,7 +46,11 @@ def load_prompts(
     """
     if source == "eval":
         if not examples:
-            raise ValueError("prompts=eval needs held-out examples (data.eval_fraction > 0)")
+            raise ValueError(
+                "prompts=eval needs held-out examples, and the data gave none: raise "
+                "data.eval_fraction, point eval_loop.prompts at a prompt file, or set "
+                "eval_loop.enabled=false"
+            )
         prompts = []
         for ex in examples[:n]:
             first = ex.loss_mask.index(1) if 1 in ex.loss_mask else len(ex.input_ids)

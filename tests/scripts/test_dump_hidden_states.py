@@ -33,6 +33,7 @@ def run_args(tiny_target_path, tmp_path):
         "data.eval_fraction=0.1", "max_steps=3", "micro_batch_size=4", "eval_every=3",
         "eval_batches=1", "save_every=0", "warmup_steps=1", "lr=3e-3",
         "drafter.draft_vocab_size=200", "drafter.ttt_steps=2", "drafter.tree_depth=2",
+        "eval_loop.enabled=false",
     ]  # fmt: skip
 
 
