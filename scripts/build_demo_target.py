@@ -57,7 +57,7 @@ class DemoSpec:
 SPECS = {
     "default": DemoSpec(
         vocab_size=4096, hidden_size=512, num_layers=4, num_heads=8, intermediate_size=1408,
-        seq_len=256, batch_size=8, steps=700, lr=3e-3, warmup_steps=30, corpus_files=0,
+        seq_len=512, batch_size=8, steps=350, lr=1e-3, warmup_steps=20, corpus_files=0,
     ),
     "tiny": DemoSpec(
         vocab_size=384, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
