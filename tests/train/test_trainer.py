@@ -132,19 +132,23 @@ class _SigtermAt(DistillDrafter):
 
 
 def test_sigterm_saves_and_resume_equals_an_uninterrupted_run(tiny_target, data, tmp_path):
-    straight = _run(_cfg(tmp_path / "a"), tiny_target, data)
+    # On-policy batches too: the student's sampling must replay identically after the resume.
+    student = DistillConfig(
+        init="random", num_layers=1, gamma=3, on_policy_ratio=0.5, on_policy_tokens=4
+    )
+    straight = _run(_cfg(tmp_path / "a", drafter=student), tiny_target, data)
     assert straight.step == 6 and len(straight.losses) == 6
 
     # grad_accum=2: the 5th micro-batch forward is in step 3, which finishes, saves and stops.
     _SigtermAt.calls = 0
-    cut = _run(_cfg(tmp_path / "b"), tiny_target, data, cls=_SigtermAt)
+    cut = _run(_cfg(tmp_path / "b", drafter=student), tiny_target, data, cls=_SigtermAt)
     assert cut.stopped_by_signal == "SIGTERM" and cut.step == 3
     out = tmp_path / "b" / "run"
     check_complete(out / "checkpoint-3")
     assert not (out / "final").exists()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is put back
 
-    resumed = _run(_cfg(tmp_path / "b", resume_from="latest"), tiny_target, data)
+    resumed = _run(_cfg(tmp_path / "b", resume_from="latest", drafter=student), tiny_target, data)
     assert resumed.step == 6
     assert resumed.losses == straight.losses  # the whole curve, bit for bit
     assert [e["tau"] for e in resumed.evals] == [e["tau"] for e in straight.evals]
