@@ -198,7 +198,7 @@ def load_drafter(
                 f"missing {missing[:5]}, unexpected {unexpected[:5]}; the folder is corrupt or "
                 "was written by another version"
             )
-    drafter.to(device=device, dtype=dtype)
+    drafter.to(device=device, dtype=dtype).eval()  # drafting, not training: no dropout
     if meta is not None:
         drafter.target_fingerprint = meta.get("target_fingerprint")
     return drafter

@@ -149,7 +149,8 @@ class TrainConfig:
     log_every: int = 10
     # Steps between evaluations on the held-out split (loss and simulated tau); 0 disables.
     eval_every: int = 500
-    # Held-out micro-batches per evaluation; 0 uses the whole held-out split.
+    # Held-out micro-batches per process per evaluation (the same examples for any process count);
+    # 0 uses the whole held-out split.
     eval_batches: int = 50
     # Steps between resumable checkpoint-<step>/ folders; 0 saves only best/ and final/.
     save_every: int = 500
