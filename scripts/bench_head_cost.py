@@ -1,0 +1,66 @@
+"""What one EAGLE-3 head pass costs, as a fraction of one target decoding step, by target shape.
+
+    python scripts/bench_head_cost.py                         # the shapes in BENCHMARKS.md
+    python scripts/bench_head_cost.py --shape 512x4x1408 --shape 256x12x704
+
+Random weights (cost does not depend on their values): each shape gets a Llama target with the
+demo tokenizer and an untrained EAGLE-3 head (full vocabulary, chain of 5); both decode the same
+prompt through our loop, after a warm-up, in this one process. A head pass that costs c target
+steps caps a chain of gamma at roughly tau / (verify + gamma * c) target steps per pass, so
+c decides whether a trained head can pay for itself on a given target.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdraft.data.demo import build_demo_tokenizer, demo_corpus_texts
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+from specdraft.drafters.target import Target
+from specdraft.inference import generate
+
+SHAPES = ["512x4x1408", "384x8x1024", "256x12x704", "384x12x1024"]  # hidden x layers x mlp
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", action="append", help="HIDDENxLAYERSxMLP (repeat)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    tok = build_demo_tokenizer(demo_corpus_texts()[:30], 4096)
+    ids = tok("def f(x):\n    return x\n" * 6, return_tensors="pt").input_ids
+    for shape in args.shape or SHAPES:
+        hidden, layers, mlp = (int(v) for v in shape.split("x"))
+        config = LlamaConfig(
+            vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
+            intermediate_size=mlp, num_attention_heads=hidden // 64,
+            num_key_value_heads=hidden // 64, tie_word_embeddings=True,
+            eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+        )  # fmt: skip
+        target = Target(LlamaForCausalLM(config).eval(), tok)
+        head_config = EagleConfig(version="eagle3", draft_vocab_size=0, tree_top_k=1, tree_depth=5)
+        head = EagleDrafter.build(head_config, target, None).eval()
+        stats = {}
+        for name, drafter in (("ar", None), ("eagle", head)):
+            generate(target, ids, drafter=drafter, max_new_tokens=16)  # warm-up
+            stats[name] = generate(
+                target, ids, drafter=drafter, max_new_tokens=args.new_tokens
+            ).stats
+        step = stats["ar"].total_seconds / stats["ar"].target_passes
+        head_pass = stats["eagle"].draft_seconds / max(1, stats["eagle"].drafted)
+        target_params = sum(p.numel() for p in target.model.parameters())
+        head_params = head.num_extra_parameters(target)
+        print(
+            f"{shape}: target {target_params / 1e6:.1f}M, step {step * 1e3:.2f} ms | head "
+            f"{head_params / 1e6:.2f}M ({head_params / target_params:.0%}), pass "
+            f"{head_pass * 1e3:.2f} ms = {head_pass / step:.2f} of a target step",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
