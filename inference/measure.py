@@ -34,6 +34,19 @@ class Run:
     has_stats: bool = True  # False for methods outside our loop (transformers' generate)
 
 
+def loop_prompts(eval_loop, data_path: str, target, eval_examples) -> list[torch.Tensor]:
+    """The prompts a training script measures its drafter on after training, loaded before
+    training starts so that a bad prompt file fails at once. `eval_loop` is the config's
+    `LoopEvalConfig`; prompts=auto means the demo's held-out prompts for the demo corpus, else
+    the prompt part of the held-out split. Empty when the measurement is off."""
+    if not eval_loop.enabled:
+        return []
+    source = eval_loop.prompts
+    if source == "auto":
+        source = "demo" if data_path == "demo" else "eval"
+    return load_prompts(source, eval_loop.num_prompts, target, eval_examples)
+
+
 def load_prompts(
     source: str, n: int, target, examples: Sequence | None = None
 ) -> list[torch.Tensor]:

@@ -169,6 +169,8 @@ class TrainConfig:
     resume_from: str | None = None
     # Autocast precision of training (accelerate's values): no | bf16 | fp16.
     mixed_precision: str = choice("no", "bf16", "fp16")
+    # After training: the saved drafter's measured tau and speedup in the inference loop.
+    eval_loop: LoopEvalConfig = field(default_factory=LoopEvalConfig)
 
     def __post_init__(self) -> None:
         # OmegaConf.to_object calls this too, so files, overrides and code are held to one standard.

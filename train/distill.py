@@ -15,8 +15,10 @@ from typing import ClassVar
 import torch
 
 from specdraft.data.dataset import build_datasets
+from specdraft.drafters.checkpoint import load_drafter
 from specdraft.drafters.distill import DistillConfig, DistillDrafter
 from specdraft.drafters.target import load_target
+from specdraft.inference.measure import loop_prompts, report_after_training
 from specdraft.train.config import TrainConfig, parse_cli
 from specdraft.train.trainer import train
 
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # the student's random init; identical on every process
         drafter = DistillDrafter.build(cfg.drafter, target)
+        prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
     except (ValueError, OSError) as e:  # missing data, bad target, a student of another vocab
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -61,12 +64,21 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     if result.stopped_by_signal:
         return 0
-    if result.main_process and len(result.evals) >= 2:
+    if not result.main_process:
+        return 0
+    sim = result.evals[-1]["tau"] if result.evals else None
+    if len(result.evals) >= 2:
         before, after = result.evals[0], result.evals[-1]
         print(
             f"[specdraft] simulated tau (gamma={len(after['alpha'])}): before {before['tau']:.3f}, "
             f"after {after['tau']:.3f}; draft model in {result.output_dir / 'final'}"
         )
+    if prompts:  # the saved draft, served: measured tau and speedup on held-out prompts
+        draft = load_drafter(result.output_dir / "final", target)
+        report_after_training(
+            target, draft, prompts, result.output_dir, sim, seed=cfg.seed, gamma=cfg.drafter.gamma,
+            max_new_tokens=cfg.eval_loop.max_new_tokens, temperature=cfg.eval_loop.temperature,
+        )  # fmt: skip
     return 0
 
 

@@ -19,8 +19,8 @@ from specdraft.data.hidden_cache import CachedTarget, HiddenStateCache
 from specdraft.drafters.checkpoint import load_drafter
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, build_draft_vocab, resolve_config
 from specdraft.drafters.target import load_target
-from specdraft.inference.measure import load_prompts, report_after_training
-from specdraft.train.config import LoopEvalConfig, TrainConfig, parse_cli
+from specdraft.inference.measure import loop_prompts, report_after_training
+from specdraft.train.config import TrainConfig, parse_cli
 from specdraft.train.distill import target_dtype
 from specdraft.train.trainer import train
 
@@ -34,8 +34,6 @@ class EagleTrainConfig(TrainConfig):
     # Offline training: a folder written by scripts/dump_hidden_states.py for this config's target
     # and data; the target's forward then leaves the loop. None: run the target online.
     hidden_cache: str | None = None
-    # After training: the head's measured tau and speedup in the inference loop.
-    eval_loop: LoopEvalConfig = field(default_factory=LoopEvalConfig)
 
 
 def eos_ids(target) -> list[int]:
@@ -76,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg.hidden_cache, target, [*train_examples, *eval_examples], head.capture_layers
             )
             features = CachedTarget(target, cache)
-        ev = cfg.eval_loop  # the final measurement's prompts, loaded now so a bad file fails early
-        source = {"auto": "demo" if cfg.data.path == "demo" else "eval"}.get(ev.prompts, ev.prompts)
-        prompts = load_prompts(source, ev.num_prompts, target, eval_examples) if ev.enabled else []
+        prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
     except (ValueError, OSError) as e:  # missing data, bad target, bad layer ids or vocab size
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -104,11 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             f"[specdraft] simulated tau (chain of {len(result.evals[-1]['alpha'])}): before "
             f"{result.evals[0]['tau']:.3f}, after {sim:.3f}; head in {result.output_dir / 'final'}"
         )
-    if ev.enabled:  # the saved head, served: measured tau and speedup on held-out prompts
-        head = load_drafter(result.output_dir / "final", target).eval()
+    if prompts:  # the saved head, served: measured tau and speedup on held-out prompts
+        head = load_drafter(result.output_dir / "final", target)
         report_after_training(
-            target, head, prompts, result.output_dir, sim, max_new_tokens=ev.max_new_tokens,
-            temperature=ev.temperature, seed=cfg.seed,
+            target, head, prompts, result.output_dir, sim, seed=cfg.seed,
+            max_new_tokens=cfg.eval_loop.max_new_tokens, temperature=cfg.eval_loop.temperature,
         )  # fmt: skip
     return 0
 

@@ -3,6 +3,7 @@ and the final checkpoint as transformers' assistant_model."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -131,9 +132,15 @@ def test_final_checkpoint_is_an_assistant_model_for_transformers(
     code = main([
         f"target={tiny_target_path}", f"output_dir={out}", "max_steps=4", "micro_batch_size=4",
         "eval_every=2", "eval_batches=2", "save_every=0", "data.max_samples=20",
-        "data.max_length=32", "warmup_steps=1",
+        "data.max_length=32", "warmup_steps=1", "eval_loop.num_prompts=2",
+        "eval_loop.max_new_tokens=12",
     ])  # fmt: skip
     assert code == 0
+    # The run ends by serving its draft in our loop: exact output, drafts made and accepted.
+    served = json.loads((out / "eval_loop.json").read_text())
+    assert served["matches_ar"] is True and served["num_prompts"] == 2
+    assert served["drafted"] > 0 and served["accepted"] > 0 and served["tau"] > 1
+    assert served["gamma"] == 4 and served["simulated_tau"] > 1
     draft = AutoModelForCausalLM.from_pretrained(out / "final")
     tok = tiny_target.tokenizer
     prompt = tok("def main():\n    return", return_tensors="pt")
