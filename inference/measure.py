@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from specdraft.drafters.checkpoint import load_drafter
 from specdraft.inference.generate import generate
 from specdraft.inference.metrics import Stats
 
@@ -171,16 +172,33 @@ def measure_vs_plain(
     return {**row, "max_new_tokens": max_new_tokens, **options}
 
 
-def report_after_training(
-    target, drafter, prompts, output_dir: Path, simulated_tau: float | None, **options
-) -> dict:
-    """The end of a training run: `measure_vs_plain` of the saved drafter, written to
-    output_dir/eval_loop.json with the simulated tau from training, and one console line."""
-    m = measure_vs_plain(target, drafter, prompts, **options)
-    m["simulated_tau"] = simulated_tau
-    path = Path(output_dir) / "eval_loop.json"
+def report_after_training(target, result, prompts, cfg, **options) -> dict | None:
+    """The end of a training script (`result` from `train`, `cfg` its config): print the simulated
+    tau before and after training, then serve the saved `final/` drafter in our loop against
+    plain decoding on `prompts` (from `loop_prompts`), write output_dir/eval_loop.json with the
+    simulated tau beside the measured one, and print one line. options go to the drafter's
+    generate calls (gamma, topk). Returns the figures, or None where nothing was measured."""
+    if result.stopped_by_signal or not result.main_process:
+        return None
+    final = result.output_dir / "final"
+    simulated = result.evals[-1]["tau"] if result.evals else None
+    if result.evals:
+        first, last = result.evals[0], result.evals[-1]
+        print(
+            f"[specdraft] simulated tau (depth {len(last['alpha'])}): before {first['tau']:.3f}, "
+            f"after {simulated:.3f}; drafter in {final}"
+        )
+    if not prompts:
+        return None
+    m = measure_vs_plain(
+        target, load_drafter(final, target), prompts, seed=cfg.seed,
+        max_new_tokens=cfg.eval_loop.max_new_tokens, temperature=cfg.eval_loop.temperature,
+        **options,
+    )  # fmt: skip
+    m["simulated_tau"] = simulated
+    path = Path(result.output_dir) / "eval_loop.json"
     path.write_text(json.dumps(m, indent=2) + "\n")
-    sim = "none" if simulated_tau is None else f"{simulated_tau:.3f}"
+    sim = "none" if simulated is None else f"{simulated:.3f}"
     print(
         f"[specdraft] in the loop on {m['num_prompts']} prompts x "
         f"{m['max_new_tokens']} new tokens: measured tau {m['tau']:.3f} (simulated {sim}), "

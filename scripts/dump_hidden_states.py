@@ -19,7 +19,6 @@ from specdraft.data.hidden_cache import DTYPES, bytes_per_token, write_cache
 from specdraft.drafters.eagle import EagleDrafter, resolve_config
 from specdraft.drafters.target import load_target
 from specdraft.train.config import parse_cli
-from specdraft.train.distill import target_dtype
 from specdraft.train.eagle import DEFAULT_CONFIG, EagleTrainConfig
 
 
@@ -34,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     cfg = parse_cli(EagleTrainConfig, rest, DEFAULT_CONFIG, prog=prog)
     try:
-        target = load_target(cfg.target, dtype=target_dtype(cfg))
+        target = load_target(cfg.target, dtype=cfg.target_dtype())
         train_examples, eval_examples, _ = build_datasets(cfg.data, target.tokenizer)
         head_cfg = resolve_config(cfg.drafter, target)
         layers = sorted({*EagleDrafter.capture_layers_for(head_cfg, target), target.num_layers})

@@ -172,6 +172,12 @@ class TrainConfig:
     # After training: the saved drafter's measured tau and speedup in the inference loop.
     eval_loop: LoopEvalConfig = field(default_factory=LoopEvalConfig)
 
+    def target_dtype(self) -> str:
+        """The dtype the target loads in: `dtype`, or for auto the one mixed_precision implies."""
+        if self.dtype != "auto":
+            return self.dtype
+        return {"bf16": "bfloat16", "fp16": "float16"}.get(self.mixed_precision, "float32")
+
     def __post_init__(self) -> None:
         # OmegaConf.to_object calls this too, so files, overrides and code are held to one standard.
         _check_choices(self, prefix="")

@@ -15,7 +15,6 @@ from typing import ClassVar
 import torch
 
 from specdraft.data.dataset import build_datasets
-from specdraft.drafters.checkpoint import load_drafter
 from specdraft.drafters.distill import DistillConfig, DistillDrafter
 from specdraft.drafters.target import load_target
 from specdraft.inference.measure import loop_prompts, report_after_training
@@ -31,19 +30,13 @@ class DistillTrainConfig(TrainConfig):
     drafter: DistillConfig = field(default_factory=DistillConfig)
 
 
-def target_dtype(cfg: TrainConfig) -> str:
-    if cfg.dtype != "auto":
-        return cfg.dtype
-    return {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.mixed_precision, "float32")
-
-
 def main(argv: list[str] | None = None) -> int:
     prog = "train/distill.py"
     cfg = parse_cli(
         DistillTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
     )
     try:
-        target = load_target(cfg.target, dtype=target_dtype(cfg))
+        target = load_target(cfg.target, dtype=cfg.target_dtype())
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # the student's random init; identical on every process
         drafter = DistillDrafter.build(cfg.drafter, target)
@@ -62,23 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, drafter, target, train_examples, eval_examples, tokenizer=target.tokenizer,
         provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
     )  # fmt: skip
-    if result.stopped_by_signal:
-        return 0
-    if not result.main_process:
-        return 0
-    sim = result.evals[-1]["tau"] if result.evals else None
-    if len(result.evals) >= 2:
-        before, after = result.evals[0], result.evals[-1]
-        print(
-            f"[specdraft] simulated tau (gamma={len(after['alpha'])}): before {before['tau']:.3f}, "
-            f"after {after['tau']:.3f}; draft model in {result.output_dir / 'final'}"
-        )
-    if prompts:  # the saved draft, served: measured tau and speedup on held-out prompts
-        draft = load_drafter(result.output_dir / "final", target)
-        report_after_training(
-            target, draft, prompts, result.output_dir, sim, seed=cfg.seed, gamma=cfg.drafter.gamma,
-            max_new_tokens=cfg.eval_loop.max_new_tokens, temperature=cfg.eval_loop.temperature,
-        )  # fmt: skip
+    report_after_training(target, result, prompts, cfg, gamma=cfg.drafter.gamma)
     return 0
 
 

@@ -16,12 +16,10 @@ import torch
 
 from specdraft.data.dataset import build_datasets
 from specdraft.data.hidden_cache import CachedTarget, HiddenStateCache
-from specdraft.drafters.checkpoint import load_drafter
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, build_draft_vocab, resolve_config
 from specdraft.drafters.target import load_target
 from specdraft.inference.measure import loop_prompts, report_after_training
 from specdraft.train.config import TrainConfig, parse_cli
-from specdraft.train.distill import target_dtype
 from specdraft.train.trainer import train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "eagle" / "demo.yaml"
@@ -64,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         EagleTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
     )
     try:
-        target = load_target(cfg.target, dtype=target_dtype(cfg))
+        target = load_target(cfg.target, dtype=cfg.target_dtype())
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # the head's random init; identical on every process
         head = build_head(cfg.drafter, target, train_examples)
@@ -92,20 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, head, features, train_examples, eval_examples, tokenizer=target.tokenizer,
         provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
     )  # fmt: skip
-    if result.stopped_by_signal or not result.main_process:
-        return 0
-    sim = result.evals[-1]["tau"] if result.evals else None
-    if result.evals:
-        print(
-            f"[specdraft] simulated tau (chain of {len(result.evals[-1]['alpha'])}): before "
-            f"{result.evals[0]['tau']:.3f}, after {sim:.3f}; head in {result.output_dir / 'final'}"
-        )
-    if prompts:  # the saved head, served: measured tau and speedup on held-out prompts
-        head = load_drafter(result.output_dir / "final", target)
-        report_after_training(
-            target, head, prompts, result.output_dir, sim, seed=cfg.seed,
-            max_new_tokens=cfg.eval_loop.max_new_tokens, temperature=cfg.eval_loop.temperature,
-        )  # fmt: skip
+    report_after_training(target, result, prompts, cfg)
     return 0
 
 
