@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from specdraft.drafters.target import TargetOutput, fingerprint_differences
 
@@ -199,31 +199,30 @@ class HiddenStateCache:
         for s in manifest["shards"]:
             for i in range(s["start"], s["start"] + s["count"]):
                 self._shard_of[i] = s["file"]
-        self._loaded: dict[str, dict[str, torch.Tensor]] = {}
+        self._open: dict[str, tuple] = {}  # shard file -> (safe_open handle, its keys)
 
-    def _shard(self, name: str) -> dict[str, torch.Tensor]:
-        if name not in self._loaded:
+    def _shard(self, name: str):
+        """An open shard (safetensors reads each tensor on demand, so a training batch of
+        examples from many shards costs what those examples weigh, not whole shards)."""
+        handle = self._open.get(name)
+        if handle is None:
             path = self.folder / name
             try:
-                tensors = load_file(path)
+                handle = safe_open(str(path), framework="pt")
+                keys = set(handle.keys())
             except (SafetensorError, OSError, ValueError) as e:
                 raise HiddenCacheError(
                     f"{path} cannot be read ({e}): the shard is truncated or corrupt. Delete it "
                     "and rerun scripts/dump_hidden_states.py with the same arguments to rewrite it"
                 ) from e
-            for key, t in tensors.items():
-                if t.is_floating_point() and not torch.isfinite(t).all():
-                    raise HiddenCacheError(
-                        f"{path}: {key} has non-finite values; delete the shard and dump it again "
-                        "(fp16 overflows on some targets: use bf16 or fp32)"
-                    )
-            if len(self._loaded) >= 2:  # keep memory bounded: shards are read in data order
-                self._loaded.pop(next(iter(self._loaded)))
-            self._loaded[name] = tensors
-        return self._loaded[name]
+            if len(self._open) >= 32:  # bound the open files
+                self._open.pop(next(iter(self._open)))
+            self._open[name] = handle = (handle, keys)
+        return handle
 
     def example(self, ids: Sequence[int]) -> dict[int, torch.Tensor]:
-        """The cached layer -> (seq, hidden) states of the example with token ids `ids`."""
+        """The cached layer -> (seq, hidden) states of the example with token ids `ids`, checked:
+        the stored ids match, the shapes agree and the values are finite."""
         i = self.index.get(ids_hash(ids))
         if i is None:
             raise HiddenCacheError(
@@ -231,19 +230,35 @@ class HiddenStateCache:
                 "differs from what was dumped"
             )
         name = self._shard_of[i]
-        tensors = self._shard(name)
-        cached_ids = tensors.get(f"{i}.input_ids")
-        if cached_ids is None or cached_ids.tolist() != list(ids):
+        path = self.folder / name
+        handle, keys = self._shard(name)
+        wanted = [f"{i}.input_ids"] + [f"{i}.layer{layer}" for layer in self.layers]
+        if not all(k in keys for k in wanted):
             raise HiddenCacheError(
-                f"{self.folder / name}: the token ids of example {i} do not match the data"
+                f"{path} lacks example {i} (or some of its layers {self.layers}); delete the "
+                "shard and rerun scripts/dump_hidden_states.py to rewrite it"
             )
+        try:
+            tensors = {k: handle.get_tensor(k) for k in wanted}
+        except (SafetensorError, OSError, ValueError) as e:
+            raise HiddenCacheError(
+                f"{path} cannot be read ({e}): the shard is truncated or corrupt. Delete it and "
+                "rerun scripts/dump_hidden_states.py with the same arguments to rewrite it"
+            ) from e
+        if tensors[wanted[0]].tolist() != list(ids):
+            raise HiddenCacheError(f"{path}: the token ids of example {i} do not match the data")
         out = {}
-        for layer in self.layers:
-            h = tensors[f"{i}.layer{layer}"]
+        for layer, key in zip(self.layers, wanted[1:], strict=True):
+            h = tensors[key]
             if h.shape != (len(ids), self.manifest["hidden_size"]):
                 raise HiddenCacheError(
-                    f"{self.folder / name}: example {i} layer {layer} has shape {tuple(h.shape)}, "
+                    f"{path}: example {i} layer {layer} has shape {tuple(h.shape)}, "
                     f"expected ({len(ids)}, {self.manifest['hidden_size']})"
+                )
+            if not torch.isfinite(h).all():
+                raise HiddenCacheError(
+                    f"{path}: example {i} layer {layer} has non-finite values; delete the shard "
+                    "and dump it again (fp16 overflows on some targets: use bf16 or fp32)"
                 )
             out[layer] = h
         return out

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from specdraft.data.hidden_cache import (
@@ -117,3 +117,14 @@ def test_bad_caches_are_clear_errors(tiny_target, tmp_path):
         cache.example(examples[5].input_ids)
     with pytest.raises(HiddenCacheError, match=r"no manifest\.json"):
         HiddenStateCache(tmp_path / "nothing", tiny_target, examples, [1])
+    # a NaN in one example of an intact shard: that example fails, its neighbours still read
+    shard = folder / "shard-00002.safetensors"
+    tensors = load_file(shard)
+    key = next(k for k in tensors if k.endswith(".layer1"))
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, shard)
+    cache = HiddenStateCache(folder, tiny_target, examples, [1])
+    bad = int(key.split(".")[0])
+    with pytest.raises(HiddenCacheError, match=rf"example {bad} layer 1 has non-finite values"):
+        cache.example(examples[bad].input_ids)
+    cache.example(examples[bad + 1].input_ids)
