@@ -26,7 +26,14 @@ from torch import nn
 from transformers import DynamicCache
 
 from specdraft.drafters.base import DraftContext, Drafter, DraftTree, SamplingSettings
-from specdraft.inference.cache import kv_bytes
+from specdraft.drafters.lean import (
+    DraftLinear,
+    LayerWeights,
+    decode_layer,
+    int8_supported,
+    lean_supported,
+    rms,
+)
 from specdraft.inference.verify import process_logits
 
 # --- config ------------------------------------------------------------------------------------
@@ -70,6 +77,10 @@ class EagleConfig:
     # CPU a 16-token verification costs ~1.8 plain steps and a 64-token one 3.6, so the demo
     # keeps the tree small; GPUs afford 60+.
     tree_budget: int = 12
+    # Decoding: the head's weights while drafting. full: as trained. int8: int8 copies with one
+    # scale per output row (CPU only): a CPU drafting step streams every weight once per token,
+    # and int8 makes the head's products ~3x cheaper; drafts change slightly, output does not.
+    draft_weights: str = _choice("full", "int8")
 
     def __post_init__(self) -> None:
         if self.ttt_steps is None:
@@ -233,6 +244,19 @@ class EagleDrafter(Drafter):
         """Per-call drafting state for the inference loop (see the session section below)."""
         return EagleSession(self, target, **options)
 
+    def drafting_weights(self, int8: bool) -> DraftingWeights | None:
+        """The head's weights as drafting runs them (drafters/lean.py), or None where its layer
+        is not of the Llama layout (sessions then call the modules). Built once and reused by
+        every session until a parameter changes (an optimizer step, a load, a move)."""
+        if not lean_supported(self.layer):
+            return None
+        params = [*self.parameters(), self.target.model.get_output_embeddings().weight]
+        key = (int8, tuple((p.data_ptr(), p._version) for p in params))
+        cached = getattr(self, "_drafting", None)
+        if cached is None or cached[0] != key:
+            self._drafting = (key, DraftingWeights(self, int8))
+        return self._drafting[1]
+
     # The three pieces every use (training, acceptance, drafting) is built from.
 
     def fuse(self, hidden_states: Mapping[int, torch.Tensor]) -> torch.Tensor:
@@ -395,6 +419,38 @@ class EagleDrafter(Drafter):
 # --- session (inference): chain and EAGLE-2 dynamic tree ---------------------------------------
 
 
+class DraftingWeights:
+    """The head as drafting runs it: the layer's fused (and maybe int8) weights, and its input
+    and output products with the RMSNorm weights before them folded in. eps: the epsilons of
+    the norms before fc_in (embedding, feature) and before the LM head; None for eagle1."""
+
+    @torch.no_grad()
+    def __init__(self, head: EagleDrafter, int8: bool) -> None:
+        self.int8 = int8
+        self.layer = LayerWeights(head.layer, int8=int8)
+        if head.config.version == "eagle1":
+            self.eps = None
+            self.fuse = None  # the final feature is used as it is
+            self.input = DraftLinear(head.fc.weight, head.fc.bias, int8=int8)
+            lm = head.target.model.get_output_embeddings()
+            self.output = DraftLinear(lm.weight, lm.bias, int8=int8)
+        else:
+            self.eps = tuple(n.variance_epsilon for n in (head.embed_norm, head.feature_norm,
+                                                          head.final_norm))  # fmt: skip
+            in_scale = torch.cat([head.embed_norm.weight, head.feature_norm.weight])
+            self.fuse = DraftLinear(head.fc_fuse.weight, int8=int8)
+            self.input = DraftLinear(head.fc_in.weight, in_scale=in_scale, int8=int8)
+            self.output = DraftLinear(
+                head.lm_head.weight, in_scale=head.final_norm.weight, int8=int8
+            )
+
+    def memory_bytes(self) -> int:
+        """Bytes beyond the head's own parameters: the int8 copies (fp weights are shared, but
+        the fused layer and folded products are copies too)."""
+        linears = [self.input, self.output] + ([self.fuse] if self.fuse else [])
+        return self.layer.memory_bytes() + sum(lin.memory_bytes() for lin in linears)
+
+
 class EagleSession:
     """One generate call's drafting state: the head's KV cache and the target features it needs.
 
@@ -440,6 +496,7 @@ class EagleSession:
         tree_depth: int | None = None,
         tree_top_k: int | None = None,
         tree_budget: int | None = None,
+        draft_weights: str | None = None,
         gamma: int | None = None,
         topk: int | None = None,
         **_ignored,
@@ -459,8 +516,15 @@ class EagleSession:
         self.depth = _either("tree_depth", tree_depth, "gamma", gamma) or cfg.tree_depth
         self.top_k = _either("tree_top_k", tree_top_k, "topk", topk) or cfg.tree_top_k
         self.budget = tree_budget or cfg.tree_budget
+        self.int8 = (draft_weights or cfg.draft_weights) == "int8"
+        if self.int8 and not int8_supported(target.device):
+            raise ValueError(
+                f"draft_weights=int8 runs on CPU only (the target is on {target.device}); use "
+                "draft_weights=full"
+            )
         self.capture_layers: list[int] = list(drafter.capture_layers)
-        self.cache = DynamicCache()
+        self.w = drafter.drafting_weights(self.int8)  # None: run the head's modules
+        self.layer = None  # the head's layer and KV cache, built at the first proposal
         self.fed = 0  # pairs (f_t, x_{t+1}) in the head's cache: t = 0 .. fed - 1
         self.features: torch.Tensor | None = None  # (batch, m, hidden): f_fed .. f_{fed+m-1}
         self._base = 0  # context length at the last proposal
@@ -486,27 +550,51 @@ class EagleSession:
         if self._known < length - 1 or depth <= 0:  # no features yet (before the prefill)
             self._n = 0
             return DraftTree.empty(seq.shape[0], seq.device)
-        # 1. Feed the pairs with true features not yet in the head's cache; the last output
-        # (t = length - 2, token = the root) drafts level 1.
+        if self.layer is None:  # room for the whole call: prompt, new tokens, one more draft
+            self._build(capacity=length + context.max_depth + depth + 1)
+        # 1. Feed the pairs with true features not yet in the head's cache (causally, at
+        # positions fed .. length - 2); the last output (token = the root) drafts level 1.
         n_new = length - 1 - self.fed
         feats = self.features[:, :n_new]
         tokens = seq[:, self.fed + 1 : length].to(feats.device)
-        positions = torch.arange(self.fed, length - 1, device=feats.device)[None]
-        mask = self._mask(torch.ones(n_new, n_new, dtype=torch.bool).tril(), self.fed, feats.dtype)
-        h = self.head.step(tokens, feats, positions, mask, self.cache)[:, -1:]  # (batch, 1, hidden)
+        h = self._step(tokens, feats, self.fed)[:, -1:]  # (batch, 1, hidden)
         self.fed, self.features = length - 1, self.features[:, n_new:]
         tree = self._chain(h, depth) if self.top_k == 1 else self._tree(h, depth)
         self._n = len(tree)
         return tree
 
-    def _mask(self, allowed_new: torch.Tensor, past: int, dtype) -> torch.Tensor:
-        """(1, 1, n, past + n) float mask: the cache's first `past` entries are visible to all;
-        entries past them follow `allowed_new` (n, cache_len - past)."""
-        n = allowed_new.shape[0]
-        allowed = torch.cat([torch.ones(n, past, dtype=torch.bool), allowed_new], dim=1)
-        mask = torch.zeros(allowed.shape, dtype=dtype)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        return mask[None, None].to(self.head.layer.input_layernorm.weight.device)
+    def _build(self, capacity: int) -> None:
+        """The head's layer with an in-place KV cache for this call (drafters/lean.py), from the
+        head's shared drafting weights; a layer layout LeanLayer does not know runs as modules."""
+        lean = None if self.w is None else self.w.layer
+        self.layer = decode_layer(self.head.layer, self.head.rotary, capacity, weights=lean)
+
+    def _step(self, tokens, features, positions, visible=None) -> torch.Tensor:
+        """One head pass: (1, n) tokens + (1, n, hidden) features -> (1, n, hidden) h, the keys
+        appended to the head's cache. positions and visible as `LeanLayer.__call__` takes them."""
+        w = self.w
+        if w is None:
+            return self.layer(self.head.layer_input(tokens, features), positions, visible)
+        emb = self.head.target.embed(tokens).to(features.dtype)
+        if w.eps is not None:  # eagle3: both inputs normed (their weights are in w.input)
+            emb, features = rms(emb, w.eps[0]), rms(features, w.eps[1])
+        return self.layer(w.input(torch.cat([emb, features], dim=-1)), positions, visible)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (..., draft vocab) draft logits (the target's vocab for eagle1)."""
+        w = self.w
+        if w is None:
+            return self.head.draft_logits(h)
+        return w.output(h if w.eps is None else rms(h, w.eps[2]))
+
+    def _fuse(self, hidden_states: Mapping[int, torch.Tensor], rows: list[int]) -> torch.Tensor:
+        """The features of the given positions (rows) of a verification forward."""
+        w = self.w
+        if w is None or w.fuse is None:
+            return self.head.fuse(hidden_states)[:, rows]
+        dtype = w.layer.dtype
+        low_mid_high = [hidden_states[i][:, rows].to(dtype) for i in self.capture_layers]
+        return w.fuse(torch.cat(low_mid_high, dim=-1))
 
     def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.head.d2t[draft_ids] if self.head.config.version == "eagle3" else draft_ids
@@ -525,7 +613,7 @@ class EagleSession:
         tokens, qs = [], []
         pos = self._base - 1  # position id of level d is (length - 2) + d
         for d in range(depth):
-            logits = self.head.draft_logits(h[:, -1])  # (batch, draft vocab)
+            logits = self._logits(h[:, -1])  # (batch, draft vocab)
             if self.sampling.greedy:
                 token = self._to_target(logits.argmax(-1, keepdim=True))  # (batch, 1)
             else:
@@ -533,11 +621,8 @@ class EagleSession:
                 token = torch.multinomial(q, 1, generator=self.generator)
                 qs.append(q)
             tokens.append(token)
-            if d + 1 < depth:
-                # chain level d + 1 sees the real prefix and the levels before it: causal
-                mask = self._mask(torch.ones(1, d + 1, dtype=torch.bool), self.fed, h.dtype)
-                positions = torch.tensor([[pos + d]], device=h.device)
-                h = self.head.step(token, h[:, -1:], positions, mask, self.cache)
+            if d + 1 < depth:  # level d + 1 sees the real prefix and the levels before it
+                h = self._step(token, h[:, -1:], pos + d)
         q = torch.stack(qs, dim=1) if qs else None  # (batch, depth, vocab)
         return DraftTree.chain(torch.cat(tokens, dim=1), q)
 
@@ -552,7 +637,7 @@ class EagleSession:
            parent, so the kept set is a tree (ties are broken towards the shallower node).
         """
         k = self.top_k
-        logp = F.log_softmax(self.head.draft_logits(h[0, -1]).float(), dim=-1)  # (draft vocab,)
+        logp = F.log_softmax(self._logits(h[0, -1]).float(), dim=-1)  # (draft vocab,)
         scores, ids = logp.topk(min(k, logp.shape[-1]))
         toks = self._to_target(ids).tolist()
         parents, depths, cum = [-1] * len(toks), [1] * len(toks), scores.tolist()
@@ -569,16 +654,17 @@ class EagleSession:
                 while a >= 0:
                     allowed[row, slot[a]] = True
                     a = parents[a]
-            mask = self._mask(allowed, self.fed, h.dtype)
+            # the real prefix is visible to all
+            visible = torch.cat([torch.ones(len(frontier), self.fed, dtype=torch.bool), allowed], 1)
             feats = torch.stack([h_of[parents[n]] for n in frontier])[None]  # (1, f, hidden)
             tokens = torch.tensor([[toks[n] for n in frontier]], device=h.device)
             # the newest level is depth d - 1: step d - 1 at t = length - 2
-            positions = torch.tensor([[self._base - 3 + d] * len(frontier)], device=h.device)
-            out = self.head.step(tokens, feats, positions, mask, self.cache)[0]  # (f, hidden)
+            positions = [self._base - 3 + d] * len(frontier)
+            out = self._step(tokens, feats, positions, visible)[0]  # (f, hidden)
             fed += frontier
             for row, node in enumerate(frontier):
                 h_of[node] = out[row]
-            child_logp = F.log_softmax(self.head.draft_logits(out).float(), dim=-1)
+            child_logp = F.log_softmax(self._logits(out).float(), dim=-1)
             c_scores, c_ids = child_logp.topk(min(k, child_logp.shape[-1]), dim=-1)  # (f, k)
             c_tok = self._to_target(c_ids).tolist()
             newest = []
@@ -619,19 +705,18 @@ class EagleSession:
                 f"states at layers {self.capture_layers} (see the EagleSession docstring)"
             )
         self._waiting = False
-        feats = self.head.fuse(hidden_states)  # (batch, pending + n, hidden)
-        pending = feats.shape[1] - self._n
+        positions = next(iter(hidden_states.values())).shape[1]
+        pending = positions - self._n
         if pending < 1 or self._known + pending != self._base:
             raise ValueError(
-                f"EagleSession.accept got hidden states for {feats.shape[1]} positions; expected "
+                f"EagleSession.accept got hidden states for {positions} positions; expected "
                 f"the {self._base - self._known} pending token(s) then the {self._n} tree nodes"
             )
         rows = list(range(pending)) + [pending + i for i in path]
-        new = feats[:, rows]
+        new = self._fuse(hidden_states, rows)  # (batch, pending + accepted, hidden)
         self.features = new if self.features is None else torch.cat([self.features, new], dim=1)
-        drafted = self.cache.get_seq_length() - self.fed
-        if drafted > 0:  # drafted entries were built from predicted features: drop them
-            self.cache.crop(-drafted)
+        if self.layer is not None:  # drafted entries were built from predicted features
+            self.layer.crop(self.fed)
 
     def prefill(self, hidden_states: Mapping[int, torch.Tensor]) -> None:
         """The prompt forward's hidden states (batch, prompt, hidden) per layer: accept([], ...)."""
@@ -644,7 +729,10 @@ class EagleSession:
         self.accept([], hidden_states)
 
     def extra_memory_bytes(self) -> int:
-        return kv_bytes(self.cache)
+        """The head's KV cache, plus the drafting copies of its weights (fused, folded, int8)."""
+        if self.layer is None:
+            return 0
+        return self.layer.memory_bytes() + (0 if self.w is None else self.w.memory_bytes())
 
 
 def _either(key: str, value: int | None, loop_key: str, loop_value: int | None) -> int | None:

@@ -91,8 +91,10 @@ PROMPTS = [[5, 17, 42, 99, 7, 250], [300, 12, 12, 64]]
 @pytest.mark.parametrize(
     "options",
     [dict(tree_top_k=1, tree_depth=4), dict(tree_top_k=3, tree_depth=4, tree_budget=10),
-     dict(tree_top_k=2, tree_depth=3, tree_budget=3)],
-    ids=["chain", "tree", "small-budget-tree"],
+     dict(tree_top_k=2, tree_depth=3, tree_budget=3),
+     dict(tree_top_k=1, tree_depth=4, draft_weights="int8"),
+     dict(tree_top_k=3, tree_depth=4, tree_budget=10, draft_weights="int8")],
+    ids=["chain", "tree", "small-budget-tree", "int8-chain", "int8-tree"],
 )  # fmt: skip
 def test_greedy_output_equals_plain_greedy(tiny_target, trained_head, options):
     greedy = SamplingSettings()
@@ -178,3 +180,33 @@ def test_the_loops_gamma_and_topk_are_the_trees_depth_and_width(
     assert (session.depth, session.top_k) == (cfg.tree_depth, cfg.tree_top_k)
     with pytest.raises(ValueError, match="tree_depth=4 and gamma=2"):
         trained_head.new_session(tiny_target, sampling=SamplingSettings(), tree_depth=4, gamma=2)
+
+
+def test_drafting_weights_are_shared_until_a_parameter_changes(tiny_target, trained_head):
+    """Sessions reuse the head's fused/int8 drafting weights; an optimizer step (or any in-place
+    change) rebuilds them, so a head evaluated during training drafts with its current weights."""
+    greedy = SamplingSettings()
+    first = trained_head.new_session(tiny_target, sampling=greedy, draft_weights="int8").w
+    again = trained_head.new_session(tiny_target, sampling=greedy, draft_weights="int8").w
+    full = trained_head.new_session(tiny_target, sampling=greedy).w
+    assert first is again and full is not first and first.int8 and not full.int8
+    param = next(p for p in trained_head.parameters() if p.requires_grad)
+    saved = param.detach().clone()
+    with torch.no_grad():
+        param.add_(1.0)
+    try:
+        changed = trained_head.new_session(tiny_target, sampling=greedy, draft_weights="int8").w
+        assert changed is not first
+    finally:
+        with torch.no_grad():
+            param.copy_(saved)
+
+
+def test_int8_drafting_weights_stay_close_to_the_head(tiny_target, trained_head):
+    """The int8 copies are per-row symmetric: every product is within a few percent."""
+    w = trained_head.drafting_weights(int8=True)
+    full = trained_head.drafting_weights(int8=False)
+    x = torch.randn(5, w.input.weight.shape[1])
+    exact, approx = full.input(x), w.input(x)
+    assert approx.dtype == exact.dtype
+    assert (approx - exact).norm() / exact.norm() < 0.03

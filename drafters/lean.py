@@ -1,0 +1,339 @@
+"""One decoder layer run for drafting: few kernel calls and a KV cache written in place.
+
+A drafter that runs one layer per drafted token (an EAGLE head) pays, on a CPU or a small GPU
+batch, mostly for the calls around its matrix products, not for the products: transformers'
+decoder layer on a 512-wide demo shape costs ~1.2 ms per token where its seven matrix products
+cost ~0.2 ms, and its DynamicCache copies the whole cache on every append. `LeanLayer` runs the
+same layer from the same weights with one fused q/k/v product, one fused gate/up product, a
+rotary table computed once, and preallocated key/value buffers that a drafted branch is dropped
+from by moving a length, not by copying.
+
+It covers the Llama layout (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its per-head
+q/k norms): `decode_layer(layer, rotary)` returns a `LeanLayer` where the layer has exactly those
+parts, else a `ModuleLayer` that calls the layer itself with a DynamicCache behind the same
+interface, so an unfamiliar family is slower, never wrong. tests/drafters/test_lean.py checks
+that both give the module's own outputs.
+
+Weights are read when the object is built: build one per decoding call (the EAGLE session does),
+not once per model, or it will not see later training.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+_LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_QK_NORMS = {"q_norm", "k_norm"}
+_MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+
+
+def lean_supported(layer: nn.Module) -> bool:
+    """True when `layer` has exactly the Llama layout LeanLayer reproduces (an RMSNorm whose
+    weight multiplies the normalised state, as Llama's does; Gemma's 1 + weight is excluded)."""
+    children = {name for name, _ in layer.named_children()}
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if children != _LAYER_PARTS or attn is None or mlp is None:
+        return False
+    attn_parts = {name for name, _ in attn.named_children()}
+    if not (_ATTN_PARTS <= attn_parts <= _ATTN_PARTS | _QK_NORMS):
+        return False
+    if {name for name, _ in mlp.named_children()} | {"act_fn"} != _MLP_PARTS:
+        return False
+    if getattr(attn, "sliding_window", None) or getattr(attn.config, "sliding_window", None):
+        return False  # a window would need its own mask; ModuleLayer honours it
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    norms += [getattr(attn, n) for n in _QK_NORMS if n in attn_parts]
+    return all(_is_llama_rms_norm(n) for n in norms)
+
+
+def _is_llama_rms_norm(norm: nn.Module) -> bool:
+    name = type(norm).__name__
+    return (
+        name.endswith("RMSNorm")
+        and not name.startswith("Gemma")
+        and hasattr(norm, "variance_epsilon")
+        and getattr(norm, "weight", None) is not None
+    )
+
+
+def decode_layer(
+    layer: nn.Module, rotary: nn.Module, capacity: int = 256, *, weights: LayerWeights | None = None
+):
+    """A `LeanLayer` for a Llama-layout layer (from `weights` when given, built from the layer
+    otherwise), else a `ModuleLayer` around the layer itself."""
+    if weights is not None or lean_supported(layer):
+        return LeanLayer(weights or LayerWeights(layer), rotary, capacity)
+    return ModuleLayer(layer, rotary)
+
+
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm without its weight (folded into the next product), computed in fp32."""
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+class DraftLinear:
+    """y = x W^T + b for drafting, W either as given ("full") or as int8 with one scale per
+    output row ("int8"; the product runs in bf16 through torch's weight-only int8 kernel).
+
+    `in_scale` (in_features,) is folded into W's columns: a preceding RMSNorm's weight, so the
+    norm itself costs no multiply. On a CPU a drafting step streams every weight once per token,
+    so int8 weights cut a head's matrix products ~3x (BENCHMARKS.md, "EAGLE"); the draft changes
+    slightly and verification keeps the output exact.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        in_scale: torch.Tensor | None = None,
+        int8: bool = False,
+    ) -> None:
+        with torch.no_grad():
+            w = weight.detach()
+            if in_scale is not None:
+                w = w * in_scale.detach().to(w.dtype)[None, :]
+            self.bias = None if bias is None else bias.detach()
+            self.dtype = w.dtype
+            self.int8 = int8
+            if int8:
+                if not int8_supported(w.device):
+                    raise ValueError(
+                        f"int8 draft weights need torch's weight-only int8 kernel on {w.device}; "
+                        "this torch build lacks it: use draft_weights=full"
+                    )
+                wf = w.float()
+                scale = wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (out,)
+                self.weight = torch.round(wf / scale[:, None]).clamp(-127, 127)
+                self.weight = self.weight.to(torch.int8).contiguous()
+                self.scale = scale.to(torch.bfloat16)
+            else:
+                self.weight = w if in_scale is None else w.contiguous()
+        self.out_features = self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.int8:
+            return F.linear(x, self.weight, self.bias)
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(
+            x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight, self.scale
+        )
+        y = y.to(self.dtype).reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def memory_bytes(self) -> int:
+        extra = 0 if not self.int8 else self.scale.numel() * self.scale.element_size()
+        return self.weight.numel() * self.weight.element_size() + extra
+
+
+def int8_supported(device: torch.device) -> bool:
+    """Whether DraftLinear's int8 path runs on `device` (CPU builds of torch >= 2.3)."""
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+class LayerWeights:
+    """A Llama-layout layer's weights as LeanLayer runs them: q/k/v fused and gate/up fused, the
+    RMSNorm weights folded into the products after them, int8 copies when asked. Built once per
+    set of weights (see EagleDrafter.drafting_weights) and shared by every decoding call."""
+
+    @torch.no_grad()
+    def __init__(self, layer: nn.Module, *, int8: bool = False) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        weight = attn.q_proj.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.head_dim = int(attn.head_dim)
+        self.q_size = attn.q_proj.out_features
+        self.kv_size = attn.k_proj.out_features
+        self.num_heads = self.q_size // self.head_dim
+        self.num_kv_heads = self.kv_size // self.head_dim
+        self.scaling = float(attn.scaling)
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        biases = [p.bias for p in projections]
+        norm_in, post = layer.input_layernorm, layer.post_attention_layernorm
+        self.qkv = DraftLinear(
+            torch.cat([p.weight for p in projections]),
+            torch.cat(biases) if all(b is not None for b in biases) else None,
+            in_scale=norm_in.weight, int8=int8,
+        )  # fmt: skip
+        self.o = DraftLinear(attn.o_proj.weight, attn.o_proj.bias, int8=int8)
+        gate, up = mlp.gate_proj, mlp.up_proj
+        self.gate_up = DraftLinear(
+            torch.cat([gate.weight, up.weight]),
+            None if gate.bias is None else torch.cat([gate.bias, up.bias]),
+            in_scale=post.weight, int8=int8,
+        )  # fmt: skip
+        self.down = DraftLinear(mlp.down_proj.weight, mlp.down_proj.bias, int8=int8)
+        self.act = mlp.act_fn
+        self.intermediate = gate.out_features
+        self.eps_in, self.eps_post = norm_in.variance_epsilon, post.variance_epsilon
+        self.q_norm = _norm_params(getattr(attn, "q_norm", None))
+        self.k_norm = _norm_params(getattr(attn, "k_norm", None))
+
+    def memory_bytes(self) -> int:
+        """Bytes held beyond the module's own parameters (the fused and int8 copies)."""
+        return sum(lin.memory_bytes() for lin in (self.qkv, self.o, self.gate_up, self.down))
+
+
+class LeanLayer:
+    """A Llama-layout decoder layer with its own in-place KV cache (batch 1).
+
+    Call it with (1, n, hidden) inputs, their position ids and which cached entries each may see;
+    it appends the n new keys/values after the `length` already held and returns the layer's
+    (1, n, hidden) output. `crop(m)` keeps the first m entries.
+    """
+
+    def __init__(self, weights: LayerWeights, rotary: nn.Module, capacity: int = 256) -> None:
+        self.w = weights
+        self.device, self.dtype = weights.device, weights.dtype
+        self.num_kv_heads, self.head_dim = weights.num_kv_heads, weights.head_dim
+        self.rotary = rotary
+        self.length = 0
+        self.keys = self.values = self._cos = self._sin = None
+        self._grow(max(1, capacity))
+
+    # -- storage --------------------------------------------------------------------------------
+
+    def _grow(self, capacity: int) -> None:
+        """Room for `capacity` entries (keys, values and rotary rows); keeps what is held."""
+        shape = (1, self.num_kv_heads, capacity, self.head_dim)
+        keys = torch.empty(shape, device=self.device, dtype=self.dtype)
+        values = torch.empty(shape, device=self.device, dtype=self.dtype)
+        if self.keys is not None:
+            keys[:, :, : self.length] = self.keys[:, :, : self.length]
+            values[:, :, : self.length] = self.values[:, :, : self.length]
+        self.keys, self.values = keys, values
+        # the rotary table for positions 0 .. capacity - 1, from the model's own rotary module,
+        # so any rope scaling it implements is honoured
+        positions = torch.arange(capacity, device=self.device)[None]
+        probe = torch.empty(0, device=self.device, dtype=self.dtype)
+        with torch.no_grad():
+            cos, sin = self.rotary(probe, positions)
+        self._cos, self._sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # (capacity, hd)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` cached entries."""
+        self.length = min(self.length, length)
+
+    def memory_bytes(self) -> int:
+        """The KV buffers (the weights are accounted by LayerWeights)."""
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    # -- forward --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        x: torch.Tensor,
+        positions: int | list[int] | torch.Tensor,
+        visible: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(1, n, hidden) -> (1, n, hidden).
+
+        positions: the n position ids (an int: consecutive from it). visible: (n, length + n)
+        bool, True where a new entry may attend to a cached or new one; None: every new entry
+        sees the whole cache and the new entries causally (one entry: everything).
+        """
+        n = x.shape[1]
+        start, end = self.length, self.length + n
+        if isinstance(positions, int):
+            top = positions + n
+        else:
+            positions = torch.as_tensor(positions, device=self.device).flatten()
+            top = int(positions.max()) + 1
+        if max(end, top) > self.capacity:
+            self._grow(2 * max(end, top))
+        if isinstance(positions, int):
+            cos, sin = self._cos[positions:top, None], self._sin[positions:top, None]
+        else:
+            cos, sin = self._cos[positions, None], self._sin[positions, None]  # (n, 1, hd)
+        w = self.w
+        hd, nq, nkv, q_size, kv_size = w.head_dim, w.num_heads, w.num_kv_heads, w.q_size, w.kv_size
+
+        qkv = w.qkv(rms(x, w.eps_in))[0]  # (n, q + 2 kv), the norm's weight folded in
+        qk = qkv[:, : q_size + kv_size].view(n, nq + nkv, hd)
+        if w.q_norm is not None:  # Qwen3: per-head norms before the rotation
+            qk = torch.cat([F.rms_norm(qk[:, :nq], (hd,), *w.q_norm),
+                            F.rms_norm(qk[:, nq:], (hd,), *w.k_norm)], dim=1)  # fmt: skip
+        qk = qk * cos + _rotate_half(qk) * sin  # q and k rotated in one go
+        self.keys[0, :, start:end] = qk[:, nq:].transpose(0, 1)
+        self.values[0, :, start:end] = qkv[:, q_size + kv_size :].view(n, nkv, hd).transpose(0, 1)
+        if visible is None and n > 1:
+            visible = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
+        elif visible is not None:
+            visible = visible.to(self.device)
+        attn = F.scaled_dot_product_attention(
+            qk[:, :nq].transpose(0, 1)[None],  # (1, heads, n, hd)
+            self.keys[:, :, :end],
+            self.values[:, :, :end],
+            attn_mask=visible,
+            scale=w.scaling,
+            enable_gqa=nq != nkv,
+        )  # (1, heads, n, hd)
+        self.length = end
+        x = x + w.o(attn.transpose(1, 2).reshape(1, n, q_size))
+        h = w.gate_up(rms(x, w.eps_post))
+        h = w.act(h[..., : w.intermediate]) * h[..., w.intermediate :]
+        return x + w.down(h)
+
+
+class ModuleLayer:
+    """The same interface around the layer module itself and a DynamicCache: for layer layouts
+    LeanLayer does not reproduce."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module) -> None:
+        self.layer, self.rotary = layer, rotary
+        self.cache = DynamicCache()
+        weight = next(layer.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def crop(self, length: int) -> None:
+        drop = self.length - length
+        if drop > 0:
+            self.cache.crop(-drop)
+
+    def memory_bytes(self) -> int:
+        from specdraft.inference.cache import kv_bytes
+
+        return kv_bytes(self.cache)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        x: torch.Tensor,
+        positions: int | list[int] | torch.Tensor,
+        visible: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        n, past = x.shape[1], self.length
+        if isinstance(positions, int):
+            positions = torch.arange(positions, positions + n, device=self.device)
+        positions = torch.as_tensor(positions, device=self.device).reshape(1, n)
+        if visible is None:
+            visible = torch.ones(n, past + n, dtype=torch.bool).tril(past)
+        mask = torch.zeros(visible.shape, dtype=x.dtype, device=self.device)
+        mask.masked_fill_(~visible.to(self.device), torch.finfo(x.dtype).min)
+        out = self.layer(
+            x, attention_mask=mask[None, None], position_ids=positions, cache=self.cache,
+            use_cache=True, position_embeddings=self.rotary(x, positions),
+        )  # fmt: skip
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _norm_params(norm: nn.Module | None) -> tuple[torch.Tensor, float] | None:
+    return None if norm is None else (norm.weight.detach(), norm.variance_epsilon)

@@ -1,0 +1,96 @@
+"""LeanLayer gives the decoder layer's own outputs, call after call, for every Llama-layout family
+it claims; layouts it does not claim fall back to the module itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from specdraft.drafters.lean import (
+    LayerWeights,
+    LeanLayer,
+    ModuleLayer,
+    decode_layer,
+    lean_supported,
+)
+
+SMALL = dict(
+    vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+    num_attention_heads=4, max_position_embeddings=128,
+)  # fmt: skip
+
+FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SMALL, num_key_value_heads=4)),
+    "llama-gqa-rope-scaled": lambda: LlamaForCausalLM(
+        LlamaConfig(
+            **SMALL,
+            num_key_value_heads=2,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        )
+    ),
+    "qwen2-bias": lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, num_key_value_heads=2)),
+    "qwen3-qk-norm": lambda: Qwen3ForCausalLM(
+        Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=16)
+    ),
+    "mistral": lambda: MistralForCausalLM(
+        MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=None)
+    ),
+}
+
+
+def parts(model):
+    torch.manual_seed(0)
+    for p in model.parameters():  # random biases and norm weights too, so each one matters
+        torch.nn.init.normal_(p, std=0.2)
+    return model.model.layers[0].eval(), model.model.rotary_emb
+
+
+def run(layer_impl, x_chunks):
+    """Feed chunks as drafting does: a causal prompt, a chain step, a tree level with shared
+    positions and a custom mask, then drop the tree and continue."""
+    outs = [layer_impl(x_chunks[0], 0)]  # 6 tokens at positions 0..5, causal
+    outs.append(layer_impl(x_chunks[1], 6))  # one token sees everything
+    visible = torch.tensor([[True] * 7 + [True, False, False], [True] * 7 + [False, True, False],
+                            [True] * 5 + [False, False] + [False, False, True]])  # fmt: skip
+    outs.append(layer_impl(x_chunks[2], torch.tensor([7, 7, 5]), visible))
+    layer_impl.crop(7)
+    outs.append(layer_impl(x_chunks[3], 7))  # two tokens, causal after the cache
+    return outs
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_lean_layer_equals_the_module(family):
+    layer, rotary = parts(FAMILIES[family]())
+    assert lean_supported(layer)
+    torch.manual_seed(1)
+    chunks = [torch.randn(1, n, 64) for n in (6, 1, 3, 2)]
+    lean = LeanLayer(
+        LayerWeights(layer), rotary, capacity=4
+    )  # small: the buffers must grow on the way
+    module = ModuleLayer(layer, rotary)
+    for a, b in zip(run(lean, chunks), run(module, chunks), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert lean.length == module.length == 9
+    assert lean.capacity >= 9
+
+
+def test_unknown_layouts_fall_back_to_the_module():
+    layer, rotary = parts(
+        GemmaForCausalLM(GemmaConfig(**SMALL, num_key_value_heads=4, head_dim=16))
+    )
+    assert not lean_supported(layer)  # Gemma's RMSNorm scales by 1 + weight
+    assert isinstance(decode_layer(layer, rotary), ModuleLayer)
+    windowed, rot = parts(MistralForCausalLM(MistralConfig(**SMALL, sliding_window=4)))
+    assert isinstance(decode_layer(windowed, rot), ModuleLayer)
