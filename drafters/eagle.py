@@ -81,6 +81,10 @@ class EagleConfig:
     # scale per output row (CPU only): a CPU drafting step streams every weight once per token,
     # and int8 makes the head's products ~3x cheaper; drafts change slightly, output does not.
     draft_weights: str = _choice("full", "int8")
+    # Decoding, chains: stop drafting after a token whose draft probability is below this (0:
+    # always draft tree_depth tokens). Saves the head passes after a token that is unlikely to
+    # be accepted anyway, so tree_depth can go deeper where the head is sure.
+    stop_below: float = 0.0
 
     def __post_init__(self) -> None:
         if self.ttt_steps is None:
@@ -89,6 +93,8 @@ class EagleConfig:
                          ("tree_budget", 1), ("draft_vocab_size", 0)):  # fmt: skip
             if getattr(self, key) < low:
                 raise ValueError(f"drafter.{key} must be >= {low}; got {getattr(self, key)}")
+        if not 0 <= self.stop_below < 1:
+            raise ValueError(f"drafter.stop_below must be in [0, 1); got {self.stop_below}")
         if not 0 < self.ttt_decay <= 1:
             raise ValueError(f"drafter.ttt_decay must be in (0, 1]; got {self.ttt_decay}")
         if self.feature_noise < 0 or self.reg_weight < 0 or self.cls_weight < 0:
@@ -497,6 +503,7 @@ class EagleSession:
         tree_top_k: int | None = None,
         tree_budget: int | None = None,
         draft_weights: str | None = None,
+        stop_below: float | None = None,
         gamma: int | None = None,
         topk: int | None = None,
         **_ignored,
@@ -517,6 +524,7 @@ class EagleSession:
         self.top_k = _either("tree_top_k", tree_top_k, "topk", topk) or cfg.tree_top_k
         self.budget = tree_budget or cfg.tree_budget
         self.int8 = (draft_weights or cfg.draft_weights) == "int8"
+        self.stop_below = cfg.stop_below if stop_below is None else float(stop_below)
         if self.int8 and not int8_supported(target.device):
             raise ValueError(
                 f"draft_weights=int8 runs on CPU only (the target is on {target.device}); use "
@@ -609,18 +617,28 @@ class EagleSession:
         return q
 
     def _chain(self, h: torch.Tensor, depth: int) -> DraftTree:
-        """depth tokens, each fed back with the head's h; the last one is never fed."""
+        """Up to depth tokens, each fed back with the head's h; the last one is never fed.
+        With a stop threshold, the chain ends after a token the head gives less probability
+        than it (the greedy choice's softmax probability; a sampled token's q): that token is
+        still verified, but no head pass is spent beyond it. The stopping rule only looks at the
+        draft so far, so sampling stays exact."""
         tokens, qs = [], []
         pos = self._base - 1  # position id of level d is (length - 2) + d
         for d in range(depth):
             logits = self._logits(h[:, -1])  # (batch, draft vocab)
             if self.sampling.greedy:
-                token = self._to_target(logits.argmax(-1, keepdim=True))  # (batch, 1)
+                best = logits.argmax(-1, keepdim=True)
+                token = self._to_target(best)  # (batch, 1)
+                if self.stop_below > 0:
+                    sure = float(logits.softmax(-1).gather(-1, best)) >= self.stop_below
             else:
                 q = self._q_full(logits)  # (batch, vocab)
                 token = torch.multinomial(q, 1, generator=self.generator)
                 qs.append(q)
+                sure = float(q.gather(-1, token)) >= self.stop_below
             tokens.append(token)
+            if self.stop_below > 0 and not sure:
+                break
             if d + 1 < depth:  # level d + 1 sees the real prefix and the levels before it
                 h = self._step(token, h[:, -1:], pos + d)
         q = torch.stack(qs, dim=1) if qs else None  # (batch, depth, vocab)

@@ -19,6 +19,7 @@ two-model drafter.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -61,7 +62,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--target", default="demo", help="demo, a model folder or a hub id")
-    parser.add_argument("--drafter", action="append", default=[], help="drafter folder (repeat)")
+    parser.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="FOLDER[:KEY=VALUE,...]",
+        help="a trained drafter (repeat; the same folder may come back with other settings): "
+        "after a colon, decoding settings of its config (e.g. eagle's tree_top_k, tree_budget, "
+        "draft_weights, stop_below) and the loop's gamma/topk, for this drafter only",
+    )
     parser.add_argument("--baselines", default=",".join(BASELINES))
     parser.add_argument("--prompts", default="demo", help="demo, or a .txt/.json/.jsonl file")
     parser.add_argument("--num-prompts", type=int, default=20)
@@ -104,10 +113,10 @@ def build_runs(args: argparse.Namespace, target) -> list[Run]:
 
     gamma = args.gamma if args.gamma is not None else HF_GAMMA
 
-    def ours(drafter, **options):
+    def ours(drafter, gamma=args.gamma, **options):
         return loop_decoder(
             target, drafter, max_new_tokens=args.max_new_tokens, seed=args.seed,
-            gamma=args.gamma, **sample, **options,
+            gamma=gamma, **sample, **options,
         )  # fmt: skip
 
     def hf(**options):
@@ -131,11 +140,16 @@ def build_runs(args: argparse.Namespace, target) -> list[Run]:
         runs.append(Run("prompt_lookup", "prompt_lookup", ours("prompt_lookup")))
     if "hf_prompt_lookup" in baselines:
         runs.append(Run("hf_prompt_lookup", "hf_prompt_lookup", hf(prompt_lookup_num_tokens=gamma)))
-    for path in args.drafter:
+    for spec in args.drafter:
+        path, overrides = split_drafter_spec(spec)
         drafter = load_drafter(path, target)
+        loop = {"gamma": args.gamma, "topk": args.topk}
+        loop.update(apply_overrides(drafter, overrides, spec))
         name = Path(path).name if Path(path).name not in ("final", "best") else str(path)
+        if overrides:
+            name += ":" + ",".join(f"{k}={v}" for k, v in overrides.items())
         params = drafter.num_extra_parameters(target)
-        runs.append(Run(name, drafter.kind, ours(drafter, topk=args.topk), params))
+        runs.append(Run(name, drafter.kind, ours(drafter, **loop), params))
         hf_model = getattr(drafter, "hf_model", None)
         if "hf_assisted" in baselines and hf_model is not None:
             # transformers reads gamma and its schedule from the assistant's own generation
@@ -146,6 +160,56 @@ def build_runs(args: argparse.Namespace, target) -> list[Run]:
             assisted = hf(assistant_model=hf_model)
             runs.append(Run(f"hf_assisted[{name}]", "hf_assisted", assisted, params))
     return runs
+
+
+def split_drafter_spec(spec: str) -> tuple[str, dict[str, object]]:
+    """ "FOLDER[:k=v,k=v]" -> (folder, {k: v}); values are read as int, float or text."""
+    path, sep, tail = spec.rpartition(":")
+    if not sep or "=" not in tail:
+        return spec, {}
+    overrides: dict[str, object] = {}
+    for item in tail.split(","):
+        key, eq, text = item.partition("=")
+        if not eq or not key.strip():
+            raise SystemExit(f"--drafter {spec}: {item!r} is not KEY=VALUE")
+        overrides[key.strip()] = _value(text.strip())
+    return path, overrides
+
+
+def _value(text: str) -> object:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def apply_overrides(drafter, overrides: dict[str, object], spec: str) -> dict[str, object]:
+    """Set the drafter's config keys named in `overrides` (checked as its config checks them);
+    return the loop's own keys (gamma, topk) among them."""
+    loop = {k: overrides[k] for k in ("gamma", "topk") if k in overrides}
+    rest = {k: v for k, v in overrides.items() if k not in loop}
+    if rest:
+        fields = {f.name for f in dataclasses.fields(drafter.config)}
+        unknown = sorted(set(rest) - fields)
+        if unknown:
+            raise SystemExit(
+                f"--drafter {spec}: {unknown} are not settings of a {drafter.kind} drafter; "
+                f"choose from gamma, topk, {', '.join(sorted(fields))}"
+            )
+        for f in dataclasses.fields(drafter.config):
+            choices = f.metadata.get("choices")
+            if f.name in rest and choices and rest[f.name] not in choices:
+                raise SystemExit(
+                    f"--drafter {spec}: {f.name} must be one of {', '.join(choices)}; got "
+                    f"{rest[f.name]!r}"
+                )
+        try:
+            drafter.config = dataclasses.replace(drafter.config, **rest)
+        except (TypeError, ValueError) as e:
+            raise SystemExit(f"--drafter {spec}: {e}") from None
+    return loop
 
 
 def make_report(args, target, runs: list[Run]) -> dict:

@@ -93,8 +93,9 @@ PROMPTS = [[5, 17, 42, 99, 7, 250], [300, 12, 12, 64]]
     [dict(tree_top_k=1, tree_depth=4), dict(tree_top_k=3, tree_depth=4, tree_budget=10),
      dict(tree_top_k=2, tree_depth=3, tree_budget=3),
      dict(tree_top_k=1, tree_depth=4, draft_weights="int8"),
-     dict(tree_top_k=3, tree_depth=4, tree_budget=10, draft_weights="int8")],
-    ids=["chain", "tree", "small-budget-tree", "int8-chain", "int8-tree"],
+     dict(tree_top_k=3, tree_depth=4, tree_budget=10, draft_weights="int8"),
+     dict(tree_top_k=1, tree_depth=6, stop_below=0.2, draft_weights="int8")],
+    ids=["chain", "tree", "small-budget-tree", "int8-chain", "int8-tree", "stopping-chain"],
 )  # fmt: skip
 def test_greedy_output_equals_plain_greedy(tiny_target, trained_head, options):
     greedy = SamplingSettings()
@@ -210,3 +211,35 @@ def test_int8_drafting_weights_stay_close_to_the_head(tiny_target, trained_head)
     exact, approx = full.input(x), w.input(x)
     assert approx.dtype == exact.dtype
     assert (approx - exact).norm() / exact.norm() < 0.03
+
+
+def test_stop_below_ends_chains_after_an_unsure_token(tiny_target, trained_head, monkeypatch):
+    """Chains of the stopping rule vary in length, each ending at depth or right after the first
+    token drafted with probability under the threshold."""
+    trees = []
+    propose = EagleSession.propose
+    monkeypatch.setattr(EagleSession, "propose", lambda s, ctx: trees.append(propose(s, ctx)) or trees[-1])  # fmt: skip
+    seen = []
+    logits = EagleSession._logits
+    monkeypatch.setattr(EagleSession, "_logits", lambda s, h: seen.append(logits(s, h)) or seen[-1])  # fmt: skip
+    greedy = SamplingSettings()
+    session = trained_head.new_session(tiny_target, sampling=greedy, tree_top_k=1, tree_depth=6)
+    drive(tiny_target, session, PROMPTS[1], 24, greedy)  # without stopping, to pick a threshold
+    starts = torch.tensor([0] + [len(t) for t in trees if len(t)]).cumsum(0)[:-1]
+    first = torch.stack([seen[i].softmax(-1).max() for i in starts])  # each chain's first token
+    threshold = float(first.median())  # about half the chains stop at once
+    seen.clear()
+    trees.clear()
+    session = trained_head.new_session(
+        tiny_target, sampling=greedy, tree_top_k=1, tree_depth=6, stop_below=threshold
+    )
+    tokens, _, _ = drive(tiny_target, session, PROMPTS[1], 24, greedy)
+    assert tokens == plain_greedy(tiny_target, PROMPTS[1], 24)
+    sure = [float(x.softmax(-1).max()) >= threshold for x in seen]
+    lengths = [len(t) for t in trees if len(t)]
+    assert len(set(lengths)) > 1 and max(lengths) <= 6
+    i = 0
+    for n in lengths[:-1]:  # sure tokens, then an unsure one or the depth (the last chain may
+        chain = sure[i : i + n]  # also be cut by the tokens left to generate)
+        assert all(chain[:-1]) and (n == 6 or not chain[-1])
+        i += n

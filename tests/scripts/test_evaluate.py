@@ -120,3 +120,35 @@ def test_sampling_report_has_no_greedy_match(tiny_target_path, tmp_path):
 def test_unknown_baseline_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         evaluate.main(["--baselines", "ar,medusa", "--output", str(tmp_path)])
+
+
+def test_one_drafter_under_several_decoding_settings(tiny_target, tiny_target_path, tmp_path):
+    """FOLDER:key=value,... measures the same head as a chain, a stopping int8 chain and a tree
+    in one run; a key the drafter does not have, or a bad value, is refused by name."""
+    from specdraft.drafters.checkpoint import save_drafter
+    from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+
+    torch.manual_seed(0)
+    head = EagleDrafter.build(EagleConfig(tree_top_k=1, tree_depth=3), tiny_target)
+    folder = tmp_path / "head"
+    save_drafter(head, folder, target_fingerprint=tiny_target.fingerprint)
+    out = tmp_path / "eval"
+    specs = [str(folder), f"{folder}:draft_weights=int8,stop_below=0.01,gamma=4",
+             f"{folder}:topk=2,tree_budget=5"]  # fmt: skip
+    args = ["--target", tiny_target_path, "--baselines", "ar", "--num-prompts", "1",
+            "--max-new-tokens", "8", "--output", str(out)]  # fmt: skip
+    evaluate.main(args + [x for spec in specs for x in ("--drafter", spec)])
+    runs = json.loads((out / "report.json").read_text())["runs"]
+    assert [r["name"] for r in runs] == [
+        "ar", "head", "head:draft_weights=int8,stop_below=0.01,gamma=4", "head:topk=2,tree_budget=5"
+    ]  # fmt: skip
+    assert all(r["matches_ar"] for r in runs)
+    bad = {
+        f"{folder}:tree_widht=2": r"\['tree_widht'\] are not settings of a eagle drafter",
+        f"{folder}:draft_weights=int4": "draft_weights must be one of full, int8; got 'int4'",
+        f"{folder}:stop_below=1.5": r"stop_below must be in \[0, 1\)",
+        f"{folder}:gamma": "head:gamma",  # no "=": read as a folder name, which is not there
+    }
+    for spec, message in bad.items():
+        with pytest.raises((SystemExit, OSError, ValueError), match=message):
+            evaluate.main([*args, "--drafter", spec])
