@@ -9,6 +9,7 @@ decoding (`ar`: the loop with no drafter). scripts/evaluate.py compares many met
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -190,11 +191,18 @@ def report_after_training(target, result, prompts, cfg, **options) -> dict | Non
         )
     if not prompts:
         return None
-    m = measure_vs_plain(
-        target, load_drafter(final, target), prompts, seed=cfg.seed,
-        max_new_tokens=cfg.eval_loop.max_new_tokens, temperature=cfg.eval_loop.temperature,
-        **options,
-    )  # fmt: skip
+    threads = torch.get_num_threads()
+    if target.device.type == "cpu":
+        torch.set_num_threads(cfg.eval_loop.threads or _usable_cores())
+    try:
+        m = measure_vs_plain(
+            target, load_drafter(final, target), prompts, seed=cfg.seed,
+            max_new_tokens=cfg.eval_loop.max_new_tokens, temperature=cfg.eval_loop.temperature,
+            **options,
+        )  # fmt: skip
+        m["torch_threads"] = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
     m["simulated_tau"] = simulated
     path = Path(result.output_dir) / "eval_loop.json"
     path.write_text(json.dumps(m, indent=2) + "\n")
@@ -203,6 +211,14 @@ def report_after_training(target, result, prompts, cfg, **options) -> dict | Non
         f"[specdraft] in the loop on {m['num_prompts']} prompts x "
         f"{m['max_new_tokens']} new tokens: measured tau {m['tau']:.3f} (simulated {sim}), "
         f"speedup {m['speedup_vs_ar']:.2f}x plain decoding ({m['tokens_per_s']:.1f} vs "
-        f"{m['ar_tokens_per_s']:.1f} tokens/s, same process); {path}"
+        f"{m['ar_tokens_per_s']:.1f} tokens/s, same process, {m['torch_threads']} CPU "
+        f"thread(s)); {path}"
     )
     return m
+
+
+def _usable_cores() -> int:
+    """Cores this process may run on (its affinity where the OS reports one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

@@ -81,8 +81,17 @@ class LoopEvalConfig:
     max_new_tokens: int = 128
     # 0 is greedy (output must equal plain decoding's); above 0, seeded lossless sampling.
     temperature: float = 0.0
+    # CPU threads for the measurement; 0: every core this process may use, as decoding would.
+    # (`accelerate launch` pins a lone CPU process to 1 thread for training; decoding speedups
+    # differ by thread count, so the measurement states the count it ran with.)
+    threads: int = 0
 
     def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise ConfigError(
+                f"eval_loop.threads must be >= 0 (0: all cores); got {self.threads}",
+                key="eval_loop.threads",
+            )
         for key in ("num_prompts", "max_new_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(

@@ -24,7 +24,7 @@ def test_training_lowers_the_loss_and_final_loads(tiny_target, tiny_target_path,
         "eval_every=8", "eval_batches=2", "save_every=0", "data.max_samples=40",
         "data.max_length=32", "warmup_steps=1", "lr=3e-3", f"drafter.version={version}",
         "drafter.draft_vocab_size=256", "drafter.ttt_steps=2", "drafter.tree_depth=3",
-        "eval_loop.num_prompts=2", "eval_loop.max_new_tokens=12",
+        "eval_loop.num_prompts=2", "eval_loop.max_new_tokens=12", "eval_loop.threads=1",
     ])  # fmt: skip
     assert code == 0
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
@@ -44,6 +44,7 @@ def test_training_lowers_the_loss_and_final_loads(tiny_target, tiny_target_path,
     assert served["num_prompts"] == 2 and served["drafted"] > 0 and served["tau"] >= 1
     assert served["matches_ar"] is True  # greedy: the same tokens as plain greedy decoding
     assert served["speedup_vs_ar"] > 0 and served["simulated_tau"] == after["tau"]
+    assert served["torch_threads"] == 1  # as asked, and stated beside the speedup
 
 
 def test_bad_input_is_a_clear_error(tiny_target_path, tmp_path, capsys):
