@@ -479,8 +479,12 @@ class EagleSession:
     and the accepted tokens are re-fed with their true features at the next proposal (in the same
     head call as the first draft level, so it costs no extra call).
 
+    Running the head: through drafters/lean.py's LeanLayer (fused products, norm weights folded
+    in, an in-place KV cache that a rejected draft leaves by moving a length) from weights the
+    head builds once and shares across sessions; draft_weights=int8 makes them int8 copies (CPU).
+
     Drafting: a chain (tree_top_k = 1) takes the argmax (greedy) or samples from q, recording q
-    for lossless verification. A tree is EAGLE-2's dynamic tree: each level expands the top_k
+    for lossless verification, and with stop_below > 0 ends after the first unsure token. A tree is EAGLE-2's dynamic tree: each level expands the top_k
     nodes of the newest level by cumulative draft log-probability into their top_k children,
     and the whole tree is reranked to `tree_budget` nodes. Tree children are deterministic (point
     masses, q = None) also when sampling: the rerank keeps or drops a node by its own token's

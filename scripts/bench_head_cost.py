@@ -8,11 +8,16 @@ demo tokenizer and an untrained EAGLE-3 head (full vocabulary, chain of 5); both
 prompt through our loop, after a warm-up, in this one process. A head pass that costs c target
 steps caps a chain of gamma at roughly tau / (verify + gamma * c) target steps per pass, so
 c decides whether a trained head can pay for itself on a given target.
+
+Each shape is measured three ways, by how the head runs while drafting: `modules` (the HF decoder
+layer and the head's modules, as training runs them), `lean` (drafters/lean.py: fused products,
+in-place KV cache) and `lean-int8` (the same with int8 weights, draft_weights=int8).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -45,21 +50,42 @@ def main(argv: list[str] | None = None) -> None:
         head_config = EagleConfig(version="eagle3", draft_vocab_size=0, tree_top_k=1, tree_depth=5)
         head = EagleDrafter.build(head_config, target, None).eval()
         stats = {}
-        for name, drafter in (("ar", None), ("eagle", head)):
-            generate(target, ids, drafter=drafter, max_new_tokens=16)  # warm-up
-            stats[name] = generate(
-                target, ids, drafter=drafter, max_new_tokens=args.new_tokens
-            ).stats
+        for name in ("ar", *MODES):
+            drafter = None if name == "ar" else head
+            head.config.draft_weights = "int8" if name == "lean-int8" else "full"
+            with _modules_only(name == "modules"):
+                generate(target, ids, drafter=drafter, max_new_tokens=16)  # warm-up
+                stats[name] = generate(
+                    target, ids, drafter=drafter, max_new_tokens=args.new_tokens
+                ).stats
         step = stats["ar"].total_seconds / stats["ar"].target_passes
-        head_pass = stats["eagle"].draft_seconds / max(1, stats["eagle"].drafted)
         target_params = sum(p.numel() for p in target.model.parameters())
         head_params = head.num_extra_parameters(target)
+        passes = []
+        for mode in MODES:
+            head_pass = stats[mode].draft_seconds / max(1, stats[mode].drafted)
+            passes.append(f"{mode} {head_pass * 1e3:.2f} ms = {head_pass / step:.2f}")
         print(
             f"{shape}: target {target_params / 1e6:.1f}M, step {step * 1e3:.2f} ms | head "
-            f"{head_params / 1e6:.2f}M ({head_params / target_params:.0%}), pass "
-            f"{head_pass * 1e3:.2f} ms = {head_pass / step:.2f} of a target step",
+            f"{head_params / 1e6:.2f}M ({head_params / target_params:.0%}), pass: "
+            + ", ".join(passes) + " of a target step",
             flush=True,
-        )
+        )  # fmt: skip
+
+
+MODES = ("modules", "lean", "lean-int8")
+
+
+@contextlib.contextmanager
+def _modules_only(on: bool):
+    """Sessions run the head's HF modules (no drafting weights) while on."""
+    original = EagleDrafter.drafting_weights
+    if on:
+        EagleDrafter.drafting_weights = lambda self, int8: None
+    try:
+        yield
+    finally:
+        EagleDrafter.drafting_weights = original
 
 
 if __name__ == "__main__":
