@@ -17,8 +17,10 @@ its config, so every Llama-style family works without vendored modeling code.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +48,11 @@ def _choice(*choices: str):
 
 @dataclass
 class EagleConfig:
+    # The settings that only change how a trained head decodes (evaluate.py's FOLDER:key=value).
+    DECODING_KEYS: ClassVar[tuple[str, ...]] = (
+        "tree_depth", "tree_top_k", "tree_budget", "draft_weights", "stop_below",
+    )  # fmt: skip
+
     # eagle3: fused low/mid/high features, training-time test, reduced draft vocabulary |
     # eagle1: the final feature, feature regression + cross-entropy, the target's LM head.
     version: str = _choice("eagle3", "eagle1")
@@ -252,16 +259,22 @@ class EagleDrafter(Drafter):
 
     def drafting_weights(self, int8: bool) -> DraftingWeights | None:
         """The head's weights as drafting runs them (drafters/lean.py), or None where its layer
-        is not of the Llama layout (sessions then call the modules). Built once and reused by
-        every session until a parameter changes (an optimizer step, a load, a move)."""
-        if not lean_supported(self.layer):
+        is not one LeanLayer reproduces (sessions then call the modules). Built once and shared
+        by sessions until a parameter changes: the key holds the parameters themselves with
+        their storage and version, and switching train/eval mode drops it (writes through
+        `.data` or fused optimizers do not bump versions; the trainer switches modes)."""
+        if not lean_supported(self.layer, self.rotary):
             return None
         params = [*self.parameters(), self.target.model.get_output_embeddings().weight]
-        key = (int8, tuple((p.data_ptr(), p._version) for p in params))
+        key = [(p, p.data_ptr(), p._version) for p in params]
         cached = getattr(self, "_drafting", None)
-        if cached is None or cached[0] != key:
-            self._drafting = (key, DraftingWeights(self, int8))
-        return self._drafting[1]
+        if cached is None or cached[0] != int8 or not _same_params(cached[1], key):
+            self._drafting = (int8, key, DraftingWeights(self, int8))
+        return self._drafting[2]
+
+    def train(self, mode: bool = True) -> EagleDrafter:
+        self._drafting = None  # training changes the weights; drafting rebuilds them
+        return super().train(mode)
 
     # The three pieces every use (training, acceptance, drafting) is built from.
 
@@ -425,6 +438,12 @@ class EagleDrafter(Drafter):
 # --- session (inference): chain and EAGLE-2 dynamic tree ---------------------------------------
 
 
+def _same_params(old: list, new: list) -> bool:
+    return len(old) == len(new) and all(
+        a[0] is b[0] and a[1:] == b[1:] for a, b in zip(old, new, strict=True)
+    )
+
+
 class DraftingWeights:
     """The head as drafting runs it: the layer's fused (and maybe int8) weights, and its input
     and output products with the RMSNorm weights before them folded in. eps: the epsilons of
@@ -484,13 +503,14 @@ class EagleSession:
     head builds once and shares across sessions; draft_weights=int8 makes them int8 copies (CPU).
 
     Drafting: a chain (tree_top_k = 1) takes the argmax (greedy) or samples from q, recording q
-    for lossless verification, and with stop_below > 0 ends after the first unsure token. A tree is EAGLE-2's dynamic tree: each level expands the top_k
-    nodes of the newest level by cumulative draft log-probability into their top_k children,
+    for lossless verification, and with stop_below > 0 ends after the first unsure token. A tree
+    is EAGLE-2's dynamic tree: each level expands the top_k nodes of the newest level by cumulative draft log-probability into their top_k children,
     and the whole tree is reranked to `tree_budget` nodes. Tree children are deterministic (point
     masses, q = None) also when sampling: the rerank keeps or drops a node by its own token's
     probability, so a sampled child that survived it would no longer be distributed as q.
 
-    Tree shape: `tree_depth`, `tree_top_k`, `tree_budget` default to the head's config. The loop's
+    Tree shape: `tree_depth`, `tree_top_k`, `tree_budget` (and `draft_weights`, `stop_below`)
+    default to the head's config. The loop's
     own knobs mean the same here as for every drafter: `gamma` (generate's gamma, evaluate.py's
     --gamma) is the draft depth and `topk` the children per expanded node (1: a chain); the
     budget stays the config's unless `tree_budget` is given.
@@ -530,12 +550,18 @@ class EagleSession:
         self.int8 = (draft_weights or cfg.draft_weights) == "int8"
         self.stop_below = cfg.stop_below if stop_below is None else float(stop_below)
         if self.int8 and not int8_supported(target.device):
-            raise ValueError(
-                f"draft_weights=int8 runs on CPU only (the target is on {target.device}); use "
-                "draft_weights=full"
+            _warn_once(
+                f"draft_weights=int8 runs on CPU only; drafting on {target.device} with the "
+                "head's full weights"
             )
+            self.int8 = False
         self.capture_layers: list[int] = list(drafter.capture_layers)
         self.w = drafter.drafting_weights(self.int8)  # None: run the head's modules
+        if self.w is None and self.int8:
+            _warn_once(
+                f"draft_weights=int8 needs a layer drafters/lean.py runs ({type(drafter.layer)}"
+                " is not one); drafting with the head's full weights"
+            )
         self.layer = None  # the head's layer and KV cache, built at the first proposal
         self.fed = 0  # pairs (f_t, x_{t+1}) in the head's cache: t = 0 .. fed - 1
         self.features: torch.Tensor | None = None  # (batch, m, hidden): f_fed .. f_{fed+m-1}
@@ -639,7 +665,8 @@ class EagleSession:
                 q = self._q_full(logits)  # (batch, vocab)
                 token = torch.multinomial(q, 1, generator=self.generator)
                 qs.append(q)
-                sure = float(q.gather(-1, token)) >= self.stop_below
+                if self.stop_below > 0:
+                    sure = float(q.gather(-1, token)) >= self.stop_below
             tokens.append(token)
             if self.stop_below > 0 and not sure:
                 break
@@ -755,6 +782,15 @@ class EagleSession:
         if self.layer is None:
             return 0
         return self.layer.memory_bytes() + (0 if self.w is None else self.w.memory_bytes())
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+_WARNED: set[str] = set()
 
 
 def _either(key: str, value: int | None, loop_key: str, loop_value: int | None) -> int | None:

@@ -10,10 +10,11 @@ buffers that a rejected draft leaves by moving a length instead of copying the c
 4x512 target layer, 2048-token draft vocabulary, 1 thread) a drafting step measured 1.45 ms
 through the HF modules and 0.86 ms lean with int8 weights (BENCHMARKS.md, "EAGLE").
 
-It covers the Llama layout (Llama, Mistral, Qwen2 with its q/k/v biases, Qwen3 with its per-head
-q/k norms): `decode_layer(layer, rotary)` returns a `LeanLayer` where the layer has exactly those
-parts, else a `ModuleLayer` that calls the layer itself with a DynamicCache behind the same
-interface, so an unfamiliar family is slower, never wrong. tests/drafters/test_lean.py checks
+It covers Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and Mistral without a sliding
+window, with static rotary types: `decode_layer(layer, rotary)` returns a `LeanLayer` for those
+(`lean_supported`), else a `ModuleLayer` that calls the layer itself with a DynamicCache behind
+the same interface, so another family is slower, never wrong. int8 weights need a CPU and
+inputs in 16-wide blocks; elsewhere DraftLinear keeps full weights. tests/drafters/test_lean.py checks
 that both give the module's own outputs.
 
 `LayerWeights` reads the weights when it is built: build it again after they change (EAGLE heads
@@ -33,9 +34,23 @@ _QK_NORMS = {"q_norm", "k_norm"}
 _MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 
 
-def lean_supported(layer: nn.Module) -> bool:
-    """True when `layer` has exactly the Llama layout LeanLayer reproduces (an RMSNorm whose
-    weight multiplies the normalised state, as Llama's does; Gemma's 1 + weight is excluded)."""
+# Families whose decoder layer LeanLayer reproduces. Others share the layout but not the maths
+# (Granite scales residual branches, Ernie 4.5 and Helium rotate interleaved pairs, Gemma's norm
+# scales by 1 + weight), so the layout alone is not enough.
+LEAN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Rotary types whose table depends on the position only; dynamic and longrope change with the
+# sequence length, which a table computed once cannot follow.
+_STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
+
+
+def lean_supported(layer: nn.Module, rotary: nn.Module | None = None) -> bool:
+    """True when `layer` is a decoder layer of LEAN_FAMILIES with exactly the Llama layout, no
+    sliding window, and (when given) a rotary module of a static type."""
+    module = type(layer).__module__
+    if not any(module == f"transformers.models.{f}.modeling_{f}" for f in LEAN_FAMILIES):
+        return False
+    if rotary is not None and getattr(rotary, "rope_type", "default") not in _STATIC_ROPE:
+        return False
     children = {name for name, _ in layer.named_children()}
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if children != _LAYER_PARTS or attn is None or mlp is None:
@@ -45,8 +60,11 @@ def lean_supported(layer: nn.Module) -> bool:
         return False
     if {name for name, _ in mlp.named_children()} | {"act_fn"} != _MLP_PARTS:
         return False
-    if getattr(attn, "sliding_window", None) or getattr(attn.config, "sliding_window", None):
-        return False  # a window would need its own mask; ModuleLayer honours it
+    config = getattr(attn, "config", None)
+    if getattr(attn, "sliding_window", None) or getattr(config, "sliding_window", None):
+        return False  # Mistral's default window: LeanLayer has no windowed mask
+    if hasattr(layer, "residual_multiplier") or getattr(config, "residual_multiplier", 1.0) != 1:
+        return False
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     norms += [getattr(attn, n) for n in _QK_NORMS if n in attn_parts]
     return all(_is_llama_rms_norm(n) for n in norms)
@@ -65,9 +83,9 @@ def _is_llama_rms_norm(norm: nn.Module) -> bool:
 def decode_layer(
     layer: nn.Module, rotary: nn.Module, capacity: int = 256, *, weights: LayerWeights | None = None
 ):
-    """A `LeanLayer` for a Llama-layout layer (from `weights` when given, built from the layer
-    otherwise), else a `ModuleLayer` around the layer itself."""
-    if weights is not None or lean_supported(layer):
+    """A `LeanLayer` where `lean_supported(layer, rotary)` (from `weights` when given, built
+    from the layer otherwise), else a `ModuleLayer` around the layer itself."""
+    if lean_supported(layer, rotary):
         return LeanLayer(weights or LayerWeights(layer), rotary, capacity)
     return ModuleLayer(layer, rotary)
 
@@ -97,37 +115,41 @@ class DraftLinear:
     ) -> None:
         with torch.no_grad():
             w = weight.detach()
+            # a parameter used as it is costs no memory; folded, fused or int8 weights are copies
+            self.shared = isinstance(weight, nn.Parameter) and in_scale is None and not int8
             if in_scale is not None:
                 w = w * in_scale.detach().to(w.dtype)[None, :]
             self.bias = None if bias is None else bias.detach()
             self.dtype = w.dtype
-            self.int8 = int8
-            if int8:
-                if not int8_supported(w.device):
-                    raise ValueError(
-                        f"int8 draft weights need torch's weight-only int8 kernel on {w.device}; "
-                        "this torch build lacks it: use draft_weights=full"
-                    )
+            # the int8 kernel wants whole 16-wide blocks of inputs; other widths keep full weights
+            self.int8 = int8 and int8_supported(w.device) and w.shape[1] % 16 == 0
+            if self.int8:
                 wf = w.float()
-                scale = wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # (out,)
-                self.weight = torch.round(wf / scale[:, None]).clamp(-127, 127)
-                self.weight = self.weight.to(torch.int8).contiguous()
-                self.scale = scale.to(torch.bfloat16)
+                # the scale the kernel multiplies by is bf16: quantise against that same value
+                scale = (wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0).bfloat16()  # (out,)
+                q = torch.round(wf / scale.float()[:, None]).clamp(-127, 127)
+                self.weight, self.scale = q.to(torch.int8).contiguous(), scale
             else:
                 self.weight = w if in_scale is None else w.contiguous()
         self.out_features = self.weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., in) -> (..., out), in x's dtype."""
         if not self.int8:
-            return F.linear(x, self.weight, self.bias)
+            if x.dtype == self.dtype:
+                return F.linear(x, self.weight, self.bias)
+            return F.linear(x.to(self.dtype), self.weight, self.bias).to(x.dtype)
         shape = x.shape
         y = torch.ops.aten._weight_int8pack_mm(
-            x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight, self.scale
+            x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(), self.weight, self.scale
         )
-        y = y.to(self.dtype).reshape(*shape[:-1], self.out_features)
+        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def memory_bytes(self) -> int:
+        """Bytes held beyond the parameters it was built from (0 when it uses one as it is)."""
+        if self.shared:
+            return 0
         extra = 0 if not self.int8 else self.scale.numel() * self.scale.element_size()
         return self.weight.numel() * self.weight.element_size() + extra
 
@@ -154,18 +176,15 @@ class LayerWeights:
         self.num_kv_heads = self.kv_size // self.head_dim
         self.scaling = float(attn.scaling)
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        biases = [p.bias for p in projections]
         norm_in, post = layer.input_layernorm, layer.post_attention_layernorm
         self.qkv = DraftLinear(
-            torch.cat([p.weight for p in projections]),
-            torch.cat(biases) if all(b is not None for b in biases) else None,
+            torch.cat([p.weight for p in projections]), _fused_bias(projections),
             in_scale=norm_in.weight, int8=int8,
         )  # fmt: skip
         self.o = DraftLinear(attn.o_proj.weight, attn.o_proj.bias, int8=int8)
         gate, up = mlp.gate_proj, mlp.up_proj
         self.gate_up = DraftLinear(
-            torch.cat([gate.weight, up.weight]),
-            None if gate.bias is None else torch.cat([gate.bias, up.bias]),
+            torch.cat([gate.weight, up.weight]), _fused_bias((gate, up)),
             in_scale=post.weight, int8=int8,
         )  # fmt: skip
         self.down = DraftLinear(mlp.down_proj.weight, mlp.down_proj.bias, int8=int8)
@@ -249,6 +268,8 @@ class LeanLayer:
             top = positions + n
         else:
             positions = torch.as_tensor(positions, device=self.device).flatten()
+            if positions.numel() != n:
+                raise ValueError(f"{positions.numel()} position ids for {n} inputs")
             top = int(positions.max()) + 1
         if max(end, top) > self.capacity:
             self._grow(2 * max(end, top))
@@ -335,6 +356,17 @@ class ModuleLayer:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _fused_bias(linears) -> torch.Tensor | None:
+    """The biases of linears whose outputs are concatenated (zeros for one without), or None."""
+    if all(lin.bias is None for lin in linears):
+        return None
+    return torch.cat([
+        lin.bias.detach() if lin.bias is not None
+        else torch.zeros(lin.out_features, dtype=lin.weight.dtype, device=lin.weight.device)
+        for lin in linears
+    ])  # fmt: skip
 
 
 def _norm_params(norm: nn.Module | None) -> tuple[torch.Tensor, float] | None:

@@ -144,6 +144,10 @@ def build_runs(args: argparse.Namespace, target) -> list[Run]:
         path, overrides = split_drafter_spec(spec)
         drafter = load_drafter(path, target)
         loop = {"gamma": args.gamma, "topk": args.topk}
+        # a depth or width this drafter's settings name replaces the global --gamma / --topk
+        for key, loop_key in (("tree_depth", "gamma"), ("tree_top_k", "topk")):
+            if key in overrides:
+                loop[loop_key] = None
         loop.update(apply_overrides(drafter, overrides, spec))
         name = Path(path).name if Path(path).name not in ("final", "best") else str(path)
         if overrides:
@@ -177,6 +181,8 @@ def split_drafter_spec(spec: str) -> tuple[str, dict[str, object]]:
 
 
 def _value(text: str) -> object:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     for kind in (int, float):
         try:
             return kind(text)
@@ -186,17 +192,18 @@ def _value(text: str) -> object:
 
 
 def apply_overrides(drafter, overrides: dict[str, object], spec: str) -> dict[str, object]:
-    """Set the drafter's config keys named in `overrides` (checked as its config checks them);
-    return the loop's own keys (gamma, topk) among them."""
+    """Set the drafter's decoding settings named in `overrides` (its config's DECODING_KEYS,
+    checked as its config checks them); return the loop's own keys (gamma, topk) among them."""
     loop = {k: overrides[k] for k in ("gamma", "topk") if k in overrides}
     rest = {k: v for k, v in overrides.items() if k not in loop}
     if rest:
-        fields = {f.name for f in dataclasses.fields(drafter.config)}
-        unknown = sorted(set(rest) - fields)
+        config = getattr(drafter, "config", None)
+        keys = set(getattr(type(config), "DECODING_KEYS", ()))
+        unknown = sorted(set(rest) - keys)
         if unknown:
             raise SystemExit(
-                f"--drafter {spec}: {unknown} are not settings of a {drafter.kind} drafter; "
-                f"choose from gamma, topk, {', '.join(sorted(fields))}"
+                f"--drafter {spec}: {', '.join(unknown)}: not a decoding setting of this "
+                f"{drafter.kind} drafter; choose from {', '.join(['gamma', 'topk', *sorted(keys)])}"
             )
         for f in dataclasses.fields(drafter.config):
             choices = f.metadata.get("choices")

@@ -243,3 +243,18 @@ def test_stop_below_ends_chains_after_an_unsure_token(tiny_target, trained_head,
         chain = sure[i : i + n]  # also be cut by the tokens left to generate)
         assert all(chain[:-1]) and (n == 6 or not chain[-1])
         i += n
+
+
+def test_int8_where_it_cannot_run_drafts_with_full_weights(tiny_target, trained_head, monkeypatch):
+    """A head saved with draft_weights=int8 still decodes on a device without the int8 kernel
+    (a GPU): one warning, full weights, exact output."""
+    import specdraft.drafters.eagle as eagle_module
+
+    monkeypatch.setattr(eagle_module, "_WARNED", set())
+    monkeypatch.setattr(eagle_module, "int8_supported", lambda device: False)
+    greedy = SamplingSettings()
+    with pytest.warns(UserWarning, match="runs on CPU only"):
+        session = trained_head.new_session(tiny_target, sampling=greedy, draft_weights="int8")
+    assert not session.int8 and not session.w.int8
+    tokens, drafted, _ = drive(tiny_target, session, PROMPTS[0], 12, greedy)
+    assert drafted > 0 and tokens == plain_greedy(tiny_target, PROMPTS[0], 12)

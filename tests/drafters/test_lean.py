@@ -8,6 +8,8 @@ import torch
 from transformers import (
     GemmaConfig,
     GemmaForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -19,6 +21,7 @@ from transformers import (
 )
 
 from specdraft.drafters.lean import (
+    DraftLinear,
     LayerWeights,
     LeanLayer,
     ModuleLayer,
@@ -86,6 +89,17 @@ def test_lean_layer_equals_the_module(family):
     assert lean.capacity >= 9
 
 
+def test_int8_products_stay_close_and_odd_widths_keep_full_weights():
+    torch.manual_seed(2)
+    weight = torch.nn.Parameter(torch.randn(48, 64))
+    exact, x = DraftLinear(weight), torch.randn(3, 64)
+    approx = DraftLinear(weight, int8=True)
+    assert approx.int8 and exact.shared and exact.memory_bytes() == 0
+    assert (approx(x) - exact(x)).norm() / exact(x).norm() < 0.02
+    odd = DraftLinear(torch.randn(8, 40), int8=True)  # the int8 kernel wants 16-wide blocks
+    assert not odd.int8 and odd(torch.randn(2, 40)).shape == (2, 8)
+
+
 def test_unknown_layouts_fall_back_to_the_module():
     layer, rotary = parts(
         GemmaForCausalLM(GemmaConfig(**SMALL, num_key_value_heads=4, head_dim=16))
@@ -94,3 +108,12 @@ def test_unknown_layouts_fall_back_to_the_module():
     assert isinstance(decode_layer(layer, rotary), ModuleLayer)
     windowed, rot = parts(MistralForCausalLM(MistralConfig(**SMALL, sliding_window=4)))
     assert isinstance(decode_layer(windowed, rot), ModuleLayer)
+    # the Llama layout with other maths: residual multipliers (Granite)
+    granite, rot = parts(GraniteForCausalLM(GraniteConfig(**SMALL, residual_multiplier=0.2)))
+    assert not lean_supported(granite, rot)
+    # a rotary table that depends on the sequence length cannot be computed once
+    llama = LlamaConfig(**SMALL, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                  "rope_theta": 10000.0})  # fmt: skip
+    layer, rot = parts(LlamaForCausalLM(llama))
+    assert lean_supported(layer) and not lean_supported(layer, rot)
+    assert isinstance(decode_layer(layer, rot), ModuleLayer)
