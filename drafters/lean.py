@@ -6,9 +6,10 @@ framework calls around the products costs microseconds. `LeanLayer` runs the sam
 the same weights with one fused q/k/v product, one fused gate/up product, the RMSNorm weights
 folded into the products after them, a rotary table computed once, and preallocated key/value
 buffers that a rejected draft leaves by moving a length instead of copying the cache. With
-`DraftLinear`'s int8 weights the products read a quarter of the bytes. On the demo head (one
-4x512 target layer, 2048-token draft vocabulary, 1 thread) a drafting step measured 1.45 ms
-through the HF modules and 0.86 ms lean with int8 weights (BENCHMARKS.md, "EAGLE").
+`DraftLinear`'s int8 weights the products read a quarter of the bytes, which is what pays on a
+CPU: `scripts/bench_head_cost.py` on the demo shape measured a head pass at 1.36-1.44 ms through
+the HF modules, 1.29-1.51 ms lean in fp32 and 0.84-0.97 ms lean with int8 weights (BENCHMARKS.md,
+"EAGLE").
 
 It covers Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and Mistral without a sliding
 window, with static rotary types: `decode_layer(layer, rotary)` returns a `LeanLayer` for those
