@@ -88,8 +88,8 @@ class EagleConfig:
     # scale per output row (CPU only): a CPU drafting step streams every weight once per token,
     # and int8 makes the head's products ~3x cheaper; drafts change slightly, output does not.
     draft_weights: str = _choice("full", "int8")
-    # Decoding, chains: stop drafting after a token whose draft probability is below this (0:
-    # always draft tree_depth tokens). Saves the head passes after a token that is unlikely to
+    # Decoding, chains: stop drafting after a position where the head's most likely token has
+    # less probability than this (0: always draft tree_depth tokens). Saves the head passes after a token that is unlikely to
     # be accepted anyway, so tree_depth can go deeper where the head is sure.
     stop_below: float = 0.0
 
@@ -648,10 +648,10 @@ class EagleSession:
 
     def _chain(self, h: torch.Tensor, depth: int) -> DraftTree:
         """Up to depth tokens, each fed back with the head's h; the last one is never fed.
-        With a stop threshold, the chain ends after a token the head gives less probability
-        than it (the greedy choice's softmax probability; a sampled token's q): that token is
-        still verified, but no head pass is spent beyond it. The stopping rule only looks at the
-        draft so far, so sampling stays exact."""
+        With a stop threshold, the chain ends after a position where the head's most likely token
+        has less probability than it (softmax of the head's logits greedy; the largest entry of q
+        when sampling, whichever token was drawn): that token is still verified, but no head pass
+        is spent beyond it. The rule only looks at the draft so far, so sampling stays exact."""
         tokens, qs = [], []
         pos = self._base - 1  # position id of level d is (length - 2) + d
         for d in range(depth):
@@ -665,8 +665,8 @@ class EagleSession:
                 q = self._q_full(logits)  # (batch, vocab)
                 token = torch.multinomial(q, 1, generator=self.generator)
                 qs.append(q)
-                if self.stop_below > 0:
-                    sure = float(q.gather(-1, token)) >= self.stop_below
+                if self.stop_below > 0:  # the head's confidence, not the luck of the draw
+                    sure = float(q.max()) >= self.stop_below
             tokens.append(token)
             if self.stop_below > 0 and not sure:
                 break

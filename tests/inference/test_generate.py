@@ -192,6 +192,35 @@ def test_sampled_output_follows_the_target(small_vocab, draft, topk, top_p, top_
     assert chi_square_p_value(counts.flatten(), exact.flatten()) > FALSE_ALARM
 
 
+@pytest.mark.parametrize(
+    "options",
+    [dict(tree_top_k=1, draft_weights="int8", stop_below=0.3), dict(tree_top_k=2, tree_budget=4)],
+    ids=["stopping-int8-chain", "tree"],
+)
+def test_sampled_output_through_an_eagle_head_follows_the_target(small_vocab, options):
+    """The same chi-square through EAGLE drafting: a chain that stops after unsure positions and
+    drafts with int8 weights (its q recorded per token), and a dynamic tree (point-mass children)."""
+    from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+
+    target, _ = small_vocab
+    torch.manual_seed(6)
+    head = EagleDrafter.build(EagleConfig(tree_depth=2, **options), target).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.5)  # an untrained head that still drafts varied tokens
+    prompt = [1, 2, 3]
+    counts = torch.zeros(V, V)
+    drafted = accepted = 0
+    for seed in range(SAMPLES):
+        out = generate(target, prompt, head, max_new_tokens=3, temperature=1.3, seed=seed)
+        y1, y2 = out.tokens[0, :2].tolist()
+        counts[y1, y2] += 1
+        drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
+    assert drafted > 0 and accepted > 0
+    exact = exact_joint(target, prompt, 1.3, 1.0, 0)
+    assert chi_square_p_value(counts.flatten(), exact.flatten()) > FALSE_ALARM
+
+
 def test_sampling_is_reproducible(random_target, drafts):
     runs = [
         generate(
