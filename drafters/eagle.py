@@ -89,8 +89,9 @@ class EagleConfig:
     # and int8 makes the head's products ~3x cheaper; drafts change slightly, output does not.
     draft_weights: str = _choice("full", "int8")
     # Decoding, chains: stop drafting after a position where the head's most likely token has
-    # less probability than this (0: always draft tree_depth tokens). Saves the head passes after a token that is unlikely to
-    # be accepted anyway, so tree_depth can go deeper where the head is sure.
+    # less probability than this (0: always draft tree_depth tokens). Saves the head passes after
+    # a token that is unlikely to be accepted anyway, so tree_depth can go deeper where the head
+    # is sure.
     stop_below: float = 0.0
 
     def __post_init__(self) -> None:
@@ -503,17 +504,17 @@ class EagleSession:
     head builds once and shares across sessions; draft_weights=int8 makes them int8 copies (CPU).
 
     Drafting: a chain (tree_top_k = 1) takes the argmax (greedy) or samples from q, recording q
-    for lossless verification, and with stop_below > 0 ends after the first unsure token. A tree
-    is EAGLE-2's dynamic tree: each level expands the top_k nodes of the newest level by cumulative draft log-probability into their top_k children,
+    for lossless verification, and with stop_below > 0 ends after the first unsure position. A
+    tree is EAGLE-2's dynamic tree: each level expands the top_k nodes of the newest level by
+    cumulative draft log-probability into their top_k children,
     and the whole tree is reranked to `tree_budget` nodes. Tree children are deterministic (point
     masses, q = None) also when sampling: the rerank keeps or drops a node by its own token's
     probability, so a sampled child that survived it would no longer be distributed as q.
 
     Tree shape: `tree_depth`, `tree_top_k`, `tree_budget` (and `draft_weights`, `stop_below`)
-    default to the head's config. The loop's
-    own knobs mean the same here as for every drafter: `gamma` (generate's gamma, evaluate.py's
-    --gamma) is the draft depth and `topk` the children per expanded node (1: a chain); the
-    budget stays the config's unless `tree_budget` is given.
+    default to the head's config. The loop's own knobs mean the same here as for every drafter:
+    `gamma` (generate's gamma, evaluate.py's --gamma) is the draft depth and `topk` the children
+    per expanded node (1: a chain); the budget stays the config's unless `tree_budget` is given.
     """
 
     def __init__(

@@ -15,8 +15,8 @@ It covers Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and Mistral wi
 window, with static rotary types: `decode_layer(layer, rotary)` returns a `LeanLayer` for those
 (`lean_supported`), else a `ModuleLayer` that calls the layer itself with a DynamicCache behind
 the same interface, so another family is slower, never wrong. int8 weights need a CPU and
-inputs in 16-wide blocks; elsewhere DraftLinear keeps full weights. tests/drafters/test_lean.py checks
-that both give the module's own outputs.
+inputs in 16-wide blocks; elsewhere DraftLinear keeps full weights. tests/drafters/test_lean.py
+checks that both give the module's own outputs.
 
 `LayerWeights` reads the weights when it is built: build it again after they change (EAGLE heads
 key theirs on the parameters' versions, see EagleDrafter.drafting_weights).
