@@ -3,6 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+
+def choice(*choices: str) -> Any:
+    """A str config field limited to `choices`; the first one is the default.
+
+    The choices live in the field's metadata, so the config loader (train/config.py) validates
+    against and `--help` lists the same tuple (OmegaConf has no `Literal`, hence this instead of
+    a type). Every config section uses it: data, trainer and drafter sections alike.
+    """
+    return field(default=choices[0], metadata={"choices": choices})
+
 
 # The values `format` and `overlong` accept; the config loader (train/config.py) reads them from the
 # field metadata, so a typo fails when the config loads, not deep inside the pipeline.
@@ -19,11 +31,11 @@ class DataConfig:
     name: str | None = None
     split: str = "train"
     # auto | sharegpt | messages | ultrachat | text. "auto" detects per row.
-    format: str = field(default="auto", metadata={"choices": FORMATS})
+    format: str = choice(*FORMATS)
     # Tokens per sample (conversations) or per packed block (plain text).
     max_length: int = 512
     # What to do with a conversation longer than max_length: truncate | drop.
-    overlong: str = field(default="truncate", metadata={"choices": OVERLONG})
+    overlong: str = choice(*OVERLONG)
     # Held-out share for evaluation, taken after a seeded shuffle.
     eval_fraction: float = 0.05
     # Keep at most this many rows after shuffling (None: all).

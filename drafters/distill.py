@@ -11,12 +11,13 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from specdraft.data.config import choice
 from specdraft.drafters.base import (
     DraftContext,
     Drafter,
@@ -30,17 +31,12 @@ from specdraft.inference.verify import process_logits
 # --- config ------------------------------------------------------------------------------------
 
 
-def _choice(*choices: str):
-    # The trainer's config checker (train/config.py) reads `choices` from field metadata.
-    return field(default=choices[0], metadata={"choices": choices})
-
-
 @dataclass
 class DistillConfig:
     # Where the student's weights come from: target (embeddings, LM head, final norm and the
     # layers in init_layers copied from the target; needs the target's hidden size) | random
     # (a fresh model of the preset below) | path (a HF causal LM folder or hub id in student_path).
-    init: str = _choice("target", "random", "path")
+    init: str = choice("target", "random", "path")
     # The student to load when init=path.
     student_path: str | None = None
     # Preset derived from the target: decoder layers of the student.
@@ -55,7 +51,7 @@ class DistillConfig:
     init_layers: list[int] | None = None
     # Divergence to the target's distribution: fkl (KL(p||q)) | rkl (KL(q||p)) | jsd (JSD(beta)) |
     # tvd (total variation) | none (cross-entropy on the data only).
-    divergence: str = _choice("fkl", "rkl", "jsd", "tvd", "none")
+    divergence: str = choice("fkl", "rkl", "jsd", "tvd", "none")
     # JSD(beta) mixes m = beta * p + (1 - beta) * q; beta -> 0 approaches forward KL's behaviour.
     jsd_beta: float = 0.5
     # Both distributions are softened by this temperature before the divergence.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
+from specdraft.data.config import choice
 from specdraft.drafters.base import DraftContext, Drafter, DraftTree, SamplingSettings
 from specdraft.drafters.lean import (
     DraftLinear,
@@ -41,11 +42,6 @@ from specdraft.inference.verify import process_logits
 # --- config ------------------------------------------------------------------------------------
 
 
-def _choice(*choices: str):
-    # The trainer's config checker (train/config.py) reads `choices` from field metadata.
-    return field(default=choices[0], metadata={"choices": choices})
-
-
 @dataclass
 class EagleConfig:
     # The settings that only change how a trained head decodes (evaluate.py's FOLDER:key=value).
@@ -55,7 +51,7 @@ class EagleConfig:
 
     # eagle3: fused low/mid/high features, training-time test, reduced draft vocabulary |
     # eagle1: the final feature, feature regression + cross-entropy, the target's LM head.
-    version: str = _choice("eagle3", "eagle1")
+    version: str = choice("eagle3", "eagle1")
     # eagle3: the target hidden-state ids fused into the feature (0 = embeddings, i = output of
     # decoder layer i, L = final normed state); None: EAGLE-3's low/mid/high choice for the target.
     feature_layers: list[int] | None = None
@@ -87,7 +83,7 @@ class EagleConfig:
     # Decoding: the head's weights while drafting. full: as trained. int8: int8 copies with one
     # scale per output row (CPU only): a CPU drafting step streams every weight once per token,
     # and int8 makes the head's products ~3x cheaper; drafts change slightly, output does not.
-    draft_weights: str = _choice("full", "int8")
+    draft_weights: str = choice("full", "int8")
     # Decoding, chains: stop drafting after a position where the head's most likely token has
     # less probability than this (0: always draft tree_depth tokens). Saves the head passes after
     # a token that is unlikely to be accepted anyway, so tree_depth can go deeper where the head

@@ -28,6 +28,7 @@ import torch
 
 from specdraft.drafters import load_drafter, load_target
 from specdraft.inference.measure import Run, load_prompts, loop_decoder, measure, summarize
+from specdraft.train.config import check_choices
 
 BASELINES = ("ar", "hf_ar", "prompt_lookup", "hf_assisted", "hf_prompt_lookup")
 # gamma for transformers' prompt lookup and assisted decoding when --gamma is not given: the
@@ -205,17 +206,12 @@ def apply_overrides(drafter, overrides: dict[str, object], spec: str) -> dict[st
                 f"--drafter {spec}: {', '.join(unknown)}: not a decoding setting of this "
                 f"{drafter.kind} drafter; choose from {', '.join(['gamma', 'topk', *sorted(keys)])}"
             )
-        for f in dataclasses.fields(drafter.config):
-            choices = f.metadata.get("choices")
-            if f.name in rest and choices and rest[f.name] not in choices:
-                raise SystemExit(
-                    f"--drafter {spec}: {f.name} must be one of {', '.join(choices)}; got "
-                    f"{rest[f.name]!r}"
-                )
         try:
-            drafter.config = dataclasses.replace(drafter.config, **rest)
+            config = dataclasses.replace(drafter.config, **rest)
+            check_choices(config, prefix="")  # as a config file's values are checked
         except (TypeError, ValueError) as e:
             raise SystemExit(f"--drafter {spec}: {e}") from None
+        drafter.config = config
     return loop
 
 

@@ -35,7 +35,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from specdraft.data.config import DataConfig
+from specdraft.data.config import DataConfig, choice
 
 # The resolved config of a run, in output_dir and in every checkpoint folder.
 CONFIG_FILENAME = "train_config.yaml"
@@ -54,15 +54,6 @@ class ConfigError(ValueError):
     def __init__(self, message: str, key: str | None = None):
         super().__init__(message)
         self.key = key
-
-
-def choice(*choices: str) -> Any:
-    """A str field limited to `choices`; the first one is the default.
-
-    The choices live in the field's metadata, so validation and `--help` read the same list
-    (OmegaConf has no `Literal`, hence this instead of a type).
-    """
-    return field(default=choices[0], metadata={"choices": choices})
 
 
 @dataclass
@@ -189,7 +180,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         # OmegaConf.to_object calls this too, so files, overrides and code are held to one standard.
-        _check_choices(self, prefix="")
+        check_choices(self, prefix="")
         for key, low in (
             ("max_steps", 1),
             ("micro_batch_size", 1),
@@ -576,13 +567,13 @@ def _type_error(cls: type, layer: _Layer, e: OmegaConfBaseException) -> ConfigEr
     )
 
 
-def _check_choices(obj: Any, prefix: str) -> None:
+def check_choices(obj: Any, prefix: str) -> None:
     """Check every field with choices in `obj` and its nested sections (drafter sections too)."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         key = _dotted(prefix, f.name)
         if dataclasses.is_dataclass(value):
-            _check_choices(value, key)
+            check_choices(value, key)
             continue
         choices = _choices(type(obj), f)
         if choices and value not in choices:

@@ -207,6 +207,8 @@ def test_int8_drafting_weights_stay_close_to_the_head(tiny_target, trained_head)
     """The int8 copies are per-row symmetric: every product is within a few percent."""
     w = trained_head.drafting_weights(int8=True)
     full = trained_head.drafting_weights(int8=False)
+    assert w.input.int8 and w.output.int8 and w.layer.gate_up.int8  # really int8, no fallback
+    assert not full.input.int8 and w.memory_bytes() < full.memory_bytes()
     x = torch.randn(5, w.input.weight.shape[1])
     exact, approx = full.input(x), w.input(x)
     assert approx.dtype == exact.dtype

@@ -146,7 +146,7 @@ def test_one_drafter_under_several_decoding_settings(tiny_target, tiny_target_pa
     bad = {
         f"{folder}:tree_widht=2": "tree_widht: not a decoding setting of this eagle drafter",
         f"{folder}:version=eagle1": "version: not a decoding setting",
-        f"{folder}:draft_weights=int4": "draft_weights must be one of full, int8; got 'int4'",
+        f"{folder}:draft_weights=int4": "draft_weights='int4' is not one of: full \\| int8",
         f"{folder}:stop_below=1.5": r"stop_below must be in \[0, 1\)",
         f"{folder}:gamma": "head:gamma",  # no "=": read as a folder name, which is not there
     }
