@@ -52,6 +52,11 @@ def lean_supported(layer: nn.Module, rotary: nn.Module | None = None) -> bool:
         return False
     if rotary is not None and getattr(rotary, "rope_type", "default") not in _STATIC_ROPE:
         return False
+    if rotary is not None:
+        try:  # one angle per (i, i + head_dim / 2) pair, as LeanLayer rotates them
+            rotary_table(rotary, 2, next(rotary.buffers(), torch.empty(0)).device)
+        except ValueError:
+            return False
     children = {name for name, _ in layer.named_children()}
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if children != _LAYER_PARTS or attn is None or mlp is None:
@@ -92,8 +97,16 @@ def decode_layer(
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm without its weight (folded into the next product), computed in fp32."""
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    """Llama's RMSNorm without its weight (folded into the next product), in x's dtype.
+
+    Computed as x * sqrt(d) / max(|x|, sqrt(d * eps)): eps as a floor rather than an addend,
+    which differs from x / sqrt(mean(x^2) + eps) by a relative eps / (2 mean(x^2)) (~1e-6 for
+    hidden states) and costs 4 small calls where F.rms_norm costs ~6 on a CPU (a norm runs 5
+    times per head pass). A draft only proposes; verification keeps the output exact.
+    """
+    d = x.shape[-1]
+    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return x / n.clamp_min_((d * eps) ** 0.5).mul_(d**-0.5)
 
 
 class DraftLinear:
@@ -130,21 +143,22 @@ class DraftLinear:
                 scale = (wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0).bfloat16()  # (out,)
                 q = torch.round(wf / scale.float()[:, None]).clamp(-127, 127)
                 self.weight, self.scale = q.to(torch.int8).contiguous(), scale
+                if self.bias is not None:  # added in the product's dtype, which stays bf16
+                    self.bias = self.bias.to(torch.bfloat16)
             else:
                 self.weight = w if in_scale is None else w.contiguous()
         self.out_features = self.weight.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., in) -> (..., out), in x's dtype."""
+        """(..., in) -> (..., out), in the product's dtype: the weights' for full weights, bf16
+        for int8 (callers add it to fp32 or convert it; a conversion is a call of its own)."""
         if not self.int8:
-            if x.dtype == self.dtype:
-                return F.linear(x, self.weight, self.bias)
-            return F.linear(x.to(self.dtype), self.weight, self.bias).to(x.dtype)
+            return F.linear(x.to(self.dtype), self.weight, self.bias)
         shape = x.shape
         y = torch.ops.aten._weight_int8pack_mm(
             x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous(), self.weight, self.scale
         )
-        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        y = y.view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def memory_bytes(self) -> int:
@@ -178,8 +192,18 @@ class LayerWeights:
         self.scaling = float(attn.scaling)
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         norm_in, post = layer.input_layernorm, layer.post_attention_layernorm
+        # q and k rows reordered so that each head's rotary pairs (i, i + head_dim / 2) sit side
+        # by side: LeanLayer then rotates q and k with one complex multiply. q.k is a sum over
+        # the head dims, so the same reordering of q and k leaves attention unchanged.
+        half = self.head_dim // 2
+        self.pair_order = torch.stack([torch.arange(half), torch.arange(half) + half], 1).flatten()
+        heads = (self.q_size + self.kv_size) // self.head_dim
+        rows = (torch.arange(heads)[:, None] * self.head_dim + self.pair_order).flatten()
+        rows = torch.cat([rows, torch.arange(self.kv_size) + self.q_size + self.kv_size])
+        bias = _fused_bias(projections)
         self.qkv = DraftLinear(
-            torch.cat([p.weight for p in projections]), _fused_bias(projections),
+            torch.cat([p.weight for p in projections])[rows.to(self.device)],
+            None if bias is None else bias[rows.to(self.device)],
             in_scale=norm_in.weight, int8=int8,
         )  # fmt: skip
         self.o = DraftLinear(attn.o_proj.weight, attn.o_proj.bias, int8=int8)
@@ -192,8 +216,8 @@ class LayerWeights:
         self.act = mlp.act_fn
         self.intermediate = gate.out_features
         self.eps_in, self.eps_post = norm_in.variance_epsilon, post.variance_epsilon
-        self.q_norm = _norm_params(getattr(attn, "q_norm", None))
-        self.k_norm = _norm_params(getattr(attn, "k_norm", None))
+        self.q_norm = _norm_params(getattr(attn, "q_norm", None), self.pair_order)
+        self.k_norm = _norm_params(getattr(attn, "k_norm", None), self.pair_order)
 
     def memory_bytes(self) -> int:
         """Bytes held beyond the module's own parameters (the fused and int8 copies)."""
@@ -214,7 +238,7 @@ class LeanLayer:
         self.num_kv_heads, self.head_dim = weights.num_kv_heads, weights.head_dim
         self.rotary = rotary
         self.length = 0
-        self.keys = self.values = self._cos = self._sin = None
+        self.keys = self.values = self._rot = None
         self._grow(max(1, capacity))
 
     # -- storage --------------------------------------------------------------------------------
@@ -228,13 +252,9 @@ class LeanLayer:
             keys[:, :, : self.length] = self.keys[:, :, : self.length]
             values[:, :, : self.length] = self.values[:, :, : self.length]
         self.keys, self.values = keys, values
-        # the rotary table for positions 0 .. capacity - 1, from the model's own rotary module,
-        # so any rope scaling it implements is honoured
-        positions = torch.arange(capacity, device=self.device)[None]
-        probe = torch.empty(0, device=self.device, dtype=self.dtype)
-        with torch.no_grad():
-            cos, sin = self.rotary(probe, positions)
-        self._cos, self._sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # (capacity, hd)
+        # the rotary table for positions 0 .. capacity - 1, from the model's own rotary module
+        # (so any rope scaling it implements is honoured), as e^(i angle) per rotary pair
+        self._rot = rotary_table(self.rotary, capacity, self.device)  # (capacity, hd / 2)
 
     @property
     def capacity(self) -> int:
@@ -274,19 +294,19 @@ class LeanLayer:
             top = int(positions.max()) + 1
         if max(end, top) > self.capacity:
             self._grow(2 * max(end, top))
-        if isinstance(positions, int):
-            cos, sin = self._cos[positions:top, None], self._sin[positions:top, None]
-        else:
-            cos, sin = self._cos[positions, None], self._sin[positions, None]  # (n, 1, hd)
+        rot = self._rot[positions:top] if isinstance(positions, int) else self._rot[positions]
         w = self.w
         hd, nq, nkv, q_size, kv_size = w.head_dim, w.num_heads, w.num_kv_heads, w.q_size, w.kv_size
 
+        x = x.to(self.dtype)  # the residual stream stays in the layer's dtype
         qkv = w.qkv(rms(x, w.eps_in))[0]  # (n, q + 2 kv), the norm's weight folded in
-        qk = qkv[:, : q_size + kv_size].view(n, nq + nkv, hd)
+        qk = qkv[:, : q_size + kv_size].float().view(n, nq + nkv, hd)
         if w.q_norm is not None:  # Qwen3: per-head norms before the rotation
             qk = torch.cat([F.rms_norm(qk[:, :nq], (hd,), *w.q_norm),
                             F.rms_norm(qk[:, nq:], (hd,), *w.k_norm)], dim=1)  # fmt: skip
-        qk = qk * cos + _rotate_half(qk) * sin  # q and k rotated in one go
+        # q and k rotated in one go: their rows pair the rotary halves (LayerWeights)
+        pairs = torch.view_as_complex(qk.view(n, nq + nkv, hd // 2, 2)) * rot[:, None]
+        qk = torch.view_as_real(pairs).view(n, nq + nkv, hd).to(self.dtype)
         self.keys[0, :, start:end] = qk[:, nq:].transpose(0, 1)
         self.values[0, :, start:end] = qkv[:, q_size + kv_size :].view(n, nkv, hd).transpose(0, 1)
         if visible is None and n > 1:
@@ -302,7 +322,7 @@ class LeanLayer:
             enable_gqa=nq != nkv,
         )  # (1, heads, n, hd)
         self.length = end
-        x = x + w.o(attn.transpose(1, 2).reshape(1, n, q_size))
+        x = x + w.o(attn.transpose(1, 2).reshape(1, n, q_size))  # (a bf16 product promotes)
         h = w.gate_up(rms(x, w.eps_post))
         h = w.act(h[..., : w.intermediate]) * h[..., w.intermediate :]
         return x + w.down(h)
@@ -354,9 +374,23 @@ class ModuleLayer:
         return out[0] if isinstance(out, tuple) else out
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotary_table(rotary: nn.Module, length: int, device: torch.device) -> torch.Tensor:
+    """(length, head_dim / 2) complex64: e^(i angle) of each rotary pair at positions 0 ..
+    length - 1, from the model's rotary module (its cos/sin hold each angle twice, once per
+    half, with any attention scaling applied to both)."""
+    positions = torch.arange(length, device=device)[None]
+    with torch.no_grad():
+        cos, sin = rotary(torch.empty(0, device=device, dtype=torch.float32), positions)
+    half = cos.shape[-1] // 2
+    cos, sin = cos[0].float(), sin[0].float()
+    if not (
+        torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])
+    ):
+        raise ValueError(
+            f"{type(rotary).__name__} does not rotate (i, i + head_dim / 2) pairs by one angle; "
+            "LeanLayer cannot run it (lean_supported should have refused this layer)"
+        )
+    return torch.complex(cos[:, :half], sin[:, :half])
 
 
 def _fused_bias(linears) -> torch.Tensor | None:
@@ -370,5 +404,9 @@ def _fused_bias(linears) -> torch.Tensor | None:
     ])  # fmt: skip
 
 
-def _norm_params(norm: nn.Module | None) -> tuple[torch.Tensor, float] | None:
-    return None if norm is None else (norm.weight.detach(), norm.variance_epsilon)
+def _norm_params(norm: nn.Module | None, order: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+    """A per-head norm's weight (in the reordered head dims) and epsilon, or None."""
+    if norm is None:
+        return None
+    # float: LeanLayer normalises q and k in fp32 before rotating them
+    return norm.weight.detach()[order.to(norm.weight.device)].float(), norm.variance_epsilon
