@@ -37,6 +37,7 @@ from specdraft.drafters.lean import (
     lean_supported,
     rms,
 )
+from specdraft.drafters.prompt_lookup import PromptLookupSession
 from specdraft.inference.verify import process_logits
 
 # --- config ------------------------------------------------------------------------------------
@@ -46,7 +47,7 @@ from specdraft.inference.verify import process_logits
 class EagleConfig:
     # The settings that only change how a trained head decodes (evaluate.py's FOLDER:key=value).
     DECODING_KEYS: ClassVar[tuple[str, ...]] = (
-        "tree_depth", "tree_top_k", "tree_budget", "draft_weights", "stop_below",
+        "tree_depth", "tree_top_k", "tree_budget", "draft_weights", "stop_below", "lookup_ngram",
     )  # fmt: skip
 
     # eagle3: fused low/mid/high features, training-time test, reduced draft vocabulary |
@@ -89,12 +90,19 @@ class EagleConfig:
     # a token that is unlikely to be accepted anyway, so tree_depth can go deeper where the head
     # is sure.
     stop_below: float = 0.0
+    # Decoding: when the context's last lookup_ngram or more tokens occurred before, draft what
+    # followed them (prompt lookup, up to tree_depth tokens, no head pass) instead of running the
+    # head; 0: always the head. Text that repeats its context (code, edits, a model that loops)
+    # is drafted for free and exactly; elsewhere the head drafts as usual. The same split as
+    # suffix decoding beside a model drafter in Arctic Inference. Output stays exact either way.
+    lookup_ngram: int = 0
 
     def __post_init__(self) -> None:
         if self.ttt_steps is None:
             self.ttt_steps = 7 if self.version == "eagle3" else 1
         for key, low in (("ttt_steps", 1), ("tree_depth", 1), ("tree_top_k", 1),
-                         ("tree_budget", 1), ("draft_vocab_size", 0)):  # fmt: skip
+                         ("tree_budget", 1), ("draft_vocab_size", 0),
+                         ("lookup_ngram", 0)):  # fmt: skip
             if getattr(self, key) < low:
                 raise ValueError(f"drafter.{key} must be >= {low}; got {getattr(self, key)}")
         if not 0 <= self.stop_below < 1:
@@ -507,8 +515,12 @@ class EagleSession:
     masses, q = None) also when sampling: the rerank keeps or drops a node by its own token's
     probability, so a sampled child that survived it would no longer be distributed as q.
 
-    Tree shape: `tree_depth`, `tree_top_k`, `tree_budget` (and `draft_weights`, `stop_below`)
-    default to the head's config. The loop's own knobs mean the same here as for every drafter:
+    With lookup_ngram > 0, a context whose last lookup_ngram or more tokens occurred before is
+    drafted by prompt lookup instead (a chain of point masses, no head pass); the features of
+    what it verifies are fed to the head at its next proposal like any accepted token's.
+
+    Tree shape: `tree_depth`, `tree_top_k`, `tree_budget` (and `draft_weights`, `stop_below`,
+    `lookup_ngram`) default to the head's config. The loop's own knobs mean the same here as for every drafter:
     `gamma` (generate's gamma, evaluate.py's --gamma) is the draft depth and `topk` the children
     per expanded node (1: a chain); the budget stays the config's unless `tree_budget` is given.
     """
@@ -525,6 +537,7 @@ class EagleSession:
         tree_budget: int | None = None,
         draft_weights: str | None = None,
         stop_below: float | None = None,
+        lookup_ngram: int | None = None,
         gamma: int | None = None,
         topk: int | None = None,
         **_ignored,
@@ -546,6 +559,11 @@ class EagleSession:
         self.budget = tree_budget or cfg.tree_budget
         self.int8 = (draft_weights or cfg.draft_weights) == "int8"
         self.stop_below = cfg.stop_below if stop_below is None else float(stop_below)
+        ngram = cfg.lookup_ngram if lookup_ngram is None else int(lookup_ngram)
+        self.lookup = None  # prompt lookup tried before the head (lookup_ngram > 0)
+        if ngram > 0:
+            self.lookup = PromptLookupSession(max(3, ngram), ngram, self.depth)
+        self.lookup_steps = 0  # proposals drafted by lookup rather than the head
         if self.int8 and not int8_supported(target.device):
             _warn_once(
                 f"draft_weights=int8 runs on CPU only; drafting on {target.device} with the "
@@ -585,6 +603,12 @@ class EagleSession:
         if self._known < length - 1 or depth <= 0:  # no features yet (before the prefill)
             self._n = 0
             return DraftTree.empty(seq.shape[0], seq.device)
+        if self.lookup is not None:  # the context repeats itself: copy, no head pass
+            tree = self.lookup.propose(DraftContext(seq, max_depth=depth))
+            if len(tree):
+                self._n = len(tree)
+                self.lookup_steps += 1
+                return tree
         if self.layer is None:  # room for the whole call: prompt, new tokens, one more draft
             self._build(capacity=length + context.max_depth + depth + 1)
         # 1. Feed the pairs with true features not yet in the head's cache (causally, at
@@ -654,10 +678,12 @@ class EagleSession:
         for d in range(depth):
             logits = self._logits(h[:, -1])  # (batch, draft vocab)
             if self.sampling.greedy:
-                best = logits.argmax(-1, keepdim=True)
-                token = self._to_target(best)  # (batch, 1)
                 if self.stop_below > 0:
-                    sure = float(logits.softmax(-1).gather(-1, best)) >= self.stop_below
+                    top, best = logits.float().softmax(-1).max(-1, keepdim=True)
+                    sure = float(top) >= self.stop_below
+                else:
+                    best = logits.argmax(-1, keepdim=True)
+                token = self._to_target(best)  # (batch, 1)
             else:
                 q = self._q_full(logits)  # (batch, vocab)
                 token = torch.multinomial(q, 1, generator=self.generator)

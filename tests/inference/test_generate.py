@@ -194,12 +194,14 @@ def test_sampled_output_follows_the_target(small_vocab, draft, topk, top_p, top_
 
 @pytest.mark.parametrize(
     "options",
-    [dict(tree_top_k=1, draft_weights="int8", stop_below=0.3), dict(tree_top_k=2, tree_budget=4)],
-    ids=["stopping-int8-chain", "tree"],
-)
+    [dict(tree_top_k=1, draft_weights="int8", stop_below=0.3), dict(tree_top_k=2, tree_budget=4),
+     dict(tree_top_k=1, lookup_ngram=1)],
+    ids=["stopping-int8-chain", "tree", "lookup-then-head"],
+)  # fmt: skip
 def test_sampled_output_through_an_eagle_head_follows_the_target(small_vocab, options):
     """The same chi-square through EAGLE drafting: a chain that stops after unsure positions and
-    drafts with int8 weights (its q recorded per token), and a dynamic tree (point-mass children)."""
+    drafts with int8 weights (its q recorded per token), a dynamic tree (point-mass children),
+    and a chain that copies from the context where it can (point masses) and samples otherwise."""
     from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 
     target, _ = small_vocab
