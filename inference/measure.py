@@ -193,7 +193,7 @@ def report_after_training(target, result, prompts, cfg, **options) -> dict | Non
         return None
     threads = torch.get_num_threads()
     if target.device.type == "cpu":
-        torch.set_num_threads(cfg.eval_loop.threads or _usable_cores())
+        torch.set_num_threads(cfg.eval_loop.threads or usable_cores())
     try:
         m = measure_vs_plain(
             target, load_drafter(final, target), prompts, seed=cfg.seed,
@@ -217,7 +217,7 @@ def report_after_training(target, result, prompts, cfg, **options) -> dict | Non
     return m
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
     """Cores this process may run on (its affinity where the OS reports one)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))

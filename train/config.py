@@ -169,6 +169,11 @@ class TrainConfig:
     resume_from: str | None = None
     # Autocast precision of training (accelerate's values): no | bf16 | fp16.
     mixed_precision: str = choice("no", "bf16", "fp16")
+    # Threads per process when training on a CPU; 0: the cores this process may use divided by
+    # the processes on this machine, as `accelerate launch --cpu` picks. Plain `accelerate launch`
+    # on a machine without a GPU gives every process OMP_NUM_THREADS=1, which on the demo's 2
+    # cores trains at 0.57x the speed (BENCHMARKS.md, "EAGLE"); set 1 to keep that.
+    cpu_threads: int = 0
     # After training: the saved drafter's measured tau and speedup in the inference loop.
     eval_loop: LoopEvalConfig = field(default_factory=LoopEvalConfig)
 
@@ -193,6 +198,7 @@ class TrainConfig:
             ("eval_batches", 0),
             ("save_every", 0),
             ("keep_last", 0),
+            ("cpu_threads", 0),
         ):
             if getattr(self, key) < low:
                 raise ConfigError(f"{key} must be >= {low}; got {getattr(self, key)}", key=key)

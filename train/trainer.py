@@ -47,6 +47,7 @@ from accelerate.utils import DistributedType, gather_object
 from tqdm.auto import tqdm
 
 from specdraft.drafters import checkpoint
+from specdraft.inference.measure import usable_cores
 from specdraft.train.config import CONFIG_FILENAME, TrainConfig, config_to_dict, save_config
 
 STATE_NAME = "trainer_state.json"
@@ -201,6 +202,15 @@ class _Run:
             cpu=_cpu_only(),
         )
         _check_process_group(self.acc)
+        if self.acc.device.type == "cpu":
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.acc.num_processes))
+            torch.set_num_threads(cfg.cpu_threads or max(1, usable_cores() // max(1, local)))
+            if self.acc.is_main_process:
+                print(
+                    f"[specdraft] training on CPU: {self.acc.num_processes} process(es) x "
+                    f"{torch.get_num_threads()} thread(s) (cpu_threads)",
+                    file=sys.stderr,
+                )
         if self.acc.distributed_type == DistributedType.DEEPSPEED:
             # There is no DataLoader for accelerate to read these from; the config is the truth.
             ds = self.acc.state.deepspeed_plugin.deepspeed_config
