@@ -144,6 +144,11 @@ def summarize(run: Run, ar: Run, target, greedy: bool) -> dict:
         "draft_time_frac": run.stats.draft_time_frac if run.has_stats else None,
         "drafted": run.stats.drafted if run.has_stats else None,
         "accepted": run.stats.accepted if run.has_stats else None,
+        "copied_share": (
+            run.stats.copied_passes / run.stats.target_passes
+            if run.has_stats and run.stats.copied_passes
+            else None
+        ),
         "extra_params": run.extra_params,
         "extra_memory_bytes": run.extra_params * target.dtype.itemsize + run.stats.drafter_kv_bytes,
         "num_prompts": len(run.outputs),
@@ -207,12 +212,15 @@ def report_after_training(target, result, prompts, cfg, **options) -> dict | Non
     path = Path(result.output_dir) / "eval_loop.json"
     path.write_text(json.dumps(m, indent=2) + "\n")
     sim = "none" if simulated is None else f"{simulated:.3f}"
+    copied = ""
+    if m.get("copied_share"):  # a hybrid: say how much of it was the model
+        copied = f", {m['copied_share']:.0%} of passes verified a draft copied from the context"
     print(
         f"[specdraft] in the loop on {m['num_prompts']} prompts x "
         f"{m['max_new_tokens']} new tokens: measured tau {m['tau']:.3f} (simulated {sim}), "
         f"speedup {m['speedup_vs_ar']:.2f}x plain decoding ({m['tokens_per_s']:.1f} vs "
         f"{m['ar_tokens_per_s']:.1f} tokens/s, same process, {m['torch_threads']} CPU "
-        f"thread(s)); {path}"
+        f"thread(s)){copied}; {path}"
     )
     return m
 

@@ -6,6 +6,8 @@
   existed at depth i and depths 1..i-1 were accepted), the fraction that accepted a depth-i token.
 - draft / verify seconds: wall time inside `propose` vs the target forward plus acceptance.
 - extra memory: drafter parameters beyond the target's, plus the drafter's KV bytes at the end.
+- copied passes: target passes whose draft a model drafter copied from the context instead of
+  running its model (EAGLE's lookup_ngram), so a hybrid's figures say how much came from which.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Stats:
     total_seconds: float = 0.0
     drafter_params: int = 0
     drafter_kv_bytes: int = 0
+    copied_passes: int = 0
 
     def record_step(self, tree_size: int, tree_depth: int, path_len: int, emitted: int) -> None:
         self.target_passes += 1
@@ -67,7 +70,7 @@ class Stats:
     def merge(self, other: Stats) -> Stats:
         """Sum of two runs (e.g. over prompts); memory figures take the larger."""
         out = Stats()
-        for name in ("new_tokens", "target_passes", "drafted", "accepted"):
+        for name in ("new_tokens", "target_passes", "drafted", "accepted", "copied_passes"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         for name in ("draft_seconds", "verify_seconds", "total_seconds"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
@@ -94,6 +97,7 @@ class Stats:
             "draft_time_frac": self.draft_time_frac,
             "drafter_params": self.drafter_params,
             "drafter_kv_bytes": self.drafter_kv_bytes,
+            "copied_passes": self.copied_passes,
         }
 
 

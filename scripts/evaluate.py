@@ -251,17 +251,20 @@ def markdown(report: dict) -> str:
         f"{s['max_new_tokens']} new tokens, temperature {s['temperature']}, gamma "
         f"{s['gamma'] if s['gamma'] is not None else 'per drafter'}, "
         f"{s['device']} {s['dtype']}. Speedup: tokens/s over our plain decoding (`ar`), same "
-        "process; overhead = tau / speedup - 1.",
+        "process; overhead = tau / speedup - 1; copied = share of target passes whose draft "
+        "was copied from the context (lookup_ngram) rather than drafted by the model.",
         "",
-        "| run | tau | tokens/s | speedup | overhead | draft time | extra params | matches ar |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | tau | tokens/s | speedup | overhead | draft time | copied | extra params "
+        "| matches ar |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
     for r in report["runs"]:
         lines.append(
             f"| {r['name']} | {fmt(r['tau'])} | {r['tokens_per_s']:.1f} | "
             f"{r['speedup_vs_ar']:.2f}x | {fmt(r['overhead'])} | "
-            f"{fmt(r['draft_time_frac'], '{:.0%}')} | {r['extra_params']:,} | "
+            f"{fmt(r['draft_time_frac'], '{:.0%}')} | {fmt(r.get('copied_share'), '{:.0%}')} | "
+            f"{r['extra_params']:,} | "
             f"{fmt(r['matches_ar'], '{}')} |"
         )
     lines += ["", "Acceptance per position (alpha_i):", ""]

@@ -186,7 +186,12 @@ def train(
     (nothing is written for that step) and ResumeError for an unusable resume_from. On SIGTERM
     or SIGINT it saves a checkpoint and returns with `stopped_by_signal` set.
     """
-    return _Run(cfg, drafter, target, train_examples, eval_examples, tokenizer, provenance).run()
+    threads = torch.get_num_threads()  # a CPU run sets its own (cpu_threads); put it back after
+    try:
+        run = _Run(cfg, drafter, target, train_examples, eval_examples, tokenizer, provenance)
+        return run.run()
+    finally:
+        torch.set_num_threads(threads)
 
 
 class _Run:

@@ -4,6 +4,8 @@ trees, with tokens actually drafted and accepted."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -132,6 +134,16 @@ def test_lookup_drafts_repeats_without_the_head_and_stays_exact(tiny_target, tra
     forwards = 24 - accepted  # each verification forward emits its accepted tokens plus one
     # a head-drafted step runs at most tree_depth passes; a copied one runs none
     assert 0 < head_passes <= 4 * (forwards - session.lookup_steps)
+
+
+def test_generate_reports_the_passes_a_hybrid_copied(tiny_target, trained_head, monkeypatch):
+    prompt = PROMPTS[0] * 3
+    hybrid = dataclasses.replace(trained_head.config, tree_top_k=1, lookup_ngram=2)
+    monkeypatch.setattr(trained_head, "config", hybrid)
+    out = generate(tiny_target, prompt, trained_head, max_new_tokens=24)
+    assert out.tokens[0].tolist() == plain_greedy(tiny_target, prompt, 24)
+    assert 0 < out.stats.copied_passes < out.stats.target_passes
+    assert generate(tiny_target, prompt, "prompt_lookup", max_new_tokens=8).stats.copied_passes == 0
 
 
 def test_untrained_head_still_gives_the_target_output(tiny_target):

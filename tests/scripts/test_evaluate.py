@@ -20,6 +20,7 @@ FIELDS = {
     "speedup_vs_ar",
     "overhead",
     "draft_time_frac",
+    "copied_share",
     "drafted",
     "accepted",
     "extra_params",
@@ -87,6 +88,7 @@ def test_greedy_report(tiny_target_path, draft_folder, tmp_path):
     assert mine["drafted"] > 0 and mine["accepted"] > 0 and runs["ar"]["drafted"] == 0
     assert mine["extra_params"] > 0 and mine["extra_memory_bytes"] > 4 * mine["extra_params"]
     assert 0 < mine["draft_time_frac"] < 1
+    assert mine["copied_share"] is None  # a two-model draft never copies from the context
     assert mine["overhead"] == pytest.approx(mine["tau"] / mine["speedup_vs_ar"] - 1)
     md = (out / "report.md").read_text()
     assert "| hf_assisted[copy] |" in md and "speedup" in md

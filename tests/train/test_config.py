@@ -381,3 +381,9 @@ def test_help_falls_back_to_defaults_when_config_is_bad(tmp_path):
     text = format_help(TrainConfig, None, ["max_steps=abc"], prog="x")
     assert "the config did not load" in text and "max_steps expects int" in text
     assert any(line.split()[:3] == ["max_steps", "int", "2000"] for line in text.splitlines())
+
+
+def test_negative_cpu_threads_is_refused():
+    with pytest.raises(ConfigError, match="cpu_threads must be >= 0; got -1") as err:
+        load_config(TrainConfig, None, ["cpu_threads=-1"])
+    assert err.value.key == "cpu_threads"

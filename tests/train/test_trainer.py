@@ -168,6 +168,29 @@ def test_keep_last_best_and_final_folders(tiny_target, data, tmp_path):
     assert result.best_tau == max(e["tau"] for e in result.evals if e["step"] > 0)
 
 
+def test_a_cpu_run_trains_on_cpu_threads_and_gives_the_old_count_back(
+    tiny_target, data, tmp_path, capfd, monkeypatch
+):
+    seen = []
+    monkeypatch.setattr(DistillDrafter, "loss", _spy(DistillDrafter.loss, seen))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _run(_cfg(tmp_path, max_steps=2, eval_every=0, cpu_threads=1), tiny_target, data)
+        assert set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert "1 process(es) x 1 thread(s)" in capfd.readouterr().err
+
+
+def _spy(loss, seen):
+    def spying(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return loss(self, *args, **kwargs)
+
+    return spying
+
+
 def test_truncated_checkpoint_is_skipped_with_a_warning(tiny_target, data, tmp_path):
     _run(_cfg(tmp_path, save_every=2, keep_last=0, max_steps=4), tiny_target, data)
     out = tmp_path / "run"
