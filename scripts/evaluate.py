@@ -192,6 +192,23 @@ def _value(text: str) -> object:
     return text
 
 
+def _typed(key: str, value: object, current: object, spec: str) -> object:
+    """`value` as the type of the config's `current` value (an int also reads as a float)."""
+    if isinstance(current, bool) or isinstance(value, bool):
+        ok = isinstance(current, bool) and isinstance(value, bool)
+    elif isinstance(current, float):
+        ok = isinstance(value, (int, float))
+        value = float(value) if ok else value
+    else:  # int, str, or an optional field: the same type, or anything for None
+        ok = current is None or isinstance(value, type(current))
+    if not ok:
+        raise SystemExit(
+            f"--drafter {spec}: {key}={value!r} is not of type {type(current).__name__}, like the "
+            f"config's {key}={current!r}"
+        )
+    return value
+
+
 def apply_overrides(drafter, overrides: dict[str, object], spec: str) -> dict[str, object]:
     """Set the drafter's decoding settings named in `overrides` (its config's DECODING_KEYS,
     checked as its config checks them); return the loop's own keys (gamma, topk) among them."""
@@ -206,6 +223,8 @@ def apply_overrides(drafter, overrides: dict[str, object], spec: str) -> dict[st
                 f"--drafter {spec}: {', '.join(unknown)}: not a decoding setting of this "
                 f"{drafter.kind} drafter; choose from {', '.join(['gamma', 'topk', *sorted(keys)])}"
             )
+        for key, value in rest.items():  # a value of the type the config holds
+            rest[key] = _typed(key, value, getattr(config, key), spec)
         try:
             config = dataclasses.replace(drafter.config, **rest)
             check_choices(config, prefix="")  # as a config file's values are checked

@@ -136,13 +136,14 @@ def test_one_drafter_under_several_decoding_settings(tiny_target, tiny_target_pa
     save_drafter(head, folder, target_fingerprint=tiny_target.fingerprint)
     out = tmp_path / "eval"
     specs = [str(folder), f"{folder}:draft_weights=int8,stop_below=0.01,gamma=4",
-             f"{folder}:topk=2,tree_budget=5"]  # fmt: skip
+             f"{folder}:topk=2,tree_budget=5", f"{folder}:lookup_ngram=1,stop_below=0"]  # fmt: skip
     args = ["--target", tiny_target_path, "--baselines", "ar", "--num-prompts", "1",
             "--max-new-tokens", "8", "--output", str(out)]  # fmt: skip
     evaluate.main(args + [x for spec in specs for x in ("--drafter", spec)])
     runs = json.loads((out / "report.json").read_text())["runs"]
     assert [r["name"] for r in runs] == [
-        "ar", "head", "head:draft_weights=int8,stop_below=0.01,gamma=4", "head:topk=2,tree_budget=5"
+        "ar", "head", "head:draft_weights=int8,stop_below=0.01,gamma=4",
+        "head:topk=2,tree_budget=5", "head:lookup_ngram=1,stop_below=0",
     ]  # fmt: skip
     assert all(r["matches_ar"] for r in runs)
     bad = {
@@ -150,6 +151,10 @@ def test_one_drafter_under_several_decoding_settings(tiny_target, tiny_target_pa
         f"{folder}:version=eagle1": "version: not a decoding setting",
         f"{folder}:draft_weights=int4": "draft_weights='int4' is not one of: full \\| int8",
         f"{folder}:stop_below=1.5": r"stop_below must be in \[0, 1\)",
+        f"{folder}:tree_depth=abc": "tree_depth='abc' is not of type int",
+        f"{folder}:lookup_ngram=2.5": "lookup_ngram=2.5 is not of type int",
+        f"{folder}:lookup_ngram=-1": "lookup_ngram must be >= 0",
+        f"{folder}:draft_weights=8": "draft_weights=8 is not of type str",
         f"{folder}:gamma": "head:gamma",  # no "=": read as a folder name, which is not there
     }
     for spec, message in bad.items():
