@@ -12,12 +12,16 @@ c decides whether a trained head can pay for itself on a given target.
 Each shape is measured three ways, by how the head runs while drafting: `modules` (the HF decoder
 layer and the head's modules, as training runs them), `lean` (drafters/lean.py: fused products,
 in-place KV cache) and `lean-int8` (the same with int8 weights, draft_weights=int8).
+
+`--verify 1,4,8,16` also times one target forward over that many new tokens after a 200-token
+cache (what verifying a draft of n - 1 tokens costs), as a multiple of a one-token forward.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -34,7 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", action="append", help="HIDDENxLAYERSxMLP (repeat)")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--verify", help="comma-separated token counts to time a forward over")
     args = parser.parse_args(argv)
+    counts = [int(n) for n in args.verify.split(",")] if args.verify else []
     torch.manual_seed(0)
     tok = build_demo_tokenizer(demo_corpus_texts()[:30], 4096)
     ids = tok("def f(x):\n    return x\n" * 6, return_tensors="pt").input_ids
@@ -71,6 +77,28 @@ def main(argv: list[str] | None = None) -> None:
             + ", ".join(passes) + " of a target step",
             flush=True,
         )  # fmt: skip
+        if counts:
+            one = _forward_ms(target, 1)
+            costs = [f"{n}: {_forward_ms(target, n):.2f} ms" for n in counts]
+            print(
+                f"  forward over n new tokens (1 = {one:.2f} ms): " + ", ".join(costs), flush=True
+            )
+
+
+@torch.no_grad()
+def _forward_ms(target: Target, n: int, past: int = 200, repeats: int = 200) -> float:
+    """Milliseconds of one target forward over n new tokens after `past` cached ones."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    target.forward(torch.randint(10, target.vocab_size, (1, past)), cache=cache, use_cache=True)
+    new = torch.randint(10, target.vocab_size, (1, n))
+    for i in range(repeats + 10):
+        if i == 10:  # after a warm-up
+            start = time.perf_counter()
+        target.forward(new, cache=cache, use_cache=True, logits_to_keep=n)
+        cache.crop(-n)
+    return (time.perf_counter() - start) / repeats * 1e3
 
 
 MODES = ("modules", "lean", "lean-int8")
