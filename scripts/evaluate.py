@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="FOLDER[:KEY=VALUE,...]",
         help="a trained drafter (repeat; the same folder may come back with other settings): "
         "after a colon, decoding settings of its config (e.g. eagle's tree_top_k, tree_budget, "
-        "draft_weights, stop_below) and the loop's gamma/topk, for this drafter only",
+        "draft_weights, stop_below, lookup_ngram) and the loop's gamma/topk, for this drafter only",
     )
     parser.add_argument("--baselines", default=",".join(BASELINES))
     parser.add_argument("--prompts", default="demo", help="demo, or a .txt/.json/.jsonl file")

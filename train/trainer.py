@@ -208,8 +208,7 @@ class _Run:
         )
         _check_process_group(self.acc)
         if self.acc.device.type == "cpu":
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.acc.num_processes))
-            torch.set_num_threads(cfg.cpu_threads or max(1, usable_cores() // max(1, local)))
+            torch.set_num_threads(_cpu_threads(cfg.cpu_threads, self.acc.num_processes))
             if self.acc.is_main_process:
                 print(
                     f"[specdraft] training on CPU: {self.acc.num_processes} process(es) x "
@@ -730,6 +729,20 @@ def _full_parameters(acc: Accelerator, model):
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+
+
+def _cpu_threads(asked: int, processes: int) -> int:
+    """Threads for a CPU training process: `asked` (cpu_threads) when > 0; else OMP_NUM_THREADS
+    where the user set it for a plain `python` run; else the usable cores shared by the processes
+    on this machine. Under `accelerate launch` OMP_NUM_THREADS is accelerate's own default (1
+    without --cpu), so it does not count as asked."""
+    if asked > 0:
+        return asked
+    launched = any(k in os.environ for k in ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU"))
+    if "OMP_NUM_THREADS" in os.environ and not launched:
+        return torch.get_num_threads()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", processes))
+    return max(1, usable_cores() // max(1, local))
 
 
 def _cpu_only() -> bool:

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The EAGLE GPU check: train the demo EAGLE-3 head on one CUDA device in bf16, then measure it in
+# the loop beside plain decoding and prompt lookup, and keep every figure under OUT.
+#
+#   scripts/gpu_check.sh                 # OUT=runs/gpu-check, 600 training steps
+#   OUT=$OUT STEPS=300 scripts/gpu_check.sh
+#
+# Figures land in OUT/train.log (training tokens/s, peak memory, simulated tau), OUT/eagle/
+# eval_loop.json (measured tau and speedup after training) and OUT/eval/report.md (chain vs tree,
+# head alone vs with copying, prompt lookup; greedy). On a GPU the head drafts with its full
+# weights (int8 drafting is a CPU path) and trees are worth measuring: a wide verification costs
+# little more than a one-token step there, unlike on a CPU. The demo target is built on first use
+# (on the CPU; SPECDRAFT_HOME may point at a folder that already holds it).
+# GPU_CHECK_ALLOW_CPU=1 runs the same steps without a GPU (the test suite's smoke run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu-check}
+STEPS=${STEPS:-600}
+PROMPTS=${PROMPTS:-20}
+NEW_TOKENS=${NEW_TOKENS:-128}
+mkdir -p "$OUT"
+
+if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    if [ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ]; then
+        echo "gpu_check.sh: no CUDA device visible to torch; this check needs one" >&2
+        exit 2
+    fi
+    PRECISION=no
+else
+    PRECISION=bf16
+    nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" || true
+fi
+python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+    | tee "$OUT/versions.txt"
+
+# 1. Train: the demo recipe in bf16 (the target loads in bf16 too), bigger micro-batches.
+python train/eagle.py mixed_precision=$PRECISION max_steps="$STEPS" micro_batch_size=16 \
+    eval_every=$((STEPS / 2 > 0 ? STEPS / 2 : 1)) save_every=0 \
+    drafter.draft_weights=full drafter.lookup_ngram=0 \
+    eval_loop.num_prompts="$PROMPTS" eval_loop.max_new_tokens="$NEW_TOKENS" \
+    output_dir="$OUT/eagle" 2>&1 | tr '\r' '\n' | grep -v "it/s" | tee "$OUT/train.log"
+
+# 2. Measure: the head as a chain and as EAGLE-2 trees, alone and with copying, beside prompt lookup.
+HEAD="$OUT/eagle/final"
+DTYPE=$([ "$PRECISION" = bf16 ] && echo bfloat16 || echo float32)
+python scripts/evaluate.py --target demo --dtype "$DTYPE" --drafter "$HEAD" \
+    --drafter "$HEAD:lookup_ngram=2" \
+    --drafter "$HEAD:topk=4,tree_depth=5,tree_budget=16" \
+    --drafter "$HEAD:topk=8,tree_depth=6,tree_budget=60" \
+    --baselines ar,prompt_lookup --num-prompts "$PROMPTS" --max-new-tokens "$NEW_TOKENS" \
+    --output "$OUT/eval" 2>&1 | tee "$OUT/eval.log"
+echo "gpu_check.sh: figures in $OUT (train.log, eagle/eval_loop.json, eval/report.md)"
