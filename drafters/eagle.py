@@ -520,9 +520,10 @@ class EagleSession:
     what it verifies are fed to the head at its next proposal like any accepted token's.
 
     Tree shape: `tree_depth`, `tree_top_k`, `tree_budget` (and `draft_weights`, `stop_below`,
-    `lookup_ngram`) default to the head's config. The loop's own knobs mean the same here as for every drafter:
-    `gamma` (generate's gamma, evaluate.py's --gamma) is the draft depth and `topk` the children
-    per expanded node (1: a chain); the budget stays the config's unless `tree_budget` is given.
+    `lookup_ngram`) default to the head's config. The loop's own knobs mean the same here as for
+    every drafter: `gamma` (generate's gamma, evaluate.py's --gamma) is the draft depth and `topk`
+    the children per expanded node (1: a chain); the budget stays the config's unless
+    `tree_budget` is given.
     """
 
     def __init__(
@@ -600,7 +601,8 @@ class EagleSession:
         length = seq.shape[1]
         self._base, self._waiting = length, True
         depth = min(self.depth, context.max_depth)
-        if self._known < length - 1 or depth <= 0:  # no features yet (before the prefill)
+        # no features yet: before the prefill (a one-token prompt needs none to be "known")
+        if self.features is None or self._known < length - 1 or depth <= 0:
             self._n = 0
             return DraftTree.empty(seq.shape[0], seq.device)
         if self.lookup is not None:  # the context repeats itself: copy, no head pass
@@ -801,10 +803,10 @@ class EagleSession:
         self.accept([], hidden_states)
 
     def extra_memory_bytes(self) -> int:
-        """The head's KV cache, plus the drafting copies of its weights (fused, folded, int8)."""
-        if self.layer is None:
-            return 0
-        return self.layer.memory_bytes() + (0 if self.w is None else self.w.memory_bytes())
+        """The head's KV cache, plus the drafting copies of its weights (fused, folded, int8),
+        which exist from the session's start even if every draft was copied."""
+        weights = 0 if self.w is None else self.w.memory_bytes()
+        return weights + (0 if self.layer is None else self.layer.memory_bytes())
 
 
 def _warn_once(message: str) -> None:

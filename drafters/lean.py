@@ -46,7 +46,8 @@ _STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
 
 def lean_supported(layer: nn.Module, rotary: nn.Module | None = None) -> bool:
     """True when `layer` is a decoder layer of LEAN_FAMILIES with exactly the Llama layout, no
-    sliding window, and (when given) a rotary module of a static type."""
+    sliding window, and (when given) a rotary module of a static type that rotates each
+    (i, i + head_dim / 2) pair by one angle (probed at two positions)."""
     module = type(layer).__module__
     if not any(module == f"transformers.models.{f}.modeling_{f}" for f in LEAN_FAMILIES):
         return False
@@ -101,8 +102,9 @@ def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
     Computed as x * sqrt(d) / max(|x|, sqrt(d * eps)): eps as a floor rather than an addend,
     which differs from x / sqrt(mean(x^2) + eps) by a relative eps / (2 mean(x^2)) (~1e-6 for
-    hidden states) and costs 4 small calls where F.rms_norm costs ~6 on a CPU (a norm runs 5
-    times per head pass). A draft only proposes; verification keeps the output exact.
+    hidden states; more for small vectors such as token embeddings, mean(x^2) ~1e-4 giving
+    ~5e-3) and costs 4 small calls where F.rms_norm costs ~6 on a CPU (a norm runs 5 times per
+    head pass). A draft only proposes; verification keeps the output exact.
     """
     d = x.shape[-1]
     n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
@@ -143,7 +145,9 @@ class DraftLinear:
                 scale = (wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0).bfloat16()  # (out,)
                 q = torch.round(wf / scale.float()[:, None]).clamp(-127, 127)
                 self.weight, self.scale = q.to(torch.int8).contiguous(), scale
-                if self.bias is not None:  # added in the product's dtype, which stays bf16
+                # added in the product's dtype, which stays bf16: a large bias (Qwen2's q/k)
+                # loses ~|b| / 512 absolutely, like the product itself; only drafts change
+                if self.bias is not None:
                     self.bias = self.bias.to(torch.bfloat16)
             else:
                 self.weight = w if in_scale is None else w.contiguous()

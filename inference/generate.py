@@ -148,6 +148,7 @@ def generate(
     stats.total_seconds = time.perf_counter() - start
     if session is not None:
         stats.drafter_kv_bytes = session.extra_memory_bytes()
+        stats.copies = getattr(session, "lookup", None) is not None
         stats.copied_passes = getattr(session, "lookup_steps", 0)
     return GenerateOutput(tokens=seq[:, prompt_len:length].clone(), stats=stats)
 

@@ -144,9 +144,9 @@ def summarize(run: Run, ar: Run, target, greedy: bool) -> dict:
         "draft_time_frac": run.stats.draft_time_frac if run.has_stats else None,
         "drafted": run.stats.drafted if run.has_stats else None,
         "accepted": run.stats.accepted if run.has_stats else None,
-        "copied_share": (
+        "copied_share": (  # None: the drafter never copies; 0.0: it may, and did not
             run.stats.copied_passes / run.stats.target_passes
-            if run.has_stats and run.stats.copied_passes
+            if run.has_stats and run.stats.copies and run.stats.target_passes
             else None
         ),
         "extra_params": run.extra_params,
@@ -213,7 +213,7 @@ def report_after_training(target, result, prompts, cfg, **options) -> dict | Non
     path.write_text(json.dumps(m, indent=2) + "\n")
     sim = "none" if simulated is None else f"{simulated:.3f}"
     copied = ""
-    if m.get("copied_share"):  # a hybrid: say how much of it was the model
+    if m.get("copied_share") is not None:  # a hybrid: say how much of it was the model
         copied = f", {m['copied_share']:.0%} of passes verified a draft copied from the context"
     print(
         f"[specdraft] in the loop on {m['num_prompts']} prompts x "

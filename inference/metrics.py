@@ -30,6 +30,7 @@ class Stats:
     drafter_params: int = 0
     drafter_kv_bytes: int = 0
     copied_passes: int = 0
+    copies: bool = False  # the drafter may copy from the context (copied_passes is meaningful)
 
     def record_step(self, tree_size: int, tree_depth: int, path_len: int, emitted: int) -> None:
         self.target_passes += 1
@@ -72,6 +73,7 @@ class Stats:
         out = Stats()
         for name in ("new_tokens", "target_passes", "drafted", "accepted", "copied_passes"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
+        out.copies = self.copies or other.copies
         for name in ("draft_seconds", "verify_seconds", "total_seconds"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.reached_at), len(other.reached_at))
@@ -98,6 +100,7 @@ class Stats:
             "drafter_params": self.drafter_params,
             "drafter_kv_bytes": self.drafter_kv_bytes,
             "copied_passes": self.copied_passes,
+            "copies": self.copies,
         }
 
 

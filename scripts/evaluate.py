@@ -213,6 +213,9 @@ def apply_overrides(drafter, overrides: dict[str, object], spec: str) -> dict[st
     """Set the drafter's decoding settings named in `overrides` (its config's DECODING_KEYS,
     checked as its config checks them); return the loop's own keys (gamma, topk) among them."""
     loop = {k: overrides[k] for k in ("gamma", "topk") if k in overrides}
+    for key, value in loop.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SystemExit(f"--drafter {spec}: {key}={value!r} must be an integer >= 1")
     rest = {k: v for k, v in overrides.items() if k not in loop}
     if rest:
         config = getattr(drafter, "config", None)

@@ -170,10 +170,10 @@ class TrainConfig:
     # Autocast precision of training (accelerate's values): no | bf16 | fp16.
     mixed_precision: str = choice("no", "bf16", "fp16")
     # Threads per process when training on a CPU; 0: OMP_NUM_THREADS where you set it for a plain
-    # `python` run, else the cores this process may use divided by the processes on this machine
-    # (what `accelerate launch --cpu` picks). Plain `accelerate launch` on a machine without a GPU
-    # gives every process OMP_NUM_THREADS=1, which on the demo's 2 cores trains at 0.57x the
-    # speed (BENCHMARKS.md, "EAGLE"); under it, set cpu_threads=1 to keep that.
+    # `python` run, else the physical cores this process may use divided by the processes on this
+    # machine (what `accelerate launch --cpu` picks). Plain `accelerate launch` on a machine
+    # without a GPU gives every process OMP_NUM_THREADS=1, which on the demo's 2 cores trains at
+    # 0.57x the speed (BENCHMARKS.md, "EAGLE"); under accelerate, set cpu_threads to choose.
     cpu_threads: int = 0
     # After training: the saved drafter's measured tau and speedup in the inference loop.
     eval_loop: LoopEvalConfig = field(default_factory=LoopEvalConfig)

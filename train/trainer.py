@@ -733,16 +733,31 @@ def _full_parameters(acc: Accelerator, model):
 
 def _cpu_threads(asked: int, processes: int) -> int:
     """Threads for a CPU training process: `asked` (cpu_threads) when > 0; else OMP_NUM_THREADS
-    where the user set it for a plain `python` run; else the usable cores shared by the processes
-    on this machine. Under `accelerate launch` OMP_NUM_THREADS is accelerate's own default (1
-    without --cpu), so it does not count as asked."""
+    where the user set it for a plain `python` run; else the physical cores this process may use
+    shared by the processes on this machine, as `accelerate launch --cpu` counts them. Under
+    `accelerate launch` OMP_NUM_THREADS is the launcher's (1 without --cpu, or what was passed
+    to it), which a child cannot tell from a choice: cpu_threads is the way to ask there."""
     if asked > 0:
         return asked
     launched = any(k in os.environ for k in ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU"))
     if "OMP_NUM_THREADS" in os.environ and not launched:
         return torch.get_num_threads()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", processes))
-    return max(1, usable_cores() // max(1, local))
+    local = next(
+        (int(os.environ[k]) for k in _LOCAL_SIZE_VARS if os.environ.get(k, "").isdigit()),
+        processes,
+    )
+    cores = usable_cores()
+    with contextlib.suppress(ImportError):
+        import psutil  # accelerate's own dependency
+
+        cores = min(cores, psutil.cpu_count(logical=False) or cores)
+    return max(1, cores // max(1, local))
+
+
+# Processes on this machine, as torchrun and the MPI launchers accelerate supports report them.
+_LOCAL_SIZE_VARS = (
+    "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
+)  # fmt: skip
 
 
 def _cpu_only() -> bool:

@@ -142,8 +142,9 @@ def test_generate_reports_the_passes_a_hybrid_copied(tiny_target, trained_head, 
     monkeypatch.setattr(trained_head, "config", hybrid)
     out = generate(tiny_target, prompt, trained_head, max_new_tokens=24)
     assert out.tokens[0].tolist() == plain_greedy(tiny_target, prompt, 24)
-    assert 0 < out.stats.copied_passes < out.stats.target_passes
-    assert generate(tiny_target, prompt, "prompt_lookup", max_new_tokens=8).stats.copied_passes == 0
+    assert out.stats.copies and 0 < out.stats.copied_passes < out.stats.target_passes
+    plain = generate(tiny_target, prompt, "prompt_lookup", max_new_tokens=8).stats
+    assert not plain.copies and plain.copied_passes == 0  # its drafts are not a model's copies
 
 
 def test_untrained_head_still_gives_the_target_output(tiny_target):
@@ -296,3 +297,13 @@ def test_int8_where_it_cannot_run_drafts_with_full_weights(tiny_target, trained_
     assert not session.int8 and not session.w.int8
     tokens, drafted, _ = drive(tiny_target, session, PROMPTS[0], 12, greedy)
     assert drafted > 0 and tokens == plain_greedy(tiny_target, PROMPTS[0], 12)
+
+
+@pytest.mark.parametrize("lookup_ngram", [0, 1])
+def test_a_one_token_prompt(tiny_target, trained_head, monkeypatch, lookup_ngram):
+    """The first proposal has no features even when the context has no pair to feed yet."""
+    hybrid = dataclasses.replace(trained_head.config, lookup_ngram=lookup_ngram)
+    monkeypatch.setattr(trained_head, "config", hybrid)
+    out = generate(tiny_target, [5], trained_head, max_new_tokens=10)
+    assert out.tokens[0].tolist() == plain_greedy(tiny_target, [5], 10)
+    assert out.stats.target_passes < 10  # it drafted after the first step

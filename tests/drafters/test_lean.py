@@ -89,6 +89,24 @@ def test_lean_layer_equals_the_module(family):
     assert lean.capacity >= 9
 
 
+@pytest.mark.parametrize("mode", ["int8", "bf16"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_lean_layer_with_int8_weights_or_in_bf16_stays_close(family, mode):
+    """The drafting paths that trade exactness for speed (int8 weights with bf16 products, or a
+    bf16 head as on a GPU) still give the layer's update within a few percent."""
+    layer, rotary = parts(FAMILIES[family]())
+    dtype = torch.bfloat16 if mode == "bf16" else torch.float32
+    layer.to(dtype)
+    torch.manual_seed(1)
+    chunks = [torch.randn(1, n, 64, dtype=dtype) for n in (6, 1, 3, 2)]
+    lean = LeanLayer(LayerWeights(layer, int8=mode == "int8"), rotary, capacity=4)
+    reference = ModuleLayer(layer, rotary)
+    for x, a, b in zip(chunks, run(lean, chunks), run(reference, chunks), strict=True):
+        assert a.dtype == dtype
+        update, expected = (a - x).float(), (b - x).float()  # the residual would hide errors
+        assert (update - expected).norm() / expected.norm() < 0.03
+
+
 def test_int8_products_stay_close_and_odd_widths_keep_full_weights():
     torch.manual_seed(2)
     weight = torch.nn.Parameter(torch.randn(48, 64))

@@ -58,18 +58,23 @@ def perturbed(model, scale: float, seed: int):
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Upper-tail p-value of Pearson's chi-square; cells the target never emits must be empty.
 
-    Cells expected fewer than 5 times are pooled into one (the textbook condition for the
-    chi-square approximation): a single count in a cell expected 0.01 times would otherwise add
-    ~100 to the statistic and fail a correct sampler.
+    Cells expected fewer than 5 times are pooled, smallest first, until the pool is expected 5
+    times (the textbook condition for the chi-square approximation; a pool that cannot reach it
+    joins the smallest other cell): a single count in a cell expected 0.01 times would otherwise
+    add ~100 to the statistic and fail a correct sampler.
     """
     assert counts[probs == 0].sum() == 0, "emitted a token the target gives probability 0"
     keep = probs > 0
     counts, probs = counts[keep].double(), probs[keep].double()
     expected = probs * counts.sum()
-    small = expected < 5
-    if small.any():
-        counts = torch.cat([counts[~small], counts[small].sum()[None]])
-        expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    order = expected.argsort()
+    counts, expected = counts[order], expected[order]  # smallest expectation first
+    small = int((expected.cumsum(0) < 5).sum())  # cells pooled until the pool reaches 5
+    if small:
+        cut = min(small + 1, len(expected))
+        counts = torch.cat([counts[:cut].sum()[None], counts[cut:]])
+        expected = torch.cat([expected[:cut].sum()[None], expected[cut:]])
+    assert len(expected) >= 2, "too few samples for a chi-square test: every cell was pooled"
     stat = ((counts - expected) ** 2 / expected).sum()
     df = torch.tensor(float(counts.numel() - 1))
     return float(torch.special.gammaincc(df / 2, stat / 2))

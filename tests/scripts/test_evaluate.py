@@ -155,6 +155,8 @@ def test_one_drafter_under_several_decoding_settings(tiny_target, tiny_target_pa
         f"{folder}:lookup_ngram=2.5": "lookup_ngram=2.5 is not of type int",
         f"{folder}:lookup_ngram=-1": "lookup_ngram must be >= 0",
         f"{folder}:draft_weights=8": "draft_weights=8 is not of type str",
+        f"{folder}:gamma=2.5": "gamma=2.5 must be an integer >= 1",
+        f"{folder}:topk=0": "topk=0 must be an integer >= 1",
         f"{folder}:gamma": "head:gamma",  # no "=": read as a folder name, which is not there
     }
     for spec, message in bad.items():

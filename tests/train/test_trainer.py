@@ -184,19 +184,23 @@ def test_a_cpu_run_trains_on_cpu_threads_and_gives_the_old_count_back(
 
 
 def test_cpu_threads_default_follows_the_user_not_accelerates_default(monkeypatch):
+    import psutil
+
     from specdraft.inference.measure import usable_cores
     from specdraft.train.trainer import _cpu_threads
 
     for key in ("OMP_NUM_THREADS", "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION",
-                "LOCAL_WORLD_SIZE"):  # fmt: skip
+                "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                "MV2_COMM_WORLD_LOCAL_SIZE"):  # fmt: skip
         monkeypatch.delenv(key, raising=False)
+    cores = min(usable_cores(), psutil.cpu_count(logical=False) or usable_cores())
     assert _cpu_threads(3, 1) == 3
-    assert _cpu_threads(0, 1) == usable_cores()
+    assert _cpu_threads(0, 1) == cores
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a plain python run: the user asked
     assert _cpu_threads(0, 1) == torch.get_num_threads()
     monkeypatch.setenv("ACCELERATE_USE_CPU", "False")  # accelerate launch set it: its default
-    assert _cpu_threads(0, 1) == usable_cores()
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * usable_cores()))  # more processes than cores
+    assert _cpu_threads(0, 1) == cores
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", str(2 * cores))  # more processes than cores
     assert _cpu_threads(0, 2) == 1
 
 
