@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,13 @@ from specdraft.drafters.base import (
     DraftTree,
     SamplingSettings,
     vocab_mismatch_error,
+)
+from specdraft.drafters.lean import (
+    LeanModel,
+    ModelWeights,
+    SharedWeights,
+    int8_supported,
+    lean_model_supported,
 )
 from specdraft.inference.cache import compact, kv_bytes
 from specdraft.inference.verify import process_logits
@@ -67,6 +76,14 @@ class DistillConfig:
     on_policy_temperature: float = 1.0
     # Draft length gamma for the simulated tau reported during training.
     gamma: int = 4
+    # Decoding: the student's weights while drafting chains. full: as trained. int8: int8 copies
+    # with one scale per output row (CPU only), as EAGLE's draft_weights: a CPU drafting step
+    # streams every weight once per token. Chains of a Llama-layout student run through
+    # drafters/lean.py either way; trees and other layouts run the HF model as it is.
+    draft_weights: str = choice("full", "int8")
+
+    # The settings that only change how a trained student decodes (evaluate.py's FOLDER:k=v).
+    DECODING_KEYS: ClassVar[tuple[str, ...]] = ("draft_weights",)
 
     def __post_init__(self) -> None:
         if self.init == "path" and not self.student_path:
@@ -170,6 +187,19 @@ class DistillDrafter(Drafter):
         self.capture_layers: tuple[int, ...] = ()
         # The fingerprint of the target it was trained for (set by load_drafter), None if unknown.
         self.target_fingerprint: dict | None = None
+        self._drafting = SharedWeights()  # drafting_weights' cache
+
+    def drafting_weights(self, int8: bool) -> ModelWeights | None:
+        """The student's weights as lean drafting runs them (drafters/lean.py), or None where it
+        is not a model LeanModel runs. Shared by sessions until a parameter changes."""
+        if not lean_model_supported(self.hf_model):
+            return None
+        params = list(self.hf_model.parameters())
+        return self._drafting.get(params, int8, lambda: ModelWeights(self.hf_model, int8=int8))
+
+    def train(self, mode: bool = True) -> DistillDrafter:
+        self._drafting.clear()  # training changes the weights; drafting rebuilds them
+        return super().train(mode)
 
     @property
     def vocab_size(self) -> int:
@@ -361,7 +391,18 @@ def new_distill_session(
     if topk < 1:
         raise ValueError(f"topk must be >= 1 (1 drafts a chain), got {topk}")
     options = DraftOptions(gamma, topk, dynamic_gamma, max_gamma=max(16, gamma))
-    return DistillSession(drafter.hf_model, options, sampling, generator)
+    weights = None
+    if topk == 1:  # chains draft through the lean model where the student's layout allows
+        int8 = drafter.config.draft_weights == "int8"
+        if int8 and not int8_supported(drafter.hf_model.device):
+            warnings.warn(
+                f"draft_weights=int8 runs on CPU only; drafting on {drafter.hf_model.device} "
+                "with the student's full weights",
+                stacklevel=2,
+            )
+            int8 = False
+        weights = drafter.drafting_weights(int8)
+    return DistillSession(drafter.hf_model, options, sampling, generator, weights)
 
 
 class DistillSession:
@@ -375,8 +416,17 @@ class DistillSession:
     The cache holds the first `cached` tokens of the context; a proposal first feeds the rest.
     """
 
-    def __init__(self, model, options: DraftOptions, sampling: SamplingSettings, generator):
+    def __init__(
+        self,
+        model,
+        options: DraftOptions,
+        sampling: SamplingSettings,
+        generator,
+        weights: ModelWeights | None = None,
+    ):
         self.model = model
+        self.weights = weights  # chains through drafters/lean.py's LeanModel when given
+        self.lean: LeanModel | None = None
         self.options = options
         self.sampling = sampling
         self.generator = generator
@@ -399,6 +449,8 @@ class DistillSession:
             self._fed_slots = []
             return DraftTree.empty(seq.shape[0], seq.device)
         if self.options.topk == 1:
+            if self.weights is not None and self.lean is None:  # room for the whole call
+                self.lean = LeanModel(self.weights, capacity=length + context.max_depth + 1)
             return self._chain(seq[:, self.cached :], depth)
         return self._tree(seq[:, self.cached :], depth)
 
@@ -418,7 +470,7 @@ class DistillSession:
         tokens, qs = [], []
         ids = pending  # fed first, then every drafted token but the last
         for _ in range(depth):
-            logits = self._forward(ids)[:, -1]  # (batch, vocab)
+            logits = self.lean(ids) if self.lean is not None else self._forward(ids)[:, -1]
             if self.sampling.greedy:
                 ids = logits.argmax(-1, keepdim=True)  # (batch, 1)
             else:
@@ -486,7 +538,10 @@ class DistillSession:
         if self._depth == 0:  # nothing was drafted or fed: the cache is as it was
             return
         slots = [self._fed_slots[i] for i in path if self._fed_slots[i] >= 0]
-        compact(self.cache, self._base, slots)
+        if self.lean is not None:  # a chain: the accepted fed nodes are the first slots
+            self.lean.crop(self._base + len(slots))
+        else:
+            compact(self.cache, self._base, slots)
         self.cached = self._base + len(slots)
         if self.options.dynamic_gamma:
             # grow after a fully accepted draft, shrink after a rejection
@@ -496,4 +551,8 @@ class DistillSession:
                 self.gamma = max(1, self.gamma - 1)
 
     def extra_memory_bytes(self) -> int:
-        return kv_bytes(self.cache)
+        """The student's KV cache, plus the lean drafting copies of its weights if any."""
+        if self.weights is None:
+            return kv_bytes(self.cache)
+        lean = 0 if self.lean is None else self.lean.memory_bytes()
+        return lean + self.weights.memory_bytes()

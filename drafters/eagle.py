@@ -32,6 +32,7 @@ from specdraft.drafters.base import DraftContext, Drafter, DraftTree, SamplingSe
 from specdraft.drafters.lean import (
     DraftLinear,
     LayerWeights,
+    SharedWeights,
     decode_layer,
     int8_supported,
     lean_supported,
@@ -202,6 +203,7 @@ class EagleDrafter(Drafter):
         self.config = config
         self.target = target  # not an nn.Module: not registered, not saved
         self.target_fingerprint: dict | None = None
+        self._drafting = SharedWeights()  # drafting_weights' cache
         H, V = target.hidden_size, target.vocab_size
         self.capture_layers: list[int] = self.capture_layers_for(config, target)
 
@@ -271,14 +273,10 @@ class EagleDrafter(Drafter):
         if not lean_supported(self.layer, self.rotary):
             return None
         params = [*self.parameters(), self.target.model.get_output_embeddings().weight]
-        key = [(p, p.data_ptr(), p._version) for p in params]
-        cached = getattr(self, "_drafting", None)
-        if cached is None or cached[0] != int8 or not _same_params(cached[1], key):
-            self._drafting = (int8, key, DraftingWeights(self, int8))
-        return self._drafting[2]
+        return self._drafting.get(params, int8, lambda: DraftingWeights(self, int8))
 
     def train(self, mode: bool = True) -> EagleDrafter:
-        self._drafting = None  # training changes the weights; drafting rebuilds them
+        self._drafting.clear()  # training changes the weights; drafting rebuilds them
         return super().train(mode)
 
     # The three pieces every use (training, acceptance, drafting) is built from.
@@ -441,12 +439,6 @@ class EagleDrafter(Drafter):
 
 
 # --- session (inference): chain and EAGLE-2 dynamic tree ---------------------------------------
-
-
-def _same_params(old: list, new: list) -> bool:
-    return len(old) == len(new) and all(
-        a[0] is b[0] and a[1:] == b[1:] for a, b in zip(old, new, strict=True)
-    )
 
 
 class DraftingWeights:

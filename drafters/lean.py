@@ -414,3 +414,96 @@ def _norm_params(norm: nn.Module | None, order: torch.Tensor) -> tuple[torch.Ten
         return None
     # float: LeanLayer normalises q and k in fp32 before rotating them
     return norm.weight.detach()[order.to(norm.weight.device)].float(), norm.variance_epsilon
+
+
+# --- a whole small model (a two-model drafter) -------------------------------------------------
+
+
+def lean_model_supported(model: nn.Module) -> bool:
+    """True when `model` is an HF causal LM whose every decoder layer `lean_supported` admits,
+    with a Llama RMSNorm before a bias-free LM head and a plain embedding: LeanModel runs it."""
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    rotary, norm = getattr(base, "rotary_emb", None), getattr(base, "norm", None)
+    if layers is None or rotary is None or norm is None or not _is_llama_rms_norm(norm):
+        return False
+    head = model.get_output_embeddings()
+    return (
+        isinstance(model.get_input_embeddings(), nn.Embedding)
+        and isinstance(head, nn.Linear)
+        and head.bias is None
+        and all(lean_supported(layer, rotary) for layer in layers)
+    )
+
+
+class ModelWeights:
+    """A causal LM's weights as LeanModel runs them: each layer's LayerWeights, and the LM head
+    with the final norm's weight folded in (int8 copies when asked)."""
+
+    @torch.no_grad()
+    def __init__(self, model: nn.Module, *, int8: bool = False) -> None:
+        base = model.model
+        self.embed = model.get_input_embeddings().weight.detach()
+        self.rotary = base.rotary_emb
+        self.layers = [LayerWeights(layer, int8=int8) for layer in base.layers]
+        self.eps = base.norm.variance_epsilon
+        head = model.get_output_embeddings()
+        self.output = DraftLinear(head.weight, in_scale=base.norm.weight, int8=int8)
+
+    def memory_bytes(self) -> int:
+        """Bytes held beyond the model's own parameters (fused, folded and int8 copies)."""
+        return sum(w.memory_bytes() for w in self.layers) + self.output.memory_bytes()
+
+
+class LeanModel:
+    """A small causal LM run for drafting (batch 1): LeanLayers with in-place KV caches, called
+    with new token ids at consecutive positions from the cache's length; returns the last
+    position's logits. `crop(m)` keeps the first m cached positions."""
+
+    def __init__(self, weights: ModelWeights, capacity: int = 256) -> None:
+        self.w = weights
+        self.layers = [LeanLayer(w, weights.rotary, capacity) for w in weights.layers]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def crop(self, length: int) -> None:
+        for layer in self.layers:
+            layer.crop(length)
+
+    def memory_bytes(self) -> int:
+        """The KV buffers (the weights are accounted by ModelWeights)."""
+        return sum(layer.memory_bytes() for layer in self.layers)
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """(1, n) token ids -> (1, vocab) logits after the last of them."""
+        x = F.embedding(ids, self.w.embed)
+        position = self.length
+        for layer in self.layers:
+            x = layer(x, position)
+        return self.w.output(rms(x[:, -1], self.w.eps))
+
+
+class SharedWeights:
+    """Drafting weights built once and shared by every session until a parameter changes: the
+    key holds the parameters themselves with their storage and version. Writes through `.data`
+    or fused optimizers do not bump versions, so owners also `clear()` on train/eval switches
+    (the trainer switches modes)."""
+
+    def __init__(self) -> None:
+        self._entry: tuple | None = None
+
+    def get(self, params: list[torch.Tensor], int8: bool, build):
+        key = [(p, p.data_ptr(), p._version) for p in params]
+        old = self._entry
+        fresh = old is not None and old[0] == int8 and len(old[1]) == len(key)
+        pairs = zip(old[1], key, strict=False) if fresh else ()  # lengths checked just above
+        fresh = fresh and all(a[0] is b[0] and a[1:] == b[1:] for a, b in pairs)
+        if not fresh:
+            self._entry = (int8, key, build())
+        return self._entry[2]
+
+    def clear(self) -> None:
+        self._entry = None

@@ -11,6 +11,7 @@ import pytest
 import torch
 from spec_helpers import chi_square_p_value, make_target, perturbed, tiny_llama
 
+from specdraft.drafters.base import DraftContext
 from specdraft.drafters.distill import DistillDrafter
 from specdraft.inference import generate
 
@@ -36,6 +37,30 @@ def test_greedy_equals_plain_greedy(random_target, drafts, draft, topk):
     if draft == "partial":
         assert s.accepted < s.drafted and s.target_passes < 24
     assert s.tau == pytest.approx(24 / s.target_passes)
+
+
+@pytest.mark.parametrize("weights", ["full", "int8"])
+def test_distilled_chains_draft_through_the_lean_model(random_target, drafts, weights):
+    """A Llama-layout student drafts chains through drafters/lean.py (trees through the HF
+    model): same greedy output, and a copy of the target is still always right (full weights)."""
+    from specdraft.drafters.base import SamplingSettings
+    from specdraft.drafters.distill import DistillConfig
+
+    ref = hf_greedy(random_target, PROMPT, 24)
+    for name in ("copy", "partial"):
+        drafter = DistillDrafter(drafts[name], DistillConfig(draft_weights=weights))
+        out = generate(random_target, PROMPT, drafter, max_new_tokens=24, gamma=4)
+        assert out.tokens[0].tolist() == ref and out.stats.accepted > 0
+        if name == "copy" and weights == "full":
+            assert out.stats.accepted == out.stats.drafted
+    session = drafter.new_session(random_target, sampling=SamplingSettings(), gamma=3)
+    session.propose(DraftContext(torch.tensor([PROMPT]), max_depth=3))
+    assert session.lean is not None and session.extra_memory_bytes() > 0
+    tree = drafter.new_session(random_target, sampling=SamplingSettings(), gamma=3, topk=2)
+    assert tree.weights is None  # trees keep the HF model and its DynamicCache
+    w = drafter.drafting_weights(weights == "int8")
+    assert drafter.drafting_weights(weights == "int8") is w  # built once, shared
+    assert w.layers[0].qkv.int8 == (weights == "int8")
 
 
 def test_a_copy_of_the_target_accepts_every_draft(random_target, drafts):
@@ -135,8 +160,12 @@ FALSE_ALARM = 1e-3  # the chance that a correct sampler fails one test
 @pytest.fixture(scope="module")
 def small_vocab():
     """A random target over 6 tokens and two drafts: a noisy copy and an unrelated model."""
+    from specdraft.drafters.distill import DistillConfig
+
     target = make_target(tiny_llama(V, seed=3, hidden=16, layers=1, init=0.5))
-    return target, {"noisy": perturbed(target.model, 0.3, seed=4), "other": tiny_llama(V, 5, 16, 1)}
+    noisy = perturbed(target.model, 0.3, seed=4)
+    int8 = DistillDrafter(noisy, DistillConfig(draft_weights="int8"))  # lean chains, int8 weights
+    return target, {"noisy": noisy, "other": tiny_llama(V, 5, 16, 1), "noisy-int8": int8}
 
 
 def exact_joint(target, prompt, temperature, top_p, top_k) -> torch.Tensor:
@@ -161,8 +190,9 @@ def exact_joint(target, prompt, temperature, top_p, top_k) -> torch.Tensor:
         ("other", 1, 0.8, 0),
         ("noisy", 2, 0.8, 0),
         ("noisy", 1, 1.0, 3),
+        ("noisy-int8", 1, 1.0, 0),
     ],
-    ids=["chain", "tree", "chain-top_p", "tree-top_p", "chain-top_k"],
+    ids=["chain", "tree", "chain-top_p", "tree-top_p", "chain-top_k", "int8-chain"],
 )
 def test_sampled_output_follows_the_target(small_vocab, draft, topk, top_p, top_k):
     """Chi-square on the joint of the first two tokens over SAMPLES seeds (FALSE_ALARM). Three
