@@ -8,8 +8,16 @@ Each conversation is replayed turn by turn: the target answers every user turn g
 so far, its earlier answers included (so a multi-turn row stays coherent). System and user turns
 are kept; rows that are not conversations, or cannot be parsed, are counted and skipped.
 
-Output is JSON lines, one per conversation, `{"messages": [...], "source": "<row location>"}`,
-readable by the data pipeline (`data.format: messages`). The run is resumable: rerunning the same
+Plain text (a text file, `{"text": ...}` rows, or `--data demo` for the demo corpus's training
+files) is continued instead when `--prompt-tokens N` is given: the target writes the rest after
+the row's first N tokens (with `--stride S`, after every S tokens through the row, one output row
+each), so a drafter trained on the result sees what the target writes rather than what a human
+wrote; BENCHMARKS.md ("EAGLE") measures what that buys. Continuations are drafted by prompt
+lookup in our own loop, which keeps them exactly the target's.
+
+Output is JSON lines, one per conversation, `{"messages": [...], "source": "<row location>"}`
+(or one per continuation, `{"text": ..., "source": "<row location>@<token offset>"}`), readable
+by the data pipeline (`data.format: messages` or `text`). The run is resumable: rerunning the same
 command skips conversations already in the output (matched by `source`), and a last line cut off
 by a crash is dropped first. Sampling is seeded per conversation, so a resumed run writes what an
 uninterrupted one would have.
@@ -26,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from specdraft.data.formats import Conversation, parse_record
-from specdraft.data.sources import DataError, SkipRow, read_rows
+from specdraft.data.formats import Conversation, Text, parse_record
+from specdraft.data.sources import DataError, Row, SkipRow, read_rows
 from specdraft.drafters.target import TargetError, load_target
 
 
@@ -42,14 +50,19 @@ def regenerate(
     seed: int = 0,
     limit: int | None = None,
     fmt: str = "auto",
+    prompt_tokens: int = 0,
+    stride: int = 0,
 ) -> Counter:
-    """Append regenerated conversations of `data` to `output`; returns counts of what happened."""
+    """Append regenerated conversations of `data` to `output` (and continuations of its plain
+    text when `prompt_tokens` > 0, see the module docstring); returns counts of what happened."""
+    if prompt_tokens < 0 or stride < 0:
+        raise DataError(f"--prompt-tokens and --stride must be >= 0; got {prompt_tokens}, {stride}")
     output = Path(output)
     done = _done_sources(output)
     counts: Counter = Counter(already_done=len(done))
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("a", encoding="utf-8") as out:
-        for index, row in enumerate(read_rows(data)):
+        for index, row in enumerate(_rows(data)):
             if limit is not None and counts["written"] >= limit:
                 break
             if row.where in done:
@@ -62,15 +75,68 @@ def regenerate(
             except SkipRow as e:
                 counts[f"skipped: {e.reason}"] += 1
                 continue
+            if isinstance(item, Text) and prompt_tokens > 0:
+                ends = _prompt_ends(target, item.text, prompt_tokens, stride)
+                if not ends:
+                    counts["skipped: not longer than --prompt-tokens"] += 1
+                for n, (end, prompt) in enumerate(ends):
+                    source = f"{row.where}@{end}"
+                    if source in done:
+                        continue
+                    if limit is not None and counts["written"] >= limit:
+                        break
+                    text = _continue(target, prompt, max_new_tokens, temperature, top_p,
+                                     (seed + index) * 100_003 + n)  # fmt: skip
+                    _write(out, {"text": text, "source": source})
+                    counts["written"] += 1
+                continue
             if not isinstance(item, Conversation):
-                counts["skipped: not a conversation"] += 1
+                plain = isinstance(item, Text)
+                reason = "plain text (see --prompt-tokens)" if plain else "not a conversation"
+                counts[f"skipped: {reason}"] += 1
                 continue
             messages = _replay(target, item, max_new_tokens, temperature, top_p, seed + index)
-            out.write(json.dumps({"messages": messages, "source": row.where}) + "\n")
-            out.flush()
-            os.fsync(out.fileno())  # a line is either fully on disk or dropped on resume
+            _write(out, {"messages": messages, "source": row.where})
             counts["written"] += 1
     return counts
+
+
+def _write(out, record: dict) -> None:
+    out.write(json.dumps(record) + "\n")
+    out.flush()
+    os.fsync(out.fileno())  # a line is either fully on disk or dropped on resume
+
+
+def _rows(data: str):
+    """read_rows(data), or the demo corpus's training files for "demo" (one row per file)."""
+    if data != "demo":
+        yield from read_rows(data)
+        return
+    from specdraft.data.demo import demo_corpus_texts
+
+    for i, text in enumerate(demo_corpus_texts("train")):
+        yield Row(where=f"demo[{i}]", record=text)
+
+
+def _prompt_ends(target, text: str, prompt_tokens: int, stride: int) -> list[tuple[int, list]]:
+    """(token offset, the prompt_tokens ids before it) for each continuation of `text`: after its
+    first prompt_tokens tokens, and after every `stride` tokens further on when stride > 0."""
+    ids = target.tokenizer(text, add_special_tokens=False).input_ids
+    ends = range(prompt_tokens, len(ids), stride) if stride > 0 else [prompt_tokens]
+    return [(end, ids[end - prompt_tokens : end]) for end in ends if end < len(ids)]
+
+
+def _continue(target, prompt: list[int], max_new_tokens, temperature, top_p, seed) -> str:
+    """The prompt's text followed by the target's continuation (exact: our loop, prompt lookup
+    drafting)."""
+    from specdraft.inference import generate
+
+    out = generate(
+        target, prompt, "prompt_lookup", max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, seed=seed,
+    )  # fmt: skip
+    tokenizer = target.tokenizer
+    return tokenizer.decode(prompt) + tokenizer.decode(out.tokens[0], skip_special_tokens=True)
 
 
 @torch.no_grad()
@@ -122,7 +188,9 @@ def _done_sources(output: Path) -> set[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--data", required=True, help="conversations: a local file/folder or hub id"
+        "--data",
+        required=True,
+        help="conversations or text: a local file/folder, a hub id, or demo (the demo corpus)",
     )
     parser.add_argument("--output", required=True, help="the JSON lines file to write (appended)")
     parser.add_argument("--target", default="demo", help="demo, a model folder or a hub id")
@@ -132,6 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit", type=int, default=None, help="stop after this many new rows")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=0,
+        help="continue plain text after its first N tokens (0: skip plain text)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stride", type=int, default=0,
+        help="with --prompt-tokens: also continue after every S further tokens of a text",
+    )  # fmt: skip
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
@@ -140,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         counts = regenerate(
             target, args.data, args.output, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_p=args.top_p, seed=args.seed, limit=args.limit,
-            fmt=args.format,
+            fmt=args.format, prompt_tokens=args.prompt_tokens, stride=args.stride,
         )  # fmt: skip
     except (DataError, TargetError) as e:
         print(f"regenerate.py: error: {e}", file=sys.stderr)

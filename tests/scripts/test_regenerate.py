@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from specdraft.data.sources import DataError
 from specdraft.scripts.regenerate import main, regenerate
 
 ROWS = [
@@ -44,7 +45,7 @@ def _greedy(target, history, n):
 def test_greedy_answers_are_the_targets_and_turns_build_on_them(tiny_target, data_file, tmp_path):
     out = tmp_path / "regen.jsonl"
     counts = regenerate(tiny_target, str(data_file), out, max_new_tokens=8)
-    assert counts["written"] == 3 and counts["skipped: not a conversation"] == 1
+    assert counts["written"] == 3 and counts["skipped: plain text (see --prompt-tokens)"] == 1
     rows = _lines(out)
     assert [r["source"] for r in rows] == [f"{data_file}:1", f"{data_file}:3", f"{data_file}:4"]
     multi = rows[1]["messages"]
@@ -78,3 +79,34 @@ def test_cli_reports_a_missing_file(tiny_target_path, tmp_path, capsys):
     assert code == 2
     assert "nope.jsonl" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists() or (tmp_path / "o.jsonl").read_text() == ""
+
+
+def test_plain_text_is_continued_by_the_target_after_each_prompt(tiny_target, tmp_path):
+    from specdraft.inference import generate
+
+    text = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n" * 2
+    data = tmp_path / "code.jsonl"
+    data.write_text(json.dumps({"text": text}) + "\n" + json.dumps({"text": "x"}) + "\n")
+    ids = tiny_target.tokenizer(text, add_special_tokens=False).input_ids
+    out = tmp_path / "cont.jsonl"
+    counts = regenerate(tiny_target, str(data), out, max_new_tokens=5, prompt_tokens=6, stride=7)
+    rows = _lines(out)
+    ends = list(range(6, len(ids), 7))
+    assert counts["written"] == len(rows) == len(ends) > 2
+    assert counts["skipped: not longer than --prompt-tokens"] == 1  # the one-token row
+    decode = tiny_target.tokenizer.decode
+    for row, end in zip(rows, ends, strict=True):
+        prompt = ids[end - 6 : end]
+        greedy = generate(tiny_target, prompt, None, max_new_tokens=5).tokens[0]
+        assert row == {"text": decode(prompt) + decode(greedy, skip_special_tokens=True),
+                       "source": f"{data}:1@{end}"}  # fmt: skip
+    resumed = tmp_path / "resumed.jsonl"
+    regenerate(tiny_target, str(data), resumed, max_new_tokens=5, prompt_tokens=6, stride=7,
+               limit=2)  # fmt: skip
+    again = regenerate(tiny_target, str(data), resumed, max_new_tokens=5, prompt_tokens=6, stride=7)
+    assert again["written"] == len(ends) - 2 and _lines(resumed) == rows
+
+
+def test_negative_prompt_tokens_is_an_error(tiny_target, tmp_path):
+    with pytest.raises(DataError, match="--prompt-tokens and --stride must be >= 0"):
+        regenerate(tiny_target, "demo", tmp_path / "x.jsonl", prompt_tokens=-1)
