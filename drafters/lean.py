@@ -496,13 +496,11 @@ class SharedWeights:
         self._entry: tuple | None = None
 
     def get(self, params: list[torch.Tensor], int8: bool, build):
-        key = [(p, p.data_ptr(), p._version) for p in params]
-        old = self._entry
-        fresh = old is not None and old[0] == int8 and len(old[1]) == len(key)
-        pairs = zip(old[1], key, strict=False) if fresh else ()  # lengths checked just above
-        fresh = fresh and all(a[0] is b[0] and a[1:] == b[1:] for a, b in pairs)
-        if not fresh:
-            self._entry = (int8, key, build())
+        """The cached weights for these parameters and int8 setting, else `build()` cached."""
+        key = (int8, [(id(p), p.data_ptr(), p._version) for p in params])
+        if self._entry is None or self._entry[0] != key:
+            # the parameters are held too, so an id in the key cannot be reused by another tensor
+            self._entry = (key, params, build())
         return self._entry[2]
 
     def clear(self) -> None:
