@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-
-def choice(*choices: str) -> Any:
-    """A str config field limited to `choices`; the first one is the default.
-
-    The choices live in the field's metadata, so the config loader (train/config.py) validates
-    against and `--help` lists the same tuple (OmegaConf has no `Literal`, hence this instead of
-    a type). Every config section uses it: data, trainer and drafter sections alike.
-    """
-    return field(default=choices[0], metadata={"choices": choices})
-
+from specdraft.core import choice
 
 # The values `format` and `overlong` accept; the config loader (train/config.py) reads them from the
 # field metadata, so a typo fails when the config loads, not deep inside the pipeline.
@@ -27,8 +17,9 @@ class DataConfig:
     # "demo" (the demo corpus: standard-library source), a local file or folder
     # (.json, .jsonl, .parquet, .txt/.py/.md text), or a hub dataset id read through `datasets`.
     path: str = "demo"
-    # Hub datasets only: the configuration name and the split to read.
+    # Hub datasets only: the configuration name (None: the default one).
     name: str | None = None
+    # Hub datasets only: the split to read (train, test, ...).
     split: str = "train"
     # auto | sharegpt | messages | ultrachat | text. "auto" detects per row.
     format: str = choice(*FORMATS)
@@ -40,4 +31,5 @@ class DataConfig:
     eval_fraction: float = 0.05
     # Keep at most this many rows after shuffling (None: all).
     max_samples: int | None = None
+    # Seeds the shuffle that picks the held-out split, max_samples and the example order.
     seed: int = 0

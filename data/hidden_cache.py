@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from specdraft.drafters.target import TargetOutput, fingerprint_differences
+from specdraft.core import TargetOutput, check_fingerprint
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -164,12 +164,13 @@ class HiddenStateCache:
             manifest = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise HiddenCacheError(f"{path} is damaged ({e}); write the cache again") from e
-        diffs = fingerprint_differences(manifest["target_fingerprint"], target.fingerprint)
-        if diffs:
-            raise HiddenCacheError(
-                f"the hidden-state cache in {self.folder} was written by another target than "
-                f"{target.name!r} ({'; '.join(diffs)}); dump the cache with this target"
-            )
+        check_fingerprint(
+            manifest["target_fingerprint"],
+            target.fingerprint,
+            f"the hidden-state cache in {self.folder}",
+            error=HiddenCacheError,
+            fix=f"dump the cache with the target {target.name!r}",
+        )
         missing = sorted(set(target.check_layer_ids(layers)) - set(manifest["layers"]))
         if missing:
             raise HiddenCacheError(

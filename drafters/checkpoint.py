@@ -2,9 +2,10 @@
 
 A drafter folder holds:
 
-    config.json         a `specdraft` block: kind, format_version, the kind's config, the target
-                        fingerprint it was trained against (`target_fingerprint`) and provenance
-                        (git commit, data, steps). For a drafter that is a plain Hugging Face
+    config.json         a `specdraft` block: kind, format_version, the kind's config, its decoding
+                        defaults (`decode`, a core.DecodeConfig), the target fingerprint it was
+                        trained against (`target_fingerprint`) and provenance (git commit, data,
+                        steps). For a drafter that is a plain Hugging Face
                         causal LM (a distilled draft) it is the model's own HF config with the
                         block added, so `AutoModelForCausalLM.from_pretrained` loads the folder.
     model.safetensors   the drafter's own tensors (tensors shared with the target are recorded in
@@ -37,10 +38,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from specdraft.core import DecodeConfig, check_fingerprint
 from specdraft.drafters.base import Drafter, vocab_mismatch_error
-from specdraft.drafters.target import Target, fingerprint_differences
+from specdraft.drafters.target import Target
 
-FORMAT_VERSION = 1
+# 2: decoding settings moved from the kind's config into their own `decode` block.
+FORMAT_VERSION = 2
 COMPLETE_MARKER = "COMPLETE"
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -89,6 +92,7 @@ def save_drafter(
             "kind": drafter.kind,
             "format_version": FORMAT_VERSION,
             "config": dataclasses.asdict(drafter.config),
+            "decode": dataclasses.asdict(drafter.decode),
             "target_fingerprint": target_fingerprint,
             "provenance": {"git_commit": git_commit(), **(provenance or {})},
         }
@@ -168,18 +172,20 @@ def load_drafter(
     device = device if device is not None else target.device
     dtype = dtype if dtype is not None else target.dtype
     if meta is not None:
-        diffs = fingerprint_differences(meta.get("target_fingerprint") or {}, target.fingerprint)
-        if not strict:
-            diffs = [d for d in diffs if d.startswith("vocab_size")]
-        if diffs:
-            raise CheckpointError(
-                f"the {meta.get('kind')} drafter in {folder} was trained for another target than "
-                f"{target.name!r} ({'; '.join(diffs)}); load the target it was trained against, "
-                "or train a drafter for this one"
-            )
+        check_fingerprint(
+            meta.get("target_fingerprint") or {},
+            target.fingerprint,
+            f"the {meta.get('kind')} drafter in {folder}",
+            keys=None if strict else ("vocab_size",),
+            error=CheckpointError,
+        )
     kind = meta["kind"] if meta is not None else "distill"
     cls = drafter_class(kind)
-    config = _config_from_dict(cls.config_class, meta["config"]) if meta is not None else None
+    config, decode = None, DecodeConfig()
+    if meta is not None:
+        config_values, decode_values = _split_decode(meta)
+        config = _config_from_dict(cls.config_class, config_values)
+        decode = _config_from_dict(DecodeConfig, decode_values)
     if hf_config is not None:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         vocab = model.get_output_embeddings().weight.shape[0]
@@ -199,6 +205,7 @@ def load_drafter(
                 "was written by another version"
             )
     drafter.to(device=device, dtype=dtype).eval()  # drafting, not training: no dropout
+    drafter.decode = decode
     if meta is not None:
         drafter.target_fingerprint = meta.get("target_fingerprint")
     return drafter
@@ -261,6 +268,23 @@ def drafter_class(kind: str) -> type:
         ) from e
 
 
+# Format 1 kept the decoding settings in the kind's config, under these names.
+_FORMAT1_DECODE_KEYS = {
+    "tree_depth": "gamma", "gamma": "gamma", "tree_top_k": "tree_top_k",
+    "tree_budget": "tree_budget", "draft_weights": "draft_weights", "stop_below": "stop_below",
+    "lookup_ngram": "lookup_ngram",
+}  # fmt: skip
+
+
+def _split_decode(meta: dict) -> tuple[dict, dict]:
+    """(the kind's config values, the decoding defaults) of a `specdraft` block, of any format."""
+    config = dict(meta.get("config") or {})
+    if "decode" in meta:
+        return config, dict(meta["decode"])
+    decode = {new: config.pop(old) for old, new in _FORMAT1_DECODE_KEYS.items() if old in config}
+    return config, decode
+
+
 def _config_from_dict(cls: type, values: dict) -> Any:
     unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
@@ -268,4 +292,7 @@ def _config_from_dict(cls: type, values: dict) -> Any:
             f"the checkpoint's {cls.__name__} has keys this specdraft does not know: "
             f"{sorted(unknown)}; it was written by a newer version"
         )
-    return cls(**values)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"the checkpoint's {cls.__name__} is not valid: {e}") from e

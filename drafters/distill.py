@@ -10,32 +10,32 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from specdraft.data.config import choice
-from specdraft.drafters.base import (
+from specdraft.core import (
+    DecodeConfig,
     DraftContext,
-    Drafter,
     DraftTree,
     SamplingSettings,
-    vocab_mismatch_error,
+    choice,
+    compact,
+    draft_chain,
+    draft_tree,
+    kv_bytes,
 )
+from specdraft.drafters.base import Drafter, vocab_mismatch_error
 from specdraft.drafters.lean import (
     LeanModel,
     ModelWeights,
     SharedWeights,
-    int8_supported,
     lean_model_supported,
+    use_int8,
 )
-from specdraft.inference.cache import compact, kv_bytes
-from specdraft.inference.verify import process_logits
 
 # --- config ------------------------------------------------------------------------------------
 
@@ -74,21 +74,11 @@ class DistillConfig:
     on_policy_tokens: int = 32
     # Sampling temperature of on-policy continuations.
     on_policy_temperature: float = 1.0
-    # Draft length gamma for the simulated tau reported during training.
-    gamma: int = 4
-    # Decoding: the student's weights while drafting chains. full: as trained. int8: int8 copies
-    # with one scale per output row (CPU only), as EAGLE's draft_weights: a CPU drafting step
-    # streams every weight once per token. Chains of a Llama-layout student run through
-    # drafters/lean.py either way; trees and other layouts run the HF model as it is.
-    draft_weights: str = choice("full", "int8")
-
-    # The settings that only change how a trained student decodes (evaluate.py's FOLDER:k=v).
-    DECODING_KEYS: ClassVar[tuple[str, ...]] = ("draft_weights",)
 
     def __post_init__(self) -> None:
         if self.init == "path" and not self.student_path:
             raise ValueError("drafter.init=path needs drafter.student_path (a HF model folder)")
-        for key, low in (("num_layers", 1), ("gamma", 1), ("on_policy_tokens", 1)):
+        for key, low in (("num_layers", 1), ("on_policy_tokens", 1)):
             if getattr(self, key) < low:
                 raise ValueError(f"drafter.{key} must be >= {low}; got {getattr(self, key)}")
         for key in ("jsd_beta", "on_policy_ratio"):
@@ -205,9 +195,22 @@ class DistillDrafter(Drafter):
     def vocab_size(self) -> int:
         return self.hf_model.get_output_embeddings().weight.shape[0]
 
-    def new_session(self, target, **options) -> DistillSession:
-        """Per-call drafting state for the inference loop (see the propose section below)."""
-        return new_distill_session(self, target, **options)
+    def new_session(
+        self,
+        target,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> DistillSession:
+        """Per-call drafting state for the inference loop (see the session section below)."""
+        if self.vocab_size != target.vocab_size:
+            raise vocab_mismatch_error("the draft model", self.vocab_size, target)
+        weights = None
+        if decode.chain:  # chains draft through the lean model where the student's layout allows
+            device = self.hf_model.device
+            weights = self.drafting_weights(use_int8(decode.draft_weights, device, "the student"))
+        return DistillSession(self.hf_model, decode, sampling, generator, weights)
 
     @classmethod
     def build(cls, config: DistillConfig, target) -> DistillDrafter:
@@ -254,12 +257,13 @@ class DistillDrafter(Drafter):
 
         alpha = sum_x min(p(x), q(x)) (Leviathan et al.) at temperature 1 on teacher-forced data;
         a chain drafter's positions are alike, so each depth gets the same estimate and the
-        trainer's tau = 1 + sum_k prod_{i<=k} alpha_i equals (1 - alpha^(gamma+1)) / (1 - alpha).
+        trainer's tau = 1 + sum_k prod_{i<=k} alpha_i equals (1 - alpha^(gamma+1)) / (1 - alpha),
+        for the gamma the drafter is served with (`decode.gamma`).
         """
         student_logits, target_logits, _ = self._aligned(batch, target_out)
         alpha = simulated_alpha(target_logits, student_logits).sum()
         count = torch.tensor(float(student_logits.shape[0]), device=alpha.device)
-        return alpha.repeat(self.config.gamma), count.repeat(self.config.gamma)
+        return alpha.repeat(self.decode.gamma), count.repeat(self.decode.gamma)
 
     def _aligned(self, batch, target_out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(student logits, target logits, next tokens) at the loss positions: (n, vocab) x2, (n,)."""
@@ -364,62 +368,25 @@ def sample(
 # --- propose / session (inference) -------------------------------------------------------------
 
 
-@dataclass
-class DraftOptions:
-    """How a two-model session drafts (set per `generate` call)."""
-
-    gamma: int = 5  # draft depth (the starting depth when dynamic)
-    topk: int = 1  # 1: a chain; k > 1: a tree keeping the k best nodes per depth
-    dynamic_gamma: bool = False
-    max_gamma: int = 16  # dynamic gamma's ceiling
-
-
-def new_distill_session(
-    drafter: DistillDrafter,
-    target,
-    *,
-    sampling: SamplingSettings,
-    generator: torch.Generator | None = None,
-    gamma: int = 5,
-    topk: int = 1,
-    dynamic_gamma: bool = False,
-    **_ignored,
-) -> DistillSession:
-    """A drafting session for one generate call (`DistillDrafter.new_session`)."""
-    if drafter.vocab_size != target.vocab_size:
-        raise vocab_mismatch_error("the draft model", drafter.vocab_size, target)
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1 (1 drafts a chain), got {topk}")
-    options = DraftOptions(gamma, topk, dynamic_gamma, max_gamma=max(16, gamma))
-    weights = None
-    if topk == 1:  # chains draft through the lean model where the student's layout allows
-        int8 = drafter.config.draft_weights == "int8"
-        if int8 and not int8_supported(drafter.hf_model.device):
-            warnings.warn(
-                f"draft_weights=int8 runs on CPU only; drafting on {drafter.hf_model.device} "
-                "with the student's full weights",
-                stacklevel=2,
-            )
-            int8 = False
-        weights = drafter.drafting_weights(int8)
-    return DistillSession(drafter.hf_model, options, sampling, generator, weights)
-
-
 class DistillSession:
     """One generate call's drafting state: the draft model's KV cache and the current gamma.
 
     Drafting runs the small model autoregressively with its own KV cache, as
-    - a chain of gamma tokens (sampled from its distribution q when sampling, argmax if greedy),
-    - a top-k tree: each depth keeps the topk best children by cumulative draft log-probability,
-      chosen deterministically (point masses for lossless verification) and fed with a tree mask,
-    - either with a dynamic gamma that grows after a fully accepted draft and shrinks otherwise.
-    The cache holds the first `cached` tokens of the context; a proposal first feeds the rest.
+    - a chain of gamma tokens (core.draft_chain: argmax if greedy, else sampled from q, which is
+      recorded for lossless verification; stop_below ends it early), through drafters/lean.py's
+      LeanModel (maybe int8) where the student's layout allows,
+    - or EAGLE-2's dynamic tree (core.draft_tree), its levels fed with a tree mask,
+    - with dynamic_gamma, a gamma that grows after a fully accepted draft and shrinks otherwise.
+    The cache holds the first `cached` tokens of the context; a proposal first feeds the rest, so
+    a tree this session did not draft (a copy) needs nothing but to be left alone.
     """
+
+    capture_layers: tuple[int, ...] = ()
 
     def __init__(
         self,
         model,
-        options: DraftOptions,
+        decode: DecodeConfig,
         sampling: SamplingSettings,
         generator,
         weights: ModelWeights | None = None,
@@ -427,16 +394,17 @@ class DistillSession:
         self.model = model
         self.weights = weights  # chains through drafters/lean.py's LeanModel when given
         self.lean: LeanModel | None = None
-        self.options = options
+        self.decode = decode
         self.sampling = sampling
         self.generator = generator
-        self.gamma = options.gamma
+        self.gamma = decode.gamma
+        self.max_gamma = max(16, decode.gamma)  # dynamic gamma's ceiling
         self.cache = DynamicCache(config=model.config)
         self.cached = 0
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self._base = 0  # context length at the last proposal
+        self._tree: DraftTree | None = None  # the last proposal
         self._fed_slots: list[int] = []  # per node of the last tree: its cache slot, or -1
-        self._depth = 0
 
     def propose(self, context: DraftContext) -> DraftTree:
         seq = context.tokens.to(self.model.device)  # (batch, seq)
@@ -444,17 +412,25 @@ class DistillSession:
         depth = min(self.gamma, context.max_depth)
         if self.max_positions is not None:  # a draft may have fewer positions than the target
             depth = min(depth, self.max_positions - length)
-        self._base, self._depth = length, max(depth, 0)
+        self._base = length
+        pending = seq[:, self.cached :]
         if depth <= 0:
-            self._fed_slots = []
-            return DraftTree.empty(seq.shape[0], seq.device)
-        if self.options.topk == 1:
+            tree, self._fed_slots = DraftTree.empty(seq.shape[0], seq.device), []
+        elif self.decode.chain:
             if self.weights is not None and self.lean is None:  # room for the whole call
                 self.lean = LeanModel(self.weights, capacity=length + context.max_depth + 1)
-            return self._chain(seq[:, self.cached :], depth)
-        return self._tree(seq[:, self.cached :], depth)
+            tree = self._chain(pending, depth)
+            self._fed_slots = [*range(len(tree) - 1), -1]  # the last token is never fed
+        else:
+            tree, self._fed_slots = self._tree_draft(pending, depth)
+        self._tree = tree
+        return tree
 
-    def _forward(self, ids, mask=None, positions=None) -> torch.Tensor:
+    def _logits(self, ids, mask=None, positions=None) -> torch.Tensor:
+        """Feed ids (batch, n) to the student's cache: (batch, n, vocab) logits (last only
+        without a mask)."""
+        if self.lean is not None:
+            return self.lean(ids)[:, None]
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -463,90 +439,55 @@ class DistillSession:
             use_cache=True,
             logits_to_keep=1 if mask is None else 0,
         )
-        return out.logits  # (batch, 1 or seq, vocab)
+        return out.logits
 
     def _chain(self, pending: torch.Tensor, depth: int) -> DraftTree:
-        """gamma tokens, each fed back in; the last one is never fed (the target checks it)."""
-        tokens, qs = [], []
-        ids = pending  # fed first, then every drafted token but the last
-        for _ in range(depth):
-            logits = self.lean(ids) if self.lean is not None else self._forward(ids)[:, -1]
-            if self.sampling.greedy:
-                ids = logits.argmax(-1, keepdim=True)  # (batch, 1)
-            else:
-                q = process_logits(logits, self.sampling)  # (batch, vocab)
-                ids = torch.multinomial(q, 1, generator=self.generator)
-                qs.append(q)
-            tokens.append(ids)
-        self._fed_slots = [*range(depth - 1), -1]
-        q = torch.stack(qs, dim=1) if qs else None  # (batch, depth, vocab)
-        return DraftTree.chain(torch.cat(tokens, dim=1), q)
+        return draft_chain(
+            self._logits(pending)[:, -1],
+            lambda token, _: self._logits(token)[:, -1],
+            depth=depth,
+            sampling=self.sampling,
+            generator=self.generator,
+            stop_below=self.decode.stop_below,
+        )
 
-    def _tree(self, pending: torch.Tensor, depth: int) -> DraftTree:
-        """Best-first top-k tree (batch 1: trees differ per row).
+    def _tree_draft(self, pending: torch.Tensor, depth: int) -> tuple[DraftTree, list[int]]:
+        """Feed the pending tokens, then grow the tree; each level is fed with a mask that lets
+        every node see the context, its fed ancestors and itself (batch 1)."""
+        base, device, dtype = self._base, pending.device, self.model.dtype
 
-        1. Feed the pending tokens; the root's topk tokens are depth 1.
-        2. For each further depth, feed the previous depth's nodes together (each attends to the
-           context, its fed ancestors and itself) and keep the topk of all their children by
-           cumulative draft log-probability.
-        The deepest nodes are never fed.
-        """
-        k, base, device = self.options.topk, self._base, pending.device
-        logp = self._forward(pending)[0, -1].float().log_softmax(-1)  # (vocab,)
-        scores, tokens = logp.topk(k)
-        tok_list, parents, depths, cum = tokens.tolist(), [-1] * k, [1] * k, scores.tolist()
-        frontier: list[int] = list(range(k))
-        fed: list[int] = []  # node ids in cache-slot order
-        dtype = self.model.dtype
-        for d in range(2, depth + 1):
-            past = base + len(fed)
-            slot = {node: s for s, node in enumerate(fed)}
-            allowed = torch.zeros(len(frontier), past + len(frontier), dtype=torch.bool)
-            allowed[:, :base] = True
-            for row, node in enumerate(frontier):
-                allowed[row, past + row] = True
-                a = parents[node]
-                while a >= 0:
-                    allowed[row, base + slot[a]] = True
-                    a = parents[a]
+        def expand(nodes, tokens, parents, visible, level):
+            allowed = torch.cat([torch.ones(len(nodes), base, dtype=torch.bool), visible], dim=1)
             mask = torch.zeros(allowed.shape, dtype=dtype)
             mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-            positions = [[base - 1 + depths[node] for node in frontier]]
-            logits = self._forward(
-                torch.tensor([[tok_list[node] for node in frontier]], device=device),
-                mask[None, None].to(device),
-                torch.tensor(positions, device=device),
-            )[0]  # (frontier, vocab)
-            fed += frontier
-            child_scores, child_tokens = logits.float().log_softmax(-1).topk(k, dim=-1)
-            total = child_scores + torch.tensor([cum[n] for n in frontier], device=device)[:, None]
-            best = total.flatten().topk(k).indices.tolist()  # (k,) over frontier x k children
-            flat_tokens, flat_total = child_tokens.flatten().tolist(), total.flatten().tolist()
-            prev, frontier = frontier, []
-            for b in best:
-                frontier.append(len(tok_list))
-                tok_list.append(flat_tokens[b])
-                parents.append(prev[b // k])
-                depths.append(d)
-                cum.append(flat_total[b])
-        slot = {node: s for s, node in enumerate(fed)}
-        self._fed_slots = [slot.get(i, -1) for i in range(len(tok_list))]
-        return DraftTree(torch.tensor([tok_list], device=device), parents, depths, None)
+            positions = torch.full((1, len(nodes)), base - 1 + level, device=device)
+            ids = torch.tensor([tokens], device=device)
+            return self._logits(ids, mask[None, None].to(device), positions)[0]
 
-    def accept(self, path: list[int]) -> None:
-        """Keep the cache entries of the accepted nodes that were fed; adapt gamma."""
-        if self._depth == 0:  # nothing was drafted or fed: the cache is as it was
+        return draft_tree(
+            self._logits(pending)[0, -1],
+            expand,
+            depth=depth,
+            top_k=self.decode.tree_top_k,
+            budget=self.decode.tree_budget,
+        )
+
+    def accept(self, tree: DraftTree, path: list[int], hidden_states=None) -> None:
+        """Keep the cache entries of the accepted nodes that were fed; adapt gamma. A tree this
+        session did not propose leaves the cache as it is (its tokens are fed next time)."""
+        if tree is not self._tree or not len(tree):
             return
+        self._tree = None
         slots = [self._fed_slots[i] for i in path if self._fed_slots[i] >= 0]
         if self.lean is not None:  # a chain: the accepted fed nodes are the first slots
             self.lean.crop(self._base + len(slots))
         else:
             compact(self.cache, self._base, slots)
         self.cached = self._base + len(slots)
-        if self.options.dynamic_gamma:
+        if self.decode.dynamic_gamma:
             # grow after a fully accepted draft, shrink after a rejection
-            if len(path) == self._depth:
-                self.gamma = min(self.gamma + 2, self.options.max_gamma)
+            if len(path) == len(tree):
+                self.gamma = min(self.gamma + 2, self.max_gamma)
             else:
                 self.gamma = max(1, self.gamma - 1)
 

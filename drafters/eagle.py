@@ -17,40 +17,41 @@ its config, so every Llama-style family works without vendored modeling code.
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from specdraft.data.config import choice
-from specdraft.drafters.base import DraftContext, Drafter, DraftTree, SamplingSettings
+from specdraft.core import (
+    DecodeConfig,
+    DraftContext,
+    DraftTree,
+    DraftVocab,
+    SamplingSettings,
+    choice,
+    draft_chain,
+    draft_tree,
+)
+from specdraft.drafters.base import Drafter
 from specdraft.drafters.lean import (
     DraftLinear,
     LayerWeights,
     SharedWeights,
     decode_layer,
-    int8_supported,
     lean_supported,
     rms,
+    use_int8,
+    warn_once,
 )
-from specdraft.drafters.prompt_lookup import PromptLookupSession
-from specdraft.inference.verify import process_logits
 
 # --- config ------------------------------------------------------------------------------------
 
 
 @dataclass
 class EagleConfig:
-    # The settings that only change how a trained head decodes (evaluate.py's FOLDER:key=value).
-    DECODING_KEYS: ClassVar[tuple[str, ...]] = (
-        "tree_depth", "tree_top_k", "tree_budget", "draft_weights", "stop_below", "lookup_ngram",
-    )  # fmt: skip
-
     # eagle3: fused low/mid/high features, training-time test, reduced draft vocabulary |
     # eagle1: the final feature, feature regression + cross-entropy, the target's LM head.
     version: str = choice("eagle3", "eagle1")
@@ -72,42 +73,13 @@ class EagleConfig:
     reg_weight: float = 1.0
     # eagle1: weight of the cross-entropy against the target's distribution (eagle3 has only it).
     cls_weight: float = 0.1
-    # Decoding: draft depth (a chain drafts this many tokens; the tree grows this many levels).
-    # Also the depth of the simulated tau reported during training.
-    tree_depth: int = 5
-    # Decoding: children per expanded node and nodes expanded per level of the dynamic tree;
-    # 1 drafts a chain.
-    tree_top_k: int = 4
-    # Decoding: draft tokens verified per step (the tree is reranked down to this many). On a
-    # CPU a 16-token verification costs ~1.8 plain steps and a 64-token one 3.6, so the demo
-    # keeps the tree small; GPUs afford 60+.
-    tree_budget: int = 12
-    # Decoding: the head's weights while drafting. full: as trained. int8: int8 copies with one
-    # scale per output row (CPU only): a CPU drafting step streams every weight once per token,
-    # and int8 makes the head's products ~3x cheaper; drafts change slightly, output does not.
-    draft_weights: str = choice("full", "int8")
-    # Decoding, chains: stop drafting after a position where the head's most likely token has
-    # less probability than this (0: always draft tree_depth tokens). Saves the head passes after
-    # a token that is unlikely to be accepted anyway, so tree_depth can go deeper where the head
-    # is sure.
-    stop_below: float = 0.0
-    # Decoding: when the context's last lookup_ngram or more tokens occurred before, draft what
-    # followed them (prompt lookup, up to tree_depth tokens, no head pass) instead of running the
-    # head; 0: always the head. Text that repeats its context (code, edits, a model that loops)
-    # is drafted for free and exactly; elsewhere the head drafts as usual. The same split as
-    # suffix decoding beside a model drafter in Arctic Inference. Output stays exact either way.
-    lookup_ngram: int = 0
 
     def __post_init__(self) -> None:
         if self.ttt_steps is None:
             self.ttt_steps = 7 if self.version == "eagle3" else 1
-        for key, low in (("ttt_steps", 1), ("tree_depth", 1), ("tree_top_k", 1),
-                         ("tree_budget", 1), ("draft_vocab_size", 0),
-                         ("lookup_ngram", 0)):  # fmt: skip
+        for key, low in (("ttt_steps", 1), ("draft_vocab_size", 0)):
             if getattr(self, key) < low:
                 raise ValueError(f"drafter.{key} must be >= {low}; got {getattr(self, key)}")
-        if not 0 <= self.stop_below < 1:
-            raise ValueError(f"drafter.stop_below must be in [0, 1); got {self.stop_below}")
         if not 0 < self.ttt_decay <= 1:
             raise ValueError(f"drafter.ttt_decay must be in (0, 1]; got {self.ttt_decay}")
         if self.feature_noise < 0 or self.reg_weight < 0 or self.cls_weight < 0:
@@ -260,9 +232,21 @@ class EagleDrafter(Drafter):
             self.lm_head.out_features if self.config.version == "eagle3" else self.target.vocab_size
         )
 
-    def new_session(self, target, **options) -> EagleSession:
+    def new_session(
+        self,
+        target,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> EagleSession:
         """Per-call drafting state for the inference loop (see the session section below)."""
-        return EagleSession(self, target, **options)
+        if decode.dynamic_gamma:
+            raise ValueError(
+                "dynamic_gamma is for two-model drafters; an EAGLE chain ends early by its "
+                "confidence instead (stop_below)"
+            )
+        return EagleSession(self, target, sampling=sampling, decode=decode, generator=generator)
 
     def drafting_weights(self, int8: bool) -> DraftingWeights | None:
         """The head's weights as drafting runs them (drafters/lean.py), or None where its layer
@@ -419,13 +403,14 @@ class EagleDrafter(Drafter):
     def acceptance(
         self, batch: Mapping[str, torch.Tensor], target_out
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(alpha summed, count) per draft depth 1..tree_depth, unrolled on the head's own outputs.
+        """(alpha summed, count) per draft depth 1..gamma (the depth the head is served with,
+        `decode.gamma`), unrolled on the head's own outputs.
 
         alpha = sum_x min(p(x), q(x)) with p the target softmax over the full vocabulary and q
         the draft softmax mapped to it through d2t (tokens outside the draft vocabulary get 0).
         """
         sums, counts = [], []
-        for s in self.unroll(batch, target_out, self.config.tree_depth):
+        for s in self.unroll(batch, target_out, self.decode.gamma):
             p = F.softmax(s["p_logits"].float(), dim=-1)  # (B, S, V)
             q_draft = F.softmax(s["logits"].float(), dim=-1)
             if self.config.version == "eagle3":
@@ -480,15 +465,14 @@ class EagleSession:
 
     - `capture_layers: list[int]`: the target hidden-state ids the session needs; every
       verification forward must capture them (`Target.forward(..., capture_layers=...)`).
-    - `accept(path, hidden_states)` after EVERY verification forward, also when the tree was
-      empty (the first step, which verifies the prompt, and steps at the end of generation).
-      `hidden_states[layer]` is (batch, pending + n, hidden): every position of that forward in
-      order, i.e. the pending tokens (the whole prompt at first, then the root = the context's
-      last token), then the n tree nodes in tree order. With one pending token this is
-      (batch, n + 1, hidden) with index 0 the root. `prefill(hidden_states)` is the same call for
-      a prompt forward with no tree.
+    - `accept(tree, path, hidden_states)` after EVERY verification forward, also when the tree
+      was empty (the first step, which verifies the prompt, and steps at the end of generation)
+      or drafted by someone else (a copy). `hidden_states[layer]` is (batch, pending + n,
+      hidden): every position of that forward in order, i.e. the pending tokens (the whole
+      prompt at first, then the root = the context's last token), then the n tree nodes in tree
+      order. `prefill(hidden_states)` is the same call for a prompt forward with no tree.
     - The first `propose` returns an empty tree (no features yet); the loop's first forward is
-      then a plain prefill whose hidden states go to `accept([], hidden_states)`.
+      then a plain prefill whose hidden states go to `accept`.
 
     State: the head's cache holds one entry per pair (f_t, x_{t+1}) for t < `fed`, built from the
     target's true features; tree entries drafted from predicted features are cropped on accept
@@ -499,23 +483,9 @@ class EagleSession:
     in, an in-place KV cache that a rejected draft leaves by moving a length) from weights the
     head builds once and shares across sessions; draft_weights=int8 makes them int8 copies (CPU).
 
-    Drafting: a chain (tree_top_k = 1) takes the argmax (greedy) or samples from q, recording q
-    for lossless verification, and with stop_below > 0 ends after the first unsure position. A
-    tree is EAGLE-2's dynamic tree: each level expands the top_k nodes of the newest level by
-    cumulative draft log-probability into their top_k children,
-    and the whole tree is reranked to `tree_budget` nodes. Tree children are deterministic (point
-    masses, q = None) also when sampling: the rerank keeps or drops a node by its own token's
-    probability, so a sampled child that survived it would no longer be distributed as q.
-
-    With lookup_ngram > 0, a context whose last lookup_ngram or more tokens occurred before is
-    drafted by prompt lookup instead (a chain of point masses, no head pass); the features of
-    what it verifies are fed to the head at its next proposal like any accepted token's.
-
-    Tree shape: `tree_depth`, `tree_top_k`, `tree_budget` (and `draft_weights`, `stop_below`,
-    `lookup_ngram`) default to the head's config. The loop's own knobs mean the same here as for
-    every drafter: `gamma` (generate's gamma, evaluate.py's --gamma) is the draft depth and `topk`
-    the children per expanded node (1: a chain); the budget stays the config's unless
-    `tree_budget` is given.
+    Drafting (settings from `decode`): a chain (tree_top_k = 1, core.draft_chain) or EAGLE-2's
+    dynamic tree (core.draft_tree) whose levels are fed together, each node seeing the real
+    prefix, its fed ancestors and itself.
     """
 
     def __init__(
@@ -524,49 +494,23 @@ class EagleSession:
         target,
         *,
         sampling: SamplingSettings,
+        decode: DecodeConfig,
         generator: torch.Generator | None = None,
-        tree_depth: int | None = None,
-        tree_top_k: int | None = None,
-        tree_budget: int | None = None,
-        draft_weights: str | None = None,
-        stop_below: float | None = None,
-        lookup_ngram: int | None = None,
-        gamma: int | None = None,
-        topk: int | None = None,
-        **_ignored,
     ) -> None:
-        from specdraft.drafters.target import fingerprint_differences
-
-        if drafter.target_fingerprint is not None:
-            diffs = fingerprint_differences(drafter.target_fingerprint, target.fingerprint)
-            if diffs:
-                raise ValueError(
-                    f"this EAGLE head was trained for another target: {'; '.join(diffs)}"
-                )
-        cfg = drafter.config
         self.head = drafter
         self.sampling = sampling
         self.generator = generator
-        self.depth = _either("tree_depth", tree_depth, "gamma", gamma) or cfg.tree_depth
-        self.top_k = _either("tree_top_k", tree_top_k, "topk", topk) or cfg.tree_top_k
-        self.budget = tree_budget or cfg.tree_budget
-        self.int8 = (draft_weights or cfg.draft_weights) == "int8"
-        self.stop_below = cfg.stop_below if stop_below is None else float(stop_below)
-        ngram = cfg.lookup_ngram if lookup_ngram is None else int(lookup_ngram)
-        self.lookup = None  # prompt lookup tried before the head (lookup_ngram > 0)
-        if ngram > 0:
-            self.lookup = PromptLookupSession(max(3, ngram), ngram, self.depth)
-        self.lookup_steps = 0  # proposals drafted by lookup rather than the head
-        if self.int8 and not int8_supported(target.device):
-            _warn_once(
-                f"draft_weights=int8 runs on CPU only; drafting on {target.device} with the "
-                "head's full weights"
-            )
-            self.int8 = False
+        self.decode = decode
+        int8 = use_int8(decode.draft_weights, target.device, "the head's full weights")
+        self.vocab = (
+            DraftVocab(drafter.d2t, drafter.target.vocab_size)
+            if drafter.config.version == "eagle3"
+            else None
+        )
         self.capture_layers: list[int] = list(drafter.capture_layers)
-        self.w = drafter.drafting_weights(self.int8)  # None: run the head's modules
-        if self.w is None and self.int8:
-            _warn_once(
+        self.w = drafter.drafting_weights(int8)  # None: run the head's modules
+        if self.w is None and int8:
+            warn_once(
                 f"draft_weights=int8 needs a layer drafters/lean.py runs ({type(drafter.layer)}"
                 " is not one); drafting with the head's full weights"
             )
@@ -574,8 +518,6 @@ class EagleSession:
         self.fed = 0  # pairs (f_t, x_{t+1}) in the head's cache: t = 0 .. fed - 1
         self.features: torch.Tensor | None = None  # (batch, m, hidden): f_fed .. f_{fed+m-1}
         self._base = 0  # context length at the last proposal
-        self._n = 0  # nodes of the last proposed tree
-        self._waiting = False  # a proposal whose accept has not come yet
 
     @property
     def _known(self) -> int:
@@ -583,26 +525,13 @@ class EagleSession:
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
-        if self._waiting:
-            raise RuntimeError(
-                "EagleSession.propose was called twice without accept(path, hidden_states) in "
-                "between: the loop must pass the verification forward's hidden states at "
-                f"{self.capture_layers} after every step, also when the tree was empty"
-            )
         seq = context.tokens  # (batch, length)
         length = seq.shape[1]
-        self._base, self._waiting = length, True
-        depth = min(self.depth, context.max_depth)
+        self._base = length
+        depth = min(self.decode.gamma, context.max_depth)
         # no features yet: before the prefill (a one-token prompt needs none to be "known")
         if self.features is None or self._known < length - 1 or depth <= 0:
-            self._n = 0
             return DraftTree.empty(seq.shape[0], seq.device)
-        if self.lookup is not None:  # the context repeats itself: copy, no head pass
-            tree = self.lookup.propose(DraftContext(seq, max_depth=depth))
-            if len(tree):
-                self._n = len(tree)
-                self.lookup_steps += 1
-                return tree
         if self.layer is None:  # room for the whole call: prompt, new tokens, one more draft
             self._build(capacity=length + context.max_depth + depth + 1)
         # 1. Feed the pairs with true features not yet in the head's cache (causally, at
@@ -612,9 +541,10 @@ class EagleSession:
         tokens = seq[:, self.fed + 1 : length].to(feats.device)
         h = self._step(tokens, feats, self.fed)[:, -1:]  # (batch, 1, hidden)
         self.fed, self.features = length - 1, self.features[:, n_new:]
-        tree = self._chain(h, depth) if self.top_k == 1 else self._tree(h, depth)
-        self._n = len(tree)
-        return tree
+        # 2. Draft below the root.
+        if self.decode.chain:
+            return self._chain(h, depth)
+        return self._tree(h, depth)
 
     def _build(self, capacity: int) -> None:
         """The head's layer with an in-place KV cache for this call (drafters/lean.py), from the
@@ -649,134 +579,74 @@ class EagleSession:
         low_mid_high = [hidden_states[i][:, rows].to(dtype) for i in self.capture_layers]
         return w.fuse(torch.cat(low_mid_high, dim=-1))
 
-    def _to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return self.head.d2t[draft_ids] if self.head.config.version == "eagle3" else draft_ids
-
-    def _q_full(self, logits: torch.Tensor) -> torch.Tensor:
-        """(batch, draft vocab) logits -> (batch, vocab) the processed draft distribution q."""
-        q = process_logits(logits, self.sampling)
-        if self.head.config.version == "eagle3":
-            q = torch.zeros(q.shape[0], self.head.target.vocab_size, device=q.device).index_copy_(
-                -1, self.head.d2t, q
-            )
-        return q
-
     def _chain(self, h: torch.Tensor, depth: int) -> DraftTree:
-        """Up to depth tokens, each fed back with the head's h; the last one is never fed.
-        With a stop threshold, the chain ends after a position where the head's most likely token
-        has less probability than it (softmax of the head's logits greedy; the largest entry of q
-        when sampling, whichever token was drawn): that token is still verified, but no head pass
-        is spent beyond it. The rule only looks at the draft so far, so sampling stays exact."""
-        tokens, qs = [], []
+        """Each drafted token is fed back with the head's own h as its feature."""
         pos = self._base - 1  # position id of level d is (length - 2) + d
-        for d in range(depth):
-            logits = self._logits(h[:, -1])  # (batch, draft vocab)
-            if self.sampling.greedy:
-                if self.stop_below > 0:
-                    top, best = logits.float().softmax(-1).max(-1, keepdim=True)
-                    sure = float(top) >= self.stop_below
-                else:
-                    best = logits.argmax(-1, keepdim=True)
-                token = self._to_target(best)  # (batch, 1)
-            else:
-                q = self._q_full(logits)  # (batch, vocab)
-                token = torch.multinomial(q, 1, generator=self.generator)
-                qs.append(q)
-                if self.stop_below > 0:  # the head's confidence, not the luck of the draw
-                    sure = float(q.max()) >= self.stop_below
-            tokens.append(token)
-            if self.stop_below > 0 and not sure:
-                break
-            if d + 1 < depth:  # level d + 1 sees the real prefix and the levels before it
-                h = self._step(token, h[:, -1:], pos + d)
-        q = torch.stack(qs, dim=1) if qs else None  # (batch, depth, vocab)
-        return DraftTree.chain(torch.cat(tokens, dim=1), q)
+
+        def step(token: torch.Tensor, i: int) -> torch.Tensor:
+            nonlocal h  # level i + 1 sees the real prefix and the levels before it
+            h = self._step(token, h[:, -1:], pos + i)
+            return self._logits(h[:, -1])
+
+        return draft_chain(
+            self._logits(h[:, -1]),
+            step,
+            depth=depth,
+            sampling=self.sampling,
+            generator=self.generator,
+            stop_below=self.decode.stop_below,
+            vocab=self.vocab,
+        )
 
     def _tree(self, h: torch.Tensor, depth: int) -> DraftTree:
-        """EAGLE-2's dynamic tree (batch 1).
-
-        1. Level 1: the root's top_k tokens, scored by their draft log-probability.
-        2. Each further level: the top_k nodes of the newest level by cumulative log-probability
-           are fed together (each attends to the real prefix, its fed ancestors and itself) and
-           each gets its top_k children, scored by parent score + own log-probability.
-        3. Rerank all nodes by score and keep the best `tree_budget`: a child never outscores its
-           parent, so the kept set is a tree (ties are broken towards the shallower node).
-        """
-        k = self.top_k
-        logp = F.log_softmax(self._logits(h[0, -1]).float(), dim=-1)  # (draft vocab,)
-        scores, ids = logp.topk(min(k, logp.shape[-1]))
-        toks = self._to_target(ids).tolist()
-        parents, depths, cum = [-1] * len(toks), [1] * len(toks), scores.tolist()
-        newest = list(range(len(toks)))
-        fed: list[int] = []  # node ids in head-cache order (after the real prefix)
+        """EAGLE-2's dynamic tree (batch 1): a node's feature is its parent's h."""
         h_of: dict[int, torch.Tensor] = {-1: h[0, -1]}  # node -> output h, for its children
-        for d in range(2, depth + 1):
-            frontier = sorted(newest, key=lambda i: -cum[i])[:k]
-            slot = {node: s for s, node in enumerate(fed)}
-            allowed = torch.zeros(len(frontier), len(fed) + len(frontier), dtype=torch.bool)
-            for row, node in enumerate(frontier):
-                allowed[row, len(fed) + row] = True
-                a = parents[node]
-                while a >= 0:
-                    allowed[row, slot[a]] = True
-                    a = parents[a]
+
+        def expand(nodes, tokens, parents, visible, level):
             # the real prefix is visible to all
-            visible = torch.cat([torch.ones(len(frontier), self.fed, dtype=torch.bool), allowed], 1)
-            feats = torch.stack([h_of[parents[n]] for n in frontier])[None]  # (1, f, hidden)
-            tokens = torch.tensor([[toks[n] for n in frontier]], device=h.device)
-            # the newest level is depth d - 1: step d - 1 at t = length - 2
-            positions = [self._base - 3 + d] * len(frontier)
-            out = self._step(tokens, feats, positions, visible)[0]  # (f, hidden)
-            fed += frontier
-            for row, node in enumerate(frontier):
+            prefix = torch.ones(len(nodes), self.fed, dtype=torch.bool)
+            feats = torch.stack([h_of[p] for p in parents])[None]  # (1, f, hidden)
+            ids = torch.tensor([tokens], device=h.device)
+            # level `level` sits at step level of the unroll from t = length - 2
+            positions = [self._base - 2 + level] * len(nodes)
+            out = self._step(ids, feats, positions, torch.cat([prefix, visible], 1))[0]
+            for row, node in enumerate(nodes):
                 h_of[node] = out[row]
-            child_logp = F.log_softmax(self._logits(out).float(), dim=-1)
-            c_scores, c_ids = child_logp.topk(min(k, child_logp.shape[-1]), dim=-1)  # (f, k)
-            c_tok = self._to_target(c_ids).tolist()
-            newest = []
-            for row, node in enumerate(frontier):
-                for j in range(c_ids.shape[1]):
-                    newest.append(len(toks))
-                    toks.append(c_tok[row][j])
-                    parents.append(node)
-                    depths.append(d)
-                    cum.append(cum[node] + float(c_scores[row, j]))
-        order = sorted(range(len(toks)), key=lambda i: (-cum[i], depths[i], i))
-        keep: set[int] = set()
-        for i in order:
-            if len(keep) == self.budget:
-                break
-            if parents[i] < 0 or parents[i] in keep:
-                keep.add(i)
-        kept = sorted(keep, key=lambda i: (depths[i], i))  # topological: parents first
-        new_index = {old: new for new, old in enumerate(kept)}
-        return DraftTree(
-            torch.tensor([[toks[i] for i in kept]], device=h.device),
-            [new_index[parents[i]] if parents[i] >= 0 else -1 for i in kept],
-            [depths[i] for i in kept],
-            None,
+            return self._logits(out)  # (f, draft vocab)
+
+        tree, _ = draft_tree(
+            self._logits(h[0, -1]),
+            expand,
+            depth=depth,
+            top_k=self.decode.tree_top_k,
+            budget=self.decode.tree_budget,
+            vocab=self.vocab,
         )
+        return tree
 
     @torch.no_grad()
     def accept(
-        self, path: list[int], hidden_states: Mapping[int, torch.Tensor] | None = None
+        self,
+        tree: DraftTree,
+        path: list[int],
+        hidden_states: Mapping[int, torch.Tensor] | None = None,
     ) -> None:
         """Take the true features of the verified tokens; drop the drafted entries of the cache.
 
-        `path`: accepted node indices, root to leaf. `hidden_states`: see the class docstring.
+        `path`: accepted node indices of `tree`, root to leaf. `hidden_states`: see the class
+        docstring.
         """
         if hidden_states is None:
             raise ValueError(
                 "EagleSession.accept needs hidden_states: the verification forward's hidden "
                 f"states at layers {self.capture_layers} (see the EagleSession docstring)"
             )
-        self._waiting = False
         positions = next(iter(hidden_states.values())).shape[1]
-        pending = positions - self._n
-        if pending < 1 or self._known + pending != self._base:
+        pending = positions - len(tree)
+        if pending < 1:
             raise ValueError(
-                f"EagleSession.accept got hidden states for {positions} positions; expected "
-                f"the {self._base - self._known} pending token(s) then the {self._n} tree nodes"
+                f"EagleSession.accept got hidden states for {positions} positions; expected the "
+                f"pending token(s) then the {len(tree)} tree nodes"
             )
         rows = list(range(pending)) + [pending + i for i in path]
         new = self._fuse(hidden_states, rows)  # (batch, pending + accepted, hidden)
@@ -785,33 +655,12 @@ class EagleSession:
             self.layer.crop(self.fed)
 
     def prefill(self, hidden_states: Mapping[int, torch.Tensor]) -> None:
-        """The prompt forward's hidden states (batch, prompt, hidden) per layer: accept([], ...)."""
-        if not self._waiting:  # a prefill before any proposal: stand in for the empty one
-            self._base, self._n, self._waiting = (
-                self._known + next(iter(hidden_states.values())).shape[1],
-                0,
-                True,
-            )
-        self.accept([], hidden_states)
+        """The prompt forward's hidden states (batch, prompt, hidden) per layer, no tree."""
+        device = next(iter(hidden_states.values())).device
+        self.accept(DraftTree.empty(device=device), [], hidden_states)
 
     def extra_memory_bytes(self) -> int:
         """The head's KV cache, plus the drafting copies of its weights (fused, folded, int8),
         which exist from the session's start even if every draft was copied."""
         weights = 0 if self.w is None else self.w.memory_bytes()
         return weights + (0 if self.layer is None else self.layer.memory_bytes())
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, stacklevel=3)
-
-
-_WARNED: set[str] = set()
-
-
-def _either(key: str, value: int | None, loop_key: str, loop_value: int | None) -> int | None:
-    """A session option given under its own name or the loop's; both given must agree."""
-    if value is not None and loop_value is not None and value != loop_value:
-        raise ValueError(f"{key}={value} and {loop_key}={loop_value} set the same thing; pass one")
-    return value if value is not None else loop_value

@@ -24,10 +24,14 @@ key theirs on the parameters' versions, see EagleDrafter.drafting_weights).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
+
+from specdraft.core import kv_bytes
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
@@ -176,6 +180,27 @@ class DraftLinear:
 def int8_supported(device: torch.device) -> bool:
     """Whether DraftLinear's int8 path runs on `device` (CPU builds of torch >= 2.3)."""
     return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def use_int8(draft_weights: str, device: torch.device, who: str) -> bool:
+    """Whether drafting should run int8 copies: asked for (`draft_weights`) and possible on
+    `device`; asked for elsewhere, one warning says `who` drafts with full weights instead."""
+    if draft_weights != "int8":
+        return False
+    if not int8_supported(device):
+        warn_once(f"draft_weights=int8 runs on CPU only; drafting on {device} with {who}")
+        return False
+    return True
+
+
+def warn_once(message: str) -> None:
+    """A drafting fallback's warning, once per process rather than once per generate call."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+_WARNED: set[str] = set()
 
 
 class LayerWeights:
@@ -352,8 +377,6 @@ class ModuleLayer:
             self.cache.crop(-drop)
 
     def memory_bytes(self) -> int:
-        from specdraft.inference.cache import kv_bytes
-
         return kv_bytes(self.cache)
 
     @torch.no_grad()

@@ -1,17 +1,24 @@
-"""Prompt lookup: the training-free n-gram drafter (Saxena 2023), always available as a baseline.
+"""Prompt lookup: the training-free n-gram drafter (Saxena 2023), and copying before any drafter.
 
 The draft is what followed an earlier occurrence of the context's last n tokens (n from
 `max_ngram` down to `min_ngram`), up to gamma tokens: the latest occurrence followed by gamma
 tokens, else the earliest (inside a repeating run, the latest is followed by almost nothing).
 It needs no weights and no cache, and its tokens are deterministic (point masses), so
 verification stays lossless when sampling.
+
+`CopyingSession` puts it in front of any drafter's session (`DecodeConfig.lookup_ngram`): where
+the context repeats itself the draft is copied for free, elsewhere the drafter drafts. The same
+split as suffix decoding beside a model drafter in Arctic Inference.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 
-from specdraft.drafters.base import DraftContext, Drafter, DraftTree, SamplingSettings
+from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
+from specdraft.drafters.base import Drafter, DraftSession
 
 
 class PromptLookupDrafter(Drafter):
@@ -28,14 +35,16 @@ class PromptLookupDrafter(Drafter):
         target,
         *,
         sampling: SamplingSettings | None = None,
+        decode: DecodeConfig | None = None,
         generator: torch.Generator | None = None,
-        gamma: int = 5,
-        **_ignored,
     ) -> PromptLookupSession:
+        gamma = (decode or self.decode).gamma
         return PromptLookupSession(self.max_ngram, self.min_ngram, gamma)
 
 
 class PromptLookupSession:
+    capture_layers: Sequence[int] = ()
+
     def __init__(self, max_ngram: int, min_ngram: int, gamma: int) -> None:
         self.max_ngram, self.min_ngram, self.gamma = max_ngram, min_ngram, gamma
 
@@ -55,8 +64,40 @@ class PromptLookupSession:
                 return DraftTree.chain(draft[None].clone())
         return DraftTree.empty(1, seq.device)
 
-    def accept(self, path: list[int]) -> None:
+    def accept(self, tree: DraftTree, path: list[int], hidden_states=None) -> None:
         pass  # no state to keep
 
     def extra_memory_bytes(self) -> int:
         return 0
+
+
+class CopyingSession:
+    """Any drafter's session with prompt lookup in front: where the context's last `ngram` or
+    more tokens occurred before, the draft is copied from what followed them (no drafter pass);
+    elsewhere `inner` drafts. The inner session still sees every verification (`accept` with the
+    copied tree), so a drafter fed by the target's features (EAGLE) gets the verified tokens'
+    features, and one with a KV cache feeds them at its next proposal."""
+
+    def __init__(self, inner: DraftSession, ngram: int, gamma: int) -> None:
+        self.inner = inner
+        self.lookup = PromptLookupSession(max(3, ngram), ngram, gamma)
+        self.capture_layers: Sequence[int] = getattr(inner, "capture_layers", ())
+        self.copied_passes = 0  # proposals copied rather than drafted
+
+    def propose(self, context: DraftContext) -> DraftTree:
+        tree = self.lookup.propose(context)
+        if len(tree):
+            self.copied_passes += 1
+            return tree
+        return self.inner.propose(context)
+
+    def accept(
+        self,
+        tree: DraftTree,
+        path: list[int],
+        hidden_states: Mapping[int, torch.Tensor] | None = None,
+    ) -> None:
+        self.inner.accept(tree, path, hidden_states)
+
+    def extra_memory_bytes(self) -> int:
+        return self.inner.extra_memory_bytes()

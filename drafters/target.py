@@ -17,23 +17,16 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from specdraft.core import TargetOutput
+from specdraft.drafters.demo_target import ensure_demo_target
+
 DEMO_TARGETS = ("demo", "demo-tiny")
-
-
-@dataclass
-class TargetOutput:
-    logits: torch.Tensor  # (batch, seq, vocab); only the last `logits_to_keep` positions if set
-    hidden_states: dict[int, torch.Tensor] = field(
-        default_factory=dict
-    )  # layer -> (batch, seq, hidden)
-    cache: object | None = None  # the HF Cache after this forward, when use_cache
 
 
 class TargetError(ValueError):
@@ -200,16 +193,6 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def fingerprint_differences(expected: dict, actual: dict) -> list[str]:
-    """Human-readable differences between two fingerprints (empty when they match)."""
-    keys = sorted(set(expected) | set(actual))
-    return [
-        f"{k}: expected {expected.get(k)!r}, got {actual.get(k)!r}"
-        for k in keys
-        if expected.get(k) != actual.get(k)
-    ]
-
-
 def load_target(
     name: str = "demo",
     *,
@@ -220,8 +203,6 @@ def load_target(
     """Load a target: "demo" / "demo-tiny" (built and cached on first use), a local folder, or a
     hub id. dtype defaults to the checkpoint's own; `trust_remote_code` stays off unless asked."""
     if name in DEMO_TARGETS:
-        from specdraft.scripts.build_demo_target import ensure_demo_target
-
         path: str = str(ensure_demo_target(variant="tiny" if name == "demo-tiny" else "default"))
     else:
         path = os.path.expanduser(name)

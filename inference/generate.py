@@ -26,12 +26,22 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specdraft.drafters.base import DraftContext, DraftTree, SamplingSettings
-from specdraft.drafters.target import Target, fingerprint_differences
-from specdraft.inference.cache import compact
+from specdraft.core import (
+    DecodeConfig,
+    DraftContext,
+    DraftTree,
+    SamplingSettings,
+    check_fingerprint,
+    compact,
+    eos_ids,
+    process_logits,
+)
+from specdraft.drafters.distill import DistillDrafter
+from specdraft.drafters.prompt_lookup import CopyingSession, PromptLookupDrafter
+from specdraft.drafters.target import Target
 from specdraft.inference.metrics import Stats
 from specdraft.inference.tree import tree_attention
-from specdraft.inference.verify import process_logits, verify_greedy, verify_sampling
+from specdraft.inference.verify import verify_greedy, verify_sampling
 
 
 @dataclass
@@ -51,9 +61,8 @@ def generate(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int = 0,
-    gamma: int | None = None,
-    topk: int | None = None,
-    dynamic_gamma: bool = False,
+    decode: DecodeConfig | None = None,
+    **settings,
 ) -> GenerateOutput:
     """Decode up to `max_new_tokens` after `input_ids` (batch 1), stopping after an EOS token.
 
@@ -61,18 +70,16 @@ def generate(
     causal LM sharing the target's vocabulary (drafts as a two-model drafter).
     temperature 0 is greedy: output equals the target's greedy decoding token for token. Above
     0, output follows the target's distribution after temperature, top-k and top-p exactly.
-    gamma: draft depth; topk > 1 drafts a tree of the topk best nodes per depth (two-model);
-    dynamic_gamma adapts gamma to recent acceptance. None leaves the drafter's own default (5
-    and 1 for two-model and prompt lookup; a trained drafter's config otherwise).
+    decode: how the drafter drafts (specdraft.core.DecodeConfig); None: the drafter's own
+    defaults (saved with a trained drafter; DecodeConfig() otherwise). settings: DecodeConfig keys
+    that override it for this call, e.g. gamma=8, tree_top_k=4, lookup_ngram=2.
     """
-    seq_ids = _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k, gamma)
+    seq_ids = _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k)
     sampling = SamplingSettings(temperature=float(temperature), top_k=int(top_k), top_p=top_p)
     device = target.device
     generator = torch.Generator(device=device).manual_seed(seed)
-    session, stats = _start_session(
-        target, drafter, sampling, generator, gamma, topk, dynamic_gamma
-    )
-    eos = _eos_ids(target)
+    session, stats = _start_session(target, drafter, sampling, generator, decode, settings)
+    eos = eos_ids(target.model)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
     # 1. Buffers: the whole sequence lives in one preallocated row; the cache starts empty.
@@ -93,6 +100,8 @@ def generate(
         proposed = session is not None and remaining > 1
         if proposed:
             tree = session.propose(DraftContext(seq[:, :length], max_depth=remaining - 1))
+            if __debug__:  # a drafter bug stops here, not as a wrong verification
+                tree.check()
             sync()
         t1 = time.perf_counter()
 
@@ -123,10 +132,8 @@ def generate(
         compact(cache, length, path)
         cached = length + len(path)
         t2 = time.perf_counter()
-        if proposed and capture:  # drafters fed by the target's features (EAGLE)
-            session.accept(path, out.hidden_states)
-        elif proposed:
-            session.accept(path)
+        if session is not None:  # hidden states: for drafters fed by the target's (EAGLE)
+            session.accept(tree, path, out.hidden_states if capture else None)
         t3 = time.perf_counter()
 
         # 5. Emit accepted + bonus/correction, cut at the first EOS and at max_new_tokens.
@@ -148,12 +155,12 @@ def generate(
     stats.total_seconds = time.perf_counter() - start
     if session is not None:
         stats.drafter_kv_bytes = session.extra_memory_bytes()
-        stats.copies = getattr(session, "lookup", None) is not None
-        stats.copied_passes = getattr(session, "lookup_steps", 0)
+        stats.copies = isinstance(session, CopyingSession)
+        stats.copied_passes = getattr(session, "copied_passes", 0)
     return GenerateOutput(tokens=seq[:, prompt_len:length].clone(), stats=stats)
 
 
-def _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k, gamma):
+def _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k):
     """The prompt as a (1, L) tensor, or a clear error for input the loop cannot honour."""
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     if ids.dim() == 1:
@@ -183,15 +190,15 @@ def _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k, 
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 is off), got {top_k}")
-    if gamma is not None and gamma < 1:
-        raise ValueError(f"gamma (draft length) must be >= 1, got {gamma}")
     return ids
 
 
-def _start_session(target, drafter, sampling, generator, gamma, topk, dynamic_gamma):
+def _start_session(target, drafter, sampling, generator, decode, settings):
     """The drafting session for this call (None for plain decoding) and fresh stats."""
     stats = Stats()
     if drafter is None:
+        if settings or decode is not None:
+            raise ValueError(f"decoding settings {sorted(settings)} given without a drafter")
         return None, stats
     if isinstance(drafter, str):
         if drafter != "prompt_lookup":
@@ -199,32 +206,17 @@ def _start_session(target, drafter, sampling, generator, gamma, topk, dynamic_ga
                 f"unknown drafter {drafter!r}: pass None, 'prompt_lookup', a drafter from "
                 "load_drafter(path, target), or an HF causal LM sharing the target's vocabulary"
             )
-        from specdraft.drafters.prompt_lookup import PromptLookupDrafter
-
         drafter = PromptLookupDrafter()
     elif isinstance(drafter, PreTrainedModel):
-        from specdraft.drafters.distill import DistillDrafter
-
         drafter = DistillDrafter(drafter)
-    expected = getattr(drafter, "target_fingerprint", None)
-    if expected is not None:
-        diffs = fingerprint_differences(expected, target.fingerprint)
-        if diffs:
-            raise ValueError(
-                f"this {drafter.kind} drafter was trained for another target ({'; '.join(diffs)}); "
-                "load the target it was trained against, or train a drafter for this one"
-            )
-    options = {"gamma": gamma, "topk": topk, "dynamic_gamma": dynamic_gamma or None}
-    options = {k: v for k, v in options.items() if v is not None}
-    session = drafter.new_session(target, sampling=sampling, generator=generator, **options)
+    check_fingerprint(
+        getattr(drafter, "target_fingerprint", None),
+        target.fingerprint,
+        f"this {drafter.kind} drafter",
+    )
+    decode = (decode if decode is not None else drafter.decode).replace(**settings)
+    session = drafter.new_session(target, sampling=sampling, decode=decode, generator=generator)
+    if decode.lookup_ngram > 0 and not isinstance(drafter, PromptLookupDrafter):
+        session = CopyingSession(session, decode.lookup_ngram, decode.gamma)
     stats.drafter_params = drafter.num_extra_parameters(target)
     return session, stats
-
-
-def _eos_ids(target: Target) -> set[int]:
-    """The target's EOS ids: its generation config's, as transformers' generate uses."""
-    config = getattr(target.model, "generation_config", None) or target.config
-    eos = config.eos_token_id
-    if eos is None:
-        return set()
-    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}

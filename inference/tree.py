@@ -12,17 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.drafters.base import DraftTree
-
-
-def ancestors(parents: list[int]) -> torch.Tensor:
-    """(n, n) bool: [i, j] is True when node j is node i or one of its ancestors."""
-    n = len(parents)
-    anc = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:  # parents come first, so row p is already complete
-            anc[i] |= anc[p]
-    return anc
+from specdraft.core import DraftTree, ancestors
 
 
 def tree_attention(
@@ -50,20 +40,3 @@ def tree_attention(
         mask[None, None].to(device),
         torch.tensor([positions], dtype=torch.long, device=device),
     )
-
-
-def children_of(parents: list[int]) -> dict[int, list[int]]:
-    """Node -> its children in node order; the root is -1."""
-    children: dict[int, list[int]] = {}
-    for i, p in enumerate(parents):
-        children.setdefault(p, []).append(i)
-    return children
-
-
-def path_to(node: int, parents: list[int]) -> list[int]:
-    """Node indices from the root's child down to `node` (empty for the root, -1)."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]

@@ -16,25 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.drafters.base import DraftTree, SamplingSettings
-from specdraft.inference.tree import children_of
-
-
-def process_logits(logits: torch.Tensor, sampling: SamplingSettings) -> torch.Tensor:
-    """(..., vocab) logits -> (..., vocab) probabilities after temperature, top-k and top-p (the
-    order transformers applies them). The output of speculative sampling follows exactly these."""
-    logits = logits.float() / sampling.temperature
-    if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the tokens ranked above it already reach top_p; the first always stays
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= sampling.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
+from specdraft.core import DraftTree, children_of
 
 
 def verify_greedy(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], int]:

@@ -30,7 +30,7 @@ def specdraft_home(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_target_path(specdraft_home) -> str:
     """The tiny demo target, built once per test session (about a second)."""
-    from specdraft.scripts.build_demo_target import ensure_demo_target
+    from specdraft.drafters.demo_target import ensure_demo_target
 
     return str(ensure_demo_target(variant="tiny"))
 

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # the student's random init; identical on every process
         drafter = DistillDrafter.build(cfg.drafter, target)
+        drafter.decode = cfg.decode  # served with these; the simulated tau is for them too
         prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
     except (ValueError, OSError) as e:  # missing data, bad target, a student of another vocab
         print(f"{prog}: error: {e}", file=sys.stderr)
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, drafter, target, train_examples, eval_examples, tokenizer=target.tokenizer,
         provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
     )  # fmt: skip
-    report_after_training(target, result, prompts, cfg, gamma=cfg.drafter.gamma)
+    report_after_training(target, result, prompts, cfg)
     return 0
 
 

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from specdraft.core import eos_ids
 from specdraft.data.dataset import build_datasets
 from specdraft.data.hidden_cache import CachedTarget, HiddenStateCache
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, build_draft_vocab, resolve_config
@@ -34,25 +35,13 @@ class EagleTrainConfig(TrainConfig):
     hidden_cache: str | None = None
 
 
-def eos_ids(target) -> list[int]:
-    """The target's EOS ids (generation config first, as generate uses), always draftable."""
-    config = getattr(target.model, "generation_config", None)
-    eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        eos = target.tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
 def build_head(cfg: EagleConfig, target, train_examples) -> EagleDrafter:
     """The head, with its draft vocabulary counted from the training data (eagle3)."""
     cfg = resolve_config(cfg, target)
     d2t = None
     if cfg.version == "eagle3" and 0 < cfg.draft_vocab_size < target.vocab_size:
-        d2t = build_draft_vocab(
-            train_examples, cfg.draft_vocab_size, target.vocab_size, always=eos_ids(target)
-        )
+        eos = eos_ids(target.model, target.tokenizer)
+        d2t = build_draft_vocab(train_examples, cfg.draft_vocab_size, target.vocab_size, always=eos)
     return EagleDrafter.build(cfg, target, d2t)
 
 
@@ -66,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # the head's random init; identical on every process
         head = build_head(cfg.drafter, target, train_examples)
+        head.decode = cfg.decode  # served with these; the simulated tau is for them too
         features = target
         if cfg.hidden_cache:  # offline: hidden states and p come from the cache
             cache = HiddenStateCache(

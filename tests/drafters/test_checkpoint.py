@@ -10,7 +10,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from specdraft.core import DecodeConfig
 from specdraft.drafters import checkpoint
+from specdraft.drafters.base import Drafter
 from specdraft.drafters.checkpoint import CheckpointError, load_drafter, save_drafter
 from specdraft.drafters.distill import DistillConfig, DistillDrafter
 from specdraft.drafters.target import Target
@@ -102,7 +104,7 @@ class _HeadConfig:
     width: int = 8
 
 
-class _HeadDrafter(nn.Module):
+class _HeadDrafter(Drafter):
     kind = "toyhead"
     config_class = _HeadConfig
     shared_with_target = ("lm_head.weight",)
@@ -129,3 +131,30 @@ def test_non_hf_drafter_stores_only_its_own_tensors(tiny_target, tmp_path, monke
     loaded = load_drafter(folder, tiny_target)
     _same_state(drafter, loaded)
     assert loaded.lm_head is tiny_target.model.lm_head
+
+
+def test_decoding_defaults_round_trip_and_format_1_folders_still_load(
+    tiny_target, student, tmp_path
+):
+    """The drafter's decoding defaults are saved beside its config and come back on load; a
+    folder of format 1 (decoding keys inside the kind's config) loads with them moved over."""
+    drafter = student
+    drafter.decode = DecodeConfig(gamma=7, draft_weights="int8", lookup_ngram=2)
+    folder = save_drafter(drafter, tmp_path / "d", target_fingerprint=tiny_target.fingerprint)
+    assert load_drafter(folder, tiny_target).decode == drafter.decode
+
+    config = json.loads((folder / "config.json").read_text())
+    block = config["specdraft"]
+    del block["decode"]
+    block["format_version"] = 1
+    block["config"].update(gamma=3, draft_weights="int8")
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = load_drafter(folder, tiny_target)
+    assert loaded.decode == DecodeConfig(gamma=3, draft_weights="int8")
+    assert loaded.config == drafter.config
+
+    block["decode"] = {"gamma": 0}
+    del block["config"]["gamma"], block["config"]["draft_weights"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="DecodeConfig is not valid: gamma must be"):
+        load_drafter(folder, tiny_target)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
+from specdraft.core import DecodeConfig
 from specdraft.drafters.checkpoint import CheckpointError, load_drafter, save_drafter
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, build_draft_vocab
 from specdraft.drafters.target import Target, TargetError
@@ -119,8 +120,8 @@ def naive_reference(head: EagleDrafter, batch, target_out, steps: int):
 @pytest.mark.parametrize(
     "cfg",
     [
-        dict(version="eagle3", ttt_steps=3, tree_depth=3, draft_vocab_size=200),
-        dict(version="eagle1", ttt_steps=3, tree_depth=3, reg_weight=0.7, cls_weight=0.3),
+        dict(version="eagle3", ttt_steps=3, draft_vocab_size=200),
+        dict(version="eagle1", ttt_steps=3, reg_weight=0.7, cls_weight=0.3),
     ],
     ids=["eagle3", "eagle1"],
 )
@@ -135,6 +136,7 @@ def test_ttt_loss_and_acceptance_equal_naive_step_by_step_reference(tiny_target,
         counts[argmax[1::2]] = -1.0
         d2t = build_draft_vocab(counts, cfg["draft_vocab_size"], tiny_target.vocab_size)
     head = head_for(tiny_target, d2t, **cfg)
+    head.decode = DecodeConfig(gamma=3)  # the simulated tau's depth: the served gamma
     target_out = tiny_target.forward(
         batch["input_ids"],
         attention_mask=batch["attention_mask"],

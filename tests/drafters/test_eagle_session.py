@@ -4,18 +4,23 @@ trees, with tokens actually drafted and accepted."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from transformers import DynamicCache
 
-from specdraft.drafters.base import DraftContext, SamplingSettings
+from specdraft.core import (
+    DecodeConfig,
+    DraftContext,
+    DraftTree,
+    SamplingSettings,
+    compact,
+    process_logits,
+)
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, EagleSession
+from specdraft.drafters.prompt_lookup import CopyingSession
 from specdraft.inference import generate
-from specdraft.inference.cache import compact
 from specdraft.inference.tree import tree_attention
-from specdraft.inference.verify import process_logits, verify_greedy, verify_sampling
+from specdraft.inference.verify import verify_greedy, verify_sampling
 
 
 @pytest.fixture(scope="module", params=["eagle3", "eagle1"])
@@ -73,11 +78,17 @@ def drive(
             path, nxt = verify_sampling(tree, process_logits(logits, sampling), generator)
         compact(cache, len(seq), path)
         cached = len(seq) + len(path)
-        session.accept(path, out.hidden_states)
+        session.accept(tree, path, out.hidden_states)
         drafted += n
         accepted += len(path)
         seq += [int(tree.tokens[0, i]) for i in path] + [nxt]
     return seq[len(prompt) : len(prompt) + max_new], drafted, accepted
+
+
+def new_session(head, target, sampling, generator=None, **settings):
+    return head.new_session(
+        target, sampling=sampling, decode=DecodeConfig(**settings), generator=generator
+    )
 
 
 def plain_greedy(target, prompt: list[int], max_new: int) -> list[int]:
@@ -92,18 +103,18 @@ PROMPTS = [[5, 17, 42, 99, 7, 250], [300, 12, 12, 64]]
 
 @pytest.mark.parametrize(
     "options",
-    [dict(tree_top_k=1, tree_depth=4), dict(tree_top_k=3, tree_depth=4, tree_budget=10),
-     dict(tree_top_k=2, tree_depth=3, tree_budget=3),
-     dict(tree_top_k=1, tree_depth=4, draft_weights="int8"),
-     dict(tree_top_k=3, tree_depth=4, tree_budget=10, draft_weights="int8"),
-     dict(tree_top_k=1, tree_depth=6, stop_below=0.2, draft_weights="int8")],
+    [dict(tree_top_k=1, gamma=4), dict(tree_top_k=3, gamma=4, tree_budget=10),
+     dict(tree_top_k=2, gamma=3, tree_budget=3),
+     dict(tree_top_k=1, gamma=4, draft_weights="int8"),
+     dict(tree_top_k=3, gamma=4, tree_budget=10, draft_weights="int8"),
+     dict(tree_top_k=1, gamma=6, stop_below=0.2, draft_weights="int8")],
     ids=["chain", "tree", "small-budget-tree", "int8-chain", "int8-tree", "stopping-chain"],
 )  # fmt: skip
 def test_greedy_output_equals_plain_greedy(tiny_target, trained_head, options):
     greedy = SamplingSettings()
     total_drafted = total_accepted = 0
     for prompt in PROMPTS:
-        session = trained_head.new_session(tiny_target, sampling=greedy, **options)
+        session = new_session(trained_head, tiny_target, greedy, **options)
         tokens, drafted, accepted = drive(tiny_target, session, prompt, 20, greedy)
         assert tokens == plain_greedy(tiny_target, prompt, 20)
         assert session.extra_memory_bytes() > 0
@@ -117,32 +128,30 @@ def test_lookup_drafts_repeats_without_the_head_and_stays_exact(tiny_target, tra
     the rest by the head; greedy output is still the target's own."""
     greedy = SamplingSettings()
     prompt = PROMPTS[0] * 3  # a context that repeats
-    session = trained_head.new_session(tiny_target, sampling=greedy, tree_top_k=1, tree_depth=4,
-                                       lookup_ngram=2)  # fmt: skip
+    session = CopyingSession(new_session(trained_head, tiny_target, greedy, gamma=4), 2, gamma=4)
     head_passes = 0
-    step = session._step
+    step = session.inner._step
 
     def counting_step(*args, **kwargs):
         nonlocal head_passes
         head_passes += 1
         return step(*args, **kwargs)
 
-    session._step = counting_step
+    session.inner._step = counting_step
     tokens, _, accepted = drive(tiny_target, session, prompt, 24, greedy)
     assert tokens == plain_greedy(tiny_target, prompt, 24)
-    assert session.lookup_steps > 0 and accepted > 0
+    assert session.copied_passes > 0 and accepted > 0
     forwards = 24 - accepted  # each verification forward emits its accepted tokens plus one
-    # a head-drafted step runs at most tree_depth passes; a copied one runs none
-    assert 0 < head_passes <= 4 * (forwards - session.lookup_steps)
+    # a head-drafted step runs at most gamma passes; a copied one runs none
+    assert 0 < head_passes <= 4 * (forwards - session.copied_passes)
 
 
 def test_generate_reports_the_passes_a_hybrid_copied(tiny_target, trained_head, monkeypatch):
     prompt = PROMPTS[0] * 3
-    hybrid = dataclasses.replace(trained_head.config, tree_top_k=1, lookup_ngram=2)
-    monkeypatch.setattr(trained_head, "config", hybrid)
-    out = generate(tiny_target, prompt, trained_head, max_new_tokens=24)
+    out = generate(tiny_target, prompt, trained_head, max_new_tokens=24, lookup_ngram=2)
     assert out.tokens[0].tolist() == plain_greedy(tiny_target, prompt, 24)
     assert out.stats.copies and 0 < out.stats.copied_passes < out.stats.target_passes
+    assert out.stats.accepted > 0
     plain = generate(tiny_target, prompt, "prompt_lookup", max_new_tokens=8).stats
     assert not plain.copies and plain.copied_passes == 0  # its drafts are not a model's copies
 
@@ -154,15 +163,15 @@ def test_untrained_head_still_gives_the_target_output(tiny_target):
         for p in head.parameters():
             p.add_(torch.randn_like(p))
     greedy = SamplingSettings()
-    session = head.new_session(tiny_target, sampling=greedy, tree_top_k=3, tree_budget=8)
+    session = new_session(head, tiny_target, greedy, tree_top_k=3, tree_budget=8)
     tokens, drafted, _ = drive(tiny_target, session, PROMPTS[0], 12, greedy)
     assert drafted > 0 and tokens == plain_greedy(tiny_target, PROMPTS[0], 12)
 
 
 def test_sampled_chain_records_q_over_the_full_vocab(tiny_target, trained_head):
     sampling = SamplingSettings(temperature=1.0)
-    session = trained_head.new_session(
-        tiny_target, sampling=sampling, generator=torch.Generator().manual_seed(0), tree_top_k=1
+    session = new_session(
+        trained_head, tiny_target, sampling, generator=torch.Generator().manual_seed(0)
     )
     trees = []
     original = session.propose
@@ -183,23 +192,21 @@ def test_sampled_chain_records_q_over_the_full_vocab(tiny_target, trained_head):
 
 
 def test_contract_violations_are_clear_errors(tiny_target, trained_head):
-    session = trained_head.new_session(tiny_target, sampling=SamplingSettings())
+    session = new_session(trained_head, tiny_target, SamplingSettings())
     ctx = DraftContext(torch.tensor([PROMPTS[0]]), max_depth=4)
-    assert len(session.propose(ctx)) == 0  # no features before the prompt's forward
-    with pytest.raises(RuntimeError, match="without accept"):
-        session.propose(ctx)
+    tree = session.propose(ctx)
+    assert len(tree) == 0  # no features before the prompt's forward
     out = tiny_target.forward(ctx.tokens[:, :3], capture_layers=session.capture_layers)
-    with pytest.raises(ValueError, match="expected the 6 pending"):
-        session.accept([], out.hidden_states)
+    too_big = DraftTree.chain(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ValueError, match="pending token"):
+        session.accept(too_big, [], out.hidden_states)
     with pytest.raises(ValueError, match="needs hidden_states"):
-        session.accept([])
+        session.accept(tree, [])
 
 
-def test_the_loops_gamma_and_topk_are_the_trees_depth_and_width(
-    tiny_target, trained_head, monkeypatch
-):
-    """generate(gamma=, topk=) and evaluate.py's --gamma/--topk shape an EAGLE tree as they
-    would any drafter's; without them the head's config decides; output stays exact."""
+def test_decoding_settings_shape_the_tree(tiny_target, trained_head, monkeypatch):
+    """generate(gamma=, tree_top_k=) shape an EAGLE tree as they would any drafter's; without
+    them the head's saved defaults decide; output stays exact."""
     trees = []
     propose = EagleSession.propose
     monkeypatch.setattr(EagleSession, "propose", lambda s, ctx: trees.append(propose(s, ctx)) or trees[-1])  # fmt: skip
@@ -207,33 +214,38 @@ def test_the_loops_gamma_and_topk_are_the_trees_depth_and_width(
     plain = plain_greedy(tiny_target, PROMPTS[0], 16)
     for gamma, topk in ((2, 1), (3, 2)):
         trees.clear()
-        out = generate(tiny_target, prompt, trained_head, max_new_tokens=16, gamma=gamma, topk=topk)
-        assert out.tokens[0].tolist() == plain and out.stats.drafted > 0
+        out = generate(
+            tiny_target, prompt, trained_head, max_new_tokens=16, gamma=gamma, tree_top_k=topk
+        )
+        assert out.tokens[0].tolist() == plain
+        assert out.stats.drafted > 0 and out.stats.accepted > 0
         drafted = [t for t in trees if len(t)]
         assert max(t.depth for t in drafted) == gamma
         assert all(t.depths.count(1) == topk for t in drafted)  # children of the root
         assert all(t.is_chain for t in drafted) == (topk == 1)
-    cfg = trained_head.config
-    session = trained_head.new_session(tiny_target, sampling=SamplingSettings())
-    assert (session.depth, session.top_k) == (cfg.tree_depth, cfg.tree_top_k)
-    with pytest.raises(ValueError, match="tree_depth=4 and gamma=2"):
-        trained_head.new_session(tiny_target, sampling=SamplingSettings(), tree_depth=4, gamma=2)
+    monkeypatch.setattr(trained_head, "decode", DecodeConfig(gamma=3, tree_top_k=2))
+    trees.clear()
+    out = generate(tiny_target, prompt, trained_head, max_new_tokens=16)
+    drafted = [t for t in trees if len(t)]
+    assert max(t.depth for t in drafted) == 3 and not all(t.is_chain for t in drafted)
+    with pytest.raises(ValueError, match="unknown decoding setting"):
+        generate(tiny_target, prompt, trained_head, max_new_tokens=4, topk=2)
 
 
 def test_drafting_weights_are_shared_until_a_parameter_changes(tiny_target, trained_head):
     """Sessions reuse the head's fused/int8 drafting weights; an optimizer step (or any in-place
     change) rebuilds them, so a head evaluated during training drafts with its current weights."""
     greedy = SamplingSettings()
-    first = trained_head.new_session(tiny_target, sampling=greedy, draft_weights="int8").w
-    again = trained_head.new_session(tiny_target, sampling=greedy, draft_weights="int8").w
-    full = trained_head.new_session(tiny_target, sampling=greedy).w
+    first = new_session(trained_head, tiny_target, greedy, draft_weights="int8").w
+    again = new_session(trained_head, tiny_target, greedy, draft_weights="int8").w
+    full = new_session(trained_head, tiny_target, greedy).w
     assert first is again and full is not first and first.int8 and not full.int8
     param = next(p for p in trained_head.parameters() if p.requires_grad)
     saved = param.detach().clone()
     with torch.no_grad():
         param.add_(1.0)
     try:
-        changed = trained_head.new_session(tiny_target, sampling=greedy, draft_weights="int8").w
+        changed = new_session(trained_head, tiny_target, greedy, draft_weights="int8").w
         assert changed is not first
     finally:
         with torch.no_grad():
@@ -262,16 +274,14 @@ def test_stop_below_ends_chains_after_an_unsure_token(tiny_target, trained_head,
     logits = EagleSession._logits
     monkeypatch.setattr(EagleSession, "_logits", lambda s, h: seen.append(logits(s, h)) or seen[-1])  # fmt: skip
     greedy = SamplingSettings()
-    session = trained_head.new_session(tiny_target, sampling=greedy, tree_top_k=1, tree_depth=6)
+    session = new_session(trained_head, tiny_target, greedy, gamma=6)
     drive(tiny_target, session, PROMPTS[1], 24, greedy)  # without stopping, to pick a threshold
     starts = torch.tensor([0] + [len(t) for t in trees if len(t)]).cumsum(0)[:-1]
     first = torch.stack([seen[i].softmax(-1).max() for i in starts])  # each chain's first token
     threshold = float(first.median())  # about half the chains stop at once
     seen.clear()
     trees.clear()
-    session = trained_head.new_session(
-        tiny_target, sampling=greedy, tree_top_k=1, tree_depth=6, stop_below=threshold
-    )
+    session = new_session(trained_head, tiny_target, greedy, gamma=6, stop_below=threshold)
     tokens, _, _ = drive(tiny_target, session, PROMPTS[1], 24, greedy)
     assert tokens == plain_greedy(tiny_target, PROMPTS[1], 24)
     sure = [float(x.softmax(-1).max()) >= threshold for x in seen]
@@ -287,23 +297,21 @@ def test_stop_below_ends_chains_after_an_unsure_token(tiny_target, trained_head,
 def test_int8_where_it_cannot_run_drafts_with_full_weights(tiny_target, trained_head, monkeypatch):
     """A head saved with draft_weights=int8 still decodes on a device without the int8 kernel
     (a GPU): one warning, full weights, exact output."""
-    import specdraft.drafters.eagle as eagle_module
+    import specdraft.drafters.lean as lean
 
-    monkeypatch.setattr(eagle_module, "_WARNED", set())
-    monkeypatch.setattr(eagle_module, "int8_supported", lambda device: False)
+    monkeypatch.setattr(lean, "_WARNED", set())
+    monkeypatch.setattr(lean, "int8_supported", lambda device: False)
     greedy = SamplingSettings()
     with pytest.warns(UserWarning, match="runs on CPU only"):
-        session = trained_head.new_session(tiny_target, sampling=greedy, draft_weights="int8")
-    assert not session.int8 and not session.w.int8
-    tokens, drafted, _ = drive(tiny_target, session, PROMPTS[0], 12, greedy)
-    assert drafted > 0 and tokens == plain_greedy(tiny_target, PROMPTS[0], 12)
+        session = new_session(trained_head, tiny_target, greedy, draft_weights="int8")
+    assert not session.w.int8
+    tokens, drafted, accepted = drive(tiny_target, session, PROMPTS[0], 12, greedy)
+    assert drafted > 0 and accepted > 0 and tokens == plain_greedy(tiny_target, PROMPTS[0], 12)
 
 
 @pytest.mark.parametrize("lookup_ngram", [0, 1])
 def test_a_one_token_prompt(tiny_target, trained_head, monkeypatch, lookup_ngram):
     """The first proposal has no features even when the context has no pair to feed yet."""
-    hybrid = dataclasses.replace(trained_head.config, lookup_ngram=lookup_ngram)
-    monkeypatch.setattr(trained_head, "config", hybrid)
-    out = generate(tiny_target, [5], trained_head, max_new_tokens=10)
+    out = generate(tiny_target, [5], trained_head, max_new_tokens=10, lookup_ngram=lookup_ngram)
     assert out.tokens[0].tolist() == plain_greedy(tiny_target, [5], 10)
     assert out.stats.target_passes < 10  # it drafted after the first step

@@ -3,12 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdraft.drafters.target import (
-    Target,
-    TargetError,
-    fingerprint_differences,
-    load_target,
-)
+from specdraft.core import fingerprint_differences
+from specdraft.drafters.target import Target, TargetError, load_target
 
 
 def test_load_demo_tiny_by_name_is_frozen_and_fingerprinted(tiny_target_path):

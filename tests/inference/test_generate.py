@@ -11,7 +11,7 @@ import pytest
 import torch
 from spec_helpers import chi_square_p_value, make_target, perturbed, tiny_llama
 
-from specdraft.drafters.base import DraftContext
+from specdraft.core import DraftContext
 from specdraft.drafters.distill import DistillDrafter
 from specdraft.inference import generate
 
@@ -28,7 +28,9 @@ def hf_greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:
 @pytest.mark.parametrize("draft", ["copy", "partial", "random"])
 def test_greedy_equals_plain_greedy(random_target, drafts, draft, topk):
     ref = hf_greedy(random_target, PROMPT, 24)
-    out = generate(random_target, PROMPT, drafts[draft], max_new_tokens=24, gamma=4, topk=topk)
+    out = generate(
+        random_target, PROMPT, drafts[draft], max_new_tokens=24, gamma=4, tree_top_k=topk
+    )
     assert out.tokens[0].tolist() == ref
     s = out.stats
     assert s.drafted > 0 and s.new_tokens == 24
@@ -43,20 +45,23 @@ def test_greedy_equals_plain_greedy(random_target, drafts, draft, topk):
 def test_distilled_chains_draft_through_the_lean_model(random_target, drafts, weights):
     """A Llama-layout student drafts chains through drafters/lean.py (trees through the HF
     model): same greedy output, and a copy of the target is still always right (full weights)."""
-    from specdraft.drafters.base import SamplingSettings
-    from specdraft.drafters.distill import DistillConfig
+    from specdraft.core import DecodeConfig, SamplingSettings
 
     ref = hf_greedy(random_target, PROMPT, 24)
     for name in ("copy", "partial"):
-        drafter = DistillDrafter(drafts[name], DistillConfig(draft_weights=weights))
-        out = generate(random_target, PROMPT, drafter, max_new_tokens=24, gamma=4)
+        drafter = DistillDrafter(drafts[name])
+        out = generate(
+            random_target, PROMPT, drafter, max_new_tokens=24, gamma=4, draft_weights=weights
+        )
         assert out.tokens[0].tolist() == ref and out.stats.accepted > 0
         if name == "copy" and weights == "full":
             assert out.stats.accepted == out.stats.drafted
-    session = drafter.new_session(random_target, sampling=SamplingSettings(), gamma=3)
+    greedy = SamplingSettings()
+    decode = DecodeConfig(gamma=3, draft_weights=weights)
+    session = drafter.new_session(random_target, sampling=greedy, decode=decode)
     session.propose(DraftContext(torch.tensor([PROMPT]), max_depth=3))
     assert session.lean is not None and session.extra_memory_bytes() > 0
-    tree = drafter.new_session(random_target, sampling=SamplingSettings(), gamma=3, topk=2)
+    tree = drafter.new_session(random_target, sampling=greedy, decode=decode.replace(tree_top_k=2))
     assert tree.weights is None  # trees keep the HF model and its DynamicCache
     w = drafter.drafting_weights(weights == "int8")
     assert drafter.drafting_weights(weights == "int8") is w  # built once, shared
@@ -95,6 +100,24 @@ def test_dynamic_gamma_is_still_exact(random_target, drafts):
     assert len(copy_run.stats.acceptance_per_position) > 2
 
 
+@pytest.mark.parametrize("topk", [1, 3], ids=["chain", "tree"])
+def test_copying_before_a_two_model_draft_is_exact(random_target, drafts, topk):
+    """lookup_ngram puts prompt lookup in front of any drafter: where the context repeats, the
+    draft is copied (no draft-model pass); elsewhere the student drafts; its KV cache catches up
+    on the copied tokens at its next proposal. Greedy output stays the target's."""
+    prompt = PROMPT * 3  # a context that repeats
+    ref = hf_greedy(random_target, prompt, 30)
+    for name in ("partial", "random"):
+        out = generate(
+            random_target, prompt, drafts[name], max_new_tokens=30, gamma=4, tree_top_k=topk,
+            lookup_ngram=2,
+        )  # fmt: skip
+        s = out.stats
+        assert out.tokens[0].tolist() == ref
+        assert s.copies and 0 < s.copied_passes < s.target_passes
+        assert s.drafted > 0 and s.accepted > 0
+
+
 def test_prompt_lookup_is_exact_and_drafts_from_the_context(tiny_target):
     # the tiny demo target repeats itself, which is what prompt lookup feeds on
     prompt = tiny_target.tokenizer("def foo(x):\n    return x\n", return_tensors="pt").input_ids
@@ -107,7 +130,9 @@ def test_prompt_lookup_is_exact_and_drafts_from_the_context(tiny_target):
 @pytest.mark.parametrize("topk", [1, 3], ids=["chain", "tree"])
 def test_max_new_tokens_inside_a_draft(random_target, drafts, topk):
     # gamma 5 with a perfect draft emits 6 per pass: 8 ends inside the second draft
-    out = generate(random_target, PROMPT, drafts["copy"], max_new_tokens=8, gamma=5, topk=topk)
+    out = generate(
+        random_target, PROMPT, drafts["copy"], max_new_tokens=8, gamma=5, tree_top_k=topk
+    )
     assert out.tokens[0].tolist() == hf_greedy(random_target, PROMPT, 8)
     assert out.stats.new_tokens == 8 and out.stats.accepted > 0
 
@@ -120,7 +145,9 @@ def test_eos_inside_a_draft_ends_the_output(random_target, drafts, topk):
     config = random_target.model.generation_config
     config.eos_token_id = [383, eos]  # a list, as many chat models have
     try:
-        out = generate(random_target, PROMPT, drafts["copy"], max_new_tokens=20, gamma=5, topk=topk)
+        out = generate(
+            random_target, PROMPT, drafts["copy"], max_new_tokens=20, gamma=5, tree_top_k=topk
+        )
         hf = hf_greedy(random_target, PROMPT, 20)
     finally:
         config.eos_token_id = None
@@ -160,18 +187,18 @@ FALSE_ALARM = 1e-3  # the chance that a correct sampler fails one test
 @pytest.fixture(scope="module")
 def small_vocab():
     """A random target over 6 tokens and two drafts: a noisy copy and an unrelated model."""
-    from specdraft.drafters.distill import DistillConfig
+    from specdraft.core import DecodeConfig
 
     target = make_target(tiny_llama(V, seed=3, hidden=16, layers=1, init=0.5))
     noisy = perturbed(target.model, 0.3, seed=4)
-    int8 = DistillDrafter(noisy, DistillConfig(draft_weights="int8"))  # lean chains, int8 weights
+    int8 = DistillDrafter(noisy)
+    int8.decode = DecodeConfig(draft_weights="int8")  # as saved: lean chains, int8 weights
     return target, {"noisy": noisy, "other": tiny_llama(V, 5, 16, 1), "noisy-int8": int8}
 
 
 def exact_joint(target, prompt, temperature, top_p, top_k) -> torch.Tensor:
     """(V, V) the target's probability of each first two tokens, after processing."""
-    from specdraft.drafters.base import SamplingSettings
-    from specdraft.inference.verify import process_logits
+    from specdraft.core import SamplingSettings, process_logits
 
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k)
     with torch.no_grad():
@@ -183,24 +210,27 @@ def exact_joint(target, prompt, temperature, top_p, top_k) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("draft", "topk", "top_p", "top_k"),
+    ("draft", "topk", "top_p", "top_k", "lookup"),
     [
-        ("noisy", 1, 1.0, 0),
-        ("noisy", 2, 1.0, 0),
-        ("other", 1, 0.8, 0),
-        ("noisy", 2, 0.8, 0),
-        ("noisy", 1, 1.0, 3),
-        ("noisy-int8", 1, 1.0, 0),
+        ("noisy", 1, 1.0, 0, 0),
+        ("noisy", 2, 1.0, 0, 0),
+        ("other", 1, 0.8, 0, 0),
+        ("noisy", 2, 0.8, 0, 0),
+        ("noisy", 1, 1.0, 3, 0),
+        ("noisy-int8", 1, 1.0, 0, 0),
+        ("noisy", 1, 1.0, 0, 1),
     ],
-    ids=["chain", "tree", "chain-top_p", "tree-top_p", "chain-top_k", "int8-chain"],
+    ids=["chain", "tree", "chain-top_p", "tree-top_p", "chain-top_k", "int8-chain", "lookup"],
 )
-def test_sampled_output_follows_the_target(small_vocab, draft, topk, top_p, top_k):
+def test_sampled_output_follows_the_target(small_vocab, draft, topk, top_p, top_k, lookup):
     """Chi-square on the joint of the first two tokens over SAMPLES seeds (FALSE_ALARM). Three
-    tokens are asked for, so the first draft is two deep and both tokens can come from it."""
+    tokens are asked for, so the first draft is two deep and both tokens can come from it. With
+    lookup, prompt lookup copies where the context repeats and the two-model draft samples
+    elsewhere."""
     target, drafts = small_vocab
     prompt = [1, 2, 3]
     counts = torch.zeros(V, V)
-    drafted = accepted = 0
+    drafted = accepted = copied = 0
     for seed in range(SAMPLES):
         out = generate(
             target,
@@ -212,12 +242,15 @@ def test_sampled_output_follows_the_target(small_vocab, draft, topk, top_p, top_
             top_k=top_k,
             seed=seed,
             gamma=2,
-            topk=topk,
+            tree_top_k=topk,
+            lookup_ngram=lookup,
         )
         y1, y2 = out.tokens[0, :2].tolist()
         counts[y1, y2] += 1
         drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
+        copied += out.stats.copied_passes
     assert drafted > 0 and accepted > 0
+    assert (copied > 0) == (lookup > 0)
     exact = exact_joint(target, prompt, 1.3, top_p, top_k)
     assert chi_square_p_value(counts.flatten(), exact.flatten()) > FALSE_ALARM
 
@@ -236,7 +269,7 @@ def test_sampled_output_through_an_eagle_head_follows_the_target(small_vocab, op
 
     target, _ = small_vocab
     torch.manual_seed(6)
-    head = EagleDrafter.build(EagleConfig(tree_depth=2, **options), target).eval()
+    head = EagleDrafter.build(EagleConfig(), target).eval()
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.5)  # an untrained head that still drafts varied tokens
@@ -244,7 +277,9 @@ def test_sampled_output_through_an_eagle_head_follows_the_target(small_vocab, op
     counts = torch.zeros(V, V)
     drafted = accepted = 0
     for seed in range(SAMPLES):
-        out = generate(target, prompt, head, max_new_tokens=3, temperature=1.3, seed=seed)
+        out = generate(
+            target, prompt, head, max_new_tokens=3, temperature=1.3, seed=seed, gamma=2, **options
+        )
         y1, y2 = out.tokens[0, :2].tolist()
         counts[y1, y2] += 1
         drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
@@ -279,6 +314,14 @@ def test_bad_input_is_a_clear_error(random_target, drafts):
         (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
         (dict(drafter=tiny_llama(100, seed=6)), "vocabulary of 100 tokens"),
         (dict(drafter="medusa-please"), "unknown drafter"),
+        (dict(gamma=0), "gamma must be an integer >= 1"),
+        (dict(gamma=2.5), "gamma must be an integer >= 1"),
+        (dict(tree_top_k=2, tree_budget=0), "tree_budget must be"),
+        (dict(stop_below=1.5), r"stop_below must be in \[0, 1\)"),
+        (dict(draft_weights="int4"), "draft_weights='int4' is not one of: full | int8"),
+        (dict(lookup_ngram=-1), "lookup_ngram must be"),
+        (dict(topk=2), "unknown decoding setting.*topk"),
+        (dict(drafter=None, gamma=3), "without a drafter"),
     ]
     for kwargs, message in cases:
         call = dict(input_ids=PROMPT, drafter=d, max_new_tokens=4) | kwargs

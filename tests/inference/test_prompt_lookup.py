@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.drafters.base import DraftContext
+from specdraft.core import DecodeConfig, DraftContext
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
 
 
 def propose(tokens: list[int], gamma: int = 3, max_depth: int = 10) -> list[int]:
-    session = PromptLookupDrafter().new_session(None, gamma=gamma)
+    session = PromptLookupDrafter().new_session(None, decode=DecodeConfig(gamma=gamma))
     tree = session.propose(DraftContext(torch.tensor([tokens]), max_depth=max_depth))
     assert tree.is_chain and tree.q is None  # deterministic: point masses
     return tree.tokens[0].tolist()

@@ -8,9 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from specdraft.drafters.base import DraftTree
-from specdraft.inference.cache import compact
-from specdraft.inference.tree import ancestors, path_to, tree_attention
+from specdraft.core import DraftTree, ancestors, compact, path_to
+from specdraft.inference.tree import tree_attention
 
 #        root
 #       /    \

@@ -10,9 +10,8 @@ import pytest
 import torch
 from spec_helpers import chi_square_p_value
 
-from specdraft.drafters.base import DraftTree, SamplingSettings
-from specdraft.inference.tree import path_to
-from specdraft.inference.verify import process_logits, verify_greedy, verify_sampling
+from specdraft.core import DraftTree, SamplingSettings, path_to, process_logits
+from specdraft.inference.verify import verify_greedy, verify_sampling
 
 # -- greedy ------------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdraft.data.demo import demo_corpus_files, demo_prompts
-from specdraft.scripts import build_demo_target as bdt
+from specdraft.drafters import demo_target as bdt
 
 
 def test_tiny_build_is_a_standard_hf_folder(tiny_target_path):

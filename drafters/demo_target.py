@@ -1,0 +1,272 @@
+"""The demo target: a small Llama trained on the standard library's Python source.
+
+`load_target("demo")` calls `ensure_demo_target`, which builds it on first use;
+`scripts/build_demo_target.py` is the command line (variants, budgets, --report).
+
+The result is a standard HF model folder (AutoModelForCausalLM / AutoTokenizer load it offline)
+cached under $SPECDRAFT_HOME/demo-target/ (default ~/.cache/specdraft). The folder name carries a
+hash of every build setting and of the Python version whose stdlib is the corpus, so changing
+either builds anew and a stale cache is never reused. A build is deterministic for its seed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from specdraft.data.demo import END, build_demo_tokenizer, demo_corpus_texts, demo_prompts
+
+# Bump when a change to this file changes what a build produces for the same settings.
+BUILD_VERSION = 1
+COMPLETE_MARKER = "build_info.json"
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    seq_len: int
+    batch_size: int
+    steps: int
+    lr: float
+    warmup_steps: int
+    corpus_files: int  # use only the first N corpus files for tokenizer and training (0: all)
+    seed: int = 0
+
+
+SPECS = {
+    "default": DemoSpec(
+        vocab_size=4096, hidden_size=512, num_layers=4, num_heads=8, intermediate_size=1408,
+        seq_len=512, batch_size=8, steps=350, lr=1e-3, warmup_steps=20, corpus_files=0,
+    ),
+    "tiny": DemoSpec(
+        vocab_size=384, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
+        seq_len=64, batch_size=4, steps=25, lr=3e-3, warmup_steps=2, corpus_files=40,
+    ),
+}  # fmt: skip
+BUDGETS = {"default": 1, "long": 3}
+
+
+def specdraft_home() -> Path:
+    return Path(os.environ.get("SPECDRAFT_HOME", "~/.cache/specdraft")).expanduser()
+
+
+def resolve_spec(
+    variant: str = "default", budget: str = "default", seed: int = 0, overrides: dict | None = None
+) -> DemoSpec:
+    """The build settings of a variant, scaled by a budget, with optional field overrides."""
+    if variant not in SPECS:
+        raise ValueError(f"unknown demo variant {variant!r}; choose one of {sorted(SPECS)}")
+    if budget not in BUDGETS:
+        raise ValueError(f"unknown build budget {budget!r}; choose one of {sorted(BUDGETS)}")
+    spec = SPECS[variant]
+    spec = replace(spec, steps=spec.steps * BUDGETS[budget], seed=seed)
+    unknown = sorted(set(overrides or {}) - set(asdict(spec)))
+    if unknown:
+        raise ValueError(f"unknown demo build setting(s) {unknown}; valid: {sorted(asdict(spec))}")
+    return replace(spec, **(overrides or {}))
+
+
+def demo_target_dir(spec: DemoSpec, variant: str) -> Path:
+    key = json.dumps(
+        {"spec": asdict(spec), "python": platform.python_version(), "build": BUILD_VERSION},
+        sort_keys=True,
+    )
+    return (
+        specdraft_home()
+        / "demo-target"
+        / f"{variant}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    )
+
+
+def ensure_demo_target(
+    variant: str = "default",
+    budget: str = "default",
+    seed: int = 0,
+    force: bool = False,
+    overrides: dict | None = None,
+) -> Path:
+    """The cached demo target's folder, built first if missing (or if `force`). Safe to call from
+    several processes at once: one builds under a file lock, the others wait and reuse it."""
+    spec = resolve_spec(variant, budget, seed, overrides)
+    out = demo_target_dir(spec, variant)
+    if (out / COMPLETE_MARKER).exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / COMPLETE_MARKER).exists() and not force:
+            return out
+        # Holding the lock, any temp folder of this build is a killed build's leftover.
+        for stale in out.parent.glob(f".{out.name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        print(f"[specdraft] building the demo target ({variant}) into {out}", file=sys.stderr)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        try:
+            build(spec, tmp)
+            if out.exists():
+                shutil.rmtree(out)
+            tmp.rename(out)  # atomic: a folder with build_info.json is always complete
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _lr_at(step: int, spec: DemoSpec) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    if step < spec.warmup_steps:
+        return spec.lr * (step + 1) / spec.warmup_steps
+    progress = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
+    return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _blocks(texts: list[str], tokenizer, seq_len: int) -> torch.Tensor:
+    """Tokenize, join documents with EOS and cut into (n_blocks, seq_len + 1) rows."""
+    ids: list[int] = []
+    for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.append(tokenizer.eos_token_id)
+    n = (len(ids) - 1) // seq_len
+    flat = torch.tensor(ids[: n * seq_len + 1])
+    return flat.unfold(0, seq_len + 1, seq_len)  # blocks overlap by one token: input + label
+
+
+def build(spec: DemoSpec, out: Path) -> dict:
+    """Train tokenizer and model for `spec` and save both to `out`; returns the build info."""
+    start = time.time()
+    torch.manual_seed(spec.seed)
+    train_texts = demo_corpus_texts("train")
+    train_texts = train_texts[: spec.corpus_files] if spec.corpus_files else train_texts
+    heldout_texts = demo_corpus_texts("heldout")
+    tokenizer = build_demo_tokenizer(train_texts, spec.vocab_size)
+
+    train_blocks = _blocks(train_texts, tokenizer, spec.seq_len)  # (n, seq_len + 1)
+    eval_blocks = _blocks(heldout_texts, tokenizer, spec.seq_len)[:64]
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        intermediate_size=spec.intermediate_size,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    model = LlamaForCausalLM(config)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=spec.lr,
+        betas=(0.9, 0.95),
+    )
+    order = torch.randperm(len(train_blocks), generator=torch.Generator().manual_seed(spec.seed))
+    model.train()
+    log_every = max(1, spec.steps // 20)
+    for step in range(spec.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, spec)
+        idx = order[(torch.arange(spec.batch_size) + step * spec.batch_size) % len(order)]
+        batch = train_blocks[idx]
+        loss = model(input_ids=batch, labels=batch).loss  # HF shifts the labels itself
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % log_every == 0 or step == spec.steps - 1:
+            print(
+                f"[specdraft] demo target step {step + 1}/{spec.steps} loss {loss.item():.3f} "
+                f"({time.time() - start:.0f}s)",
+                file=sys.stderr,
+            )
+    model.eval()
+    heldout_loss = evaluate_loss(model, eval_blocks)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(END)],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    info = {
+        "spec": asdict(spec),
+        "python": platform.python_version(),
+        "build_version": BUILD_VERSION,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "train_tokens_seen": spec.steps * spec.batch_size * spec.seq_len,
+        "train_tokens_available": int(train_blocks.numel()),
+        "heldout_loss": heldout_loss,
+        "build_seconds": round(time.time() - start, 1),
+        "torch_threads": torch.get_num_threads(),
+    }
+    (out / COMPLETE_MARKER).write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+@torch.no_grad()
+def evaluate_loss(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int = 8) -> float:
+    """Mean next-token cross-entropy (nats) over held-out blocks."""
+    losses = [model(input_ids=b, labels=b).loss.item() for b in blocks.split(batch_size)]
+    return round(sum(losses) / len(losses), 4)
+
+
+def loops(tokens: list[int], tail: int = 48, max_period: int = 24) -> bool:
+    """True when the last `tail` tokens repeat with a period of at most `max_period`."""
+    if len(tokens) < tail + max_period:
+        return False
+    end = tokens[-tail:]
+    full = tokens[-tail - max_period :]
+    return any(
+        all(end[i] == full[max_period + i - p] for i in range(tail))
+        for p in range(1, max_period + 1)
+    )
+
+
+@torch.no_grad()
+def report(path: Path, num_prompts: int = 20, max_new_tokens: int = 128) -> dict:
+    """Plain greedy decoding of held-out prompts: tokens/s and how often the output loops."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    prompts = demo_prompts(num_prompts)
+    encoded = [tokenizer(p, return_tensors="pt").input_ids for p in prompts]
+    model.generate(encoded[0], max_new_tokens=8, do_sample=False)  # warm-up
+    new_tokens, looping, seconds = 0, 0, 0.0
+    samples = []
+    for ids in encoded:
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+        seconds += time.perf_counter() - t0
+        gen = out[0, ids.shape[1] :].tolist()
+        new_tokens += len(gen)
+        looping += loops(gen)
+        if len(samples) < 2:
+            samples.append(tokenizer.decode(gen))
+    return {
+        "prompts": num_prompts,
+        "max_new_tokens": max_new_tokens,
+        "plain_greedy_tokens_per_s": round(new_tokens / seconds, 1),
+        "looping_fraction": looping / num_prompts,
+        "samples": samples,
+    }

@@ -1,0 +1,465 @@
+"""The drafting types and maths every part of specdraft shares. Imports nothing of ours.
+
+This is the bottom of the layering (README, "Layout"): the draft tree and what a session sees,
+the decoding and sampling settings, turning logits into a drafted token with its q, the two ways
+a drafter grows a draft (a chain, EAGLE-2's best-first tree), tree masks, KV-cache compaction,
+the EOS ids and the target fingerprint check. Targets, drafter kinds, the loop and the trainer
+all build on these, so each exists once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# --- config fields --------------------------------------------------------------------------
+
+
+def choice(*options: str) -> Any:
+    """A string config field limited to `options`; the first is the default. The config loader
+    (train/config.py) and `check_choices` refuse any other value, naming the key."""
+    return field(default=options[0], metadata={"choices": options})
+
+
+def check_choices(obj: Any, prefix: str = "") -> None:
+    """Raise ValueError naming the dotted key of any `choice` field (in nested sections too)
+    whose value is not one of its options."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        options = f.metadata.get("choices")
+        if options is not None and value not in options:
+            raise ValueError(f"{prefix}{f.name}={value!r} is not one of: {' | '.join(options)}")
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_choices(value, prefix=f"{prefix}{f.name}.")
+
+
+# --- settings -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How the target's logits become the distribution p that output follows (process_logits)."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How a drafter drafts in the loop: the same keys for every kind, saved in its checkpoint as
+    its defaults (`decode` section of a training config) and overridable at evaluation
+    (`--drafter FOLDER:key=value`). Never stored on a module after loading; sessions get one."""
+
+    # Draft depth: a chain drafts up to this many tokens, a tree grows this many levels. Also the
+    # depth of the simulated tau reported during training.
+    gamma: int = 5
+    # 1: a chain. k > 1: EAGLE-2's dynamic tree: each level expands the k best nodes of the
+    # newest level into their k best children.
+    tree_top_k: int = 1
+    # Trees: draft tokens verified per step (the tree is reranked down to this many). On a CPU a
+    # 16-token verification costs ~2 plain steps, so keep it small there; GPUs afford 60+.
+    tree_budget: int = 12
+    # Chains: stop after a position where the drafter's most likely token has less probability
+    # than this (0: always draft gamma tokens). That token is still verified, but no drafting
+    # pass is spent beyond it.
+    stop_below: float = 0.0
+    # The drafter's weights while drafting. full: as trained. int8: int8 copies with one scale
+    # per output row (CPU only; a CPU drafting step streams every weight once per token). Drafts
+    # change slightly; output does not.
+    draft_weights: str = choice("full", "int8")
+    # Where the context's last lookup_ngram or more tokens occurred before, draft what followed
+    # them (prompt lookup, up to gamma tokens, no drafter pass) instead of running the drafter;
+    # 0: always the drafter. Repetitive text is drafted for free and exactly.
+    lookup_ngram: int = 0
+    # Chains of a two-model draft: grow gamma after a fully accepted draft, shrink it otherwise.
+    dynamic_gamma: bool = False
+
+    def __post_init__(self) -> None:
+        for key, low in (("gamma", 1), ("tree_top_k", 1), ("tree_budget", 1), ("lookup_ngram", 0)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{key} must be an integer >= {low}; got {value!r}")
+        if not 0 <= self.stop_below < 1:
+            raise ValueError(f"stop_below must be in [0, 1); got {self.stop_below}")
+        check_choices(self)
+
+    @property
+    def chain(self) -> bool:
+        return self.tree_top_k == 1
+
+    def replace(self, **changes: Any) -> DecodeConfig:
+        """A copy with `changes` (DecodeConfig keys; None values are ignored), checked."""
+        changes = {k: v for k, v in changes.items() if v is not None}
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ValueError(
+                f"unknown decoding setting(s) {', '.join(unknown)}; choose from "
+                f"{', '.join(f.name for f in dataclasses.fields(self))}"
+            )
+        return dataclasses.replace(self, **changes)
+
+
+# --- the draft tree ---------------------------------------------------------------------------
+
+
+@dataclass
+class DraftTree:
+    """Draft tokens hanging below the root (the context's last token, not part of the tree).
+
+    Nodes are in topological order (a parent comes before its children) and children of one parent
+    are tried in their node order during sampling. A chain is a tree with one child per node.
+    """
+
+    tokens: torch.Tensor  # (batch, n) draft token ids
+    parents: list[int]  # (n,) index of each node's parent node, -1 for children of the root
+    depths: list[int]  # (n,) 1 for children of the root, 2 for their children, ...
+    # (batch, n, vocab): the draft distribution node i was sampled from, needed for lossless
+    # sampling; None when every node was chosen deterministically (a point mass on its token).
+    q: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    @property
+    def is_chain(self) -> bool:
+        """True when node i's parent is node i - 1: plain causal attention verifies it."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    @classmethod
+    def empty(cls, batch: int = 1, device: torch.device | str | None = None) -> DraftTree:
+        return cls(torch.empty(batch, 0, dtype=torch.long, device=device), [], [])
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, q: torch.Tensor | None = None) -> DraftTree:
+        """A chain from (batch, n) tokens; q, if given, is (batch, n, vocab)."""
+        n = tokens.shape[-1]
+        return cls(tokens, list(range(-1, n - 1)), list(range(1, n + 1)), q)
+
+    def check(self) -> None:
+        """Raise if the structure is inconsistent (a drafter bug, caught before verification)."""
+        n = len(self.parents)
+        if self.tokens.shape[-1] != n or len(self.depths) != n:
+            raise ValueError(
+                f"DraftTree has {self.tokens.shape[-1]} tokens, {n} parents, {len(self.depths)} depths"
+            )
+        for i, (p, d) in enumerate(zip(self.parents, self.depths, strict=True)):
+            if not -1 <= p < i or d != (1 if p < 0 else self.depths[p] + 1):
+                raise ValueError(f"DraftTree node {i}: parent {p} / depth {d} are not topological")
+        if self.q is not None and self.q.shape[:2] != self.tokens.shape:
+            raise ValueError(
+                f"DraftTree q has shape {tuple(self.q.shape)}, tokens {self.tokens.shape}"
+            )
+
+
+@dataclass
+class DraftContext:
+    """What a session sees before proposing."""
+
+    tokens: torch.Tensor  # (batch, seq): prompt plus every token emitted so far
+    max_depth: int  # draft at most this deep: more could never be emitted (max_new_tokens)
+
+
+@dataclass
+class TargetOutput:
+    """One forward of the target (drafters/target.py) or of a stand-in (the hidden-state cache)."""
+
+    logits: torch.Tensor  # (batch, seq, vocab); only the last `logits_to_keep` positions if set
+    hidden_states: dict[int, torch.Tensor] = field(
+        default_factory=dict
+    )  # layer -> (batch, seq, hidden)
+    cache: object | None = None  # the HF Cache after this forward, when use_cache
+
+
+def ancestors(parents: list[int]) -> torch.Tensor:
+    """(n, n) bool: [i, j] is True when node j is node i or one of its ancestors."""
+    n = len(parents)
+    anc = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:  # parents come first, so row p is already complete
+            anc[i] |= anc[p]
+    return anc
+
+
+def children_of(parents: list[int]) -> dict[int, list[int]]:
+    """Node -> its children in node order; the root is -1."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    return children
+
+
+def path_to(node: int, parents: list[int]) -> list[int]:
+    """Node indices from the root's child down to `node` (empty for the root, -1)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+# --- drawing draft tokens ---------------------------------------------------------------------
+
+
+def process_logits(logits: torch.Tensor, sampling: SamplingSettings) -> torch.Tensor:
+    """(..., vocab) logits -> (..., vocab) probabilities after temperature, top-k and top-p (the
+    order transformers applies them). The output of speculative sampling follows exactly these."""
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k > 0 and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the tokens ranked above it already reach top_p; the first always stays
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= sampling.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+@dataclass(frozen=True)
+class DraftVocab:
+    """A reduced draft vocabulary (EAGLE-3): draft id i is target id d2t[i]."""
+
+    d2t: torch.Tensor  # (draft vocab,) target ids
+    vocab_size: int  # the target's
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.d2t[ids]
+
+    def spread(self, q: torch.Tensor) -> torch.Tensor:
+        """(batch, draft vocab) -> (batch, target vocab) probabilities, 0 outside the draft."""
+        full = torch.zeros(q.shape[0], self.vocab_size, dtype=q.dtype, device=q.device)
+        return full.index_copy_(-1, self.d2t, q)
+
+
+def draft_token(
+    logits: torch.Tensor,
+    sampling: SamplingSettings,
+    generator: torch.Generator | None,
+    vocab: DraftVocab | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One drafted token from (batch, draft vocab) logits: (token (batch, 1) target ids, q).
+
+    Greedy: the argmax, q None (a point mass). Sampling: drawn from q, the draft distribution
+    after the same temperature / top-k / top-p as the target's, (batch, target vocab), which
+    lossless verification needs.
+    """
+    if sampling.greedy:
+        best = logits.argmax(-1, keepdim=True)
+        return (best if vocab is None else vocab.to_target(best)), None
+    q = process_logits(logits, sampling)  # (batch, draft vocab)
+    if vocab is not None:
+        q = vocab.spread(q)
+    return torch.multinomial(q, 1, generator=generator), q
+
+
+def draft_chain(
+    logits: torch.Tensor,
+    step: Callable[[torch.Tensor, int], torch.Tensor],
+    *,
+    depth: int,
+    sampling: SamplingSettings,
+    generator: torch.Generator | None,
+    stop_below: float = 0.0,
+    vocab: DraftVocab | None = None,
+) -> DraftTree:
+    """A chain of up to `depth` tokens: draw from `logits` (batch, draft vocab), feed the token
+    back with `step(token (batch, 1), i) -> next logits` (i: the token's index in the chain) and
+    repeat; the last token is never fed.
+
+    With stop_below > 0 the chain ends after a position where the drafter is unsure: its most
+    likely token has less probability than stop_below (softmax of the logits when greedy, the
+    largest entry of q when sampling: the drafter's confidence, not the luck of the draw). That
+    token is still verified. The rule looks only at the draft so far, so sampling stays exact.
+    """
+    tokens, qs = [], []
+    for i in range(depth):
+        token, q = draft_token(logits, sampling, generator, vocab)
+        tokens.append(token)
+        if q is not None:
+            qs.append(q)
+        if stop_below > 0:
+            top = q.max(-1).values if q is not None else logits.float().softmax(-1).max(-1).values
+            if float(top.min()) < stop_below:
+                break
+        if i + 1 < depth:
+            logits = step(token, i)
+    q = torch.stack(qs, dim=1) if qs else None  # (batch, n, vocab)
+    return DraftTree.chain(torch.cat(tokens, dim=1), q)
+
+
+# An expand callback of `draft_tree`: feed the given nodes together and return their next-token
+# logits (f, draft vocab). Arguments: the nodes' tree ids, their target token ids, their parents'
+# tree ids (-1: the root), `visible` (f, fed + f) bool over every node fed so far in feed order
+# then these (each sees its fed ancestors and itself), and their depth.
+Expand = Callable[[list[int], list[int], list[int], torch.Tensor, int], torch.Tensor]
+
+
+def draft_tree(
+    root_logits: torch.Tensor,
+    expand: Expand,
+    *,
+    depth: int,
+    top_k: int,
+    budget: int,
+    vocab: DraftVocab | None = None,
+) -> tuple[DraftTree, list[int]]:
+    """EAGLE-2's dynamic tree (batch 1), grown best-first from (draft vocab,) root logits.
+
+    1. Level 1: the root's top_k tokens, scored by their draft log-probability.
+    2. Each further level: the top_k nodes of the newest level by cumulative log-probability are
+       fed together (`expand`) and each gets its top_k children, scored by parent score + own
+       log-probability.
+    3. Rerank all nodes by score and keep the best `budget`: a child never outscores its parent,
+       so the kept set is a tree (ties go to the shallower node).
+
+    Nodes are point masses (q None) also when sampling: the rerank keeps or drops a node by its
+    own token's probability, so a sampled child that survived it would not be distributed as q.
+    Returns the tree and, per kept node, its slot in feed order (-1: never fed), which tells a
+    drafter with a KV cache which of its entries belong to an accepted node.
+    """
+    device = root_logits.device
+
+    def best(logits: torch.Tensor) -> tuple[list, list]:
+        logp = F.log_softmax(logits.float(), dim=-1)
+        scores, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+        ids = ids if vocab is None else vocab.to_target(ids)
+        return scores.tolist(), ids.tolist()
+
+    cum, toks = best(root_logits)
+    parents, depths = [-1] * len(toks), [1] * len(toks)
+    newest = list(range(len(toks)))
+    fed: list[int] = []  # node ids in feed order
+    for d in range(2, depth + 1):
+        frontier = sorted(newest, key=lambda i: -cum[i])[:top_k]
+        slot = {node: s for s, node in enumerate(fed)}
+        visible = torch.zeros(len(frontier), len(fed) + len(frontier), dtype=torch.bool)
+        for row, node in enumerate(frontier):
+            visible[row, len(fed) + row] = True
+            a = parents[node]
+            while a >= 0:
+                visible[row, slot[a]] = True
+                a = parents[a]
+        logits = expand(
+            frontier, [toks[n] for n in frontier], [parents[n] for n in frontier], visible, d - 1
+        )  # (f, draft vocab)
+        fed += frontier
+        child_scores, child_toks = best(logits)
+        newest = []
+        for row, node in enumerate(frontier):
+            for score, tok in zip(child_scores[row], child_toks[row], strict=True):
+                newest.append(len(toks))
+                toks.append(tok)
+                parents.append(node)
+                depths.append(d)
+                cum.append(cum[node] + score)
+    order = sorted(range(len(toks)), key=lambda i: (-cum[i], depths[i], i))
+    keep: set[int] = set()
+    for i in order:
+        if len(keep) == budget:
+            break
+        if parents[i] < 0 or parents[i] in keep:
+            keep.add(i)
+    kept = sorted(keep, key=lambda i: (depths[i], i))  # topological: parents first
+    new_index = {old: new for new, old in enumerate(kept)}
+    slot = {node: s for s, node in enumerate(fed)}
+    tree = DraftTree(
+        torch.tensor([[toks[i] for i in kept]], device=device),
+        [new_index[parents[i]] if parents[i] >= 0 else -1 for i in kept],
+        [depths[i] for i in kept],
+        None,
+    )
+    return tree, [slot.get(i, -1) for i in kept]
+
+
+# --- KV caches ----------------------------------------------------------------------------------
+
+
+def compact(cache, keep: int, slots: list[int]) -> None:
+    """Keep a HF cache's entries [0, keep) and then the entries at keep + s for s in `slots`
+    (ascending), moved into place right after `keep`: after a forward over a draft tree, the
+    accepted path's entries. A prefix (a chain's accepted path) is a plain crop."""
+    length = cache.get_seq_length()
+    m = len(slots)
+    if slots != list(range(m)):
+        index = torch.tensor([keep + s for s in slots], device=cache.layers[0].keys.device)
+        for layer in cache.layers:
+            for kv in (layer.keys, layer.values):  # (batch, kv_heads, seq, head_dim)
+                # the right side is a fresh gathered tensor, so overlapping slots are safe
+                kv[:, :, keep : keep + m] = kv.index_select(2, index)
+    drop = length - keep - m
+    if drop > 0:
+        cache.crop(-drop)
+
+
+def kv_bytes(cache) -> int:
+    """Bytes held by a cache's keys and values now."""
+    if cache is None:
+        return 0
+    total = 0
+    for layer in getattr(cache, "layers", ()):
+        for kv in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(kv, torch.Tensor):
+                total += kv.numel() * kv.element_size()
+    return total
+
+
+# --- the target's identity ----------------------------------------------------------------------
+
+
+def eos_ids(model, tokenizer=None) -> set[int]:
+    """A HF model's EOS ids: its generation config's (else its config's), as transformers'
+    generate stops at; with `tokenizer`, its EOS too when the model names none."""
+    config = getattr(model, "generation_config", None) or model.config
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def fingerprint_differences(expected: Mapping, actual: Mapping) -> list[str]:
+    """Human-readable differences between two target fingerprints (empty when they match)."""
+    keys = sorted(set(expected) | set(actual))
+    return [
+        f"{k}: expected {expected.get(k)!r}, got {actual.get(k)!r}"
+        for k in keys
+        if expected.get(k) != actual.get(k)
+    ]
+
+
+def check_fingerprint(
+    expected: Mapping | None,
+    actual: Mapping,
+    what: str,
+    *,
+    keys: tuple[str, ...] | None = None,
+    error: type[Exception] = ValueError,
+    fix: str = "load the target it was made for, or train one for this target",
+) -> None:
+    """Raise `error` naming every difference when `what` (e.g. "the eagle drafter in runs/x")
+    was made for a target other than the one whose fingerprint is `actual`, and `fix`. expected
+    None: not recorded, nothing to check; keys: compare only these."""
+    if expected is None:
+        return
+    diffs = fingerprint_differences(expected, actual)
+    if keys is not None:
+        diffs = [d for d in diffs if d.split(":", 1)[0] in keys]
+    if diffs:
+        raise error(f"{what} was made for another target ({'; '.join(diffs)}); {fix}")
