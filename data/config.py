@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdraft.core import choice
+from specdraft.config import choice
 
 # The values `format` and `overlong` accept; the config loader (train/config.py) reads them from the
 # field metadata, so a typo fails when the config loads, not deep inside the pipeline.

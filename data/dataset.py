@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from specdraft.data.chat import encode_conversation
 from specdraft.data.config import FORMATS, OVERLONG, DataConfig
+from specdraft.data.demo import demo_corpus_texts
 from specdraft.data.formats import Conversation, Example, Text, parse_record
 from specdraft.data.packing import pack_texts
 from specdraft.data.sources import DataError, Row, SkipRow, read_rows
@@ -142,10 +143,8 @@ def _check_config(cfg: DataConfig, tokenizer) -> None:
 
 def _rows(cfg: DataConfig):
     if cfg.path == "demo":
-        # Imported here: the demo corpus is only read when asked for. Its held-out files are the
-        # demo's evaluation prompts, not data here; eval examples come from eval_fraction.
-        from specdraft.data.demo import demo_corpus_texts
-
+        # The demo's held-out files are its evaluation prompts, not data here; eval examples
+        # come from eval_fraction.
         return (Row(f"demo[{i}]", text) for i, text in enumerate(demo_corpus_texts(split="train")))
     return read_rows(cfg.path, cfg.name, cfg.split)
 

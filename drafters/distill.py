@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from specdraft.config import choice
 from specdraft.core import (
     DecodeConfig,
     DraftContext,
     DraftTree,
     SamplingSettings,
-    choice,
     compact,
     draft_chain,
     draft_tree,

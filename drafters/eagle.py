@@ -25,13 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
+from specdraft.config import choice
 from specdraft.core import (
     DecodeConfig,
     DraftContext,
     DraftTree,
     DraftVocab,
     SamplingSettings,
-    choice,
     draft_chain,
     draft_tree,
 )

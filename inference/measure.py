@@ -8,6 +8,7 @@ decoding (`ar`: the loop with no drafter). scripts/evaluate.py compares many met
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from specdraft.core import DecodeConfig
+from specdraft.data.demo import demo_prompts
 from specdraft.drafters.checkpoint import load_drafter
 from specdraft.inference.generate import generate
 from specdraft.inference.metrics import Stats
@@ -74,8 +77,6 @@ def load_prompts(
                 prompts.append(torch.tensor([ex.input_ids[:cut]], device=target.device))
         return prompts
     if source == "demo":
-        from specdraft.data.demo import demo_prompts
-
         texts = demo_prompts(n)
     else:
         path = Path(source)
@@ -162,8 +163,10 @@ def measure_vs_plain(
 ) -> dict:
     """A drafter in our loop against plain decoding on `prompts`: summarize's figures for the
     drafter (tau, speedup_vs_ar, drafted, matches_ar at temperature 0, ...) plus the plain run's
-    tokens/s. options go to both generate calls (temperature, seed, ...; gamma, topk: drafter)."""
-    shared = {k: v for k, v in options.items() if k not in ("gamma", "topk")}
+    tokens/s. options go to both generate calls (temperature, seed, ...), except the decoding
+    settings (decode=, gamma=, ...), which are the drafter's."""
+    drafting = {"decode", *(f.name for f in dataclasses.fields(DecodeConfig))}
+    shared = {k: v for k, v in options.items() if k not in drafting}
     ar = Run("ar", "ar", loop_decoder(target, None, max_new_tokens=max_new_tokens, **shared))
     kind = getattr(drafter, "kind", str(drafter))
     run = Run(
@@ -178,12 +181,13 @@ def measure_vs_plain(
     return {**row, "max_new_tokens": max_new_tokens, **options}
 
 
-def report_after_training(target, result, prompts, cfg, **options) -> dict | None:
+def report_after_training(target, result, prompts, cfg) -> dict | None:
     """The end of a training script (`result` from `train`, `cfg` its config): print the simulated
     tau before and after training, then serve the saved `final/` drafter in our loop against
     plain decoding on `prompts` (from `loop_prompts`), write output_dir/eval_loop.json with the
-    simulated tau beside the measured one, and print one line. options go to the drafter's
-    generate calls (gamma, topk). Returns the figures, or None where nothing was measured."""
+    simulated tau beside the measured one, and print one line. The drafter decodes with the
+    settings saved with it (cfg.decode). Returns the figures, or None where nothing was
+    measured."""
     if result.stopped_by_signal or not result.main_process:
         return None
     final = result.output_dir / "final"
@@ -200,12 +204,13 @@ def report_after_training(target, result, prompts, cfg, **options) -> dict | Non
     if target.device.type == "cpu":
         torch.set_num_threads(cfg.eval_loop.threads or usable_cores())
     try:
+        drafter = load_drafter(final, target)
         m = measure_vs_plain(
-            target, load_drafter(final, target), prompts, seed=cfg.seed,
+            target, drafter, prompts, seed=cfg.seed,
             max_new_tokens=cfg.eval_loop.max_new_tokens, temperature=cfg.eval_loop.temperature,
-            **options,
         )  # fmt: skip
         m["torch_threads"] = torch.get_num_threads()
+        m["decode"] = dataclasses.asdict(drafter.decode)
     finally:
         torch.set_num_threads(threads)
     m["simulated_tau"] = simulated

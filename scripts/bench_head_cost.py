@@ -53,16 +53,18 @@ def main(argv: list[str] | None = None) -> None:
             eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
         )  # fmt: skip
         target = Target(LlamaForCausalLM(config).eval(), tok)
-        head_config = EagleConfig(version="eagle3", draft_vocab_size=0, tree_top_k=1, tree_depth=5)
+        head_config = EagleConfig(version="eagle3", draft_vocab_size=0)
         head = EagleDrafter.build(head_config, target, None).eval()
         stats = {}
         for name in ("ar", *MODES):
-            drafter = None if name == "ar" else head
-            head.config.draft_weights = "int8" if name == "lean-int8" else "full"
+            drafter, decode = None, {}
+            if name != "ar":
+                weights = "int8" if name == "lean-int8" else "full"
+                drafter, decode = head, dict(gamma=5, draft_weights=weights)
             with _modules_only(name == "modules"):
-                generate(target, ids, drafter=drafter, max_new_tokens=16)  # warm-up
+                generate(target, ids, drafter, max_new_tokens=16, **decode)  # warm-up
                 stats[name] = generate(
-                    target, ids, drafter=drafter, max_new_tokens=args.new_tokens
+                    target, ids, drafter, max_new_tokens=args.new_tokens, **decode
                 ).stats
         step = stats["ar"].total_seconds / stats["ar"].target_passes
         target_params = sum(p.numel() for p in target.model.parameters())

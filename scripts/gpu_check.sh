@@ -36,7 +36,7 @@ python -c "import torch, transformers; print('torch', torch.__version__, 'transf
 # 1. Train: the demo recipe in bf16 (the target loads in bf16 too), bigger micro-batches.
 python train/eagle.py mixed_precision=$PRECISION max_steps="$STEPS" micro_batch_size=16 \
     eval_every=$((STEPS / 2 > 0 ? STEPS / 2 : 1)) save_every=0 \
-    drafter.draft_weights=full drafter.lookup_ngram=0 \
+    decode.draft_weights=full decode.lookup_ngram=0 \
     eval_loop.num_prompts="$PROMPTS" eval_loop.max_new_tokens="$NEW_TOKENS" \
     output_dir="$OUT/eagle" 2>&1 | tr '\r' '\n' | grep -v "it/s" | tee "$OUT/train.log"
 
@@ -45,8 +45,8 @@ HEAD="$OUT/eagle/final"
 DTYPE=$([ "$PRECISION" = bf16 ] && echo bfloat16 || echo float32)
 python scripts/evaluate.py --target demo --dtype "$DTYPE" --drafter "$HEAD" \
     --drafter "$HEAD:lookup_ngram=2" \
-    --drafter "$HEAD:topk=4,tree_depth=5,tree_budget=16" \
-    --drafter "$HEAD:topk=8,tree_depth=6,tree_budget=60" \
+    --drafter "$HEAD:tree_top_k=4,gamma=5,tree_budget=16" \
+    --drafter "$HEAD:tree_top_k=8,gamma=6,tree_budget=60" \
     --baselines ar,prompt_lookup --num-prompts "$PROMPTS" --max-new-tokens "$NEW_TOKENS" \
     --output "$OUT/eval" 2>&1 | tee "$OUT/eval.log"
 echo "gpu_check.sh: figures in $OUT (train.log, eagle/eval_loop.json, eval/report.md)"

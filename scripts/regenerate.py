@@ -34,9 +34,11 @@ from pathlib import Path
 
 import torch
 
+from specdraft.data.demo import demo_corpus_texts
 from specdraft.data.formats import Conversation, Text, parse_record
 from specdraft.data.sources import DataError, Row, SkipRow, read_rows
 from specdraft.drafters.target import TargetError, load_target
+from specdraft.inference import generate
 
 
 def regenerate(
@@ -112,8 +114,6 @@ def _rows(data: str):
     if data != "demo":
         yield from read_rows(data)
         return
-    from specdraft.data.demo import demo_corpus_texts
-
     for i, text in enumerate(demo_corpus_texts("train")):
         yield Row(where=f"demo[{i}]", record=text)
 
@@ -129,8 +129,6 @@ def _prompt_ends(target, text: str, prompt_tokens: int, stride: int) -> list[tup
 def _continue(target, prompt: list[int], max_new_tokens, temperature, top_p, seed) -> str:
     """The prompt's text followed by the target's continuation (exact: our loop, prompt lookup
     drafting)."""
-    from specdraft.inference import generate
-
     out = generate(
         target, prompt, "prompt_lookup", max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=top_p, seed=seed,

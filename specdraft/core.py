@@ -17,26 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# --- config fields --------------------------------------------------------------------------
-
-
-def choice(*options: str) -> Any:
-    """A string config field limited to `options`; the first is the default. The config loader
-    (train/config.py) and `check_choices` refuse any other value, naming the key."""
-    return field(default=options[0], metadata={"choices": options})
-
-
-def check_choices(obj: Any, prefix: str = "") -> None:
-    """Raise ValueError naming the dotted key of any `choice` field (in nested sections too)
-    whose value is not one of its options."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        options = f.metadata.get("choices")
-        if options is not None and value not in options:
-            raise ValueError(f"{prefix}{f.name}={value!r} is not one of: {' | '.join(options)}")
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            check_choices(value, prefix=f"{prefix}{f.name}.")
-
+from specdraft.config import check_choices, choice
 
 # --- settings -------------------------------------------------------------------------------
 

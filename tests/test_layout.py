@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
@@ -30,3 +31,60 @@ def test_demo_prompts_is_exported():
     from specdraft.data import demo_prompts
 
     assert len(demo_prompts(3)) == 3
+
+
+# The layering (README, "Layout"): a package may import only from the packages below it.
+# specdraft (core) <- data <- drafters <- inference <- train <- scripts
+LAYERS = ["specdraft", "data", "drafters", "inference", "train", "scripts"]
+
+
+def _imports(path: Path) -> set[str]:
+    """Every specdraft module `path` imports, at any depth (lazy imports count too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("specdraft"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("specdraft"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def _package(module: str) -> str | None:
+    """The layer of a dotted module name: specdraft.drafters.eagle -> drafters."""
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in LAYERS[1:]:
+        return parts[1]
+    return "specdraft" if parts[0] == "specdraft" else None
+
+
+def _library_files() -> list[tuple[str, Path]]:
+    files = []
+    for layer in LAYERS:
+        folder = ROOT / layer
+        files += [(layer, p) for p in sorted(folder.glob("*.py"))]
+    return files
+
+
+def test_imports_run_down_the_layers_only():
+    """No package imports a package above it, so there is no cycle between packages and no
+    library module imports a script. The entry scripts in train/ sit in the train layer."""
+    wrong = []
+    for layer, path in _library_files():
+        for module in _imports(path):
+            other = _package(module)
+            if other is not None and LAYERS.index(other) > LAYERS.index(layer):
+                wrong.append(
+                    f"{path.relative_to(ROOT)} imports {module} ({other} is above {layer})"
+                )
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_layer_check_sees_a_violation(tmp_path):
+    """The check above is not vacuous: it parses imports the way the tree writes them."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from specdraft.scripts.evaluate import main\n")
+    assert "specdraft.scripts.evaluate" in _imports(bad)
+    assert _package("specdraft.scripts.evaluate") == "scripts"
+    assert _package("specdraft.core") == "specdraft"
+    assert len(_library_files()) > 30

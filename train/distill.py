@@ -14,11 +14,12 @@ from typing import ClassVar
 
 import torch
 
+from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.distill import DistillConfig, DistillDrafter
 from specdraft.drafters.target import load_target
 from specdraft.inference.measure import loop_prompts, report_after_training
-from specdraft.train.config import TrainConfig, parse_cli
+from specdraft.train.config import TrainConfig
 from specdraft.train.trainer import train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "distill" / "demo.yaml"
@@ -40,7 +41,6 @@ def main(argv: list[str] | None = None) -> int:
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # the student's random init; identical on every process
         drafter = DistillDrafter.build(cfg.drafter, target)
-        drafter.decode = cfg.decode  # served with these; the simulated tau is for them too
         prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
     except (ValueError, OSError) as e:  # missing data, bad target, a student of another vocab
         print(f"{prog}: error: {e}", file=sys.stderr)

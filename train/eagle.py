@@ -14,13 +14,14 @@ from typing import ClassVar
 
 import torch
 
+from specdraft.config import parse_cli
 from specdraft.core import eos_ids
 from specdraft.data.dataset import build_datasets
 from specdraft.data.hidden_cache import CachedTarget, HiddenStateCache
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, build_draft_vocab, resolve_config
 from specdraft.drafters.target import load_target
 from specdraft.inference.measure import loop_prompts, report_after_training
-from specdraft.train.config import TrainConfig, parse_cli
+from specdraft.train.config import TrainConfig
 from specdraft.train.trainer import train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "eagle" / "demo.yaml"
@@ -55,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # the head's random init; identical on every process
         head = build_head(cfg.drafter, target, train_examples)
-        head.decode = cfg.decode  # served with these; the simulated tau is for them too
         features = target
         if cfg.hidden_cache:  # offline: hidden states and p come from the cache
             cache = HiddenStateCache(

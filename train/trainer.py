@@ -43,12 +43,13 @@ from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, gather_object
+from accelerate.utils import DistributedType, ProjectConfiguration, gather_object
 from tqdm.auto import tqdm
 
+from specdraft.config import config_to_dict, save_config
 from specdraft.drafters import checkpoint
 from specdraft.inference.measure import usable_cores
-from specdraft.train.config import CONFIG_FILENAME, TrainConfig, config_to_dict, save_config
+from specdraft.train.config import CONFIG_FILENAME, TrainConfig
 
 STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.pt"
@@ -184,8 +185,11 @@ def train(
     Writes output_dir/train_config.yaml, checkpoint-<step>/ every save_every steps (keeping the
     last keep_last), best/ (best simulated tau) and final/. Raises NonFiniteLossError on inf/nan
     (nothing is written for that step) and ResumeError for an unusable resume_from. On SIGTERM
-    or SIGINT it saves a checkpoint and returns with `stopped_by_signal` set.
+    or SIGINT it saves a checkpoint and returns with `stopped_by_signal` set. The drafter is
+    trained to be served with `cfg.decode`: they are saved as its decoding defaults, and the
+    simulated tau is for their depth.
     """
+    drafter.decode = cfg.decode
     threads = torch.get_num_threads()  # a CPU run sets its own (cpu_threads); put it back after
     try:
         run = _Run(cfg, drafter, target, train_examples, eval_examples, tokenizer, provenance)
@@ -205,6 +209,11 @@ class _Run:
             mixed_precision=cfg.mixed_precision,
             gradient_accumulation_steps=cfg.grad_accum,
             cpu=_cpu_only(),
+            log_with=None if cfg.report_to == "none" else cfg.report_to,
+            project_config=ProjectConfiguration(
+                project_dir=str(cfg.output_dir),
+                logging_dir=os.path.join(str(cfg.output_dir), "tensorboard"),
+            ),
         )
         _check_process_group(self.acc)
         if self.acc.device.type == "cpu":
@@ -259,7 +268,19 @@ class _Run:
             for stale in self.out.glob(".*.tmp-*"):  # left by a crash mid-save
                 shutil.rmtree(stale, ignore_errors=True)
             self.config_yaml = save_config(cfg, self.out / CONFIG_FILENAME).read_text()
-        self.tracker = _Tracker.create(cfg, self.out) if self.main else _Tracker()
+        # The tracker (main process only): W&B under output_dir/wandb, TensorBoard under
+        # output_dir/tensorboard/<run_name>; accelerate's project name is W&B's project and
+        # TensorBoard's run folder.
+        self.acc.init_trackers(
+            cfg.wandb_project if cfg.report_to == "wandb" else str(cfg.run_name),
+            config=_tracker_config(cfg),
+            init_kwargs={
+                "wandb": {
+                    "name": cfg.run_name, "tags": list(cfg.tags), "dir": str(self.out),
+                    "resume": "allow",
+                }
+            },
+        )  # fmt: skip
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -291,7 +312,7 @@ class _Run:
                     tok_s=f"{logs['tokens_per_s']:.0f}",
                 )
                 if step % cfg.log_every == 0 or step == cfg.max_steps:
-                    self.tracker.log({f"train/{k}": v for k, v in logs.items()}, step)
+                    self.acc.log({f"train/{k}": v for k, v in logs.items()}, step=step)
                 if (
                     cfg.eval_every > 0
                     and self.eval_examples
@@ -325,7 +346,9 @@ class _Run:
                 )
         finally:
             bar.close()
-            self.tracker.close()
+            # Not acc.end_training(): it also destroys the process group, which is the caller's.
+            for tracker in self.acc.trackers:
+                tracker.finish()
             for s, handler in previous.items():
                 signal.signal(s, handler)
         self.acc.wait_for_everyone()
@@ -462,7 +485,12 @@ class _Run:
         self.evals.append(result)
         logs = {"eval/loss": result["loss"], "eval/simulated_tau": result["tau"]}
         logs.update({f"eval/alpha_{i + 1}": a for i, a in enumerate(alphas)})
-        self.tracker.log(logs, step, table=("eval/alpha_table", alphas))
+        self.acc.log(logs, step=step)
+        if self.main and self.cfg.report_to == "wandb":
+            self.acc.get_tracker("wandb").log_table(
+                "eval/alpha_table", columns=["depth", "alpha"],
+                data=[[i + 1, a] for i, a in enumerate(alphas)], step=step,
+            )  # fmt: skip
         bar.write(
             f"[specdraft] step {step}{' (' + label + ')' if label else ''}: eval loss "
             f"{result['loss']:.4f}, simulated tau {result['tau']:.3f} for gamma={len(alphas)} "
@@ -642,65 +670,20 @@ def _checkpoints(out: Path) -> list[Path]:
 # --- tracking ----------------------------------------------------------------------------------
 
 
-class _Tracker:
-    """W&B, TensorBoard or nothing; the main process only."""
+def _tracker_config(cfg: TrainConfig) -> dict[str, Any]:
+    """The config as flat `section.key` values, as W&B and TensorBoard both take it (TensorBoard's
+    hparams hold no sections or lists, so a list goes in as its JSON text)."""
+    flat: dict[str, Any] = {"kind": cfg.kind}
 
-    def log(
-        self, metrics: dict[str, float], step: int, table: tuple[str, list] | None = None
-    ) -> None:
-        pass
+    def add(values: dict, prefix: str) -> None:
+        for key, value in values.items():
+            if isinstance(value, dict):
+                add(value, f"{prefix}{key}.")
+            else:
+                flat[prefix + key] = json.dumps(value) if isinstance(value, list) else value
 
-    def close(self) -> None:
-        pass
-
-    @staticmethod
-    def create(cfg: TrainConfig, out: Path) -> _Tracker:
-        if cfg.report_to == "wandb":
-            return _WandbTracker(cfg, out)
-        if cfg.report_to == "tensorboard":
-            return _TensorBoardTracker(cfg, out)
-        return _Tracker()
-
-
-class _WandbTracker(_Tracker):
-    def __init__(self, cfg: TrainConfig, out: Path):
-        import wandb
-
-        self.wandb = wandb
-        self.run = wandb.init(
-            project=cfg.wandb_project, name=cfg.run_name, tags=list(cfg.tags), dir=str(out),
-            config=config_to_dict(cfg) | {"kind": cfg.kind}, resume="allow",
-        )  # fmt: skip
-
-    def log(self, metrics, step, table=None):
-        row = dict(metrics)
-        if table is not None:
-            name, values = table
-            row[name] = self.wandb.Table(
-                columns=["depth", "alpha"], data=[[i + 1, a] for i, a in enumerate(values)]
-            )
-        self.run.log(row, step=step)
-
-    def close(self):
-        self.run.finish()
-
-
-class _TensorBoardTracker(_Tracker):
-    def __init__(self, cfg: TrainConfig, out: Path):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(log_dir=str(out / "tensorboard" / str(cfg.run_name)))
-        self.writer.add_text(
-            "config", "```\n" + json.dumps(config_to_dict(cfg), indent=1) + "\n```"
-        )
-
-    def log(self, metrics, step, table=None):
-        for k, v in metrics.items():
-            self.writer.add_scalar(k, v, step)
-        self.writer.flush()
-
-    def close(self):
-        self.writer.close()
+    add(config_to_dict(cfg), "")
+    return flat
 
 
 # --- small helpers -----------------------------------------------------------------------------

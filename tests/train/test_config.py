@@ -1,4 +1,5 @@
-"""The typed config: defaults, file and command-line layers, strictness, round trip, subclassing."""
+"""The typed config: defaults, file and command-line layers, strictness, round trip, subclassing,
+--help, and `override` on an existing config object."""
 
 import dataclasses
 import re
@@ -8,18 +9,18 @@ from typing import ClassVar
 
 import pytest
 
-from specdraft.data.config import DataConfig
-from specdraft.train.config import (
-    CONFIG_FILENAME,
+from specdraft.config import (
     ConfigError,
-    TrainConfig,
     choice,
     config_to_dict,
     format_help,
     load_config,
+    override,
     parse_cli,
     save_config,
 )
+from specdraft.data.config import DataConfig
+from specdraft.train.config import CONFIG_FILENAME, TrainConfig
 
 
 @dataclass
@@ -55,6 +56,15 @@ class DummyTrainConfig(TrainConfig):
     drafter: DummyDrafterConfig = field(default_factory=DummyDrafterConfig)
 
 
+def leaf_keys(cls, prefix=""):
+    """Every dotted key of a config dataclass that holds a value (sections are walked into)."""
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory):
+            yield from leaf_keys(f.default_factory, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name
+
+
 def write(path: Path, text: str) -> Path:
     path.write_text(text, encoding="utf-8")
     return path
@@ -87,8 +97,9 @@ def test_file_then_overrides_precedence(tmp_path):
     assert load_config(TrainConfig, path, ["max_steps=7", "max_steps=9"]).max_steps == 9
 
 
-def test_yaml_12_scalars(tmp_path):
-    # PyYAML's YAML 1.1 reads 3e-4 as a string, `no` as False and 010 as 8.
+def test_scalars_mean_what_the_field_type_says(tmp_path):
+    # PyYAML's YAML 1.1 reads 3e-4 as a string, `no` as False and 010 as 8; here the text goes
+    # to OmegaConf, which converts it to the field's type.
     path = write(tmp_path / "c.yaml", "lr: 3e-4\nmixed_precision: no\nrun_name: 1e3\nseed: 010\n")
     cfg = load_config(TrainConfig, path, ["min_lr_ratio=5E-2", "target=007", "tags=[a, 2, yes]"])
     assert cfg.lr == 3e-4 and isinstance(cfg.lr, float)
@@ -141,7 +152,9 @@ def test_unknown_key_on_command_line():
     msg = str(err.value)
     assert "command line" in msg and "lrr" in msg and "did you mean 'lr'" in msg
     # Without a close match, the valid keys of that section are listed.
-    with pytest.raises(ConfigError, match=r"'drafter\.zzz'.*valid keys there: depth, mode, widths"):
+    with pytest.raises(
+        ConfigError, match=r"'drafter\.zzz'.*valid keys in drafter: depth, mode, wid"
+    ):
         load_config(DummyTrainConfig, None, ["drafter.zzz=1"])
 
 
@@ -150,7 +163,7 @@ def test_wrong_type_names_key_value_and_source(tmp_path):
         load_config(TrainConfig, None, ["max_steps=abc"])
     msg = str(err.value)
     assert "command line (max_steps=abc)" in msg and "max_steps expects int" in msg
-    assert "'abc'" in msg
+    assert "'abc'" in msg and err.value.key == "max_steps"
 
     path = write(tmp_path / "c.yaml", "seed: 1\ndata:\n  max_length: long\n")
     with pytest.raises(ConfigError) as err:
@@ -159,17 +172,42 @@ def test_wrong_type_names_key_value_and_source(tmp_path):
     assert str(path) in msg and "line 3" in msg and "data.max_length expects int" in msg
     assert err.value.key == "data.max_length"
 
-    with pytest.raises(ConfigError, match=r"max_steps expects int; got 2\.5"):
+    with pytest.raises(ConfigError, match=r"max_steps expects int; got '2\.5'"):
         load_config(TrainConfig, None, ["max_steps=2.5"])
     with pytest.raises(ConfigError, match=r"tags expects list\[str\].*\[a,b\]"):
         load_config(TrainConfig, None, ["tags=a"])
 
 
-def test_section_and_value_confusion():
-    with pytest.raises(ConfigError, match="data is a section, not a value"):
+def test_section_and_value_confusion(tmp_path):
+    with pytest.raises(ConfigError, match=r"\(data=foo\): data expects a section of keys \(data\."):
         load_config(TrainConfig, None, ["data=foo"])
-    with pytest.raises(ConfigError, match="lr is a value, not a section"):
+    path = write(tmp_path / "c.yaml", "seed: 1\ndata: foo\n")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))}, line 2: data expects a sect"):
+        load_config(TrainConfig, path)
+    with pytest.raises(ConfigError, match=r"\(lr\.peak=1\): lr expects float"):
         load_config(TrainConfig, None, ["lr.peak=1"])
+
+
+@pytest.mark.parametrize(
+    ("text", "item", "key", "says"),
+    [
+        ("data:\n  max_lenght: 5\n", "data.max_lenght=5", "data.max_lenght", "unknown key"),
+        ("data:\n  max_length: long\n", "data.max_length=long", "data.max_length", "expects int"),
+        ("data:\n  overlong: cut\n", "data.overlong=cut", "data.overlong", "truncate | drop"),
+    ],
+    ids=["unknown-key", "wrong-type", "bad-choice"],
+)
+def test_named_errors_from_a_file_and_from_the_command_line(tmp_path, text, item, key, says):
+    # The issue's bar: each kind of mistake names the key and where it was made, both ways.
+    path = write(tmp_path / "recipe.yaml", "seed: 1\n" + text)
+    with pytest.raises(ConfigError) as err:
+        load_config(TrainConfig, path)
+    assert str(err.value).startswith(f"{path}, line 3: ") and says in str(err.value)
+    assert key in str(err.value) and err.value.key == key
+    with pytest.raises(ConfigError) as err:
+        load_config(TrainConfig, None, ["seed=1", item])
+    assert str(err.value).startswith(f"command line ({item}): ") and says in str(err.value)
+    assert key in str(err.value) and err.value.key == key
 
 
 @pytest.mark.parametrize(
@@ -227,6 +265,8 @@ def test_direct_construction_is_validated():
 def test_bad_files_name_the_path(tmp_path):
     with pytest.raises(ConfigError, match=r"config file not found: .*missing\.yaml"):
         load_config(TrainConfig, tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="is not a file"):
+        load_config(TrainConfig, tmp_path)
     bad = write(tmp_path / "bad.yaml", "lr: [1, 2\n")
     with pytest.raises(ConfigError, match=rf"{re.escape(str(bad))} is not valid YAML"):
         load_config(TrainConfig, bad)
@@ -240,11 +280,10 @@ def test_bad_files_name_the_path(tmp_path):
         ConfigError, match=rf"{re.escape(str(twice))}, line 3: lr is set twice \(first on line 1\)"
     ):
         load_config(TrainConfig, twice)
-    with pytest.raises(ConfigError, match="not a file"):
-        load_config(TrainConfig, tmp_path)
+    # The safe loader builds plain data only: a python tag is refused, naming the file.
     tagged = write(tmp_path / "tagged.yaml", "seed: 1\nmax_steps: !!python/object:os.getcwd {}\n")
     with pytest.raises(
-        ConfigError, match=rf"{re.escape(str(tagged))}, line 2: cannot read .*max_steps"
+        ConfigError, match=rf"(?s){re.escape(str(tagged))} is not valid YAML.*line 2"
     ):
         load_config(TrainConfig, tagged)
     # An empty file sets nothing.
@@ -274,6 +313,9 @@ def test_round_trip_save_load_equal(tmp_path):
             "drafter.widths=[3]",
             "max_grad_norm=0.1",
             "report_to=tensorboard",
+            "target=007",
+            "data.name='null'",
+            "eval_loop.enabled=false",
         ],
     )
     path = save_config(cfg, tmp_path / "run" / CONFIG_FILENAME)
@@ -324,7 +366,7 @@ def test_parse_cli_config_path_resolution(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert parse_cli(TrainConfig, ["--config", "work/big.yaml"], default).max_steps == 33
     assert parse_cli(TrainConfig, ["--config=work/big.yaml"], default).max_steps == 33
-    assert parse_cli(TrainConfig, ["config=work/big.yaml", "seed=4"], default).seed == 4
+    assert parse_cli(TrainConfig, ["seed=4", "--config", "work/big.yaml"], default).seed == 4
     # A name not found in the current directory is looked up beside the default config...
     assert parse_cli(TrainConfig, ["--config", "big.yaml"], default).max_steps == 22
     # ...but the current directory comes first.
@@ -335,17 +377,22 @@ def test_parse_cli_config_path_resolution(tmp_path, monkeypatch):
 def test_parse_cli_errors_exit_2_with_a_message(tmp_path, capsys):
     default = write(tmp_path / "demo.yaml", "")
     for argv, expected in [
-        (["--config", "nope.yaml"], "config file not found: nope.yaml nor"),
-        (["--config"], "--config needs a path"),
-        (["--config", "a.yaml", "config=b.yaml"], "--config given twice"),
+        (["--config", "nope.yaml"], "config file not found: nope.yaml"),
         (["--max_steps", "3"], "did you mean max_steps=...?"),
         (["max_stepz=3"], "did you mean 'max_steps'"),
+        (["lr=abc"], "command line (lr=abc): lr expects float; got 'abc'"),
+        (["report_to=foo"], "report_to='foo' is not one of: none | wandb | tensorboard"),
     ]:
         with pytest.raises(SystemExit) as exit_:
             parse_cli(TrainConfig, argv, default, prog="dummy.py")
         assert exit_.value.code == 2
         err = capsys.readouterr().err
         assert expected in err and "dummy.py --help" in err
+    # argparse's own refusal, in argparse's words.
+    with pytest.raises(SystemExit) as exit_:
+        parse_cli(TrainConfig, ["--config"], default, prog="dummy.py")
+    assert exit_.value.code == 2
+    assert "--config: expected one argument" in capsys.readouterr().err
 
 
 def test_help_lists_every_key_with_type_value_and_comment(tmp_path, capsys):
@@ -355,14 +402,6 @@ def test_help_lists_every_key_with_type_value_and_comment(tmp_path, capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: dummy.py [--config PATH] [key=value ...]")
-
-    def leaf_keys(cls, prefix=""):
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(f.default_factory):
-                yield from leaf_keys(f.default_factory, f"{prefix}{f.name}.")
-            else:
-                yield prefix + f.name
-
     keys = list(leaf_keys(DummyTrainConfig))
     assert "data.max_length" in keys and "drafter.depth" in keys and "lr" in keys
     listed = [
@@ -387,3 +426,63 @@ def test_negative_cpu_threads_is_refused():
     with pytest.raises(ConfigError, match="cpu_threads must be >= 0; got -1") as err:
         load_config(TrainConfig, None, ["cpu_threads=-1"])
     assert err.value.key == "cpu_threads"
+
+
+def test_every_key_has_a_meaning_in_help():
+    # The comment above each field is its documentation; a key without one is a gap in --help.
+    lines = format_help(TrainConfig, prog="x").splitlines()
+    rows = [i for i, line in enumerate(lines) if line.startswith("  ") and line[2] != " "]
+    assert [lines[i].split()[0] for i in rows] == list(leaf_keys(TrainConfig))
+    for i in rows:  # each key line is followed by its comment, indented under it
+        assert i + 1 < len(lines) and lines[i + 1].startswith("      "), lines[i]
+
+
+# --- override: key=value items applied to an existing config object ----------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Draft depth.
+    gamma: int = 5
+    # Chains stop below this confidence.
+    stop_below: float = 0.0
+    # Weights while drafting.
+    draft_weights: str = choice("full", "int8")
+    dynamic: bool = False
+    layers: list[int] = field(default_factory=lambda: [1, 2])
+
+    def __post_init__(self) -> None:
+        if self.gamma < 1:  # a plain ValueError, as the decoding settings raise
+            raise ValueError(f"gamma must be >= 1; got {self.gamma}")
+
+
+def test_override_returns_a_checked_copy():
+    base = Settings()
+    new = override(base, ["gamma=3", "stop_below=1", "dynamic=true", "layers=[4]"], "--drafter x")
+    assert new == Settings(gamma=3, stop_below=1.0, dynamic=True, layers=[4])
+    assert isinstance(new.stop_below, float) and new.dynamic is True  # "1" and "true" converted
+    assert base == Settings()  # the original is untouched
+    assert override(base, [], "--drafter x") == base
+    # Nested sections take dotted keys, as on the command line.
+    cfg = override(TrainConfig(), ["data.max_length=64", "lr=1e-3"], "test")
+    assert (cfg.data.max_length, cfg.lr) == (64, 1e-3) and cfg.max_steps == TrainConfig().max_steps
+
+
+@pytest.mark.parametrize(
+    ("item", "key", "says"),
+    [
+        ("gama=3", "gama", "unknown key 'gama'; did you mean 'gamma'?"),
+        ("gamma=2.5", "gamma", "gamma expects int; got '2.5'"),
+        ("stop_below=high", "stop_below", "stop_below expects float; got 'high'"),
+        ("dynamic=maybe", "dynamic", "dynamic expects bool; got 'maybe'"),
+        ("draft_weights=int4", "draft_weights", "draft_weights='int4' is not one of: full | int8"),
+        ("gamma=0", "gamma", "gamma must be >= 1; got 0"),  # the dataclass's own check
+        ("gamma", None, "expected key=value, got 'gamma'"),
+    ],
+)
+def test_override_errors_name_the_key_and_source(item, key, says):
+    with pytest.raises(ConfigError) as err:
+        override(Settings(), ["stop_below=0.5", item], "--drafter runs/x")
+    assert str(err.value).startswith("--drafter runs/x") and says in str(err.value)
+    if key is not None:
+        assert f"--drafter runs/x ({item}): " in str(err.value) and err.value.key == key

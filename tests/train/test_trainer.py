@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from specdraft.core import DecodeConfig
 from specdraft.data.formats import Example
 from specdraft.drafters.checkpoint import check_complete
 from specdraft.drafters.distill import DistillConfig, DistillDrafter
@@ -54,7 +55,7 @@ def _cfg(tmp_path, **overrides) -> DistillTrainConfig:
     values = dict(
         target="tiny", output_dir=str(tmp_path / "run"), max_steps=6, micro_batch_size=4,
         grad_accum=2, lr=3e-3, warmup_steps=2, eval_every=3, eval_batches=2, save_every=0,
-        log_every=1, seed=3, drafter=DistillConfig(init="random", num_layers=1, gamma=3),
+        log_every=1, seed=3, drafter=DistillConfig(init="random", num_layers=1), decode=DecodeConfig(gamma=3),
     )  # fmt: skip
     values.update(overrides)
     return DistillTrainConfig(**values)
@@ -133,9 +134,7 @@ class _SigtermAt(DistillDrafter):
 
 def test_sigterm_saves_and_resume_equals_an_uninterrupted_run(tiny_target, data, tmp_path):
     # On-policy batches too: the student's sampling must replay identically after the resume.
-    student = DistillConfig(
-        init="random", num_layers=1, gamma=3, on_policy_ratio=0.5, on_policy_tokens=4
-    )
+    student = DistillConfig(init="random", num_layers=1, on_policy_ratio=0.5, on_policy_tokens=4)
     straight = _run(_cfg(tmp_path / "a", drafter=student), tiny_target, data)
     assert straight.step == 6 and len(straight.losses) == 6
 
@@ -317,6 +316,17 @@ def test_wandb_offline_run_holds_the_logged_keys(tiny_target, data, tmp_path):
     assert losses == pytest.approx(result.losses)
     taus = [float(r["eval/simulated_tau"]) for r in rows if "eval/simulated_tau" in r]
     assert taus == pytest.approx([e["tau"] for e in result.evals])
+    # The alpha-per-depth table at each evaluation, and the resolved config as flat keys.
+    assert sum("eval/alpha_table/_type" in r for r in rows) == len(result.evals)
+    records = _wandb_records(tmp_path / "run")
+    config = {
+        u.key: json.loads(u.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "config"
+        for u in r.config.update
+    }
+    assert config["kind"] == "distill" and config["max_steps"] == 3
+    assert config["data.max_length"] == cfg.data.max_length and config["tags"] == '["t1"]'
 
 
 def test_tensorboard_event_file_holds_the_logged_scalars(tiny_target, data, tmp_path):

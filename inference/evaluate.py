@@ -1,0 +1,330 @@
+"""What scripts/evaluate.py measures and how it reports it.
+
+`build_runs` lists the methods (our plain decoding `ar` first, the reference for speedups;
+transformers' generate; prompt lookup; each --drafter, with transformers' assisted decoding beside
+it); `measure` (inference/measure.py) decodes the same prompts with each; `make_report` and
+`write_report` turn them into report.json, report.md and three plots. Plots name each run by a
+short label (`short_labels`) that report.md and report.json key to its full name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from specdraft.config import override
+from specdraft.core import DecodeConfig, eos_ids
+from specdraft.drafters.checkpoint import load_drafter
+from specdraft.inference.measure import Run, loop_decoder, summarize
+
+BASELINES = ("ar", "hf_ar", "prompt_lookup", "hf_assisted", "hf_prompt_lookup")
+# gamma for transformers' prompt lookup when --gamma is not given: our prompt lookup's default
+HF_GAMMA = DecodeConfig().gamma
+# A run name up to this long is its own label; a longer one is labelled by its method, numbered.
+LABEL_CHARS = 16
+
+# --- runs --------------------------------------------------------------------------------------
+
+
+def build_runs(args, target) -> list[Run]:
+    """The methods to measure, from scripts/evaluate.py's options `args`: `ar` first, then the
+    baselines asked for, then each --drafter's runs."""
+    baselines = [b for b in args.baselines.split(",") if b]
+    gamma = args.gamma if args.gamma is not None else HF_GAMMA
+    runs = [Run("ar", "ar", _ours(target, args, None))]  # the reference for speedups, always run
+    if "hf_ar" in baselines:
+        runs.append(Run("hf_ar", "hf_ar", _hf(target, args)))
+    if "prompt_lookup" in baselines:
+        runs.append(Run("prompt_lookup", "prompt_lookup", _ours(target, args, "prompt_lookup")))
+    if "hf_prompt_lookup" in baselines:
+        lookup = _hf(target, args, prompt_lookup_num_tokens=gamma)
+        runs.append(Run("hf_prompt_lookup", "hf_prompt_lookup", lookup))
+    for spec in args.drafter:
+        runs += drafter_runs(spec, target, args)
+    return runs
+
+
+def _ours(target, args, drafter, decode: DecodeConfig | None = None):
+    """A decode through our loop. A trained drafter drafts with `decode`; prompt lookup with the
+    global --gamma (None: its default); plain decoding (drafter None) takes no settings."""
+    settings = {}
+    if drafter is not None and decode is None:
+        settings = {"gamma": args.gamma}
+    return loop_decoder(
+        target, drafter, max_new_tokens=args.max_new_tokens, seed=args.seed,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, decode=decode,
+        **settings,
+    )  # fmt: skip
+
+
+def _hf(target, args, **options):
+    """A decode through transformers' generate, new tokens cut after the first EOS as ours are."""
+    sample = dict(do_sample=args.temperature > 0)
+    if args.temperature > 0:
+        sample.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    eos = eos_ids(target.model)
+
+    def decode(ids):
+        torch.manual_seed(args.seed)  # transformers samples from the global generator
+        out = target.model.generate(ids, max_new_tokens=args.max_new_tokens, **sample, **options)
+        return _until_eos(out[0, ids.shape[1] :].tolist(), eos), None
+
+    return decode
+
+
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+# --- one --drafter FOLDER[:KEY=VALUE,...] ------------------------------------------------------
+
+
+def drafter_runs(spec: str, target, args) -> list[Run]:
+    """The runs of one --drafter FOLDER[:KEY=VALUE,...]: the drafter in our loop with its saved
+    decoding defaults, then the global --gamma / --topk, then the KEY=VALUE decoding settings
+    (specdraft.core.DecodeConfig keys, read by the config engine as training reads them); then
+    transformers' assisted decoding with it if it is a HF model and hf_assisted is asked for.
+    Raises ValueError (a ConfigError) naming `spec` and the key for a bad setting."""
+    path, items = split_drafter_spec(spec)
+    drafter = load_drafter(path, target)
+    decode = drafter.decode.replace(gamma=args.gamma, tree_top_k=args.topk)
+    decode = override(decode, items, source=f"--drafter {spec}")
+    name = Path(path).name if Path(path).name not in ("final", "best") else str(path)
+    if items:
+        name += ":" + ",".join(items)
+    params = drafter.num_extra_parameters(target)
+    runs = [Run(name, drafter.kind, _ours(target, args, drafter, decode), params)]
+    hf_model = getattr(drafter, "hf_model", None)
+    if "hf_assisted" in args.baselines.split(",") and hf_model is not None:
+        # transformers reads gamma and its schedule from the assistant's own generation
+        # config; a zero confidence threshold turns off its early stop, so gamma is constant
+        hf_model.generation_config.num_assistant_tokens = decode.gamma
+        hf_model.generation_config.num_assistant_tokens_schedule = "constant"
+        hf_model.generation_config.assistant_confidence_threshold = 0.0
+        assisted = _hf(target, args, assistant_model=hf_model)
+        runs.append(Run(f"hf_assisted[{name}]", "hf_assisted", assisted, params))
+    return runs
+
+
+def split_drafter_spec(spec: str) -> tuple[str, list[str]]:
+    """ "FOLDER[:k=v,k=v]" -> (folder, ["k=v", "k=v"]); a folder name may itself hold a colon."""
+    path, sep, tail = spec.rpartition(":")
+    if not sep or "=" not in tail:
+        return spec, []
+    return path, [item.strip() for item in tail.split(",")]
+
+
+# --- report ------------------------------------------------------------------------------------
+
+
+def make_report(args, target, runs: Sequence[Run]) -> dict:
+    """report.json's content: the target, the settings, and one row of figures per run (`ar`
+    first), each with the short `label` the plots name it by."""
+    greedy = args.temperature == 0
+    rows = [summarize(run, runs[0], target, greedy) for run in runs]
+    for row, label in zip(rows, short_labels(rows), strict=True):
+        row["label"] = label
+    keys = ("max_new_tokens", "temperature", "top_p", "top_k", "gamma", "topk", "seed", "prompts")
+    settings = {k: getattr(args, k) for k in keys}
+    settings.update(
+        device=str(target.device),
+        dtype=str(target.dtype).removeprefix("torch."),
+        torch_threads=torch.get_num_threads(),
+    )
+    return {
+        "target": {"name": target.name, **target.fingerprint},
+        "settings": settings,
+        "runs": rows,
+    }
+
+
+def short_labels(rows: Sequence[dict]) -> list[str]:
+    """A label per run (rows with `name` and `method`) short enough for a legend or under a bar,
+    all different: the name itself when it has at most LABEL_CHARS characters, else the method
+    numbered in order (eagle#1, eagle#2, ...); transformers' assisted decoding with a drafter is
+    hf[that drafter's label]."""
+    labels: list[str] = []
+    of_name: dict[str, str] = {}
+    for r in rows:
+        name, method = r["name"], r["method"]
+        drafter = name.removeprefix("hf_assisted[").removesuffix("]")
+        if method == "hf_assisted" and drafter in of_name:
+            label = f"hf[{of_name[drafter]}]"
+        else:
+            label = name if len(name) <= LABEL_CHARS else None
+        if label is None or label in labels:  # a long name, or the same drafter again
+            stem, k = (method, 1) if label is None else (label, 2)
+            while f"{stem}#{k}" in labels:
+                k += 1
+            label = f"{stem}#{k}"
+        labels.append(label)
+        of_name.setdefault(name, label)
+    return labels
+
+
+def write_report(report: dict, runs: Sequence[Run], out: Path) -> None:
+    """report.json, report.md and the three plots in folder `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "report.md").write_text(markdown(report))
+    plot(report, runs, out)
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    lines = [
+        f"# Evaluation: {report['target']['name']}",
+        "",
+        f"{s['max_new_tokens']} new tokens, temperature {s['temperature']}, gamma "
+        f"{s['gamma'] if s['gamma'] is not None else 'per drafter'}, "
+        f"{s['device']} {s['dtype']}. Speedup: tokens/s over our plain decoding (`ar`), same "
+        "process; overhead = tau / speedup - 1; copied = share of target passes whose draft "
+        "was copied from the context (lookup_ngram) rather than drafted by the model. The plots "
+        "name each run by its label.",
+        "",
+        "| label | run | tau | tokens/s | speedup | overhead | draft time | copied | extra params "
+        "| matches ar |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+    for r in report["runs"]:
+        lines.append(
+            f"| {r['label']} | {r['name']} | {fmt(r['tau'])} | {r['tokens_per_s']:.1f} | "
+            f"{r['speedup_vs_ar']:.2f}x | {fmt(r['overhead'])} | "
+            f"{fmt(r['draft_time_frac'], '{:.0%}')} | {fmt(r.get('copied_share'), '{:.0%}')} | "
+            f"{r['extra_params']:,} | "
+            f"{fmt(r['matches_ar'], '{}')} |"
+        )
+    lines += ["", "Acceptance per position (alpha_i):", ""]
+    for r in report["runs"]:
+        if r["acceptance_per_position"]:
+            alphas = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
+            lines.append(f"- {r['label']}: {alphas}")
+    return "\n".join(lines) + "\n"
+
+
+def log_wandb(report: dict, out: Path, project: str) -> None:
+    import wandb
+
+    run = wandb.init(project=project, config=report["settings"], job_type="evaluate")
+    columns = ["label", "name", "method", "tau", "tokens_per_s", "speedup_vs_ar", "overhead"]
+    table = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in report["runs"]])
+    images = {p.stem: wandb.Image(str(p)) for p in out.glob("*.png")}
+    run.log({"runs": table, **images})
+    run.finish()
+
+
+# --- plots -------------------------------------------------------------------------------------
+
+
+def plot(report: dict, runs: Sequence[Run], out: Path) -> None:
+    """acceptance_per_position.png, tau_distribution.png and speedup.png in `out`. Runs are
+    named by their labels; figures grow with the number of runs rather than squeeze the axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # the runs that drafted, each with the colour and marker it has in both plots that show them
+    drafted = [
+        (r, run)
+        for r, run in zip(report["runs"], runs, strict=True)
+        if r["acceptance_per_position"]
+    ]
+    colors, markers = plt.get_cmap("tab10").colors, "osD^v<>ph*"
+    styles = [
+        dict(color=colors[i % 10], marker=markers[(i + i // 10) % 10]) for i in range(len(drafted))
+    ]
+    figures = {
+        "acceptance_per_position": _acceptance(plt, drafted, styles),
+        "tau_distribution": _tau_distribution(plt, drafted, styles),
+        "speedup": _speedup(plt, report["runs"]),
+    }
+    for name, fig in figures.items():
+        fig.savefig(out / f"{name}.png", dpi=120, bbox_inches="tight")  # the legend, uncut
+        plt.close(fig)
+
+
+def _acceptance(plt, drafted, styles):
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, ((r, _), style) in enumerate(zip(drafted, styles, strict=True)):
+        alphas = r["acceptance_per_position"]
+        # runs side by side around each position, so equal values do not hide one another
+        dodge = (i - (len(drafted) - 1) / 2) * min(0.04, 0.3 / len(drafted))
+        x = [pos + dodge for pos in range(1, len(alphas) + 1)]
+        ax.plot(x, alphas, label=r["label"], alpha=0.85, **style)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="draft position i", ylabel="acceptance alpha_i", ylim=(-0.03, 1.05))
+    ax.set_title("Acceptance per position")
+    ax.grid(alpha=0.3)
+    if not drafted:
+        ax.text(0.5, 0.5, "no run drafted", ha="center", transform=ax.transAxes)
+    else:  # beside the axes: the saved figure widens for it
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), frameon=False,
+                  ncols=math.ceil(len(drafted) / 14))  # fmt: skip
+    return fig
+
+
+def _tau_distribution(plt, drafted, styles):
+    """One small panel per run: a dozen overlaid histograms cannot be told apart."""
+    from matplotlib.ticker import MaxNLocator
+
+    n = max(len(drafted), 1)
+    ncols = min(n, 3)
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(max(3.2 * ncols, 5), 2.2 * nrows + 0.8), sharex=True, sharey=True,
+        squeeze=False,
+    )  # fmt: skip
+    if not drafted:
+        axes[0, 0].text(0.5, 0.5, "no run drafted", ha="center", transform=axes[0, 0].transAxes)
+    for i in range(n, nrows * ncols):  # no run: no panel, its x axis on the one above
+        axes.flat[i].set_visible(False)
+        axes.flat[i - ncols].tick_params(labelbottom=True)
+    for ax, (r, run), style in zip(axes.flat, drafted, styles, strict=False):
+        counts = torch.bincount(torch.tensor(run.stats.emitted_per_pass, dtype=torch.long))[1:]
+        share = (counts / counts.sum()).tolist()  # a pass emits at least one token
+        ax.bar(range(1, len(share) + 1), share, color=style["color"], width=0.8)
+        ax.axvline(r["tau"], color="black", lw=1, ls="--")
+        ax.set_title(f"{r['label']}: tau {r['tau']:.2f}", fontsize=10)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("tau distribution (dashed: mean)")
+    fig.supxlabel("tokens emitted per target pass")
+    fig.supylabel("share of passes")
+    fig.tight_layout()
+    return fig
+
+
+def _speedup(plt, rows):
+    labels = [r["label"] for r in rows]
+    speed = [r["speedup_vs_ar"] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(rows) + 2), 4))
+    # split by draft time share; transformers' generate reports no split: one grey bar
+    draft = [s * (r["draft_time_frac"] or 0.0) for s, r in zip(speed, rows, strict=True)]
+    split = [r["draft_time_frac"] is not None for r in rows]
+    verify = [s - d if ok else 0 for s, d, ok in zip(speed, draft, split, strict=True)]
+    ax.bar(labels, verify, label="verify share", color="tab:blue")
+    ax.bar(labels, draft, bottom=verify, label="draft share", color="tab:orange")
+    if not all(split):
+        whole = [0 if ok else s for s, ok in zip(speed, split, strict=True)]
+        ax.bar(labels, whole, label="no split (transformers)", color="tab:gray")
+    for i, s in enumerate(speed):
+        ax.annotate(f"{s:.2f}x", (i, s), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 2), textcoords="offset points")  # fmt: skip
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_ylim(0, max(*speed, 1.0) * 1.12)  # room for the figures above the bars
+    ax.set(ylabel="speedup vs our plain decoding", title="Speedup (bar split: draft / verify)")
+    if max(map(len, labels)) > 6:
+        plt.setp(ax.get_xticklabels(), rotation=30, ha="right", rotation_mode="anchor")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), frameon=False)
+    return fig
