@@ -1,10 +1,13 @@
-"""The offline hidden-state cache: offline training equals online training on the same data,
-resume, bytes per token, and clear errors for another target and a damaged shard."""
+"""The offline hidden-state cache: the dump holds the training examples with the target's own
+hidden states, offline training equals online training on the same data (same losses, same
+weights), resume, bytes per token, and clear errors for another target and a damaged shard."""
 
 from __future__ import annotations
 
 import copy
+import importlib
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from specdraft.data.hidden_cache import (
     HiddenCacheError,
     HiddenStateCache,
     bytes_per_token,
+    ids_hash,
     write_cache,
 )
 from specdraft.drafters.target import Target
@@ -32,9 +36,26 @@ def run_args(tiny_target_path, tmp_path):
         f"target={tiny_target_path}", f"data.path={data}", "data.max_length=32",
         "data.eval_fraction=0.1", "max_steps=3", "micro_batch_size=4", "eval_every=3",
         "eval_batches=1", "save_every=0", "warmup_steps=1", "lr=3e-3",
-        "drafter.draft_vocab_size=200", "drafter.ttt_steps=2", "drafter.tree_depth=2",
+        "drafter.draft_vocab_size=200", "drafter.ttt_steps=2", "decode.gamma=2",
         "eval_loop.enabled=false",
     ]  # fmt: skip
+
+
+def recorded_training(monkeypatch) -> list[SimpleNamespace]:
+    """Each call of the EAGLE script's trainer: the head's weights before training, the
+    examples it trained and evaluated on, and the result (its per-step losses)."""
+    script = importlib.import_module("specdraft.train.eagle")
+    real, calls = script.train, []
+
+    def recording(cfg, head, features, train_examples, eval_examples, **kwargs):
+        start = {k: v.detach().clone() for k, v in head.state_dict().items()}
+        result = real(cfg, head, features, train_examples, eval_examples, **kwargs)
+        examples = [*train_examples, *eval_examples]
+        calls.append(SimpleNamespace(start=start, examples=examples, result=result))
+        return result
+
+    monkeypatch.setattr(script, "train", recording)
+    return calls
 
 
 def test_offline_training_equals_online(tiny_target, tmp_path, run_args, capsys, monkeypatch):
@@ -47,7 +68,24 @@ def test_offline_training_equals_online(tiny_target, tmp_path, run_args, capsys,
     # fp32: ids (8 bytes) + 2 layers x 64 x 4 bytes per token, plus headers
     assert 8 + 2 * 64 * 4 <= bytes_per_token(cache) < 1.2 * (8 + 2 * 64 * 4)
 
+    runs = recorded_training(monkeypatch)
     assert train([*run_args, f"output_dir={tmp_path / 'online'}"]) == 0
+    online = runs[-1]
+
+    # The dump holds exactly the examples that training reads, in its order, each with the
+    # target's own hidden states: what a fresh forward of that example alone computes.
+    examples = online.examples
+    assert manifest["examples"] == [ids_hash(e.input_ids) for e in examples]
+    stored = {}
+    for shard in manifest["shards"]:
+        stored.update(load_file(cache / shard["file"]))
+    assert len(stored) == 3 * len(examples)  # ids and two layers per example, nothing else
+    for i, e in enumerate(examples):
+        assert stored[f"{i}.input_ids"].tolist() == list(e.input_ids)
+        fresh = tiny_target.forward(torch.tensor([e.input_ids]), capture_layers=[1, 2])
+        for layer in (1, 2):
+            got, want = stored[f"{i}.layer{layer}"], fresh.hidden_states[layer][0]
+            torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-4)
 
     def no_forward(*args, **kwargs):
         raise AssertionError("offline training ran the target")
@@ -55,13 +93,22 @@ def test_offline_training_equals_online(tiny_target, tmp_path, run_args, capsys,
     monkeypatch.setattr(Target, "forward", no_forward)
     monkeypatch.setattr(Target, "__call__", no_forward)
     assert train([*run_args, f"output_dir={tmp_path / 'offline'}", f"hidden_cache={cache}"]) == 0
-    online = load_file(tmp_path / "online" / "final" / "model.safetensors")
-    offline = load_file(tmp_path / "offline" / "final" / "model.safetensors")
-    assert online.keys() == offline.keys()
-    for k in online:
-        assert torch.allclose(online[k], offline[k], atol=1e-5), k
-    start = load_file(tmp_path / "online" / "final" / "model.safetensors")["fc_in.weight"]
-    assert start.abs().sum() > 0
+    offline = runs[-1]
+    # Both runs read the same examples (token ids and loss masks) and start from the same head;
+    # step by step they get the same losses, hence end with the same weights; and training moved
+    # the weights, so that equality says something.
+    assert offline is not online and offline.examples == examples
+    for name, tensor in online.start.items():
+        assert torch.equal(tensor, offline.start[name]), name
+    assert len(online.result.losses) == 3
+    assert offline.result.losses == pytest.approx(online.result.losses, rel=1e-5)
+    online_w = load_file(tmp_path / "online" / "final" / "model.safetensors")
+    offline_w = load_file(tmp_path / "offline" / "final" / "model.safetensors")
+    assert online_w.keys() == offline_w.keys()
+    for k in online_w:
+        assert torch.allclose(online_w[k], offline_w[k], atol=1e-5), k
+    moved = (online_w["fc_in.weight"] - online.start["fc_in.weight"]).abs().max()
+    assert moved > 1e-4  # Adam moves a weight by up to about lr = 3e-3 per step
 
 
 def other_target(tiny_target) -> Target:
@@ -72,8 +119,6 @@ def other_target(tiny_target) -> Target:
 
 
 def rows(n: int = 10):
-    from types import SimpleNamespace
-
     return [SimpleNamespace(input_ids=[3 + i, 40 + i, 7, 9 + i][: 2 + i % 3]) for i in range(n)]
 
 

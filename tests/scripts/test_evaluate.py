@@ -9,10 +9,12 @@ import json
 import pytest
 import torch
 
+from specdraft.inference.evaluate import short_labels
 from specdraft.scripts import evaluate
 
 FIELDS = {
     "name",
+    "label",
     "method",
     "tau",
     "acceptance_per_position",
@@ -90,8 +92,9 @@ def test_greedy_report(tiny_target_path, draft_folder, tmp_path):
     assert 0 < mine["draft_time_frac"] < 1
     assert mine["copied_share"] is None  # a two-model draft never copies from the context
     assert mine["overhead"] == pytest.approx(mine["tau"] / mine["speedup_vs_ar"] - 1)
+    assert [r["label"] for r in runs.values()] == [*list(runs)[:5], "hf[copy]"]  # short: kept
     md = (out / "report.md").read_text()
-    assert "| hf_assisted[copy] |" in md and "speedup" in md
+    assert "| hf[copy] | hf_assisted[copy] |" in md and "speedup" in md  # label -> name
     for plot in ("acceptance_per_position", "tau_distribution", "speedup"):
         assert (out / f"{plot}.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -127,38 +130,104 @@ def test_unknown_baseline_is_refused(tmp_path):
 def test_one_drafter_under_several_decoding_settings(tiny_target, tiny_target_path, tmp_path):
     """FOLDER:key=value,... measures the same head as a chain, a stopping int8 chain and a tree
     in one run; a key the drafter does not have, or a bad value, is refused by name."""
+    from specdraft.core import DecodeConfig
     from specdraft.drafters.checkpoint import save_drafter
     from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 
     torch.manual_seed(0)
-    head = EagleDrafter.build(EagleConfig(tree_top_k=1, tree_depth=3), tiny_target)
+    head = EagleDrafter.build(EagleConfig(), tiny_target)
+    head.decode = DecodeConfig(gamma=3)
     folder = tmp_path / "head"
     save_drafter(head, folder, target_fingerprint=tiny_target.fingerprint)
     out = tmp_path / "eval"
     specs = [str(folder), f"{folder}:draft_weights=int8,stop_below=0.01,gamma=4",
-             f"{folder}:topk=2,tree_budget=5", f"{folder}:lookup_ngram=1,stop_below=0"]  # fmt: skip
+             f"{folder}:tree_top_k=2,tree_budget=5", f"{folder}:lookup_ngram=1,stop_below=0"]  # fmt: skip
     args = ["--target", tiny_target_path, "--baselines", "ar", "--num-prompts", "1",
             "--max-new-tokens", "8", "--output", str(out)]  # fmt: skip
     evaluate.main(args + [x for spec in specs for x in ("--drafter", spec)])
     runs = json.loads((out / "report.json").read_text())["runs"]
     assert [r["name"] for r in runs] == [
         "ar", "head", "head:draft_weights=int8,stop_below=0.01,gamma=4",
-        "head:topk=2,tree_budget=5", "head:lookup_ngram=1,stop_below=0",
+        "head:tree_top_k=2,tree_budget=5", "head:lookup_ngram=1,stop_below=0",
     ]  # fmt: skip
+    assert [r["label"] for r in runs] == ["ar", "head", "eagle#1", "eagle#2", "eagle#3"]
     assert all(r["matches_ar"] for r in runs)
     bad = {
-        f"{folder}:tree_widht=2": "tree_widht: not a decoding setting of this eagle drafter",
-        f"{folder}:version=eagle1": "version: not a decoding setting",
+        f"{folder}:tree_widht=2": "unknown key 'tree_widht'; did you mean 'tree_budget' or 'tree_top_k'",
+        f"{folder}:version=eagle1": "unknown key 'version'",
         f"{folder}:draft_weights=int4": "draft_weights='int4' is not one of: full \\| int8",
         f"{folder}:stop_below=1.5": r"stop_below must be in \[0, 1\)",
-        f"{folder}:tree_depth=abc": "tree_depth='abc' is not of type int",
-        f"{folder}:lookup_ngram=2.5": "lookup_ngram=2.5 is not of type int",
-        f"{folder}:lookup_ngram=-1": "lookup_ngram must be >= 0",
-        f"{folder}:draft_weights=8": "draft_weights=8 is not of type str",
-        f"{folder}:gamma=2.5": "gamma=2.5 must be an integer >= 1",
-        f"{folder}:topk=0": "topk=0 must be an integer >= 1",
+        f"{folder}:gamma=abc": r"\(gamma=abc\): gamma expects int; got 'abc'",
+        f"{folder}:lookup_ngram=2.5": "lookup_ngram expects int; got '2.5'",
+        f"{folder}:lookup_ngram=-1": "lookup_ngram must be an integer >= 0",
+        f"{folder}:gamma=0": "gamma must be an integer >= 1",
+        f"{folder}:tree_top_k=0": "tree_top_k must be an integer >= 1",
+        f"{folder}:gamma=3,dynamic_gamma=true": "dynamic_gamma is for two-model drafters",
         f"{folder}:gamma": "head:gamma",  # no "=": read as a folder name, which is not there
     }
     for spec, message in bad.items():
         with pytest.raises((SystemExit, OSError, ValueError), match=message):
             evaluate.main([*args, "--drafter", spec])
+
+
+def test_short_labels_are_short_distinct_and_keep_short_names():
+    long = "runs/eagle-demo/final:lookup_ngram=0,tree_top_k=4,tree_budget=12"
+    rows = [("ar", "ar"), ("hf_prompt_lookup", "hf_prompt_lookup"), (long, "eagle"),
+            (long.replace("=0", "=2"), "eagle"), ("runs/distill-demo/final", "distill"),
+            ("hf_assisted[runs/distill-demo/final]", "hf_assisted"), ("copy", "distill"),
+            ("copy", "distill"), ("eagle#1", "eagle")]  # fmt: skip
+    labels = short_labels([{"name": n, "method": m} for n, m in rows])
+    assert labels == ["ar", "hf_prompt_lookup", "eagle#1", "eagle#2", "distill#1",
+                      "hf[distill#1]", "copy", "copy#2", "eagle#1#2"]  # fmt: skip
+
+
+def test_a_drafters_own_settings_shape_its_drafts(tiny_target, tiny_target_path, tmp_path):
+    """FOLDER:key=value reaches that run and only it: one trained head measured as saved (a
+    chain 4 deep), cut to 2 deep, and widened into a tree shows each shape in report.json."""
+    from specdraft.core import DecodeConfig
+    from specdraft.drafters.checkpoint import save_drafter
+    from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+
+    torch.manual_seed(0)
+    head = EagleDrafter.build(EagleConfig(ttt_steps=2), tiny_target)
+    head.decode = DecodeConfig(gamma=4, tree_top_k=1)  # the saved decoding defaults
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(30):  # on the target's own predictions, until the head gets drafts accepted
+        ids = torch.randint(3, tiny_target.vocab_size, (8, 24))
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                 "loss_mask": torch.ones_like(ids)}  # fmt: skip
+        loss, _ = head(batch, tiny_target.forward(ids, capture_layers=head.capture_layers))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    folder = tmp_path / "head"
+    save_drafter(head.eval(), folder, target_fingerprint=tiny_target.fingerprint)
+    out = tmp_path / "eval"
+    specs = [str(folder), f"{folder}:gamma=2", f"{folder}:tree_top_k=3,tree_budget=9"]
+    evaluate.main(
+        ["--target", tiny_target_path, "--baselines", "ar", "--num-prompts", "2",
+         "--max-new-tokens", "24", "--output", str(out)]
+        + [x for spec in specs for x in ("--drafter", spec)]
+    )  # fmt: skip
+    runs = json.loads((out / "report.json").read_text())["runs"]
+    assert [r["name"] for r in runs] == [
+        "ar", "head", "head:gamma=2", "head:tree_top_k=3,tree_budget=9",
+    ]  # fmt: skip
+    saved, shallow, tree = runs[1:]
+    for r in (saved, shallow, tree):
+        assert r["matches_ar"] is True and r["drafted"] > 0 and r["accepted"] > 0
+
+    def drafting_passes(r) -> int:
+        """Target passes that verified a draft: all but each prompt's first (an EAGLE head has
+        no target features before the prompt's forward, so it drafts nothing there)."""
+        return round(r["new_tokens"] / r["tau"]) - r["num_prompts"]
+
+    # As saved: a chain deeper than 2, verified deeper than 2.
+    assert saved["drafted"] > 2 * drafting_passes(saved)
+    assert len(saved["acceptance_per_position"]) > 2
+    # gamma=2: at most 2 draft tokens per pass, so alpha_1, alpha_2 only and tau <= 3.
+    assert shallow["drafted"] <= 2 * drafting_passes(shallow)
+    assert len(shallow["acceptance_per_position"]) <= 2 and shallow["tau"] <= 3
+    # tree_top_k=3, tree_budget=9: more nodes per pass than a chain 4 deep can hold.
+    assert tree["drafted"] > 4 * drafting_passes(tree)
+    assert len(tree["acceptance_per_position"]) <= 4
