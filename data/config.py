@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from specdraft.config import choice
 
-# The values `format` and `overlong` accept; the config loader (train/config.py) reads them from the
+# The values `format` and `overlong` accept; the config engine (specdraft/config.py) reads them from the
 # field metadata, so a typo fails when the config loads, not deep inside the pipeline.
 FORMATS = ("auto", "sharegpt", "messages", "ultrachat", "text")
 OVERLONG = ("truncate", "drop")

@@ -13,6 +13,7 @@ DraftContext, DecodeConfig, SamplingSettings) and drafting pieces live in specdr
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -71,10 +72,26 @@ class Drafter(nn.Module):
     ) -> DraftSession:
         raise NotImplementedError
 
+    def ignored_settings(self, decode: DecodeConfig) -> list[str]:
+        """What in `decode` this kind cannot honour, each said in a sentence (the loop warns
+        once per sentence and drafts without it). Nothing by default."""
+        return []
+
     def num_extra_parameters(self, target) -> int:
         """Parameters this drafter adds on top of the target (shared tensors not counted)."""
         target_params = {p.data_ptr() for p in target.model.parameters()}
         return sum(p.numel() for p in self.parameters() if p.data_ptr() not in target_params)
+
+
+def warn_once(message: str) -> None:
+    """A drafting fallback's warning (a setting ignored, full weights instead of int8), once per
+    process rather than once per generate call."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+_WARNED: set[str] = set()
 
 
 def vocab_mismatch_error(what: str, drafter_vocab: int, target) -> ValueError:

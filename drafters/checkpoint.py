@@ -184,8 +184,8 @@ def load_drafter(
     config, decode = None, DecodeConfig()
     if meta is not None:
         config_values, decode_values = _split_decode(meta)
-        config = _config_from_dict(cls.config_class, config_values)
-        decode = _config_from_dict(DecodeConfig, decode_values)
+        config = _config_from_dict(cls.config_class, config_values, folder)
+        decode = _config_from_dict(DecodeConfig, decode_values, folder)
     if hf_config is not None:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         vocab = model.get_output_embeddings().weight.shape[0]
@@ -285,14 +285,16 @@ def _split_decode(meta: dict) -> tuple[dict, dict]:
     return config, decode
 
 
-def _config_from_dict(cls: type, values: dict) -> Any:
+def _config_from_dict(cls: type, values: dict, folder: Path) -> Any:
     unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
     if unknown:
         raise CheckpointError(
-            f"the checkpoint's {cls.__name__} has keys this specdraft does not know: "
+            f"{folder / CONFIG_NAME}: its {cls.__name__} has keys this specdraft does not know: "
             f"{sorted(unknown)}; it was written by a newer version"
         )
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"the checkpoint's {cls.__name__} is not valid: {e}") from e
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME}: its {cls.__name__} is not valid: {e}"
+        ) from e

@@ -25,7 +25,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from specdraft.data.demo import END, build_demo_tokenizer, demo_corpus_texts, demo_prompts
 
@@ -245,8 +251,6 @@ def loops(tokens: list[int], tail: int = 48, max_period: int = 24) -> bool:
 @torch.no_grad()
 def report(path: Path, num_prompts: int = 20, max_new_tokens: int = 128) -> dict:
     """Plain greedy decoding of held-out prompts: tokens/s and how often the output loops."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     prompts = demo_prompts(num_prompts)

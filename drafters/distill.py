@@ -26,9 +26,10 @@ from specdraft.core import (
     compact,
     draft_chain,
     draft_tree,
+    float_mask,
     kv_bytes,
 )
-from specdraft.drafters.base import Drafter, vocab_mismatch_error
+from specdraft.drafters.base import Drafter, vocab_mismatch_error, warn_once
 from specdraft.drafters.lean import (
     LeanModel,
     ModelWeights,
@@ -191,6 +192,21 @@ class DistillDrafter(Drafter):
         self._drafting.clear()  # training changes the weights; drafting rebuilds them
         return super().train(mode)
 
+    def ignored_settings(self, decode: DecodeConfig) -> list[str]:
+        if decode.chain:
+            return []
+        ignored = []
+        if decode.draft_weights == "int8":
+            ignored.append(
+                "draft_weights=int8 is ignored by two-model trees (tree_top_k > 1): they draft "
+                "with the student's full weights; int8 is for chains"
+            )
+        if decode.stop_below > 0:
+            ignored.append(
+                "stop_below is ignored by two-model trees (tree_top_k > 1): it ends chains"
+            )
+        return ignored
+
     @property
     def vocab_size(self) -> int:
         return self.hf_model.get_output_embeddings().weight.shape[0]
@@ -208,8 +224,15 @@ class DistillDrafter(Drafter):
             raise vocab_mismatch_error("the draft model", self.vocab_size, target)
         weights = None
         if decode.chain:  # chains draft through the lean model where the student's layout allows
-            device = self.hf_model.device
-            weights = self.drafting_weights(use_int8(decode.draft_weights, device, "the student"))
+            int8 = use_int8(
+                decode.draft_weights, self.hf_model.device, "the student's full weights"
+            )
+            weights = self.drafting_weights(int8)
+            if weights is None and int8:
+                warn_once(
+                    f"draft_weights=int8 needs a student drafters/lean.py runs "
+                    f"({type(self.hf_model).__name__} is not one); drafting with its full weights"
+                )
         return DistillSession(self.hf_model, decode, sampling, generator, weights)
 
     @classmethod
@@ -368,6 +391,10 @@ def sample(
 # --- propose / session (inference) -------------------------------------------------------------
 
 
+# dynamic_gamma grows gamma up to this (or the configured gamma, if larger)
+DYNAMIC_GAMMA_CEILING = 16
+
+
 class DistillSession:
     """One generate call's drafting state: the draft model's KV cache and the current gamma.
 
@@ -398,11 +425,12 @@ class DistillSession:
         self.sampling = sampling
         self.generator = generator
         self.gamma = decode.gamma
-        self.max_gamma = max(16, decode.gamma)  # dynamic gamma's ceiling
+        self.max_gamma = max(DYNAMIC_GAMMA_CEILING, decode.gamma)
         self.cache = DynamicCache(config=model.config)
         self.cached = 0
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self._base = 0  # context length at the last proposal
+        self._depth = 0  # the depth it was asked to draft
         self._tree: DraftTree | None = None  # the last proposal
         self._fed_slots: list[int] = []  # per node of the last tree: its cache slot, or -1
 
@@ -412,7 +440,7 @@ class DistillSession:
         depth = min(self.gamma, context.max_depth)
         if self.max_positions is not None:  # a draft may have fewer positions than the target
             depth = min(depth, self.max_positions - length)
-        self._base = length
+        self._base, self._depth = length, max(depth, 0)
         pending = seq[:, self.cached :]
         if depth <= 0:
             tree, self._fed_slots = DraftTree.empty(seq.shape[0], seq.device), []
@@ -458,8 +486,7 @@ class DistillSession:
 
         def expand(nodes, tokens, parents, visible, level):
             allowed = torch.cat([torch.ones(len(nodes), base, dtype=torch.bool), visible], dim=1)
-            mask = torch.zeros(allowed.shape, dtype=dtype)
-            mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+            mask = float_mask(allowed, dtype)
             positions = torch.full((1, len(nodes)), base - 1 + level, device=device)
             ids = torch.tensor([tokens], device=device)
             return self._logits(ids, mask[None, None].to(device), positions)[0]
@@ -485,8 +512,8 @@ class DistillSession:
             compact(self.cache, self._base, slots)
         self.cached = self._base + len(slots)
         if self.decode.dynamic_gamma:
-            # grow after a fully accepted draft, shrink after a rejection
-            if len(path) == len(tree):
+            # grow after a draft accepted to the depth asked for, shrink after a rejection
+            if len(path) == self._depth:
                 self.gamma = min(self.gamma + 2, self.max_gamma)
             else:
                 self.gamma = max(1, self.gamma - 1)

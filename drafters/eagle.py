@@ -34,8 +34,9 @@ from specdraft.core import (
     SamplingSettings,
     draft_chain,
     draft_tree,
+    float_mask,
 )
-from specdraft.drafters.base import Drafter
+from specdraft.drafters.base import Drafter, warn_once
 from specdraft.drafters.lean import (
     DraftLinear,
     LayerWeights,
@@ -44,7 +45,6 @@ from specdraft.drafters.lean import (
     lean_supported,
     rms,
     use_int8,
-    warn_once,
 )
 
 # --- config ------------------------------------------------------------------------------------
@@ -241,12 +241,18 @@ class EagleDrafter(Drafter):
         generator: torch.Generator | None = None,
     ) -> EagleSession:
         """Per-call drafting state for the inference loop (see the session section below)."""
+        return EagleSession(self, target, sampling=sampling, decode=decode, generator=generator)
+
+    def ignored_settings(self, decode: DecodeConfig) -> list[str]:
+        ignored = []
         if decode.dynamic_gamma:
-            raise ValueError(
-                "dynamic_gamma is for two-model drafters; an EAGLE chain ends early by its "
+            ignored.append(
+                "dynamic_gamma is ignored by EAGLE heads: a chain ends early by the head's "
                 "confidence instead (stop_below)"
             )
-        return EagleSession(self, target, sampling=sampling, decode=decode, generator=generator)
+        if not decode.chain and decode.stop_below > 0:
+            ignored.append("stop_below is ignored by EAGLE trees (tree_top_k > 1): it ends chains")
+        return ignored
 
     def drafting_weights(self, int8: bool) -> DraftingWeights | None:
         """The head's weights as drafting runs them (drafters/lean.py), or None where its layer
@@ -342,10 +348,7 @@ class EagleDrafter(Drafter):
             nxt = t + 2 + k  # the token position the step predicts
             valid = (nxt < T)[None, :] & loss_mask[:, nxt.clamp(max=T - 1)]  # (B, S)
             allowed = torch.cat([causal] + [eye] * k, dim=1)  # (S, (k + 1) S)
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-            mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None].expand(
-                B, 1, -1, -1
-            )
+            mask = float_mask(allowed, dtype)[None, None].expand(B, 1, -1, -1)
             positions = (t + k)[None].expand(B, S)
             h = self.step(input_ids[:, idx], feature, positions, mask, cache)  # (B, S, hidden)
             out.append({
@@ -470,7 +473,7 @@ class EagleSession:
       or drafted by someone else (a copy). `hidden_states[layer]` is (batch, pending + n,
       hidden): every position of that forward in order, i.e. the pending tokens (the whole
       prompt at first, then the root = the context's last token), then the n tree nodes in tree
-      order. `prefill(hidden_states)` is the same call for a prompt forward with no tree.
+      order.
     - The first `propose` returns an empty tree (no features yet); the loop's first forward is
       then a plain prefill whose hidden states go to `accept`.
 
@@ -529,9 +532,14 @@ class EagleSession:
         length = seq.shape[1]
         self._base = length
         depth = min(self.decode.gamma, context.max_depth)
-        # no features yet: before the prefill (a one-token prompt needs none to be "known")
-        if self.features is None or self._known < length - 1 or depth <= 0:
+        if self.features is None or depth <= 0:  # no features before the prompt's forward
             return DraftTree.empty(seq.shape[0], seq.device)
+        if self._known != length - 1:
+            raise RuntimeError(
+                f"EagleSession has the target's features of {self._known} positions but the "
+                f"context has {length}: the loop must call accept(tree, path, hidden_states) "
+                "after every verification forward, and pass the context that forward extended"
+            )
         if self.layer is None:  # room for the whole call: prompt, new tokens, one more draft
             self._build(capacity=length + context.max_depth + depth + 1)
         # 1. Feed the pairs with true features not yet in the head's cache (causally, at
@@ -653,11 +661,6 @@ class EagleSession:
         self.features = new if self.features is None else torch.cat([self.features, new], dim=1)
         if self.layer is not None:  # drafted entries were built from predicted features
             self.layer.crop(self.fed)
-
-    def prefill(self, hidden_states: Mapping[int, torch.Tensor]) -> None:
-        """The prompt forward's hidden states (batch, prompt, hidden) per layer, no tree."""
-        device = next(iter(hidden_states.values())).device
-        self.accept(DraftTree.empty(device=device), [], hidden_states)
 
     def extra_memory_bytes(self) -> int:
         """The head's KV cache, plus the drafting copies of its weights (fused, folded, int8),

@@ -24,14 +24,13 @@ key theirs on the parameters' versions, see EagleDrafter.drafting_weights).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from specdraft.core import kv_bytes
+from specdraft.core import float_mask, kv_bytes
+from specdraft.drafters.base import warn_once
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTN_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
@@ -191,16 +190,6 @@ def use_int8(draft_weights: str, device: torch.device, who: str) -> bool:
         warn_once(f"draft_weights=int8 runs on CPU only; drafting on {device} with {who}")
         return False
     return True
-
-
-def warn_once(message: str) -> None:
-    """A drafting fallback's warning, once per process rather than once per generate call."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, stacklevel=3)
-
-
-_WARNED: set[str] = set()
 
 
 class LayerWeights:
@@ -392,8 +381,7 @@ class ModuleLayer:
         positions = torch.as_tensor(positions, device=self.device).reshape(1, n)
         if visible is None:
             visible = torch.ones(n, past + n, dtype=torch.bool).tril(past)
-        mask = torch.zeros(visible.shape, dtype=x.dtype, device=self.device)
-        mask.masked_fill_(~visible.to(self.device), torch.finfo(x.dtype).min)
+        mask = float_mask(visible.to(self.device), x.dtype)
         out = self.layer(
             x, attention_mask=mask[None, None], position_ids=positions, cache=self.cache,
             use_cache=True, position_embeddings=self.rotary(x, positions),

@@ -30,6 +30,15 @@ class PromptLookupDrafter(Drafter):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
+    def ignored_settings(self, decode: DecodeConfig) -> list[str]:
+        default = DecodeConfig(gamma=decode.gamma)
+        changed = [k for k in ("tree_top_k", "stop_below", "draft_weights", "lookup_ngram",
+                               "dynamic_gamma") if getattr(decode, k) != getattr(default, k)]  # fmt: skip
+        if not changed:
+            return []
+        return [f"prompt lookup drafts a chain of up to gamma copied tokens; {', '.join(changed)} "
+                "ignored"]  # fmt: skip
+
     def new_session(
         self,
         target,

@@ -36,6 +36,7 @@ from specdraft.core import (
     eos_ids,
     process_logits,
 )
+from specdraft.drafters.base import warn_once
 from specdraft.drafters.distill import DistillDrafter
 from specdraft.drafters.prompt_lookup import CopyingSession, PromptLookupDrafter
 from specdraft.drafters.target import Target
@@ -196,6 +197,7 @@ def _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k):
 def _start_session(target, drafter, sampling, generator, decode, settings):
     """The drafting session for this call (None for plain decoding) and fresh stats."""
     stats = Stats()
+    settings = {k: v for k, v in settings.items() if v is not None}
     if drafter is None:
         if settings or decode is not None:
             raise ValueError(f"decoding settings {sorted(settings)} given without a drafter")
@@ -215,6 +217,8 @@ def _start_session(target, drafter, sampling, generator, decode, settings):
         f"this {drafter.kind} drafter",
     )
     decode = (decode if decode is not None else drafter.decode).replace(**settings)
+    for message in drafter.ignored_settings(decode):
+        warn_once(message)
     session = drafter.new_session(target, sampling=sampling, decode=decode, generator=generator)
     if decode.lookup_ngram > 0 and not isinstance(drafter, PromptLookupDrafter):
         session = CopyingSession(session, decode.lookup_ngram, decode.gamma)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.core import DraftTree, ancestors
+from specdraft.core import DraftTree, ancestors, float_mask
 
 
 def tree_attention(
@@ -33,8 +33,7 @@ def tree_attention(
     allowed[:pending, past : past + pending] = torch.ones(pending, pending).tril().bool()
     allowed[pending:, past : past + pending] = True
     allowed[pending:, past + pending :] = ancestors(tree.parents)
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    mask = float_mask(allowed, dtype)
     positions = list(range(past, past + pending)) + [past + pending - 1 + d for d in tree.depths]
     return (
         mask[None, None].to(device),

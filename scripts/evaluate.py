@@ -102,6 +102,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.baselines.split(",")) - set(BASELINES) - {""}
     if unknown:
         parser.error(f"unknown baselines {sorted(unknown)}; choose from {','.join(BASELINES)}")
+    for flag, value in (("--gamma", args.gamma), ("--topk", args.topk)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
     if args.max_new_tokens < 1 or args.num_prompts < 1:
         parser.error("--max-new-tokens and --num-prompts must be >= 1")
     return args

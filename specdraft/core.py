@@ -1,4 +1,5 @@
-"""The drafting types and maths every part of specdraft shares. Imports nothing of ours.
+"""The drafting types and maths every part of specdraft shares. Imports nothing of ours but the
+config engine's field helpers (specdraft/config.py, the same bottom layer).
 
 This is the bottom of the layering (README, "Layout"): the draft tree and what a session sees,
 the decoding and sampling settings, turning logits into a drafted token with its q, the two ways
@@ -44,8 +45,8 @@ class DecodeConfig:
     # Draft depth: a chain drafts up to this many tokens, a tree grows this many levels. Also the
     # depth of the simulated tau reported during training.
     gamma: int = 5
-    # 1: a chain. k > 1: EAGLE-2's dynamic tree: each level expands the k best nodes of the
-    # newest level into their k best children.
+    # 1: a chain. k > 1: a tree; EAGLE and two-model drafts grow EAGLE-2's dynamic tree, each
+    # level expanding the k best nodes of the newest level into their k best children.
     tree_top_k: int = 1
     # Trees: draft tokens verified per step (the tree is reranked down to this many). On a CPU a
     # 16-token verification costs ~2 plain steps, so keep it small there; GPUs afford 60+.
@@ -62,7 +63,7 @@ class DecodeConfig:
     # them (prompt lookup, up to gamma tokens, no drafter pass) instead of running the drafter;
     # 0: always the drafter. Repetitive text is drafted for free and exactly.
     lookup_ngram: int = 0
-    # Chains of a two-model draft: grow gamma after a fully accepted draft, shrink it otherwise.
+    # Two-model drafts: grow gamma after a draft accepted to its full depth, shrink it otherwise.
     dynamic_gamma: bool = False
 
     def __post_init__(self) -> None:
@@ -70,8 +71,11 @@ class DecodeConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{key} must be an integer >= {low}; got {value!r}")
-        if not 0 <= self.stop_below < 1:
-            raise ValueError(f"stop_below must be in [0, 1); got {self.stop_below}")
+        stop = self.stop_below
+        if isinstance(stop, bool) or not isinstance(stop, (int, float)) or not 0 <= stop < 1:
+            raise ValueError(f"stop_below must be a number in [0, 1); got {stop!r}")
+        if not isinstance(self.dynamic_gamma, bool):
+            raise ValueError(f"dynamic_gamma must be true or false; got {self.dynamic_gamma!r}")
         check_choices(self)
 
     @property
@@ -173,6 +177,13 @@ def ancestors(parents: list[int]) -> torch.Tensor:
         if p >= 0:  # parents come first, so row p is already complete
             anc[i] |= anc[p]
     return anc
+
+
+def float_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool "may attend" matrix as the float mask attention adds: 0 where allowed, the dtype's
+    minimum elsewhere."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def children_of(parents: list[int]) -> dict[int, list[int]]:
@@ -439,8 +450,9 @@ def check_fingerprint(
     None: not recorded, nothing to check; keys: compare only these."""
     if expected is None:
         return
-    diffs = fingerprint_differences(expected, actual)
     if keys is not None:
-        diffs = [d for d in diffs if d.split(":", 1)[0] in keys]
+        expected = {k: v for k, v in expected.items() if k in keys}
+        actual = {k: v for k, v in actual.items() if k in keys}
+    diffs = fingerprint_differences(expected, actual)
     if diffs:
         raise error(f"{what} was made for another target ({'; '.join(diffs)}); {fix}")

@@ -156,5 +156,7 @@ def test_decoding_defaults_round_trip_and_format_1_folders_still_load(
     block["decode"] = {"gamma": 0}
     del block["config"]["gamma"], block["config"]["draft_weights"]
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="DecodeConfig is not valid: gamma must be"):
+    with pytest.raises(
+        CheckpointError, match=r"config\.json: its DecodeConfig is not valid: gamma must be"
+    ):
         load_drafter(folder, tiny_target)

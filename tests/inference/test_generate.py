@@ -317,16 +317,35 @@ def test_bad_input_is_a_clear_error(random_target, drafts):
         (dict(gamma=0), "gamma must be an integer >= 1"),
         (dict(gamma=2.5), "gamma must be an integer >= 1"),
         (dict(tree_top_k=2, tree_budget=0), "tree_budget must be"),
-        (dict(stop_below=1.5), r"stop_below must be in \[0, 1\)"),
+        (dict(stop_below=1.5), r"stop_below must be a number in \[0, 1\)"),
         (dict(draft_weights="int4"), "draft_weights='int4' is not one of: full | int8"),
         (dict(lookup_ngram=-1), "lookup_ngram must be"),
         (dict(topk=2), "unknown decoding setting.*topk"),
         (dict(drafter=None, gamma=3), "without a drafter"),
+        (dict(dynamic_gamma="no"), "dynamic_gamma must be true or false"),
+        (dict(stop_below="0.1"), "stop_below must be a number"),
     ]
     for kwargs, message in cases:
         call = dict(input_ids=PROMPT, drafter=d, max_new_tokens=4) | kwargs
         with pytest.raises(ValueError, match=message):
             generate(t, call.pop("input_ids"), **call)
+
+
+def test_settings_a_kind_cannot_honour_are_named_once(random_target, drafts, monkeypatch):
+    """A two-model tree drafts with full weights and prompt lookup drafts chains: asked for
+    otherwise, the loop says once what it ignores, and output stays exact."""
+    import specdraft.drafters.base as base
+
+    monkeypatch.setattr(base, "_WARNED", set())
+    ref = hf_greedy(random_target, PROMPT, 12)
+    with pytest.warns(UserWarning, match="draft_weights=int8 is ignored by two-model trees"):
+        out = generate(
+            random_target, PROMPT, drafts["partial"], max_new_tokens=12, tree_top_k=2,
+            draft_weights="int8",
+        )  # fmt: skip
+    assert out.tokens[0].tolist() == ref
+    with pytest.warns(UserWarning, match="prompt lookup drafts a chain.*tree_top_k ignored"):
+        generate(random_target, PROMPT, "prompt_lookup", max_new_tokens=4, tree_top_k=3)
 
 
 def test_a_drafter_trained_for_another_target_is_refused(random_target, drafts):

@@ -140,7 +140,7 @@ def test_final_checkpoint_is_an_assistant_model_for_transformers(
     served = json.loads((out / "eval_loop.json").read_text())
     assert served["matches_ar"] is True and served["num_prompts"] == 2
     assert served["drafted"] > 0 and served["accepted"] > 0 and served["tau"] > 1
-    assert served["decode"]["gamma"] == 4 and served["simulated_tau"] > 1
+    assert served["decode"]["gamma"] == 5 and served["simulated_tau"] > 1
     draft = AutoModelForCausalLM.from_pretrained(out / "final")
     tok = tiny_target.tokenizer
     prompt = tok("def main():\n    return", return_tensors="pt")
