@@ -25,6 +25,7 @@ from specdraft.core import (
     SamplingSettings,
     compact,
     draft_chain,
+    draft_token,
     draft_tree,
     float_mask,
     kv_bytes,
@@ -378,10 +379,10 @@ def sample(
 ) -> torch.Tensor:
     """(batch, prompt) -> (batch, new_tokens) tokens sampled from `model` with its KV cache."""
     out = model(input_ids=prompt, use_cache=True)
+    sampling = SamplingSettings(temperature=temperature)
     tokens = []
     for i in range(new_tokens):
-        probs = F.softmax(out.logits[:, -1].float() / temperature, dim=-1)  # (batch, vocab)
-        token = torch.multinomial(probs, 1, generator=generator)  # (batch, 1)
+        token, _ = draft_token(out.logits[:, -1], sampling, generator)  # (batch, 1)
         tokens.append(token)
         if i + 1 < new_tokens:
             out = model(input_ids=token, cache=out.cache, use_cache=True)
