@@ -292,6 +292,10 @@ class _Run:
             dynamic_ncols=True, file=sys.stderr,
         )  # fmt: skip
         try:
+            # A drafter may arrive in eval mode (from_pretrained leaves a model so), and a resumed
+            # run skips the step-0 evaluation that would switch it: train mode from the start,
+            # so dropout is the same whether or not the run was interrupted.
+            self.model.train()
             if self.start_step == 0 and cfg.eval_every > 0 and self.eval_examples:
                 self._evaluate(0, bar, label="before training")
             step = self.start_step

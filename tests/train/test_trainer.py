@@ -340,3 +340,26 @@ def test_tensorboard_event_file_holds_the_logged_scalars(tiny_target, data, tmp_
     events.Reload()
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(result.losses)
     assert [e.step for e in events.Scalars("eval/simulated_tau")] == [0, 2]
+
+
+class _ModeRecorder(DistillDrafter):
+    """Records whether each training forward ran in train mode (dropout on)."""
+
+    modes: list[bool] = []
+
+    def forward(self, batch, target_out):
+        type(self).modes.append(self.training)
+        return super().forward(batch, target_out)
+
+
+def test_training_forwards_run_in_train_mode_from_a_drafter_in_eval_mode(
+    tiny_target, data, tmp_path
+):
+    """A student loaded with from_pretrained (or a resumed run, which skips the step-0
+    evaluation that used to switch modes) starts in eval mode; every training step must still
+    run in train mode, or dropout silently differs from the run that was not interrupted."""
+    cfg = _cfg(tmp_path, eval_every=0, max_steps=2)
+    drafter = _drafter(cfg, tiny_target, _ModeRecorder).eval()
+    _ModeRecorder.modes = []
+    train(cfg, drafter, tiny_target, *data, tokenizer=tiny_target.tokenizer)
+    assert len(_ModeRecorder.modes) == 4 and all(_ModeRecorder.modes)
