@@ -24,6 +24,7 @@ model for kinds whose drafter *is* one, exposed as `drafter.hf_model`, else None
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib
 import json
@@ -86,6 +87,7 @@ def save_drafter(
     """
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
+    _clear_leftovers(folder)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
         meta = {
@@ -127,14 +129,59 @@ def save_drafter(
 
 
 def _replace_dir(new: Path, dest: Path) -> None:
-    """Move `new` to `dest`; an existing `dest` is swapped out only once `new` is beside it."""
+    """Put the complete folder `new` at `dest`, durably, so that a reader or a crash finds the
+    old folder or the new one, never neither: `new` is synced to disk first, and an existing
+    `dest` is swapped with it in one atomic exchange (Linux renameat2). Where no exchange exists,
+    the old folder is renamed aside for the instant between two renames, and a later save
+    clears what a crash there left (`_clear_leftovers`)."""
+    _fsync_tree(new)
     if not dest.exists():
         os.rename(new, dest)
-        return
-    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-    os.rename(dest, old)
-    os.rename(new, dest)
-    shutil.rmtree(old, ignore_errors=True)
+    elif _exchange(new, dest):  # new now holds the old folder
+        shutil.rmtree(new, ignore_errors=True)
+    else:
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        os.rename(dest, old)
+        os.rename(new, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync(dest.parent)
+
+
+def _clear_leftovers(folder: Path) -> None:
+    """Remove what a crashed save of `folder` left beside it: a temporary or swapped-out copy
+    (never the folder itself). If the crash came between the two renames of the fallback, the
+    swapped-out copy is the last complete folder: it is put back rather than removed."""
+    for old in sorted(folder.parent.glob(f".{folder.name}.old-*")):
+        if not folder.exists() and (old / COMPLETE_MARKER).exists():
+            os.rename(old, folder)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (renameat2 with RENAME_EXCHANGE); False where the OS, libc or
+    file system cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            _fsync(path)
+    _fsync(folder)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def git_commit() -> str | None:

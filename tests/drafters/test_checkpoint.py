@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,3 +162,30 @@ def test_decoding_defaults_round_trip_and_format_1_folders_still_load(
         CheckpointError, match=r"config\.json: its DecodeConfig is not valid: gamma must be"
     ):
         load_drafter(folder, tiny_target)
+
+
+def test_saving_over_a_folder_swaps_it_atomically_and_clears_leftovers(
+    tiny_target, student, tmp_path, monkeypatch
+):
+    """Replacing best/ or final/ never leaves a moment without the folder: the complete new copy
+    is swapped in with one atomic exchange, never by renaming the old one away first; and what
+    a crash left beside the folder (a swapped-out copy) is cleared by the next save."""
+    folder = tmp_path / "final"
+    save = lambda: save_drafter(student, folder, target_fingerprint=tiny_target.fingerprint)  # noqa: E731
+    save()
+    rename = os.rename
+
+    def guarded(src, dst, *args, **kwargs):
+        assert Path(src) != folder, "the folder was renamed away: readers could find nothing"
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", guarded)
+    save()
+    monkeypatch.setattr(os, "rename", rename)
+    assert load_drafter(folder, tiny_target) is not None
+
+    os.rename(folder, tmp_path / ".final.old-999")  # a crash between the fallback's two renames
+    (tmp_path / ".final.old-998").mkdir()  # and an older half-removed copy
+    save()
+    assert load_drafter(folder, tiny_target) is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
