@@ -89,6 +89,8 @@ class TrainResult:
     main_process: bool = True  # False on the other processes of a multi-process run
     # tokens_per_s (all processes), target_forward_share, peak_memory_mb; steps after the first
     throughput: dict = field(default_factory=dict)
+    # steps whose gradients were not finite and were not applied (fp16 overflow, mostly)
+    skipped_steps: list[int] = field(default_factory=list)
 
 
 # --- schedules: pure functions of the step -----------------------------------------------------
@@ -242,6 +244,7 @@ class _Run:
         self.losses: list[float] = []
         self.evals: list[dict] = []
         self.best_tau: float | None = None
+        self.skipped_steps: list[int] = []
         self.signal: str | None = None
 
         resume = self._find_resume()  # before anything is written into output_dir
@@ -302,6 +305,12 @@ class _Run:
             timed = {"tokens": 0.0, "seconds": 0.0, "target_seconds": 0.0, "steps": 0}
             while step < cfg.max_steps:
                 logs = self._step(step)
+                if self.skipped_steps and self.skipped_steps[-1] == step:
+                    bar.write(
+                        f"[specdraft] step {step + 1}: the gradients were not finite, so the step "
+                        f"was skipped ({len(self.skipped_steps)} so far; routine with fp16)",
+                        file=sys.stderr,
+                    )
                 if step > self.start_step:  # the first step warms up (allocations, kernels)
                     timed["tokens"] += logs["tokens"]
                     timed["seconds"] += logs["step_time_s"]
@@ -359,7 +368,7 @@ class _Run:
         return TrainResult(
             step=step, losses=self.losses, evals=self.evals, best_tau=self.best_tau,
             stopped_by_signal=self.signal, output_dir=self.out, main_process=self.main,
-            throughput=throughput,
+            throughput=throughput, skipped_steps=list(self.skipped_steps),
         )  # fmt: skip
 
     def _step(self, step: int) -> dict[str, float]:
@@ -409,19 +418,30 @@ class _Run:
                 metric_sums[k] = metric_sums.get(k, 0) + v.detach().float() * count
 
         total = acc.reduce(loss_sum, reduction="sum") / global_tokens
+        if not math.isfinite(float(total)):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLossError(
+                f"step {step + 1}: the loss is {float(total)}. Nothing was saved for this step; "
+                f"the last good checkpoint in {self.out} is intact. Lower lr (or raise "
+                "warmup_steps), check the data for empty or extreme rows, or use "
+                "mixed_precision=no, then resume with resume_from=latest."
+            )
         # (DeepSpeed clips inside its own step and reports the norm it saw.)
         grad_norm = acc.clip_grad_norm_(self.params, cfg.max_grad_norm or float("inf"))
         grad_norm = float(grad_norm) if grad_norm is not None else 0.0
-        if not (math.isfinite(float(total)) and math.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteLossError(
-                f"step {step + 1}: the loss is {float(total)} and the gradient norm {grad_norm}. "
-                f"Nothing was saved for this step; the last good checkpoint in {self.out} is "
-                "intact. Lower lr (or raise warmup_steps), check the data for empty or extreme "
-                "rows, or use mixed_precision=no, then resume with resume_from=latest."
-            )
-        self.optimizer.step()
+        # A finite loss with gradients that are not: with fp16 the grad scaler's overflow step,
+        # which it skips (lowering its scale) and which is routine; otherwise skipped here, so no
+        # inf or nan reaches the weights. Either way the step is counted, not fatal.
+        if acc.scaler is not None:
+            self.optimizer.step()
+            skipped = bool(self.optimizer.step_was_skipped)
+        else:
+            skipped = not math.isfinite(grad_norm)
+            if not skipped:
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if skipped:
+            self.skipped_steps.append(step)
 
         _sync(acc.device)
         elapsed = time.perf_counter() - t_start
@@ -432,6 +452,7 @@ class _Run:
             "loss": float(total),
             "lr": lr,
             "grad_norm": grad_norm,
+            "skipped_steps": float(len(self.skipped_steps)),
             "tokens_per_s": float(tokens) / elapsed,
             "target_forward_share": target_time / elapsed,
             "step_time_s": elapsed,
@@ -543,6 +564,7 @@ class _Run:
             "losses": self.losses,
             "evals": self.evals,
             "best_tau": self.best_tau,
+            "skipped_steps": self.skipped_steps,
             "world_size": self.world,
             "global_batch": self.cfg.micro_batch_size * self.cfg.grad_accum * self.world,
             "seed": self.cfg.seed,
@@ -621,6 +643,7 @@ class _Run:
         self.losses = list(state["losses"])
         self.evals = list(state["evals"])
         self.best_tau = state["best_tau"]
+        self.skipped_steps = list(state.get("skipped_steps", []))
         if self.main:
             print(f"[specdraft] resuming from {path} at step {state['step']}", file=sys.stderr)
         return int(state["step"])

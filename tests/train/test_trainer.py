@@ -14,6 +14,7 @@ import signal
 import struct
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -345,7 +346,7 @@ def test_tensorboard_event_file_holds_the_logged_scalars(tiny_target, data, tmp_
 class _ModeRecorder(DistillDrafter):
     """Records whether each training forward ran in train mode (dropout on)."""
 
-    modes: list[bool] = []
+    modes: ClassVar[list[bool]] = []
 
     def forward(self, batch, target_out):
         type(self).modes.append(self.training)
@@ -363,3 +364,33 @@ def test_training_forwards_run_in_train_mode_from_a_drafter_in_eval_mode(
     _ModeRecorder.modes = []
     train(cfg, drafter, tiny_target, *data, tokenizer=tiny_target.tokenizer)
     assert len(_ModeRecorder.modes) == 4 and all(_ModeRecorder.modes)
+
+
+class _InfGradAt(DistillDrafter):
+    """A finite loss whose gradients are infinite during optimizer step `at` (0-based)."""
+
+    at = 2
+    forwards = 0
+
+    def forward(self, batch, target_out):
+        loss, metrics = super().forward(batch, target_out)
+        if self.training:
+            type(self).forwards += 1
+            if (type(self).forwards - 1) // 2 == self.at:  # grad_accum=2 forwards per step
+                loss.register_hook(lambda g: g * float("inf"))
+        return loss, metrics
+
+
+def test_a_step_with_non_finite_gradients_is_skipped_and_counted(tiny_target, data, tmp_path):
+    """An overflow step (routine with fp16's grad scaler) is not fatal: its update is not
+    applied, the run goes on, and the step is counted in the result, the logs and the resume
+    state. Only a non-finite loss stops a run."""
+    _InfGradAt.forwards = 0
+    cfg = _cfg(tmp_path, max_steps=4, save_every=3, eval_every=0)
+    result = _run(cfg, tiny_target, data, _InfGradAt)
+    assert result.step == 4 and result.skipped_steps == [2]
+    assert all(math.isfinite(x) for x in result.losses)
+    weights = _weights(tmp_path / "run" / "final")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    state = json.loads((tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["skipped_steps"] == [2]
