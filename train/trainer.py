@@ -114,6 +114,22 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 9_176 + rank * 7_919_111) % (2**63 - 1)
 
 
+def eval_chunks(n: int, rank: int, world: int, size: int) -> list[tuple[list[int], float]]:
+    """The held-out micro-batches of process `rank`: (example indices, weight) pairs.
+
+    Every process runs the same number of forwards (ZeRO-3 gathers parameters in each one, so
+    a process that stopped early would leave the others waiting forever), and each example of
+    range(n) counts once over all processes: a process with fewer examples of its own pads with
+    example 0 at weight 0.
+    """
+    mine = list(range(rank, n, world))
+    chunks = max(1, math.ceil(math.ceil(n / world) / size))
+    return [
+        (mine[i * size : (i + 1) * size], 1.0) if mine[i * size : (i + 1) * size] else ([0], 0.0)
+        for i in range(chunks)
+    ]
+
+
 def examples_for(
     step: int, micro: int, rank: int, n_examples: int, cfg: TrainConfig, world: int
 ) -> list[int]:
@@ -473,16 +489,11 @@ class _Run:
         n = len(self.eval_examples)
         if cfg.eval_batches:  # eval_batches per process: the same examples for any split
             n = min(n, cfg.eval_batches * cfg.micro_batch_size * self.world)
-        mine = list(range(self.rank, n, self.world))
-        # A process with no example of its own still joins the all-reduce: it scores example 0
-        # with weight 0, so every process holds tensors of the same shapes.
-        weight = 1.0 if mine else 0.0
         loss_sum = torch.zeros((), device=acc.device)
         tokens = torch.zeros((), device=acc.device)
         alpha_sum = count = 0.0
         model.eval()
-        for start in range(0, max(len(mine), 1), cfg.micro_batch_size):
-            chunk = mine[start : start + cfg.micro_batch_size] or [0]
+        for chunk, weight in eval_chunks(n, self.rank, self.world, cfg.micro_batch_size):
             batch = collate([self.eval_examples[i] for i in chunk], acc.device)
             with acc.autocast():
                 target_out = self.target.forward(

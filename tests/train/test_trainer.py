@@ -29,6 +29,7 @@ from specdraft.train.distill import DistillTrainConfig
 from specdraft.train.trainer import (
     NonFiniteLossError,
     ResumeError,
+    eval_chunks,
     examples_for,
     lr_at,
     simulated_tau,
@@ -394,3 +395,14 @@ def test_a_step_with_non_finite_gradients_is_skipped_and_counted(tiny_target, da
     assert all(torch.isfinite(w).all() for w in weights.values())
     state = json.loads((tmp_path / "run" / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["skipped_steps"] == [2]
+
+
+def test_every_process_runs_the_same_number_of_eval_forwards():
+    """ZeRO-3 hangs when processes run different numbers of forwards; evaluation pads the short
+    ones with weight-0 batches, and still counts every example exactly once."""
+    for n, world, size in [(5, 2, 2), (9, 4, 2), (1, 2, 4), (8, 2, 4), (7, 3, 1), (0, 2, 2)]:
+        chunks = [eval_chunks(n, rank, world, size) for rank in range(world)]
+        assert len({len(c) for c in chunks}) == 1, (n, world, size)
+        counted = sorted(i for c in chunks for batch, w in c if w for i in batch)
+        assert counted == list(range(n))
+        assert all(len(batch) <= size for c in chunks for batch, _ in c)
