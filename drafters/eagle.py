@@ -67,8 +67,10 @@ class EagleConfig:
     # Step k of the unroll is weighted ttt_decay ** k.
     ttt_decay: float = 0.8
     # Half-width a of the uniform noise U(-a, a) added to the input features while training
-    # (EAGLE-1's remedy for the error that accumulates in drafted features).
-    feature_noise: float = 0.0
+    # (EAGLE-1's remedy for the error that accumulates in drafted features). None: 0.1 for
+    # eagle1, as the EAGLE paper trains; 0 for eagle3, whose training-time test feeds the head
+    # its own drifted features instead.
+    feature_noise: float | None = None
     # eagle1: weight of the smooth-L1 regression of h_t onto the next target feature.
     reg_weight: float = 1.0
     # eagle1: weight of the cross-entropy against the target's distribution (eagle3 has only it).
@@ -77,6 +79,8 @@ class EagleConfig:
     def __post_init__(self) -> None:
         if self.ttt_steps is None:
             self.ttt_steps = 7 if self.version == "eagle3" else 1
+        if self.feature_noise is None:
+            self.feature_noise = 0.0 if self.version == "eagle3" else 0.1
         for key, low in (("ttt_steps", 1), ("draft_vocab_size", 0)):
             if getattr(self, key) < low:
                 raise ValueError(f"drafter.{key} must be >= {low}; got {getattr(self, key)}")

@@ -254,3 +254,11 @@ def test_bad_config_errors_name_the_problem(tiny_target):
     with pytest.raises(ValueError, match="ttt_steps must be >= 1"):
         EagleConfig(ttt_steps=0)
     assert EagleConfig(version="eagle1").ttt_steps == 1 and EagleConfig().ttt_steps == 7
+
+
+def test_eagle1_trains_with_the_papers_feature_noise_by_default():
+    """EAGLE-1 adds U(-0.1, 0.1) to its input features while training; EAGLE-3's training-time
+    test replaces it. An explicit value still wins."""
+    assert EagleConfig(version="eagle1").feature_noise == 0.1
+    assert EagleConfig(version="eagle3").feature_noise == 0.0
+    assert EagleConfig(version="eagle1", feature_noise=0.0).feature_noise == 0.0
