@@ -49,6 +49,51 @@ def verify_sampling(
 
     p: (n + 1, vocab) the target's processed distribution at the root and at each node.
     """
+    if tree.is_chain:
+        return _verify_chain(tree, p, generator)
+    return _verify_tree(tree, p, generator)
+
+
+def _verify_chain(
+    tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """The chain case of `_verify_tree`, decided on the device with one host sync per step (the
+    tree walk syncs once per child tried, which a GPU decode step feels). The same uniforms, the
+    same comparisons (in float64, as the walk's Python floats) and the same residual, so for a
+    given generator it returns exactly what the walk returns."""
+    n = len(tree)
+    if n == 0:
+        return [], int(torch.multinomial(p[0], 1, generator=generator).item())
+    x = tree.tokens[0].to(p.device)  # (n,)
+    u = torch.rand(n, generator=generator, device=p.device).double()
+    px = p[:n].gather(-1, x[:, None])[:, 0].double()  # p(x_i) at the row before node i
+    if tree.q is None:  # point masses: accept x_i with probability p(x_i)
+        ok = u < px
+    else:
+        q = tree.q[0].to(p.device)  # (n, vocab)
+        qx = q.gather(-1, x[:, None])[:, 0]
+        ok = (qx > 0) & (u * qx.double() < px)  # q >= p: always accept
+    k = ok.long().cumprod(0).sum()  # accepted prefix length, on the device
+    row = k.clamp(max=n - 1)
+    p_k = p.index_select(0, row.view(1))[0]
+    if tree.q is None:
+        residual = p_k.scatter(0, x.index_select(0, row.view(1)), 0.0)
+    else:
+        residual = (p_k - q.index_select(0, row.view(1))[0]).clamp(min=0.0)
+    total = residual.sum()
+    # An empty residual only comes from rounding (x was accepted with probability one): then
+    # the rejection is ignored, as in the walk.
+    residual = torch.where(total > 1e-12, residual / total, p_k)
+    final = torch.where(k < n, residual, p[n])
+    token = torch.multinomial(final, 1, generator=generator)[0]
+    accepted, nxt = torch.stack([k, token]).tolist()
+    return list(range(accepted)), nxt
+
+
+def _verify_tree(
+    tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """Recursive rejection sampling, walking the tree node by node."""
     tokens = tree.tokens[0].tolist()
     q = tree.q[0].to(p.device) if tree.q is not None else None  # (n, vocab); None: point masses
     children = children_of(tree.parents)
