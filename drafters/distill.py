@@ -300,9 +300,18 @@ class DistillDrafter(Drafter):
 
     @torch.no_grad()
     def prepare_batch(
-        self, batch: dict[str, torch.Tensor], target, generator: torch.Generator
+        self,
+        batch: dict[str, torch.Tensor],
+        target,
+        generator: torch.Generator,
+        shared: torch.Generator | None = None,
     ) -> dict[str, torch.Tensor]:
         """With probability on_policy_ratio, swap the batch for the student's own continuations.
+
+        Whether to is drawn from `shared`, a generator in the same state on every process (the
+        trainer's; `generator` when not given): every process then generates, or none does, so
+        they run the same forwards (ZeRO-3 would hang otherwise). The continuations are sampled
+        with this process's own `generator`.
 
         The prompt is each row's prefix before its first loss token (at most half the row), cut
         to the shortest in the batch so the rows stay aligned; the student samples
@@ -312,7 +321,8 @@ class DistillDrafter(Drafter):
         cfg = self.config
         if (
             cfg.on_policy_ratio == 0
-            or torch.rand((), generator=generator, device=generator.device) >= cfg.on_policy_ratio
+            or torch.rand((), generator=shared or generator, device=(shared or generator).device)
+            >= cfg.on_policy_ratio
         ):
             return batch
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]

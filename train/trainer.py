@@ -8,7 +8,7 @@ only through this small interface (`TrainableDrafter`):
     drafter.acceptance(batch, target_out)            (alpha summed, count) per draft depth, for
                                                      the simulated tau of evaluation
     drafter.capture_layers                           target hidden states the loss needs
-    drafter.prepare_batch(batch, target, generator)  optional: swap data (on-policy distillation)
+    drafter.prepare_batch(batch, target, generator, shared)  optional: swap data (on-policy)
     parameters with requires_grad                    what the optimizer trains
     kind, config, hf_model (optional)                what checkpoint.py saves
 
@@ -393,6 +393,8 @@ class _Run:
         t_start = time.perf_counter()
         torch.manual_seed(step_seed(cfg.seed, step, self.rank))
         generator = torch.Generator(acc.device).manual_seed(step_seed(cfg.seed, step, self.rank))
+        # the same on every process: for decisions that change which forwards run
+        shared = torch.Generator(acc.device).manual_seed(step_seed(cfg.seed, step, -1))
         lr = lr_at(step, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -403,7 +405,7 @@ class _Run:
             idx = examples_for(step, micro, self.rank, len(self.train_examples), cfg, self.world)
             batch = collate([self.train_examples[i] for i in idx], acc.device)
             if hasattr(unwrapped, "prepare_batch"):
-                batch = unwrapped.prepare_batch(batch, self.target, generator)
+                batch = unwrapped.prepare_batch(batch, self.target, generator, shared)
             batches.append(batch)
         # The step's loss is the mean over every loss token of the global batch, whatever the
         # split into processes and micro-batches: each micro-batch's mean is weighted by its

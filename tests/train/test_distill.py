@@ -125,6 +125,34 @@ def test_on_policy_batch_trains_on_the_students_own_samples(tiny_target):
     assert off.prepare_batch(batch, tiny_target, torch.Generator()) is batch
 
 
+def test_every_process_makes_the_same_on_policy_decision(tiny_target):
+    """Processes draw their continuations with their own generators but decide whether to
+    generate from the shared one, so all of them run the student's generation or none does
+    (under ZeRO-3 a process that generated alone would wait forever for the others)."""
+    torch.manual_seed(0)
+    drafter = DistillDrafter.build(
+        DistillConfig(on_policy_ratio=0.5, on_policy_tokens=2), tiny_target
+    )
+    ids = torch.randint(0, tiny_target.vocab_size, (2, 8))
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids),
+    }
+    decisions = set()
+    for step in range(40):
+        per_rank = [
+            drafter.prepare_batch(
+                batch, tiny_target, torch.Generator().manual_seed(1000 * rank + step),
+                torch.Generator().manual_seed(step),
+            ) is not batch
+            for rank in range(3)
+        ]  # fmt: skip
+        assert len(set(per_rank)) == 1, step
+        decisions.add(per_rank[0])
+    assert decisions == {True, False}
+
+
 def test_final_checkpoint_is_an_assistant_model_for_transformers(
     tiny_target, tiny_target_path, tmp_path
 ):
