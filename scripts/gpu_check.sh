@@ -49,4 +49,12 @@ python scripts/evaluate.py --target demo --dtype "$DTYPE" --drafter "$HEAD" \
     --drafter "$HEAD:tree_top_k=8,gamma=6,tree_budget=60" \
     --baselines ar,prompt_lookup --num-prompts "$PROMPTS" --max-new-tokens "$NEW_TOKENS" \
     --output "$OUT/eval" 2>&1 | tee "$OUT/eval.log"
-echo "gpu_check.sh: figures in $OUT (train.log, eagle/eval_loop.json, eval/report.md)"
+# 3. fp16 (GPU only): the grad scaler's overflow steps must be skipped and counted, not fatal.
+if [ "$PRECISION" != no ]; then
+    python train/distill.py mixed_precision=fp16 max_steps=60 warmup_steps=5 eval_every=30 \
+        save_every=30 eval_loop.enabled=false output_dir="$OUT/fp16" 2>&1 | tr '\r' '\n' \
+        | grep -v "it/s" | tee "$OUT/fp16.log"
+    python -c "import json, sys; s = json.load(open(sys.argv[1])); print('fp16 run: skipped steps', s['skipped_steps'])" \
+        "$OUT/fp16/checkpoint-30/trainer_state.json" | tee -a "$OUT/fp16.log"
+fi
+echo "gpu_check.sh: figures in $OUT (train.log, eagle/eval_loop.json, eval/report.md, fp16.log)"
