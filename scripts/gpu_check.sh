@@ -45,8 +45,8 @@ HEAD="$OUT/eagle/final"
 DTYPE=$([ "$PRECISION" = bf16 ] && echo bfloat16 || echo float32)
 python scripts/evaluate.py --target demo --dtype "$DTYPE" --drafter "$HEAD" \
     --drafter "$HEAD:lookup_ngram=2" \
-    --drafter "$HEAD:tree_top_k=4,gamma=5,tree_budget=16" \
-    --drafter "$HEAD:tree_top_k=8,gamma=6,tree_budget=60" \
+    --drafter "$HEAD:tree_top_k=4,gamma=5,tree_budget=16,stop_below=0" \
+    --drafter "$HEAD:tree_top_k=8,gamma=6,tree_budget=60,stop_below=0" \
     --baselines ar,prompt_lookup --num-prompts "$PROMPTS" --max-new-tokens "$NEW_TOKENS" \
     --output "$OUT/eval" 2>&1 | tee "$OUT/eval.log"
 # 3. fp16 (GPU only): the grad scaler's overflow steps must be skipped and counted, not fatal.
