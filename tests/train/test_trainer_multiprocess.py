@@ -1,6 +1,6 @@
 """Two processes (accelerate's MULTI_CPU, gloo) train exactly what one process does with the
-same global batch: the step's loss is weighted by the global token count, and the data order
-depends on the global batch only."""
+same global batch, for every kind: the step's loss is weighted by the global token count, and the
+data order depends on the global batch only."""
 
 from __future__ import annotations
 
@@ -22,9 +22,16 @@ def _run(args: list[str], tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_two_processes_equal_one_with_the_same_global_batch(tiny_target_path, tmp_path):
+KINDS = {
+    "distill": [],
+    "eagle": ["drafter.draft_vocab_size=256", "drafter.ttt_steps=2", "decode.gamma=3"],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_two_processes_equal_one_with_the_same_global_batch(tiny_target_path, tmp_path, kind):
     common = [
-        str(ROOT / "train" / "distill.py"), f"target={tiny_target_path}", "max_steps=4",
+        str(ROOT / "train" / f"{kind}.py"), *KINDS[kind], f"target={tiny_target_path}", "max_steps=4",
         "eval_loop.enabled=false",  # the weights are compared; serving them is tested elsewhere
         "eval_every=2", "eval_batches=2", "save_every=0", "data.max_samples=20",
         "data.max_length=32", "warmup_steps=1", "grad_accum=2", "seed=1",
