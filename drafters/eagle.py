@@ -77,16 +77,15 @@ class EagleConfig:
     cls_weight: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.ttt_steps is None:
-            self.ttt_steps = 7 if self.version == "eagle3" else 1
-        if self.feature_noise is None:
-            self.feature_noise = 0.0 if self.version == "eagle3" else 0.1
+        # ttt_steps and feature_noise stay None here and resolve with the version (resolve_config):
+        # a config object is built before a file or the command line sets its version.
         for key, low in (("ttt_steps", 1), ("draft_vocab_size", 0)):
-            if getattr(self, key) < low:
-                raise ValueError(f"drafter.{key} must be >= {low}; got {getattr(self, key)}")
+            value = getattr(self, key)
+            if value is not None and value < low:
+                raise ValueError(f"drafter.{key} must be >= {low}; got {value}")
         if not 0 < self.ttt_decay <= 1:
             raise ValueError(f"drafter.ttt_decay must be in (0, 1]; got {self.ttt_decay}")
-        if self.feature_noise < 0 or self.reg_weight < 0 or self.cls_weight < 0:
+        if (self.feature_noise or 0) < 0 or self.reg_weight < 0 or self.cls_weight < 0:
             raise ValueError("drafter.feature_noise, reg_weight and cls_weight must be >= 0")
         if self.version == "eagle1" and self.reg_weight == 0 and self.cls_weight == 0:
             raise ValueError("drafter.reg_weight and cls_weight are both 0: eagle1 trains nothing")
@@ -106,8 +105,13 @@ def default_feature_layers(num_layers: int) -> list[int]:
 
 
 def resolve_config(config: EagleConfig, target) -> EagleConfig:
-    """A copy of `config` with the target-dependent defaults filled in, or a clear error."""
+    """A copy of `config` with the defaults that depend on the version and the target filled in,
+    or a clear error."""
     config = copy.deepcopy(config)
+    if config.ttt_steps is None:
+        config.ttt_steps = 7 if config.version == "eagle3" else 1
+    if config.feature_noise is None:
+        config.feature_noise = 0.0 if config.version == "eagle3" else 0.1
     if config.version == "eagle3":
         layers = config.feature_layers or default_feature_layers(target.num_layers)
         config.feature_layers = target.check_layer_ids(layers)

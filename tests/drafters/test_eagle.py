@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.checkpoint import CheckpointError, load_drafter, save_drafter
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter, build_draft_vocab
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter, build_draft_vocab, resolve_config
 from specdraft.drafters.target import Target, TargetError
 
 
@@ -253,12 +253,19 @@ def test_bad_config_errors_name_the_problem(tiny_target):
         EagleConfig(feature_layers=[1, 2])
     with pytest.raises(ValueError, match="ttt_steps must be >= 1"):
         EagleConfig(ttt_steps=0)
-    assert EagleConfig(version="eagle1").ttt_steps == 1 and EagleConfig().ttt_steps == 7
+    steps = lambda **kw: resolve_config(EagleConfig(**kw), tiny_target).ttt_steps  # noqa: E731
+    assert steps(version="eagle1") == 1 and steps() == 7
 
 
-def test_eagle1_trains_with_the_papers_feature_noise_by_default():
+def test_eagle1_trains_with_the_papers_feature_noise_by_default(tiny_target):
     """EAGLE-1 adds U(-0.1, 0.1) to its input features while training; EAGLE-3's training-time
     test replaces it. An explicit value still wins."""
-    assert EagleConfig(version="eagle1").feature_noise == 0.1
-    assert EagleConfig(version="eagle3").feature_noise == 0.0
-    assert EagleConfig(version="eagle1", feature_noise=0.0).feature_noise == 0.0
+    noise = lambda **kw: resolve_config(EagleConfig(**kw), tiny_target).feature_noise  # noqa: E731
+    assert noise(version="eagle1") == 0.1 and noise(version="eagle3") == 0.0
+    assert noise(version="eagle1", feature_noise=0.0) == 0.0
+    # set by a later layer (the command line), the version still decides the default
+    from specdraft.config import override
+    from specdraft.train.eagle import EagleTrainConfig
+
+    cfg = override(EagleTrainConfig(), ["drafter.version=eagle1"])
+    assert resolve_config(cfg.drafter, tiny_target).feature_noise == 0.1
