@@ -7,7 +7,7 @@
 - draft / verify seconds: wall time inside `propose` vs the target forward plus acceptance.
 - extra memory: drafter parameters beyond the target's, plus the drafter's KV bytes at the end.
 - copied passes: target passes whose draft a model drafter copied from the context instead of
-  running its model (EAGLE's lookup_ngram), so a hybrid's figures say how much came from which.
+  running its model (lookup_ngram, any kind), so a hybrid's figures say how much came from which.
 """
 
 from __future__ import annotations
