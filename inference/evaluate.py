@@ -9,6 +9,7 @@ short label (`short_labels`) that report.md and report.json key to its full name
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -100,7 +101,8 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
     if items:
         name += ":" + ",".join(items)
     params = drafter.num_extra_parameters(target)
-    runs = [Run(name, drafter.kind, _ours(target, args, drafter, decode), params)]
+    decoding = _ours(target, args, drafter, decode)
+    runs = [Run(name, drafter.kind, decoding, params, settings=dataclasses.asdict(decode))]
     hf_model = getattr(drafter, "hf_model", None)
     if "hf_assisted" in args.baselines.split(",") and hf_model is not None:
         # transformers reads gamma and its schedule from the assistant's own generation

@@ -37,6 +37,7 @@ class Run:
     seconds: float = 0.0
     stats: Stats = field(default_factory=Stats)
     has_stats: bool = True  # False for methods outside our loop (transformers' generate)
+    settings: dict | None = None  # the DecodeConfig a trained drafter drafted with, as a dict
 
 
 def loop_prompts(eval_loop, data_path: str, target, eval_examples) -> list[torch.Tensor]:
@@ -151,6 +152,7 @@ def summarize(run: Run, ar: Run, target, greedy: bool) -> dict:
             else None
         ),
         "extra_params": run.extra_params,
+        "decode": run.settings,
         "extra_memory_bytes": run.extra_params * target.dtype.itemsize + run.stats.drafter_kv_bytes,
         "num_prompts": len(run.outputs),
         "new_tokens": run.stats.new_tokens,

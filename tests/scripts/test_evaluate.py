@@ -26,6 +26,7 @@ FIELDS = {
     "drafted",
     "accepted",
     "extra_params",
+    "decode",
     "extra_memory_bytes",
     "num_prompts",
     "new_tokens",
@@ -152,6 +153,12 @@ def test_one_drafter_under_several_decoding_settings(tiny_target, tiny_target_pa
     ]  # fmt: skip
     assert [r["label"] for r in runs] == ["ar", "head", "eagle#1", "eagle#2", "eagle#3"]
     assert all(r["matches_ar"] for r in runs)
+    # each run reports the settings it drafted with: the saved defaults, then its overrides
+    assert runs[0]["decode"] is None and runs[1]["decode"]["gamma"] == 3
+    assert runs[2]["decode"] | {} == runs[1]["decode"] | dict(
+        draft_weights="int8", stop_below=0.01, gamma=4
+    )
+    assert runs[3]["decode"]["tree_top_k"] == 2 and runs[3]["decode"]["tree_budget"] == 5
     bad = {
         f"{folder}:tree_widht=2": "unknown key 'tree_widht'; did you mean 'tree_budget' or 'tree_top_k'",
         f"{folder}:version=eagle1": "unknown key 'version'",
