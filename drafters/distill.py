@@ -277,17 +277,21 @@ class DistillDrafter(Drafter):
 
     @torch.no_grad()
     def acceptance(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, ...]:
-        """(alpha summed over loss tokens, token count), one entry per draft depth 1..gamma.
+        """(alpha summed over loss tokens, greedy agreement summed, token count), one entry per
+        draft depth 1..gamma.
 
-        alpha = sum_x min(p(x), q(x)) (Leviathan et al.) at temperature 1 on teacher-forced data;
-        a chain drafter's positions are alike, so each depth gets the same estimate and the
-        trainer's tau = 1 + sum_k prod_{i<=k} alpha_i equals (1 - alpha^(gamma+1)) / (1 - alpha),
-        for the gamma the drafter is served with (`decode.gamma`).
+        alpha = sum_x min(p(x), q(x)) (Leviathan et al.) at temperature 1 on teacher-forced data,
+        the chance a sampled draft token is accepted; greedy agreement: the student's argmax is
+        the target's. A chain drafter's positions are alike, so each depth gets the same estimate
+        and the trainer's tau = 1 + sum_k prod_{i<=k} alpha_i equals
+        (1 - alpha^(gamma+1)) / (1 - alpha), for the gamma the drafter is served with.
         """
         student_logits, target_logits, _ = self._aligned(batch, target_out)
         alpha = simulated_alpha(target_logits, student_logits).sum()
+        agree = (student_logits.argmax(-1) == target_logits.argmax(-1)).sum().float()
         count = torch.tensor(float(student_logits.shape[0]), device=alpha.device)
-        return alpha.repeat(self.decode.gamma), count.repeat(self.decode.gamma)
+        gamma = self.decode.gamma
+        return alpha.repeat(gamma), agree.repeat(gamma), count.repeat(gamma)
 
     def _aligned(self, batch, target_out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(student logits, target logits, next tokens) at the loss positions: (n, vocab) x2, (n,)."""

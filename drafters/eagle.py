@@ -413,14 +413,16 @@ class EagleDrafter(Drafter):
     @torch.no_grad()
     def acceptance(
         self, batch: Mapping[str, torch.Tensor], target_out
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(alpha summed, count) per draft depth 1..gamma (the depth the head is served with,
-        `decode.gamma`), unrolled on the head's own outputs.
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(alpha summed, greedy agreement summed, count) per draft depth 1..gamma (the depth the
+        head is served with, `decode.gamma`), unrolled on the head's own outputs.
 
-        alpha = sum_x min(p(x), q(x)) with p the target softmax over the full vocabulary and q
-        the draft softmax mapped to it through d2t (tokens outside the draft vocabulary get 0).
+        alpha = sum_x min(p(x), q(x)), the chance a sampled draft token is accepted, with p the
+        target softmax over the full vocabulary and q the draft softmax mapped to it through d2t
+        (tokens outside the draft vocabulary get 0); greedy agreement: the head's argmax is the
+        target's, what greedy verification accepts.
         """
-        sums, counts = [], []
+        sums, greedy, counts = [], [], []
         for s in self.unroll(batch, target_out, self.decode.gamma):
             p = F.softmax(s["p_logits"].float(), dim=-1)  # (B, S, V)
             q_draft = F.softmax(s["logits"].float(), dim=-1)
@@ -429,9 +431,13 @@ class EagleDrafter(Drafter):
             else:
                 q = q_draft
             alpha = torch.minimum(p, q).sum(-1)  # (B, S)
+            best = s["logits"].argmax(-1)
+            best = self.d2t[best] if self.config.version == "eagle3" else best
+            agree = best == s["p_logits"].argmax(-1)  # (B, S)
             sums.append((alpha * s["valid"]).sum())
+            greedy.append((agree & s["valid"]).sum().float())
             counts.append(s["valid"].sum().float())
-        return torch.stack(sums), torch.stack(counts)
+        return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
 
 
 # --- session (inference): chain and EAGLE-2 dynamic tree ---------------------------------------

@@ -193,12 +193,15 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
     if result.stopped_by_signal or not result.main_process:
         return None
     final = result.output_dir / "final"
-    simulated = result.evals[-1]["tau"] if result.evals else None
+    # the simulated tau of the decoding it is measured with (TrainConfig.served_tau_key)
+    key = cfg.served_tau_key()
+    simulated = result.evals[-1][key] if result.evals else None
     if result.evals:
         first, last = result.evals[0], result.evals[-1]
+        kind = "greedy" if key == "tau_greedy" else "sampled"
         print(
-            f"[specdraft] simulated tau (depth {len(last['alpha'])}): before {first['tau']:.3f}, "
-            f"after {simulated:.3f}; drafter in {final}"
+            f"[specdraft] simulated {kind} tau (depth {len(last['alpha'])}): before "
+            f"{first[key]:.3f}, after {simulated:.3f}; drafter in {final}"
         )
     if not prompts:
         return None

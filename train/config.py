@@ -148,6 +148,18 @@ class TrainConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     # After training: the saved drafter's measured tau and speedup in the inference loop.
     eval_loop: LoopEvalConfig = field(default_factory=LoopEvalConfig)
+    # The simulated tau that picks best/ and is reported beside the measured one: greedy (from
+    # top-1 agreement along the unroll: what greedy verification accepts) | sampled (from
+    # sum min(p, q): what lossless sampling accepts) | auto (greedy when the drafter is measured
+    # greedy, eval_loop.temperature 0; else sampled).
+    best_by: str = choice("auto", "greedy", "sampled")
+
+    def served_tau_key(self) -> str:
+        """The evaluation's simulated tau that matches how the drafter is served (best_by)."""
+        greedy = self.best_by == "greedy" or (
+            self.best_by == "auto" and self.eval_loop.temperature == 0
+        )
+        return "tau_greedy" if greedy else "tau"
 
     def target_dtype(self) -> str:
         """The dtype the target loads in: `dtype`, or for auto the one mixed_precision implies."""

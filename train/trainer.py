@@ -5,8 +5,9 @@ only through this small interface (`TrainableDrafter`):
 
     drafter(batch, target_out) -> (loss, metrics)    its forward is its loss: the mean over the
                                                      batch's loss tokens (DDP needs the forward)
-    drafter.acceptance(batch, target_out)            (alpha summed, count) per draft depth, for
-                                                     the simulated tau of evaluation
+    drafter.acceptance(batch, target_out)            (alpha summed, greedy agreement summed,
+                                                     count) per draft depth, for the simulated
+                                                     tau (sampled and greedy) of evaluation
     drafter.capture_layers                           target hidden states the loss needs
     drafter.prepare_batch(batch, target, generator, shared)  optional: swap data (on-policy)
     parameters with requires_grad                    what the optimizer trains
@@ -67,7 +68,7 @@ class TrainableDrafter(Protocol):
 
     def acceptance(
         self, batch: dict[str, torch.Tensor], target_out: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class NonFiniteLossError(RuntimeError):
@@ -82,8 +83,10 @@ class ResumeError(ValueError):
 class TrainResult:
     step: int  # optimizer steps completed
     losses: list[float]  # training loss of every step from 0, resumed runs included
-    evals: list[dict] = field(default_factory=list)  # {"step", "loss", "tau", "alpha"} per eval
-    best_tau: float | None = None
+    # per eval: step, loss, tau and alpha (sampled), tau_greedy and alpha_greedy, and "served":
+    # the one of the two that matches how the drafter is served (TrainConfig.served_tau_key)
+    evals: list[dict] = field(default_factory=list)
+    best_tau: float | None = None  # the best "served" simulated tau, which picked best/
     stopped_by_signal: str | None = None  # "SIGTERM" / "SIGINT" when preempted
     output_dir: Path | None = None
     main_process: bool = True  # False on the other processes of a multi-process run
@@ -493,7 +496,7 @@ class _Run:
             n = min(n, cfg.eval_batches * cfg.micro_batch_size * self.world)
         loss_sum = torch.zeros((), device=acc.device)
         tokens = torch.zeros((), device=acc.device)
-        alpha_sum = count = 0.0
+        alpha_sum = greedy_sum = count = 0.0
         model.eval()
         for chunk, weight in eval_chunks(n, self.rank, self.world, cfg.micro_batch_size):
             batch = collate([self.eval_examples[i] for i in chunk], acc.device)
@@ -503,25 +506,34 @@ class _Run:
                     capture_layers=model.capture_layers,
                 )  # fmt: skip
                 loss, _ = model(batch, target_out)
-                a, c = model.acceptance(batch, target_out)
+                a, g, c = model.acceptance(batch, target_out)
             k = batch["loss_mask"][:, 1:].sum().float() * weight
             loss_sum += loss.float() * k
             tokens += k
             alpha_sum = alpha_sum + a.float() * weight
+            greedy_sum = greedy_sum + g.float() * weight
             count = count + c.float() * weight
         model.train()
         loss_sum, tokens = acc.reduce(loss_sum, "sum"), acc.reduce(tokens, "sum")
-        alpha_sum = acc.reduce(alpha_sum, "sum")
+        alpha_sum, greedy_sum = acc.reduce(alpha_sum, "sum"), acc.reduce(greedy_sum, "sum")
         count = acc.reduce(count, "sum")
         alphas = (alpha_sum / count.clamp(min=1)).tolist()
+        agreement = (greedy_sum / count.clamp(min=1)).tolist()
         result = {
             "step": step,
             "loss": float(loss_sum / tokens.clamp(min=1)),
             "tau": simulated_tau(alphas),
             "alpha": alphas,
+            "tau_greedy": simulated_tau(agreement),
+            "alpha_greedy": agreement,
         }
+        result["served"] = result[cfg.served_tau_key()]
         self.evals.append(result)
-        logs = {"eval/loss": result["loss"], "eval/simulated_tau": result["tau"]}
+        logs = {
+            "eval/loss": result["loss"],
+            "eval/simulated_tau": result["tau"],
+            "eval/simulated_tau_greedy": result["tau_greedy"],
+        }
         logs.update({f"eval/alpha_{i + 1}": a for i, a in enumerate(alphas)})
         self.acc.log(logs, step=step)
         if self.main and self.cfg.report_to == "wandb":
@@ -531,14 +543,15 @@ class _Run:
             )  # fmt: skip
         bar.write(
             f"[specdraft] step {step}{' (' + label + ')' if label else ''}: eval loss "
-            f"{result['loss']:.4f}, simulated tau {result['tau']:.3f} for gamma={len(alphas)} "
-            f"(alpha per depth {', '.join(f'{a:.3f}' for a in alphas)})",
+            f"{result['loss']:.4f}, simulated tau {result['tau']:.3f} sampled, "
+            f"{result['tau_greedy']:.3f} greedy, for gamma={len(alphas)} (alpha per depth "
+            f"{', '.join(f'{a:.3f}' for a in alphas)})",
             file=sys.stderr,
         )
-        if step > 0 and (self.best_tau is None or result["tau"] > self.best_tau):
-            self.best_tau = result["tau"]
+        if step > 0 and (self.best_tau is None or result["served"] > self.best_tau):
+            self.best_tau = result["served"]
             self._save_drafter(
-                self.out / "best", step, extra_provenance={"simulated_tau": result["tau"]}
+                self.out / "best", step, extra_provenance={"simulated_tau": result["served"]}
             )
         return result
 

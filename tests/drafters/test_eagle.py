@@ -101,20 +101,23 @@ def naive_reference(head: EagleDrafter, batch, target_out, steps: int):
                         terms[k].append(("loss", cfg.reg_weight * reg + cfg.cls_weight * ce))
                 if valid:
                     terms[k].append(("alpha", torch.minimum(p_full, q_full).sum()))
+                    agree = d2t[int(q_logits.argmax())] == int(p_logits.argmax())
+                    terms[k].append(("greedy", torch.tensor(float(agree))))
                 if t + 2 + k <= T - 1:
                     seq.append(head.layer_input(ids[b : b + 1, t + 2 + k : t + 3 + k], h[:, None]))
     loss = 0.0
-    alpha_sums, counts = [], []
+    alpha_sums, greedy_sums, counts = [], [], []
     for k in range(steps):
         losses = [v for name, v in terms[k] if name == "loss"]
         alphas = [v for name, v in terms[k] if name == "alpha"]
+        greedy_sums.append(float(sum(v for name, v in terms[k] if name == "greedy")))
         if losses:  # a step with no valid position adds nothing
             loss = loss + cfg.ttt_decay**k * torch.stack(losses).mean()
         alpha_sums.append(float(torch.stack(alphas).sum()))
         counts.append(len(alphas))
     n_losses = [sum(name == "loss" for name, _ in terms[k]) for k in range(steps)]
     assert sum(n_losses) > 0, "the reference compares nothing"
-    return loss, alpha_sums, counts
+    return loss, alpha_sums, greedy_sums, counts
 
 
 @pytest.mark.parametrize(
@@ -144,11 +147,14 @@ def test_ttt_loss_and_acceptance_equal_naive_step_by_step_reference(tiny_target,
     )
     with torch.no_grad():
         loss, metrics = head(batch, target_out)
-        ref_loss, ref_alpha, ref_count = naive_reference(head, batch, target_out, cfg["ttt_steps"])
-        alpha, count = head.acceptance(batch, target_out)
+        ref_loss, ref_alpha, ref_greedy, ref_count = naive_reference(
+            head, batch, target_out, cfg["ttt_steps"]
+        )
+        alpha, greedy, count = head.acceptance(batch, target_out)
     assert torch.allclose(loss, ref_loss, atol=1e-5, rtol=1e-5), (loss, ref_loss)
     assert count.tolist() == ref_count and min(ref_count) > 0
     assert torch.allclose(alpha, torch.tensor(ref_alpha), atol=1e-4)
+    assert greedy.tolist() == ref_greedy
     assert set(metrics) >= {"loss_0", "loss_2", "top1_0"}
 
 

@@ -206,3 +206,30 @@ def test_entry_script_rejects_bad_input_with_a_clear_message(tiny_target_path, t
     ])  # fmt: skip
     assert code == 2
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_a_copy_of_the_target_agrees_everywhere_greedy_and_samples_alike(tiny_target):
+    """The simulated acceptance of a student identical to the target: its argmax is always the
+    target's (greedy agreement 1) and sum min(p, q) = 1 (sampled), at every depth."""
+    from specdraft.core import DecodeConfig, TargetOutput
+
+    copy = DistillDrafter.build(
+        DistillConfig(init="target", num_layers=tiny_target.num_layers), tiny_target
+    ).eval()
+    copy.decode = DecodeConfig(gamma=3)
+    ids = torch.randint(3, tiny_target.vocab_size, (2, 16))
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids),
+    }
+    with torch.no_grad():
+        out = TargetOutput(logits=tiny_target.forward(ids).logits)
+        alpha, greedy, count = copy.acceptance(batch, out)
+    assert count.tolist() == [30.0] * 3 and greedy.tolist() == count.tolist()
+    assert torch.allclose(alpha, count, rtol=1e-5)
+    other = DistillDrafter.build(DistillConfig(init="random", num_layers=1), tiny_target).eval()
+    other.decode = copy.decode
+    with torch.no_grad():
+        _, greedy_other, _ = other.acceptance(batch, out)
+    assert (greedy_other < count).all()

@@ -44,7 +44,8 @@ def test_training_lowers_the_loss_and_final_loads(tiny_target, tiny_target_path,
     assert served["num_prompts"] == 2 and served["drafted"] > 0 and served["accepted"] > 0
     assert served["tau"] > 1  # accepted drafts: more than one token per target pass
     assert served["matches_ar"] is True  # greedy: the same tokens as plain greedy decoding
-    assert served["speedup_vs_ar"] > 0 and served["simulated_tau"] == after["tau"]
+    # the simulated tau beside it is the greedy one, as it was measured greedy
+    assert served["speedup_vs_ar"] > 0 and served["simulated_tau"] == after["tau_greedy"]
     assert served["torch_threads"] == 1  # as asked, and stated beside the speedup
 
 

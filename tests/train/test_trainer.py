@@ -166,7 +166,29 @@ def test_keep_last_best_and_final_folders(tiny_target, data, tmp_path):
     assert names == ["best", "checkpoint-5", "checkpoint-6", "final", "train_config.yaml"]
     best = json.loads((out / "best" / "config.json").read_text())["specdraft"]
     assert best["provenance"]["simulated_tau"] == pytest.approx(result.best_tau)
-    assert result.best_tau == max(e["tau"] for e in result.evals if e["step"] > 0)
+    # served greedy (eval_loop.temperature 0): best/ is picked by the greedy simulated tau
+    assert result.best_tau == max(e["tau_greedy"] for e in result.evals if e["step"] > 0)
+
+
+@pytest.mark.parametrize(
+    ("best_by", "temperature", "key"),
+    [("auto", 0.0, "tau_greedy"), ("auto", 1.0, "tau"), ("greedy", 1.0, "tau_greedy"),
+     ("sampled", 0.0, "tau")],
+)  # fmt: skip
+def test_best_is_chosen_by_the_simulated_tau_of_how_the_drafter_is_served(
+    tiny_target, data, tmp_path, best_by, temperature, key
+):
+    """Greedy verification accepts a draft token when it is the target's argmax, sampling with
+    probability sum min(p, q): the evaluation reports both, and best/ follows the one that
+    matches the decoding the drafter is measured with."""
+    from specdraft.train.config import LoopEvalConfig
+
+    cfg = _cfg(tmp_path, best_by=best_by, eval_loop=LoopEvalConfig(temperature=temperature))
+    result = _run(cfg, tiny_target, data)
+    assert all(e["served"] == e[key] for e in result.evals)
+    assert result.best_tau == max(e[key] for e in result.evals if e["step"] > 0)
+    greedy = [e["tau_greedy"] for e in result.evals]
+    assert greedy != [e["tau"] for e in result.evals] and all(t >= 1 for t in greedy)
 
 
 def test_a_cpu_run_trains_on_cpu_threads_and_gives_the_old_count_back(
@@ -312,7 +334,8 @@ def test_wandb_offline_run_holds_the_logged_keys(tiny_target, data, tmp_path):
     keys = set().union(*rows)
     for key in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s",
                 "train/peak_memory_mb", "train/target_forward_share", "train/loss_fkl",
-                "eval/simulated_tau", "eval/alpha_1", "eval/alpha_3", "eval/loss"):  # fmt: skip
+                "eval/simulated_tau", "eval/simulated_tau_greedy", "eval/alpha_1", "eval/alpha_3",
+                "eval/loss"):  # fmt: skip
         assert key in keys, key
     losses = [float(r["train/loss"]) for r in rows if "train/loss" in r]
     assert losses == pytest.approx(result.losses)
