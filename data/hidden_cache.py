@@ -279,6 +279,14 @@ class CachedTarget:
         self.model, self.fingerprint, self.name = target.model, target.fingerprint, target.name
         self.num_layers, self.vocab_size = target.num_layers, target.vocab_size
 
+    def to(self, device: torch.device | str) -> CachedTarget:
+        """Move only what training from the cache uses, the input embedding and the LM head, to
+        `device`: the decoder layers stay where they are (an 8B target's ~16 GB off each GPU).
+        The full target is moved when it decodes (`report_after_training`)."""
+        self.model.get_input_embeddings().to(device)
+        self.model.get_output_embeddings().to(device)
+        return self
+
     def __getattr__(self, name):  # embed, lm_head, tokenizer, ... come from the real target
         return getattr(self.target, name)
 

@@ -56,6 +56,11 @@ class Target:
     def dtype(self) -> torch.dtype:
         return self.model.get_input_embeddings().weight.dtype
 
+    def to(self, device: torch.device | str) -> Target:
+        """Move the whole model to `device` (the trainer places what it trains against so)."""
+        self.model.to(device)
+        return self
+
     # -- pieces drafters reuse ------------------------------------------------------------------
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -205,6 +205,7 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
         )
     if not prompts:
         return None
+    target.to(target.device)  # whole again where training placed only a part (a cache stand-in)
     threads = torch.get_num_threads()
     if target.device.type == "cpu":
         torch.set_num_threads(cfg.eval_loop.threads or usable_cores())

@@ -255,8 +255,7 @@ class _Run:
         self.world = self.acc.num_processes
         self.rank = self.acc.process_index
         self.out = Path(cfg.output_dir)
-        self.target = target
-        self.target.model.to(self.acc.device)
+        self.target = target.to(self.acc.device)  # a cache stand-in moves only what it uses
         self.train_examples, self.eval_examples = train_examples, eval_examples
         self.tokenizer = tokenizer
         self.provenance = {"target": cfg.target, "data": cfg.data.path, **(provenance or {})}

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from specdraft.data.hidden_cache import (
+    CachedTarget,
     HiddenCacheError,
     HiddenStateCache,
     bytes_per_token,
@@ -173,3 +174,22 @@ def test_bad_caches_are_clear_errors(tiny_target, tmp_path):
     with pytest.raises(HiddenCacheError, match=rf"example {bad} layer 1 has non-finite values"):
         cache.example(examples[bad].input_ids)
     cache.example(examples[bad + 1].input_ids)
+
+
+def test_training_from_a_cache_places_only_the_embedding_and_lm_head(tiny_target, tmp_path):
+    """Offline training needs the target's embedding and LM head, not its layers: moving the
+    cache stand-in to a device moves only those (on a GPU, an 8B target's layers stay off it),
+    and the target is made whole again where it must decode."""
+    import copy
+
+    target = copy.deepcopy(tiny_target)  # moved to "meta" below; the shared fixture stays whole
+    examples = rows()
+    write_cache(tmp_path / "c", target, examples, [1, target.num_layers])
+    features = CachedTarget(target, HiddenStateCache(tmp_path / "c", target, examples, [1]))
+    assert features.to("meta") is features
+    assert target.model.get_input_embeddings().weight.device.type == "meta"
+    assert target.model.get_output_embeddings().weight.device.type == "meta"
+    layer = next(target.layers[0].parameters())
+    assert layer.device.type == "cpu"  # the decoder layers did not move
+    target.to("meta")
+    assert next(target.layers[0].parameters()).device.type == "meta"
