@@ -44,7 +44,12 @@ from typing import Any, Protocol
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, ProjectConfiguration, gather_object
+from accelerate.utils import (
+    DistributedType,
+    InitProcessGroupKwargs,
+    ProjectConfiguration,
+    gather_object,
+)
 from tqdm.auto import tqdm
 
 from specdraft.config import config_to_dict, save_config
@@ -235,6 +240,7 @@ class _Run:
                 project_dir=str(cfg.output_dir),
                 logging_dir=os.path.join(str(cfg.output_dir), "tensorboard"),
             ),
+            kwargs_handlers=_process_group_kwargs(),
         )
         _check_process_group(self.acc)
         if self.acc.device.type == "cpu":
@@ -804,6 +810,17 @@ def _cpu_only() -> bool:
     """
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     return not torch.cuda.is_available() and not deepspeed
+
+
+def _process_group_kwargs() -> list:
+    """DeepSpeed on several CPU processes: accelerate selects no process-group backend without a
+    GPU (and then runs every process as the only one), so name gloo, which DeepSpeed's CPU
+    accelerator uses when oneCCL is not installed."""
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if deepspeed and several and not torch.cuda.is_available():
+        return [InitProcessGroupKwargs(backend="gloo")]
+    return []
 
 
 def _check_process_group(acc: Accelerator) -> None:

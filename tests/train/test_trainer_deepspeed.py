@@ -1,6 +1,6 @@
-"""DeepSpeed ZeRO-2 through accelerate on this CPU, one process (the only CPU setup accelerate
-supports: with several processes and no GPU it picks no backend, and the trainer refuses to run).
-The ZeRO optimizer's partitioned state must resume exactly, loaded without unpickling code."""
+"""DeepSpeed ZeRO through accelerate on this CPU: one process (the ZeRO optimizer's partitioned
+state must resume exactly, loaded without unpickling code), and two processes over gloo, which
+the trainer names because accelerate selects no backend without a GPU."""
 
 from __future__ import annotations
 
@@ -54,3 +54,38 @@ def test_zero2_run_and_resume_equal_a_plain_run(tiny_target_path, tmp_path):
         for d in ("plain", "ds")
     )
     assert ds["losses"] == plain["losses"]
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_two_deepspeed_processes_on_cpu_equal_one_plain_process(tiny_target_path, tmp_path, stage):
+    """ZeRO on two CPU processes (gloo, which DeepSpeed's CPU accelerator uses without oneCCL;
+    accelerate would select no backend there) trains what one plain process trains with the same
+    global batch, every rank keeping its own optimizer shard."""
+    common = [
+        f"target={tiny_target_path}", "max_steps=4", "eval_every=2", "eval_batches=2",
+        "save_every=2", "eval_loop.enabled=false", "data.max_samples=20", "data.max_length=32",
+        "grad_accum=2", "warmup_steps=1", "seed=1",
+    ]  # fmt: skip
+    launch = [
+        str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+        str(ROOT / "configs" / "accelerate" / f"deepspeed_{stage}.yaml"), "--num_processes", "2",
+        str(ROOT / "train" / "distill.py"), *common, "micro_batch_size=2",
+        f"output_dir={tmp_path / 'ds'}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(launch, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 process(es)" in proc.stderr
+    shards = sorted(p.name for p in (tmp_path / "ds" / "checkpoint-2").glob("optimizer-rank*"))
+    assert shards == ["optimizer-rank0.pt", "optimizer-rank1.pt"]
+
+    assert main([*common, "micro_batch_size=4", f"output_dir={tmp_path / 'plain'}"]) == 0
+    ds, plain = (
+        json.loads((tmp_path / d / "checkpoint-2" / "trainer_state.json").read_text())
+        for d in ("ds", "plain")
+    )
+    assert ds["world_size"] == 2 and ds["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("plain", "ds"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] - b[k]).abs().max().item() < 1e-5, k
