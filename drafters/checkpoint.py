@@ -77,12 +77,13 @@ def save_drafter(
     train_config_yaml: str | None = None,
     provenance: dict | None = None,
     tokenizer: Any = None,
-    extra_files: dict[str, bytes] | None = None,
+    extra_files: dict[str, bytes | Path] | None = None,
 ) -> Path:
     """Write `drafter` as a complete checkpoint folder at `folder`, atomically, and return it.
 
-    `extra_files` (name -> bytes) go inside the folder before it is marked complete: the trainer
-    puts its resume state there, so a checkpoint is complete as a whole or not at all. An existing
+    `extra_files` (name -> bytes, or a file on the same file system, moved in) go inside the
+    folder before it is marked complete: the trainer puts its resume state there, so a checkpoint
+    is complete as a whole or not at all. An existing
     `folder` is replaced only once the new one is fully written.
     """
     folder = Path(folder)
@@ -120,7 +121,10 @@ def save_drafter(
         if train_config_yaml is not None:
             (tmp / "train_config.yaml").write_text(train_config_yaml)
         for name, data in (extra_files or {}).items():
-            (tmp / name).write_bytes(data)
+            if isinstance(data, Path):
+                os.replace(data, tmp / name)  # written by another process: never held here
+            else:
+                (tmp / name).write_bytes(data)
         (tmp / COMPLETE_MARKER).write_text("complete\n")
         _replace_dir(tmp, folder)
     finally:

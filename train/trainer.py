@@ -48,7 +48,6 @@ from accelerate.utils import (
     DistributedType,
     InitProcessGroupKwargs,
     ProjectConfiguration,
-    gather_object,
 )
 from tqdm.auto import tqdm
 
@@ -581,15 +580,26 @@ class _Run:
 
     def _save_checkpoint(self, step: int) -> None:
         """checkpoint-<step>/: the drafter plus optimizer and trainer state, one atomic folder."""
-        buffer = io.BytesIO()
-        torch.save(self.optimizer.state_dict(), buffer)
-        # DeepSpeed ZeRO partitions the optimizer state: every process's part is kept.
+        # DeepSpeed ZeRO partitions the optimizer state: every process writes its own part beside
+        # the checkpoint (output_dir is shared by every process that saves), and the main
+        # process moves the files in, so no process holds another's part in memory.
         sharded = self.acc.distributed_type == DistributedType.DEEPSPEED
-        parts = (
-            gather_object([buffer.getvalue()])
-            if sharded and self.world > 1
-            else [buffer.getvalue()]
-        )
+        extra: dict[str, bytes | Path] = {}
+        if sharded:
+            staging = self.out / f".checkpoint-{step}.tmp-shards"
+            staging.mkdir(parents=True, exist_ok=True)
+            mine = staging / _optimizer_file(sharded, self.rank)
+            torch.save(self.optimizer.state_dict(), mine.with_suffix(".part"))
+            os.replace(mine.with_suffix(".part"), mine)
+            self.acc.wait_for_everyone()
+            extra = {
+                _optimizer_file(True, r): staging / _optimizer_file(True, r)
+                for r in range(self.world)
+            }
+        else:
+            buffer = io.BytesIO()
+            torch.save(self.optimizer.state_dict(), buffer)
+            extra[OPTIMIZER_NAME] = buffer.getvalue()
         state = {
             "step": step,
             "losses": self.losses,
@@ -600,9 +610,10 @@ class _Run:
             "global_batch": self.cfg.micro_batch_size * self.cfg.grad_accum * self.world,
             "seed": self.cfg.seed,
         }
-        extra = {_optimizer_file(sharded, rank): part for rank, part in enumerate(parts)}
         extra[STATE_NAME] = json.dumps(state, indent=1).encode()
         self._save_drafter(self.out / f"checkpoint-{step}", step, extra_files=extra)
+        if sharded and self.main:
+            shutil.rmtree(self.out / f".checkpoint-{step}.tmp-shards", ignore_errors=True)
         if self.main and self.cfg.keep_last > 0:
             for old in _checkpoints(self.out)[: -self.cfg.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)

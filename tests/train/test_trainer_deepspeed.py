@@ -60,7 +60,8 @@ def test_zero2_run_and_resume_equal_a_plain_run(tiny_target_path, tmp_path):
 def test_two_deepspeed_processes_on_cpu_equal_one_plain_process(tiny_target_path, tmp_path, stage):
     """ZeRO on two CPU processes (gloo, which DeepSpeed's CPU accelerator uses without oneCCL;
     accelerate would select no backend there) trains what one plain process trains with the same
-    global batch, every rank keeping its own optimizer shard."""
+    global batch; every rank writes its own optimizer shard (none gathers the others'), and a
+    run resumed from them ends bit-exact where the uninterrupted one did."""
     common = [
         f"target={tiny_target_path}", "max_steps=4", "eval_every=2", "eval_batches=2",
         "save_every=2", "eval_loop.enabled=false", "data.max_samples=20", "data.max_length=32",
@@ -70,14 +71,28 @@ def test_two_deepspeed_processes_on_cpu_equal_one_plain_process(tiny_target_path
         str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
         str(ROOT / "configs" / "accelerate" / f"deepspeed_{stage}.yaml"), "--num_processes", "2",
         str(ROOT / "train" / "distill.py"), *common, "micro_batch_size=2",
-        f"output_dir={tmp_path / 'ds'}",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(launch, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 process(es)" in proc.stderr
+
+    def run(*extra):
+        proc = subprocess.run(
+            [*launch, *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr
+
+    assert "2 process(es)" in run(f"output_dir={tmp_path / 'ds'}")
     shards = sorted(p.name for p in (tmp_path / "ds" / "checkpoint-2").glob("optimizer-rank*"))
     assert shards == ["optimizer-rank0.pt", "optimizer-rank1.pt"]
+    assert not list((tmp_path / "ds").glob(".*"))  # no staging left beside the checkpoints
+    # ZeRO-3 resume of a HF-model drafter fails today: from_pretrained partitions the loaded
+    # student under ZeRO-3 (a vocabulary of 0 rows); open in the at-scale issue
+    if stage == "zero2":
+        (tmp_path / "again").mkdir()
+        shutil.copytree(tmp_path / "ds" / "checkpoint-2", tmp_path / "again" / "checkpoint-2")
+        assert "checkpoint-2" in run(f"output_dir={tmp_path / 'again'}", "resume_from=latest")
+        a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("ds", "again"))
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
     assert main([*common, "micro_batch_size=4", f"output_dir={tmp_path / 'plain'}"]) == 0
     ds, plain = (
