@@ -8,16 +8,17 @@ the target into the feature (fc_fuse), drops the feature regression, trains with
 test (the head unrolled K steps on its own outputs) and drafts from its own LM head over a reduced
 draft vocabulary (the most frequent target tokens).
 
-Read top to bottom: the config, the draft vocabulary, the module, the loss (training-time test)
-and acceptance, and the drafting session (chain and EAGLE-2 dynamic tree) the inference loop
-drives. The decoder layer and rotary embedding are the target's own classes, built from a copy of
-its config, so every Llama-style family works without vendored modeling code.
+Read top to bottom: the config, the module (its draft vocabulary comes from
+core.build_draft_vocab), the loss (training-time test) and acceptance, and the drafting session
+(chain and EAGLE-2 dynamic tree) the inference loop drives. The decoder layer and rotary
+embedding are the target's own classes, built from a copy of its config, so every Llama-style
+family works without vendored modeling code.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -125,45 +126,6 @@ def resolve_config(config: EagleConfig, target) -> EagleConfig:
         config.feature_layers = None
         config.draft_vocab_size = 0  # eagle1 drafts through the target's own LM head
     return config
-
-
-# --- draft vocabulary --------------------------------------------------------------------------
-
-
-def build_draft_vocab(
-    examples_or_counts: Iterable | torch.Tensor,
-    size: int,
-    vocab_size: int,
-    *,
-    always: Iterable[int] = (),
-) -> torch.Tensor:
-    """The draft vocabulary d2t: (size,) target ids, ascending, of the most frequent tokens.
-
-    `examples_or_counts` is either a (vocab_size,) tensor of token counts or training examples
-    (with `input_ids` and `loss_mask`; the tokens the head will be trained to predict are
-    counted). `always` (the EOS ids) are included whatever their count, so the head can end a
-    draft. Ties go to the lower id, so the result is deterministic.
-    """
-    if not 0 < size <= vocab_size:
-        raise ValueError(f"draft vocabulary size {size} must be in 1..{vocab_size}")
-    if isinstance(examples_or_counts, torch.Tensor):
-        counts = examples_or_counts.double().flatten()
-        if counts.numel() != vocab_size:
-            raise ValueError(f"token counts have {counts.numel()} entries, vocab is {vocab_size}")
-    else:
-        counts = torch.zeros(vocab_size, dtype=torch.double)
-        for e in examples_or_counts:
-            ids = torch.as_tensor(e.input_ids, dtype=torch.long)
-            keep = torch.as_tensor(e.loss_mask, dtype=torch.bool)
-            counts += torch.bincount(ids[keep], minlength=vocab_size).double()
-    always = sorted({int(i) for i in always if 0 <= int(i) < vocab_size})
-    if len(always) > size:
-        raise ValueError(f"draft vocabulary size {size} cannot hold the {len(always)} EOS ids")
-    score = counts.clone()
-    score[always] = float("inf")
-    # stable sort on -count keeps ascending ids among equal counts
-    order = torch.sort(-score, stable=True).indices
-    return torch.sort(order[:size]).values
 
 
 # --- module ------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ all build on these, so each exists once.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -237,6 +237,42 @@ class DraftVocab:
         """(batch, draft vocab) -> (batch, target vocab) probabilities, 0 outside the draft."""
         full = torch.zeros(q.shape[0], self.vocab_size, dtype=q.dtype, device=q.device)
         return full.index_copy_(-1, self.d2t, q)
+
+
+def build_draft_vocab(
+    examples_or_counts: Iterable | torch.Tensor,
+    size: int,
+    vocab_size: int,
+    *,
+    always: Iterable[int] = (),
+) -> torch.Tensor:
+    """The draft vocabulary d2t: (size,) target ids, ascending, of the most frequent tokens.
+
+    `examples_or_counts` is either a (vocab_size,) tensor of token counts or training examples
+    (with `input_ids` and `loss_mask`; the tokens the head will be trained to predict are
+    counted). `always` (the EOS ids) are included whatever their count, so the head can end a
+    draft. Ties go to the lower id, so the result is deterministic.
+    """
+    if not 0 < size <= vocab_size:
+        raise ValueError(f"draft vocabulary size {size} must be in 1..{vocab_size}")
+    if isinstance(examples_or_counts, torch.Tensor):
+        counts = examples_or_counts.double().flatten()
+        if counts.numel() != vocab_size:
+            raise ValueError(f"token counts have {counts.numel()} entries, vocab is {vocab_size}")
+    else:
+        counts = torch.zeros(vocab_size, dtype=torch.double)
+        for e in examples_or_counts:
+            ids = torch.as_tensor(e.input_ids, dtype=torch.long)
+            keep = torch.as_tensor(e.loss_mask, dtype=torch.bool)
+            counts += torch.bincount(ids[keep], minlength=vocab_size).double()
+    always = sorted({int(i) for i in always if 0 <= int(i) < vocab_size})
+    if len(always) > size:
+        raise ValueError(f"draft vocabulary size {size} cannot hold the {len(always)} EOS ids")
+    score = counts.clone()
+    score[always] = float("inf")
+    # stable sort on -count keeps ascending ids among equal counts
+    order = torch.sort(-score, stable=True).indices
+    return torch.sort(order[:size]).values
 
 
 def draft_token(

@@ -15,10 +15,10 @@ from typing import ClassVar
 import torch
 
 from specdraft.config import parse_cli
-from specdraft.core import eos_ids
+from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
 from specdraft.data.hidden_cache import CachedTarget, HiddenStateCache
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter, build_draft_vocab, resolve_config
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
 from specdraft.drafters.target import load_target
 from specdraft.inference.measure import loop_prompts, report_after_training
 from specdraft.train.config import TrainConfig

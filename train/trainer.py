@@ -10,6 +10,9 @@ only through this small interface (`TrainableDrafter`):
                                                      tau (sampled and greedy) of evaluation
     drafter.capture_layers                           target hidden states the loss needs
     drafter.prepare_batch(batch, target, generator, shared)  optional: swap data (on-policy)
+    drafter.eval_statistics(batch, target_out)       optional: held-out sums (a dict of
+    drafter.finish_evaluation(sums)                  tensors) the drafter keeps (Medusa's
+                                                     per-rank accuracies, for its tree)
     parameters with requires_grad                    what the optimizer trains
     kind, config, hf_model (optional)                what checkpoint.py saves
 
@@ -501,6 +504,11 @@ class _Run:
         loss_sum = torch.zeros((), device=acc.device)
         tokens = torch.zeros((), device=acc.device)
         alpha_sum = greedy_sum = count = 0.0
+        # A drafter may measure more on the held-out data (Medusa: per-rank head accuracies for
+        # its tree): sums of `eval_statistics`, reduced, handed to `finish_evaluation` before
+        # best/ is saved, so a checkpoint carries what its own evaluation measured.
+        extra = hasattr(model, "eval_statistics")
+        extra_sums: dict[str, torch.Tensor] = {}
         model.eval()
         for chunk, weight in eval_chunks(n, self.rank, self.world, cfg.micro_batch_size):
             batch = collate([self.eval_examples[i] for i in chunk], acc.device)
@@ -511,6 +519,9 @@ class _Run:
                 )  # fmt: skip
                 loss, _ = model(batch, target_out)
                 a, g, c = model.acceptance(batch, target_out)
+                if extra:
+                    for key, v in model.eval_statistics(batch, target_out).items():
+                        extra_sums[key] = extra_sums.get(key, 0) + v.float() * weight
             k = batch["loss_mask"][:, 1:].sum().float() * weight
             loss_sum += loss.float() * k
             tokens += k
@@ -521,6 +532,8 @@ class _Run:
         loss_sum, tokens = acc.reduce(loss_sum, "sum"), acc.reduce(tokens, "sum")
         alpha_sum, greedy_sum = acc.reduce(alpha_sum, "sum"), acc.reduce(greedy_sum, "sum")
         count = acc.reduce(count, "sum")
+        if extra:
+            model.finish_evaluation({k: acc.reduce(v, "sum") for k, v in extra_sums.items()})
         alphas = (alpha_sum / count.clamp(min=1)).tolist()
         agreement = (greedy_sum / count.clamp(min=1)).tolist()
         result = {

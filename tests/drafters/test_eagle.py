@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from specdraft.core import DecodeConfig
+from specdraft.core import DecodeConfig, build_draft_vocab
 from specdraft.drafters.checkpoint import CheckpointError, load_drafter, save_drafter
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter, build_draft_vocab, resolve_config
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
 from specdraft.drafters.target import Target, TargetError
 
 

@@ -1,0 +1,565 @@
+"""Medusa heads: K extra heads on the target's last hidden state, verified as a tree.
+
+Medusa (Cai et al. 2024): at position t the target's final normed hidden state h_t feeds its LM
+head, which predicts x_{t+1}, and K heads, head k (0-based) predicting x_{t+2+k}. Each head is
+`num_layers` residual blocks x + SiLU(W x + b), each block with its own weights (W and b start at
+zero, so a fresh block is the identity), and an output layer: its own, initialised from the
+target's LM head, or the target's LM head itself (output=shared). The heads do not see each
+other's guesses, so their top candidates are combined into a tree (the Cartesian product,
+pruned by measured accuracy) that the target verifies in one pass.
+
+Read top to bottom: the config, the module, the loss (Medusa-1: cross-entropy on the data's
+tokens or self-distillation to the target's distribution, head k weighted loss_decay^k), the
+acceptance and accuracy statistics the trainer measures, the tree built from those accuracies,
+and the drafting session the inference loop drives.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdraft.config import choice
+from specdraft.core import (
+    DecodeConfig,
+    DraftContext,
+    DraftTree,
+    DraftVocab,
+    SamplingSettings,
+    draft_chain,
+)
+from specdraft.drafters.base import Drafter, warn_once
+from specdraft.drafters.lean import DraftLinear, SharedWeights, use_int8
+
+# --- config ------------------------------------------------------------------------------------
+
+
+@dataclass
+class MedusaConfig:
+    # K: heads, head k predicting the token k + 2 places after the last verified one.
+    num_heads: int = 4
+    # Residual blocks x + SiLU(W x + b) per head, each with its own weights.
+    num_layers: int = 1
+    # own: each head has its own output layer, initialised from the target's LM head (the
+    # reference layout, K x hidden x vocab more parameters) | shared: every head uses the
+    # target's LM head (few extra parameters; the blocks must do all the work).
+    output: str = choice("own", "shared")
+    # output=own: the heads' output layers cover only the most frequent target tokens of the
+    # training data (EOS always in), as EAGLE-3's draft vocabulary; 0: the whole vocabulary.
+    draft_vocab_size: int = 0
+    # ce: cross-entropy against the data's tokens (the reference trainer) | kl: self-distillation,
+    # head k at t learns the target's own distribution at t + 1 + k (for data the target
+    # regenerated, scripts/regenerate.py; the trainer's target pass computes it anyway).
+    loss: str = choice("ce", "kl")
+    # Head k's loss is weighted loss_decay ** k (the paper's 0.8; 1.0 is the reference trainer's
+    # plain sum).
+    loss_decay: float = 0.8
+    # Ranks per head whose accuracy evaluation measures (the tree is built from them): the tree
+    # never uses a head's candidate below this rank.
+    accuracy_ranks: int = 10
+
+    def __post_init__(self) -> None:
+        for key, low in (
+            ("num_heads", 1), ("num_layers", 1), ("draft_vocab_size", 0), ("accuracy_ranks", 1),
+        ):  # fmt: skip
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"drafter.{key} must be an integer >= {low}; got {value!r}")
+        if not 0 < self.loss_decay <= 1:
+            raise ValueError(f"drafter.loss_decay must be in (0, 1]; got {self.loss_decay}")
+        if self.output == "shared" and self.draft_vocab_size:
+            raise ValueError(
+                "drafter.draft_vocab_size needs output=own: shared heads draft through the "
+                "target's LM head over its whole vocabulary (set draft_vocab_size=0)"
+            )
+
+
+# --- module ------------------------------------------------------------------------------------
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), W and b zero at the start: the identity until trained."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHead(nn.Module):
+    """One head: its blocks, then (output=own) its output layer."""
+
+    def __init__(self, hidden: int, num_layers: int, vocab: int | None) -> None:
+        super().__init__()
+        # a comprehension, not [ResBlock(h)] * n, which would make every block one module
+        self.blocks = nn.ModuleList(ResBlock(hidden) for _ in range(num_layers))
+        self.out = nn.Linear(hidden, vocab, bias=False) if vocab else None
+
+    def features(self, h: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+class MedusaDrafter(Drafter):
+    """K Medusa heads. The target's LM head (output=shared) is used, not owned: `self.target` is
+    a plain attribute, so it is neither trained nor saved."""
+
+    kind = "medusa"
+    config_class = MedusaConfig
+    shared_with_target: tuple[str, ...] = ()
+
+    def __init__(self, config: MedusaConfig, target, d2t: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.target = target  # not an nn.Module: not registered, not saved
+        self.target_fingerprint: dict | None = None
+        self._drafting = SharedWeights()
+        H, V = target.hidden_size, target.vocab_size
+        # the final normed hidden state, the one the target's LM head reads
+        self.capture_layers: list[int] = [target.num_layers]
+        own = config.output == "own"
+        Vd = (config.draft_vocab_size or V) if own else None
+        if config.draft_vocab_size > V:
+            raise ValueError(
+                f"drafter.draft_vocab_size={config.draft_vocab_size} is larger than the target "
+                f"{target.name!r}'s vocabulary ({V} tokens); use at most {V}, or 0 for all of it"
+            )
+        self.heads = nn.ModuleList(
+            MedusaHead(H, config.num_layers, Vd) for _ in range(config.num_heads)
+        )
+        d2t = torch.arange(Vd or V) if d2t is None else d2t.long()
+        if d2t.shape != (Vd or V,):
+            raise ValueError(f"d2t has shape {tuple(d2t.shape)}; the config says ({Vd or V},)")
+        t2d = torch.full((V,), -1, dtype=torch.long)
+        t2d[d2t] = torch.arange(len(d2t))
+        # draft id -> target id, and target id -> draft id (-1: not in the draft vocabulary)
+        self.register_buffer("d2t", d2t.clone())
+        self.register_buffer("t2d", t2d)
+        # Per head and rank r < accuracy_ranks, measured on held-out data by every evaluation
+        # (finish_evaluation): how often the head's r-th candidate is the target's greedy token,
+        # and the target's mean probability of it. NaN until measured. The tree is built from
+        # them (tree_paths).
+        K, R = config.num_heads, config.accuracy_ranks
+        self.register_buffer("accuracy_greedy", torch.full((K, R), float("nan")))
+        self.register_buffer("accuracy_sampled", torch.full((K, R), float("nan")))
+        if own:
+            lm = target.model.get_output_embeddings().weight
+            with torch.no_grad():  # training starts from the target's next-token predictor
+                for head in self.heads:
+                    head.out.weight.copy_(lm[d2t].float())
+
+    @classmethod
+    def build(cls, config: MedusaConfig, target, d2t: torch.Tensor | None = None) -> MedusaDrafter:
+        return cls(config, target, d2t)
+
+    @classmethod
+    def from_checkpoint(cls, config: MedusaConfig, target, hf_model) -> MedusaDrafter:
+        # d2t and the accuracies are placeholders here; load_drafter fills them from the weights.
+        return cls(config, target)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return len(self.d2t)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return len(self.d2t) < self.target.vocab_size
+
+    def new_session(
+        self,
+        target,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> MedusaSession:
+        return MedusaSession(self, target, sampling=sampling, decode=decode, generator=generator)
+
+    def ignored_settings(self, decode: DecodeConfig) -> list[str]:
+        ignored = []
+        if decode.dynamic_gamma:
+            ignored.append("dynamic_gamma is ignored by Medusa heads: their depth is gamma")
+        if decode.gamma > self.config.num_heads:
+            ignored.append(
+                f"gamma={decode.gamma} is more than the {self.config.num_heads} Medusa heads: "
+                f"drafts are at most {self.config.num_heads} deep"
+            )
+        if not decode.chain and decode.stop_below > 0:
+            ignored.append("stop_below is ignored by Medusa trees (tree_top_k > 1): it ends chains")
+        return ignored
+
+    def train(self, mode: bool = True) -> MedusaDrafter:
+        self._drafting.clear()  # training changes the weights; drafting rebuilds them
+        return super().train(mode)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) final normed target states -> (num_heads, ..., draft vocab) logits."""
+        dtype = self.heads[0].blocks[0].linear.weight.dtype
+        x = torch.stack([head.features(h.to(dtype)) for head in self.heads])
+        if self.config.output == "shared":
+            return self.target.lm_head(x.to(self.target.dtype)).to(x.dtype)
+        return torch.stack([head.out(x[k]) for k, head in enumerate(self.heads)])
+
+    def forward(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, dict]:
+        """The training loss (the trainer calls the module, so DDP sees the forward)."""
+        return self.loss(batch, target_out)
+
+    # --- loss -----------------------------------------------------------------------------------
+
+    def per_head(
+        self, batch: Mapping[str, torch.Tensor], target_out
+    ) -> list[dict[str, torch.Tensor]]:
+        """What head k predicts at each position t < S_k = seq - 1 - k, and against what:
+        logits (batch, S_k, draft vocab) from h_t; labels (batch, S_k) the data's x_{t+2+k};
+        p_logits (batch, S_k, vocab) the target's logits at t + 1 + k, which predict the same
+        token; valid (batch, S_k) bool where x_{t+2+k} is a loss token."""
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        T = input_ids.shape[1]
+        h = target_out.hidden_states[self.capture_layers[0]]  # (batch, T, hidden)
+        out = []
+        K = self.config.num_heads
+        logits = self.logits(h[:, : max(T - 2, 0)])  # (K, batch, T - 2, draft vocab)
+        for k in range(K):
+            S = T - 2 - k
+            if S <= 0:  # sequences too short for this head
+                break
+            out.append({
+                "logits": logits[k, :, :S],
+                "labels": input_ids[:, 2 + k : 2 + k + S],
+                "p_logits": target_out.logits[:, 1 + k : 1 + k + S],
+                "valid": loss_mask[:, 2 + k : 2 + k + S],
+            })  # fmt: skip
+        return out
+
+    def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, dict]:
+        """sum_k loss_decay^k * (mean over head k's valid positions of its loss).
+
+        ce: cross-entropy against the data's token (positions whose token is outside the draft
+        vocabulary are masked); kl: KL(p || q) to the target's distribution, restricted and
+        renormalised to the draft vocabulary as EAGLE-3 does.
+        Logged per head: loss_k, top1_k and top5_k (the data's token, or the target's argmax for
+        kl, among the head's best 1 / 5).
+        """
+        cfg = self.config
+        total = None
+        metrics: dict[str, torch.Tensor] = {}
+        for k, s in enumerate(self.per_head(batch, target_out)):
+            head_loss, top1, top5 = self._head_loss(s)
+            weighted = head_loss * cfg.loss_decay**k
+            total = weighted if total is None else total + weighted
+            metrics[f"loss_{k}"] = head_loss.detach()
+            metrics[f"top1_{k}"] = top1.detach()
+            metrics[f"top5_{k}"] = top5.detach()
+        if total is None:
+            raise ValueError(
+                f"the batch's sequences ({batch['input_ids'].shape[1]} tokens) are too short for "
+                "any Medusa head: head 0 needs at least 3 tokens"
+            )
+        return total, metrics
+
+    def _head_loss(self, s: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """(mean loss, top-1 accuracy, top-5 accuracy) of one head over its valid positions."""
+        log_q = F.log_softmax(s["logits"].float(), dim=-1)  # (B, S, Vd)
+        valid = s["valid"]
+        if self.config.loss == "ce":
+            label = self.t2d[s["labels"]]  # (B, S) draft ids, -1 outside the draft vocabulary
+            valid = valid & (label >= 0)
+            per_token = -log_q.gather(-1, label.clamp(min=0)[..., None])[..., 0]
+        else:
+            p_logits = s["p_logits"].float()
+            # the target's argmax must be draftable, else the restricted target is meaningless
+            label = self.t2d[p_logits.argmax(-1)]
+            valid = valid & (label >= 0)
+            log_p = F.log_softmax(p_logits.index_select(-1, self.d2t), dim=-1)
+            per_token = (log_p.exp() * (log_p - log_q)).sum(-1)  # KL(p || q), (B, S)
+        w = valid.float()
+        n = w.sum().clamp(min=1)
+        top5 = log_q.topk(min(5, log_q.shape[-1]), dim=-1).indices  # (B, S, 5)
+        hit = top5 == label.clamp(min=0)[..., None]
+        top1 = (hit[..., 0].float() * w).sum() / n
+        top5 = (hit.any(-1).float() * w).sum() / n
+        return (per_token * w).sum() / n, top1, top5
+
+    # --- what evaluation measures -----------------------------------------------------------------
+
+    @torch.no_grad()
+    def acceptance(
+        self, batch: Mapping[str, torch.Tensor], target_out
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(alpha summed, greedy agreement summed, count) per draft depth 1..min(gamma, K) of a
+        chain (head d - 1 at depth d). alpha = sum_x min(p(x), q(x)), q mapped to the target's
+        vocabulary through d2t; greedy agreement: the head's argmax is the target's."""
+        sums, greedy, counts = [], [], []
+        depth = min(self.decode.gamma, self.config.num_heads)
+        for s in self.per_head(batch, target_out)[:depth]:
+            p = F.softmax(s["p_logits"].float(), dim=-1)  # (B, S, V)
+            q = torch.zeros_like(p).index_copy_(-1, self.d2t, F.softmax(s["logits"].float(), -1))
+            alpha = torch.minimum(p, q).sum(-1)  # (B, S)
+            agree = self.d2t[s["logits"].argmax(-1)] == s["p_logits"].argmax(-1)
+            sums.append((alpha * s["valid"]).sum())
+            greedy.append((agree & s["valid"]).sum().float())
+            counts.append(s["valid"].sum().float())
+        return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
+
+    @torch.no_grad()
+    def eval_statistics(
+        self, batch: Mapping[str, torch.Tensor], target_out
+    ) -> dict[str, torch.Tensor]:
+        """Sums the trainer adds up over held-out data and hands to `finish_evaluation`: per head
+        and rank r, how often the head's r-th candidate is the target's argmax (greedy), the
+        target's probability of it summed (sampled), and the positions counted."""
+        K, R = self.config.num_heads, self.config.accuracy_ranks
+        device = self.d2t.device
+        greedy = torch.zeros(K, R, device=device)
+        sampled = torch.zeros(K, R, device=device)
+        count = torch.zeros(K, 1, device=device)
+        for k, s in enumerate(self.per_head(batch, target_out)):
+            ranked = self.d2t[s["logits"].topk(min(R, len(self.d2t)), dim=-1).indices]  # (B,S,R)
+            p = F.softmax(s["p_logits"].float(), dim=-1)
+            w = s["valid"].float()[..., None]  # (B, S, 1)
+            r = ranked.shape[-1]
+            greedy[k, :r] = ((ranked == s["p_logits"].argmax(-1)[..., None]).float() * w).sum(
+                (0, 1)
+            )
+            sampled[k, :r] = (p.gather(-1, ranked) * w).sum((0, 1))
+            count[k] = w.sum()
+        return {"greedy": greedy, "sampled": sampled, "count": count}
+
+    @torch.no_grad()
+    def finish_evaluation(self, sums: Mapping[str, torch.Tensor]) -> None:
+        """Store the measured per-rank accuracies (saved with the heads; the tree's input)."""
+        count = sums["count"].clamp(min=1)
+        self.accuracy_greedy.copy_(sums["greedy"] / count)
+        self.accuracy_sampled.copy_(sums["sampled"] / count)
+
+    def accuracies(self, greedy: bool) -> torch.Tensor:
+        """(K, R) the measured per-rank accuracies for this way of decoding; a fallback with a
+        warning for heads never evaluated (eval_every=0, or a published head)."""
+        acc = (self.accuracy_greedy if greedy else self.accuracy_sampled).detach().float().cpu()
+        if torch.isnan(acc).any():
+            warn_once(
+                "these Medusa heads carry no measured accuracy (trained with eval_every=0, or "
+                "imported): their tree is built from an assumed one, 0.6^(k+1) for a head's top "
+                "candidate and halving per rank; train with evaluation on for a measured tree"
+            )
+            K, R = acc.shape
+            k = torch.arange(K, dtype=torch.float)[:, None]
+            r = torch.arange(R, dtype=torch.float)[None, :]
+            acc = 0.6 ** (k + 1) * 0.5**r
+        return acc
+
+
+# --- the tree from measured accuracy -------------------------------------------------------------
+
+
+def tree_paths(
+    accuracy: torch.Tensor, budget: int, depth: int, top_k: int
+) -> list[tuple[int, ...]]:
+    """The draft tree with the largest expected accepted length under a node budget.
+
+    A node is a path of ranks (r_1, ..., r_d): head d - 1's r_d-th candidate below the node
+    (r_1, ..., r_{d-1}). Taking the heads as independent, the node is accepted with probability
+    prod_i accuracy[i - 1, r_i], and the expected accepted length of a tree is the sum of that
+    over its nodes; a child never beats its parent, so adding the best remaining node, `budget`
+    times, gives the best tree (the Medusa paper's construction). Ranks stop at top_k (and the
+    measured ranks), depth at `depth`. Returns the paths, parents first.
+    """
+    K, R = accuracy.shape
+    depth, ranks = min(depth, K), min(top_k, R)
+    acc = accuracy.tolist()
+    chosen: list[tuple[int, ...]] = []
+    # max-heap of candidates by probability; ties to the shallower, lower-ranked path
+    heap = [(-acc[0][r], (r,)) for r in range(ranks)]
+    heapq.heapify(heap)
+    while heap and len(chosen) < budget:
+        neg, path = heapq.heappop(heap)
+        chosen.append(path)
+        if len(path) < depth:
+            for r in range(ranks):
+                heapq.heappush(heap, (neg * acc[len(path)][r], (*path, r)))
+    return sorted(chosen, key=lambda p: (len(p), p))
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A tree of rank paths as the loop's DraftTree wants it: parents and depths in node order,
+    and per node the head (depth - 1) and rank whose candidate it holds."""
+
+    parents: list[int]
+    depths: list[int]
+    heads: torch.Tensor  # (n,) long
+    ranks: torch.Tensor  # (n,) long
+
+    @classmethod
+    def from_paths(cls, paths: list[tuple[int, ...]]) -> TreeShape:
+        index = {p: i for i, p in enumerate(paths)}
+        parents = [index[p[:-1]] if len(p) > 1 else -1 for p in paths]
+        depths = [len(p) for p in paths]
+        return cls(
+            parents,
+            depths,
+            torch.tensor([d - 1 for d in depths]),
+            torch.tensor([p[-1] for p in paths]),
+        )
+
+    @property
+    def width(self) -> int:
+        return int(self.ranks.max()) + 1 if len(self.ranks) else 0
+
+
+def expected_length(accuracy: torch.Tensor, paths: list[tuple[int, ...]]) -> float:
+    """The tree's expected accepted draft tokens per step (without the target's own token)."""
+    acc = accuracy.tolist()
+    return sum(math.prod(acc[i][r] for i, r in enumerate(p)) for p in paths)
+
+
+# --- session (inference) ---------------------------------------------------------------------------
+
+
+class DraftingWeights:
+    """The heads as drafting runs them: each block and output layer a DraftLinear (int8 copies
+    with draft_weights=int8 on a CPU)."""
+
+    @torch.no_grad()
+    def __init__(self, drafter: MedusaDrafter, int8: bool) -> None:
+        self.dtype = drafter.heads[0].blocks[0].linear.weight.dtype
+        self.blocks = [
+            [DraftLinear(b.linear.weight, b.linear.bias, int8=int8) for b in head.blocks]
+            for head in drafter.heads
+        ]
+        if drafter.config.output == "shared":
+            lm = drafter.target.model.get_output_embeddings()
+            self.shared = DraftLinear(lm.weight, lm.bias, int8=int8)
+            self.outputs = None
+        else:
+            self.shared = None
+            self.outputs = [DraftLinear(head.out.weight, int8=int8) for head in drafter.heads]
+
+    def logits(self, h: torch.Tensor, heads: int) -> torch.Tensor:
+        """(hidden,) -> (heads, draft vocab) logits of the first `heads` heads."""
+        xs = []
+        for blocks in self.blocks[:heads]:
+            x = h.to(self.dtype)
+            for lin in blocks:
+                x = x + F.silu(lin(x).to(x.dtype))
+            xs.append(x)
+        if self.shared is not None:
+            return self.shared(torch.stack(xs)).float()
+        return torch.stack([out(x).float() for out, x in zip(self.outputs, xs, strict=False)])
+
+    def memory_bytes(self) -> int:
+        linears = [lin for blocks in self.blocks for lin in blocks]
+        linears += [self.shared] if self.shared is not None else self.outputs
+        return sum(lin.memory_bytes() for lin in linears)
+
+
+class MedusaSession:
+    """One generate call's drafting state: the target's hidden state at the last verified token.
+
+    The first `propose` returns an empty tree (no hidden state before the prompt's forward).
+    After each verification, `accept` keeps the hidden state of the last accepted position (the
+    last pending token when nothing was accepted): its LM-head output is the token now pending
+    (the root), and head k drafts the token k + 1 below it.
+
+    Drafting (settings from `decode`): tree_top_k = 1 drafts a chain of the heads' top tokens
+    (sampled from each head's q at temperature > 0, which lossless verification needs, and
+    ending early by stop_below); tree_top_k > 1 drafts the tree of `tree_paths`, built once per
+    call from the heads' measured accuracies, with up to tree_budget nodes, gamma levels and
+    tree_top_k candidates per head (point masses at every temperature).
+    """
+
+    def __init__(
+        self,
+        drafter: MedusaDrafter,
+        target,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.drafter = drafter
+        self.sampling = sampling
+        self.decode = decode
+        self.generator = generator
+        self.capture_layers: list[int] = list(drafter.capture_layers)
+        int8 = use_int8(decode.draft_weights, target.device, "the heads' full weights")
+        params = [*drafter.parameters(), drafter.target.model.get_output_embeddings().weight]
+        self.w = drafter._drafting.get(params, int8, lambda: DraftingWeights(drafter, int8))
+        self.vocab = DraftVocab(drafter.d2t, target.vocab_size) if drafter.reduced_vocab else None
+        self.depth = min(decode.gamma, drafter.config.num_heads)
+        self.h: torch.Tensor | None = None  # (hidden,) at the last verified position
+        self._shapes: dict[int, TreeShape] = {}
+        if not decode.chain:
+            self.accuracy = drafter.accuracies(sampling.greedy)
+
+    def _shape(self, depth: int) -> TreeShape:
+        """The tree for drafts up to `depth` deep (shallower only at the end of generation)."""
+        if depth not in self._shapes:
+            paths = tree_paths(
+                self.accuracy, self.decode.tree_budget, depth, self.decode.tree_top_k
+            )
+            self._shapes[depth] = TreeShape.from_paths(paths)
+        return self._shapes[depth]
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext) -> DraftTree:
+        seq = context.tokens
+        depth = min(self.depth, context.max_depth)
+        if self.h is None or depth <= 0:
+            return DraftTree.empty(seq.shape[0], seq.device)
+        logits = self.w.logits(self.h, depth)  # (depth, draft vocab)
+        if self.decode.chain:
+            return draft_chain(
+                logits[0:1],
+                lambda _token, i: logits[i + 1 : i + 2],
+                depth=depth,
+                sampling=self.sampling,
+                generator=self.generator,
+                stop_below=self.decode.stop_below,
+                vocab=self.vocab,
+            )
+        shape = self._shape(depth)
+        ranked = logits.topk(min(shape.width, logits.shape[-1]), dim=-1).indices  # (depth, width)
+        tokens = ranked[shape.heads, shape.ranks]  # (n,)
+        if self.vocab is not None:
+            tokens = self.vocab.to_target(tokens)
+        return DraftTree(tokens[None].to(seq.device), list(shape.parents), list(shape.depths))
+
+    @torch.no_grad()
+    def accept(
+        self,
+        tree: DraftTree,
+        path: list[int],
+        hidden_states: Mapping[int, torch.Tensor] | None = None,
+    ) -> None:
+        """Keep the hidden state of the last accepted position of this verification forward
+        (rows: the pending tokens, then the tree's nodes in node order)."""
+        if hidden_states is None:
+            raise ValueError(
+                "MedusaSession.accept needs hidden_states: the verification forward's final "
+                f"normed hidden states (layer {self.capture_layers[0]})"
+            )
+        h = hidden_states[self.capture_layers[0]]  # (1, pending + n, hidden)
+        pending = h.shape[1] - len(tree)
+        if pending < 1:
+            raise ValueError(
+                f"MedusaSession.accept got hidden states for {h.shape[1]} positions; expected the "
+                f"pending token(s) then the {len(tree)} tree nodes"
+            )
+        row = pending + path[-1] if path else pending - 1
+        self.h = h[0, row]
+
+    def extra_memory_bytes(self) -> int:
+        """The drafting copies of the heads' weights (int8 or fused); no KV cache."""
+        return self.w.memory_bytes()

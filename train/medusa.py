@@ -1,0 +1,76 @@
+"""Train Medusa heads on a frozen target: `accelerate launch train/medusa.py [key=value ...]`.
+
+Defaults to configs/medusa/demo.yaml (Medusa-1 heads on the demo target, on a CPU in minutes);
+`--config PATH` picks a recipe, `--help` lists every key. Setup, train, report: the loop is
+train/trainer.py, the heads, their loss and their tree drafters/medusa.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from specdraft.config import parse_cli
+from specdraft.core import build_draft_vocab, eos_ids
+from specdraft.data.dataset import build_datasets
+from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+from specdraft.drafters.target import load_target
+from specdraft.inference.measure import loop_prompts, report_after_training
+from specdraft.train.config import TrainConfig
+from specdraft.train.trainer import train
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "medusa" / "demo.yaml"
+
+
+@dataclass
+class MedusaTrainConfig(TrainConfig):
+    kind: ClassVar[str] = "medusa"
+    drafter: MedusaConfig = field(default_factory=MedusaConfig)
+
+
+def build_heads(cfg: MedusaConfig, target, train_examples) -> MedusaDrafter:
+    """The heads, with their draft vocabulary counted from the training data when reduced."""
+    d2t = None
+    if 0 < cfg.draft_vocab_size < target.vocab_size:
+        eos = eos_ids(target.model, target.tokenizer)
+        d2t = build_draft_vocab(train_examples, cfg.draft_vocab_size, target.vocab_size, always=eos)
+    return MedusaDrafter.build(cfg, target, d2t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "train/medusa.py"
+    cfg = parse_cli(
+        MedusaTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
+    )
+    try:
+        target = load_target(cfg.target, dtype=cfg.target_dtype())
+        train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
+        torch.manual_seed(cfg.seed)  # identical heads on every process
+        heads = build_heads(cfg.drafter, target, train_examples)
+        prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
+    except (ValueError, OSError) as e:  # missing data, bad target, bad sizes
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(summary.format(), file=sys.stderr)
+    hc = heads.config
+    print(
+        f"[specdraft] {hc.num_heads} Medusa heads x {hc.num_layers} block(s), output {hc.output}: "
+        f"{heads.num_extra_parameters(target) / 1e6:.2f}M parameters (target "
+        f"{sum(p.numel() for p in target.model.parameters()) / 1e6:.2f}M), draft vocab "
+        f"{heads.draft_vocab_size}, loss {hc.loss} weighted {hc.loss_decay}^k",
+        file=sys.stderr,
+    )
+    result = train(
+        cfg, heads, target, train_examples, eval_examples, tokenizer=target.tokenizer,
+        provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
+    )  # fmt: skip
+    report_after_training(target, result, prompts, cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
