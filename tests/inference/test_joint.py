@@ -1,8 +1,10 @@
-"""EAGLE at temperature > 0 beyond one-token drafts: the first three emitted tokens follow the
-target's exact joint distribution while the head drafts 3-deep chains (plain, and stopping early
-with int8 weights) and multi-level dynamic trees, under temperature, top-p and top-k.
+"""Drafters fed by the target's hidden states at temperature > 0 beyond one-token drafts: the
+first three emitted tokens follow the target's exact joint distribution while an EAGLE head
+drafts 3-deep chains (plain, and stopping early with int8 weights) and multi-level dynamic trees,
+and Medusa heads draft chains sampled from their q and trees of point masses from their measured
+accuracy, under temperature, top-p and top-k.
 
-Why three tokens: an EAGLE session has no target features before the prompt's forward, so the
+Why three tokens: these sessions have no target features before the prompt's forward, so the
 first token always comes from the prefill, undrafted. The second and third then come from the
 first draft, whose first AND second positions are verified (accepted, or corrected from the
 residual) inside what is measured. Each case asserts that this happened often, both ways, so it
@@ -20,6 +22,7 @@ from spec_helpers import chi_square_p_value, make_target, tiny_llama
 
 from specdraft.core import SamplingSettings, process_logits
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, EagleSession
+from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaSession
 from specdraft.inference import generate
 from specdraft.inference.verify import verify_sampling
 
@@ -48,6 +51,30 @@ def eagle_head(target) -> EagleDrafter:
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.5)
     return head
+
+
+def medusa_heads(target) -> MedusaDrafter:
+    """Untrained Medusa heads with noisy blocks, their accuracies measured on random text (so
+    the tree is the one built from measurement)."""
+    torch.manual_seed(7)
+    heads = MedusaDrafter.build(MedusaConfig(num_heads=3), target).eval()
+    with torch.no_grad():
+        for name, p in heads.named_parameters():
+            if "blocks" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    ids = torch.randint(0, V, (4, 16), generator=torch.Generator().manual_seed(0))
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids),
+    }
+    heads.finish_evaluation(
+        heads.eval_statistics(batch, target.forward(ids, capture_layers=[target.num_layers]))
+    )
+    return heads
+
+
+DRAFTERS = {"eagle": (eagle_head, EagleSession), "medusa": (medusa_heads, MedusaSession)}
 
 
 def exact_joint(target, sampling: SamplingSettings, n: int = MEASURED) -> torch.Tensor:
@@ -82,19 +109,20 @@ def first_draft_path(tree, accepted: list[int]) -> tuple[list[int], bool]:
     return path, deeper
 
 
-def sample_joint(target, decoding: dict, sampling: SamplingSettings) -> tuple:
+def sample_joint(target, kind: str, decoding: dict, sampling: SamplingSettings) -> tuple:
     """Counts of the first MEASURED tokens over SAMPLES seeds, and what the first draft of each
     call did: {"deep": proposed 2+ deep, "shallow": 1 deep, "reached_2": verification got to the
     second position, "accepted_2": it accepted a second draft token}. `decoding` (DecodeConfig
     keys: gamma, tree shape, draft_weights, stop_below) goes to generate, the one place this file
     sets decoding settings."""
-    head = eagle_head(target)
+    build, session_class = DRAFTERS[kind]
+    head = build(target)
     counts = torch.zeros(V**MEASURED)
     seen = dict.fromkeys(("deep", "shallow", "reached_2", "accepted_2"), 0)
     trees = []
-    propose = EagleSession.propose
+    propose = session_class.propose
     with pytest.MonkeyPatch.context() as m:  # record every proposal
-        m.setattr(EagleSession, "propose", lambda s, ctx: trees.append(propose(s, ctx)) or trees[-1])  # fmt: skip
+        m.setattr(session_class, "propose", lambda s, ctx: trees.append(propose(s, ctx)) or trees[-1])  # fmt: skip
         for seed in range(SAMPLES):
             trees.clear()
             out = generate(
@@ -117,23 +145,35 @@ def sample_joint(target, decoding: dict, sampling: SamplingSettings) -> tuple:
 
 T = 1.3
 CASES = {
-    "chain": (dict(tree_top_k=1, gamma=3), SamplingSettings(temperature=T)),
+    "eagle-chain": ("eagle", dict(tree_top_k=1, gamma=3), SamplingSettings(temperature=T)),
     # stop_below=0.6 ends about half the chains after their first token
-    "stopping-int8-chain-top_p": (
+    "eagle-stopping-int8-chain-top_p": (
+        "eagle",
         dict(tree_top_k=1, gamma=3, stop_below=0.6, draft_weights="int8"),
         SamplingSettings(temperature=T, top_p=0.8),
     ),
-    "tree-top_k": (
+    "eagle-tree-top_k": (
+        "eagle",
         dict(tree_top_k=2, gamma=3, tree_budget=6),
         SamplingSettings(temperature=T, top_k=3),
+    ),
+    "medusa-chain-top_p": (
+        "medusa",
+        dict(tree_top_k=1, gamma=3),
+        SamplingSettings(temperature=T, top_p=0.9),
+    ),
+    "medusa-tree": (
+        "medusa",
+        dict(tree_top_k=2, gamma=3, tree_budget=6),
+        SamplingSettings(temperature=T),
     ),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_first_three_tokens_follow_the_target(target, case):
-    decoding, sampling = CASES[case]
-    counts, seen = sample_joint(target, decoding, sampling)
+    kind, decoding, sampling = CASES[case]
+    counts, seen = sample_joint(target, kind, decoding, sampling)
     # Not vacuous: multi-token drafts were proposed, and their second position was verified in
     # the measured tokens often, both accepted and corrected from the residual.
     assert seen["deep"] >= SAMPLES // 4
@@ -164,14 +204,18 @@ def below_the_first_position_corrects_from_p(tree, p, generator):
 
 @pytest.mark.parametrize(
     ("lossy", "case"),
-    [(accept_every_draft, "chain"), (below_the_first_position_corrects_from_p, "tree-top_k")],
-    ids=["accept-every-draft", "below-the-first-position-corrects-from-p"],
+    [
+        (accept_every_draft, "eagle-chain"),
+        (below_the_first_position_corrects_from_p, "eagle-tree-top_k"),
+        (below_the_first_position_corrects_from_p, "medusa-tree"),
+    ],
+    ids=["accept-every-draft", "below-the-first-position-corrects-from-p", "medusa-tree"],
 )
 def test_the_check_catches_a_lossy_verifier(target, lossy, case, monkeypatch):
     """The same check, SAMPLES seeds, fails a lossy verifier; the second is wrong only where a
     draft's second position is verified, which checks of one-token drafts cannot see."""
-    decoding, sampling = CASES[case]
+    kind, decoding, sampling = CASES[case]
     loop = importlib.import_module("specdraft.inference.generate")  # the module, not the function
     monkeypatch.setattr(loop, "verify_sampling", lossy)
-    counts, _ = sample_joint(target, decoding, sampling)
+    counts, _ = sample_joint(target, kind, decoding, sampling)
     assert chi_square_p_value(counts, exact_joint(target, sampling)) < FALSE_ALARM

@@ -1,0 +1,270 @@
+"""Medusa heads: the module (own weights per block, identity at the start), the Medusa-1 loss
+against a naive per-head loop, the tree from measured accuracy, the checkpoint round trip, and
+greedy output through the loop equal to plain greedy decoding for chains and trees of every
+layout."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, TargetOutput
+from specdraft.drafters.checkpoint import load_drafter, save_drafter
+from specdraft.drafters.medusa import (
+    MedusaConfig,
+    MedusaDrafter,
+    MedusaSession,
+    expected_length,
+    tree_paths,
+)
+from specdraft.inference import generate
+
+
+def noisy_heads(target, seed: int = 0, scale: float = 0.3, **config) -> MedusaDrafter:
+    """Heads with random block weights: they draft varied tokens, sometimes accepted."""
+    torch.manual_seed(seed)
+    heads = MedusaDrafter.build(MedusaConfig(**config), target).eval()
+    with torch.no_grad():
+        for name, p in heads.named_parameters():
+            if "blocks" in name:
+                p.add_(torch.randn_like(p) * scale)
+    return heads
+
+
+def batch_and_target_out(target, B: int = 2, T: int = 12, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, target.vocab_size, (B, T), generator=gen)
+    loss_mask = (torch.rand(B, T, generator=gen) > 0.2).long()
+    loss_mask[:, 0] = 0
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+    out = target.forward(ids, capture_layers=[target.num_layers])
+    return batch, out
+
+
+def test_every_block_of_every_head_has_its_own_weights(random_target):
+    heads = MedusaDrafter.build(MedusaConfig(num_heads=3, num_layers=2), random_target)
+    before = {k: v.clone() for k, v in heads.state_dict().items()}
+    with torch.no_grad():
+        heads.heads[1].blocks[0].linear.weight.add_(1.0)
+    changed = [
+        k
+        for k, v in heads.state_dict().items()
+        if not torch.allclose(v, before[k], rtol=0, atol=0, equal_nan=True)
+    ]
+    assert changed == ["heads.1.blocks.0.linear.weight"]
+    ptrs = [p.data_ptr() for p in heads.parameters()]
+    assert len(ptrs) == len(set(ptrs))  # no parameter is stored twice
+
+
+@pytest.mark.parametrize("output", ["own", "shared"])
+def test_fresh_heads_are_the_target_lm_head(random_target, output):
+    """Zero-initialised blocks are the identity and the output layers start as the LM head, so
+    every fresh head predicts what the target's next-token head does."""
+    heads = MedusaDrafter.build(MedusaConfig(num_heads=2, output=output), random_target)
+    h = torch.randn(3, random_target.hidden_size)
+    expected = random_target.lm_head(h)
+    for logits in heads.logits(h):
+        torch.testing.assert_close(logits, expected)
+
+
+def naive_loss(heads: MedusaDrafter, batch, out) -> torch.Tensor:
+    """Medusa-1 written out position by position, head by head."""
+    cfg = heads.config
+    ids, mask = batch["input_ids"], batch["loss_mask"]
+    B, T = ids.shape
+    h = out.hidden_states[heads.capture_layers[0]]
+    total = torch.zeros(())
+    for k in range(cfg.num_heads):
+        terms = []
+        for b, t in itertools.product(range(B), range(T - 2 - k)):
+            if not mask[b, t + 2 + k]:
+                continue
+            x = h[b, t]
+            for block in heads.heads[k].blocks:
+                x = x + F.silu(block.linear.weight @ x + block.linear.bias)
+            log_q = F.log_softmax(heads.heads[k].out.weight @ x, -1)  # over the draft vocab
+            if cfg.loss == "ce":
+                label = int(heads.t2d[ids[b, t + 2 + k]])
+                if label < 0:
+                    continue
+                terms.append(-log_q[label])
+            else:
+                p_full = out.logits[b, t + 1 + k]
+                if int(heads.t2d[p_full.argmax()]) < 0:
+                    continue
+                log_p = F.log_softmax(p_full[heads.d2t], -1)
+                terms.append((log_p.exp() * (log_p - log_q)).sum())
+        if terms:
+            total = total + cfg.loss_decay**k * torch.stack(terms).mean()
+    return total
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(num_heads=3, num_layers=2, loss="ce"),
+        dict(num_heads=2, loss="kl", loss_decay=1.0),
+        dict(num_heads=3, loss="ce", draft_vocab_size=200),
+        dict(num_heads=2, loss="kl", draft_vocab_size=100),
+    ],
+    ids=["ce", "kl-plain-sum", "ce-draft-vocab", "kl-draft-vocab"],
+)
+def test_the_loss_equals_a_naive_per_head_loop(random_target, config):
+    d2t = None
+    if config.get("draft_vocab_size"):
+        d2t = torch.randperm(random_target.vocab_size)[: config["draft_vocab_size"]].sort().values
+    heads = MedusaDrafter.build(MedusaConfig(**config), random_target, d2t)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    batch, out = batch_and_target_out(random_target)
+    loss, metrics = heads(batch, out)
+    torch.testing.assert_close(loss, naive_loss(heads, batch, out), rtol=1e-4, atol=1e-5)
+    assert set(metrics) == {
+        f"{m}_{k}" for m in ("loss", "top1", "top5") for k in range(config["num_heads"])
+    }
+    assert all(
+        0 <= float(metrics[f"top1_{k}"]) <= float(metrics[f"top5_{k}"]) <= 1
+        for k in range(config["num_heads"])
+    )
+    loss.backward()  # every head's blocks are trained
+    assert all(b.linear.weight.grad is not None for head in heads.heads for b in head.blocks)
+
+
+def test_acceptance_and_accuracy_statistics_agree(random_target):
+    """Depth d of the simulated chain is head d - 1's top-1 agreement with the target's argmax,
+    which is also rank 0 of the accuracy the tree is built from."""
+    heads = noisy_heads(random_target, num_heads=3)
+    heads.decode = DecodeConfig(gamma=5)  # deeper than the heads: 3 depths
+    batch, out = batch_and_target_out(random_target)
+    alpha, greedy, count = heads.acceptance(batch, out)
+    assert alpha.shape == greedy.shape == count.shape == (3,)
+    sums = heads.eval_statistics(batch, out)
+    torch.testing.assert_close(sums["greedy"][:, 0], greedy)
+    torch.testing.assert_close(sums["count"][:, 0], count)
+    assert torch.all(sums["greedy"].sum(1) <= count) and torch.all(alpha <= count)
+    heads.finish_evaluation(sums)
+    assert not torch.isnan(heads.accuracy_greedy).any()
+
+
+def test_the_tree_is_the_best_under_the_budget():
+    """The chosen nodes are the `budget` most probable rank paths of all (a child never beats its
+    parent, so they form a tree), and no other tree of that size expects more accepted tokens."""
+    acc = torch.tensor([[0.5, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1, 0.02]])
+    every = [p for d in (1, 2, 3) for p in itertools.product(range(2), repeat=d)]  # top_k 2
+    for budget in (1, 4, 9, len(every)):
+        paths = tree_paths(acc, budget=budget, depth=3, top_k=2)
+        assert len(paths) == min(budget, len(every)) and len(set(paths)) == len(paths)
+        assert all(p[:-1] in paths for p in paths if len(p) > 1)  # closed under parents
+        assert all(r < 2 for p in paths for r in p)
+        prob = {p: math.prod(acc[i, r].item() for i, r in enumerate(p)) for p in every}
+        best = sorted(prob.values(), reverse=True)[: len(paths)]
+        assert expected_length(acc, paths) == pytest.approx(sum(best))
+    assert tree_paths(acc, budget=4, depth=1, top_k=3) == [(0,), (1,), (2,)]
+
+
+def test_checkpoint_round_trip_keeps_weights_accuracy_and_decoding(random_target, tmp_path):
+    heads = noisy_heads(random_target, num_heads=3, num_layers=2)
+    batch, out = batch_and_target_out(random_target)
+    heads.finish_evaluation(heads.eval_statistics(batch, out))
+    heads.decode = DecodeConfig(gamma=3, tree_top_k=3, tree_budget=7)
+    save_drafter(heads, tmp_path / "heads", target_fingerprint=random_target.fingerprint)
+    loaded = load_drafter(tmp_path / "heads", random_target)
+    assert isinstance(loaded, MedusaDrafter) and loaded.decode == heads.decode
+    for (k, a), (k2, b) in zip(
+        heads.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
+        assert k == k2 and torch.equal(a, b)
+
+
+GREEDY_CASES = {
+    "chain": (dict(num_heads=4), dict(gamma=4, tree_top_k=1)),
+    "chain-stop-below": (dict(num_heads=3), dict(gamma=3, tree_top_k=1, stop_below=0.3)),
+    "tree": (dict(num_heads=4), dict(gamma=4, tree_top_k=3, tree_budget=10)),
+    "tree-two-blocks": (dict(num_heads=3, num_layers=2), dict(gamma=3, tree_top_k=4, tree_budget=16)),
+    "tree-shared-output": (dict(num_heads=3, output="shared"), dict(gamma=3, tree_top_k=3, tree_budget=8)),
+    "tree-draft-vocab": (dict(num_heads=3, draft_vocab_size=150), dict(gamma=3, tree_top_k=3, tree_budget=8)),
+    "tree-int8": (dict(num_heads=3), dict(gamma=3, tree_top_k=3, tree_budget=8, draft_weights="int8")),
+    "copying-tree": (dict(num_heads=3), dict(gamma=3, tree_top_k=2, tree_budget=6, lookup_ngram=2)),
+}  # fmt: skip
+
+
+PROMPTS = [[5, 17, 42, 17, 5, 9], [100, 3, 250, 7], [33, 33, 8, 301, 12, 6, 90]]
+
+
+def fitted_heads(target, config: dict, d2t=None, steps: int = 60) -> MedusaDrafter:
+    """Heads fitted for a few Adam steps to the target's own greedy text after PROMPTS: they
+    predict it often but not always, so drafts are both accepted and rejected."""
+    torch.manual_seed(0)
+    heads = MedusaDrafter.build(MedusaConfig(loss="kl", **config), target, d2t)
+    ids = [p + generate(target, p, max_new_tokens=40).tokens[0].tolist() for p in PROMPTS]
+    length = min(map(len, ids))
+    ids = torch.tensor([row[:length] for row in ids])
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids),
+    }
+    out = target.forward(ids, capture_layers=[target.num_layers])
+    optimizer = torch.optim.Adam(heads.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss, _ = heads(batch, out)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    heads.eval()
+    heads.finish_evaluation(heads.eval_statistics(batch, out))
+    return heads
+
+
+@pytest.mark.parametrize("case", GREEDY_CASES)
+def test_greedy_output_equals_plain_greedy_decoding(random_target, case, monkeypatch):
+    config, decoding = GREEDY_CASES[case]
+    d2t = None
+    if config.get("draft_vocab_size"):  # every other token: some of the target's are missing
+        d2t = torch.arange(0, random_target.vocab_size, 2)[: config["draft_vocab_size"]]
+    heads = fitted_heads(random_target, config, d2t)
+    sizes = []
+    propose = MedusaSession.propose
+    monkeypatch.setattr(
+        MedusaSession, "propose", lambda s, ctx: sizes.append(len(t := propose(s, ctx))) or t
+    )
+    accepted = drafted = 0
+    for prompt in PROMPTS:
+        plain = generate(random_target, prompt, max_new_tokens=48)
+        spec = generate(random_target, prompt, heads, max_new_tokens=48, **decoding)
+        assert spec.tokens.tolist() == plain.tokens.tolist()
+        accepted, drafted = accepted + spec.stats.accepted, drafted + spec.stats.drafted
+    # not vacuous: drafts were accepted, and rejected
+    assert 0 < accepted < drafted
+    if decoding["tree_top_k"] > 1 and not decoding.get("lookup_ngram"):
+        assert max(sizes) > decoding["gamma"]  # trees, not chains
+
+
+def test_bad_settings_are_clear_errors(random_target):
+    for bad, message in [
+        (dict(num_heads=0), "num_heads must be an integer >= 1"),
+        (dict(num_layers=0), "num_layers must be an integer >= 1"),
+        (dict(loss_decay=0.0), "loss_decay must be in"),
+        (dict(output="shared", draft_vocab_size=10), "needs output=own"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            MedusaConfig(**bad)
+    with pytest.raises(ValueError, match="larger than the target"):
+        MedusaDrafter.build(MedusaConfig(draft_vocab_size=10_000), random_target)
+    with pytest.raises(ValueError, match="tree_budget must be an integer >= 1"):
+        DecodeConfig(tree_budget=0)
+    heads = noisy_heads(random_target, num_heads=2)
+    session = heads.new_session(random_target, sampling=SamplingSettings(), decode=DecodeConfig())
+    with pytest.raises(ValueError, match="needs hidden_states"):
+        session.accept(DraftTree.empty(), [], None)
+    short = {"input_ids": torch.zeros(1, 2, dtype=torch.long)}
+    short |= {"attention_mask": torch.ones(1, 2), "loss_mask": torch.ones(1, 2)}
+    out = TargetOutput(torch.zeros(1, 2, random_target.vocab_size),
+                       {random_target.num_layers: torch.zeros(1, 2, random_target.hidden_size)})  # fmt: skip
+    with pytest.raises(ValueError, match="too short for any Medusa head"):
+        heads(short, out)
