@@ -13,8 +13,10 @@ DraftContext, DecodeConfig, SamplingSettings) and drafting pieces live in specdr
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -61,6 +63,8 @@ class Drafter(nn.Module):
     # The decoding settings the drafter is served with unless a caller overrides them: saved in
     # its checkpoint (`decode` section of its training config) and read back by load_drafter.
     decode: DecodeConfig = DecodeConfig()
+    # Prefixes of saved weight names that only training uses (none by default; see Medusa).
+    training_only_prefixes: tuple[str, ...] = ()
 
     def new_session(
         self,
@@ -81,6 +85,63 @@ class Drafter(nn.Module):
         """Parameters this drafter adds on top of the target (shared tensors not counted)."""
         target_params = {p.data_ptr() for p in target.model.parameters()}
         return sum(p.numel() for p in self.parameters() if p.data_ptr() not in target_params)
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (peft) on the target, for the kinds that fine-tune it (Medusa-2, LayerSkip).
+    The target's own weights stay frozen; only the adapters train."""
+
+    # Rank r of every adapter; 0: no adapters, the target stays frozen.
+    rank: int = 0
+    # Scale alpha: an adapter adds (alpha / r) * B A x.
+    alpha: float = 16.0
+    # Dropout on an adapter's input while training.
+    dropout: float = 0.05
+    # The target's linear layers that get an adapter (module names, as peft matches them).
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"lora.rank must be an integer >= 0 (0: off); got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha must be > 0; got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout must be in [0, 1); got {self.dropout}")
+        if self.rank and not self.target_modules:
+            raise ValueError("lora.target_modules is empty: name the layers that get adapters")
+
+
+def attach_lora(target, config: LoraConfig):
+    """Put trainable LoRA adapters into `target`'s model in place and return the peft model;
+    the base weights stay frozen. A module name that matches nothing is a clear error."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    present = {name.rsplit(".", 1)[-1] for name, _ in target.model.named_modules()}
+    missing = sorted(set(config.target_modules) - present)
+    if missing:
+        raise ValueError(
+            f"lora.target_modules {missing} match no layer of the target {target.name!r}; its "
+            f"linear layers include {sorted(n for n in present if n.endswith('proj'))[:8]}"
+        )
+    peft_config = PeftLoraConfig(
+        r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
+        target_modules=list(config.target_modules), bias="none", task_type="CAUSAL_LM",
+    )  # fmt: skip
+    return get_peft_model(target.model, peft_config)
+
+
+def adapter_hash(state: Mapping[str, torch.Tensor]) -> str:
+    """A short hash of an adapter's weights (peft's saved names, fp32 values): what a target
+    fine-tuned through it is told apart from its base by (the target fingerprint's `adapter`)."""
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        digest.update(key.encode())
+        digest.update(state[key].detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def warn_once(message: str) -> None:

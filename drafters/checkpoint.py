@@ -120,12 +120,32 @@ def save_drafter(
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         if train_config_yaml is not None:
             (tmp / "train_config.yaml").write_text(train_config_yaml)
+        if hasattr(drafter, "write_extra"):  # a kind's own files (Medusa-2's peft adapter)
+            drafter.write_extra(tmp)
         for name, data in (extra_files or {}).items():
             if isinstance(data, Path):
                 os.replace(data, tmp / name)  # written by another process: never held here
             else:
                 (tmp / name).write_bytes(data)
         (tmp / COMPLETE_MARKER).write_text("complete\n")
+        _replace_dir(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def save_target_folder(model, tokenizer, folder: str | Path) -> Path:
+    """Write a (fine-tuned, merged) target as a plain Hugging Face model folder at `folder`,
+    atomically as drafter folders are: `load_target(folder)` reads it, its fingerprint naming
+    the adapter merged into it."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _clear_leftovers(folder)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
         _replace_dir(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -223,12 +243,20 @@ def load_drafter(
     device = device if device is not None else target.device
     dtype = dtype if dtype is not None else target.dtype
     if meta is not None:
+        expected = meta.get("target_fingerprint") or {}
+        fix = "load the target it was made for, or train one for this target"
+        if expected.get("adapter"):  # trained with the target fine-tuned (Medusa-2)
+            fix = (
+                f"it decodes with the target fine-tuned beside it: load_target(BASE, "
+                f"adapter='{folder / 'adapter'}'), or the merged target its run saved"
+            )
         check_fingerprint(
-            meta.get("target_fingerprint") or {},
+            expected,
             target.fingerprint,
             f"the {meta.get('kind')} drafter in {folder}",
             keys=None if strict else ("vocab_size",),
             error=CheckpointError,
+            fix=fix,
         )
     kind = meta["kind"] if meta is not None else "distill"
     cls = drafter_class(kind)
@@ -249,6 +277,8 @@ def load_drafter(
             load_file(folder / WEIGHTS_NAME), strict=False
         )
         missing = [k for k in missing if k not in set(meta.get("shared_with_target", ()))]
+        # weights only training uses (Medusa-2's adapters, which decoding has merged in)
+        unexpected = [k for k in unexpected if not k.startswith(cls.training_only_prefixes)]
         if missing or unexpected:
             raise CheckpointError(
                 f"{folder / WEIGHTS_NAME} does not fit the {kind} drafter its config describes: "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,7 @@ from specdraft.core import (
     SamplingSettings,
     draft_chain,
 )
-from specdraft.drafters.base import Drafter, warn_once
+from specdraft.drafters.base import Drafter, LoraConfig, adapter_hash, attach_lora, warn_once
 from specdraft.drafters.lean import DraftLinear, SharedWeights, use_int8
 
 # --- config ------------------------------------------------------------------------------------
@@ -63,6 +63,22 @@ class MedusaConfig:
     # Ranks per head whose accuracy evaluation measures (the tree is built from them): the tree
     # never uses a head's candidate below this rank.
     accuracy_ranks: int = 10
+    # The heads' learning rate as a multiple of lr (with lora.rank > 0 the adapters train at lr;
+    # the Medusa-2 recipes train the heads several times faster).
+    heads_lr_multiplier: float = 1.0
+    # Medusa-2: LoRA adapters (peft) co-trained on the target with the heads; rank 0 is
+    # Medusa-1, the target frozen. The heads then belong to the fine-tuned target.
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    # Medusa-2: the loss is target_loss + heads_weight * (the heads' loss above), the paper's
+    # lambda.
+    heads_weight: float = 0.2
+    # Medusa-2: the target's own term. lm: next-token cross-entropy on the data | kl: KL from the
+    # frozen base's distribution (the adapters switched off for that pass, no second copy of the
+    # weights), which keeps the fine-tuned target close to what it was.
+    target_loss: str = choice("lm", "kl")
+    # Medusa-2: optimizer steps that train the heads alone before the adapters join (the
+    # paper's warm-up: untrained heads would otherwise pull the target towards their noise).
+    heads_warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         for key, low in (
@@ -71,6 +87,15 @@ class MedusaConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"drafter.{key} must be an integer >= {low}; got {value!r}")
+        if not self.heads_lr_multiplier > 0 or not self.heads_weight > 0:
+            raise ValueError(
+                "drafter.heads_lr_multiplier and drafter.heads_weight must be > 0; got "
+                f"{self.heads_lr_multiplier} and {self.heads_weight}"
+            )
+        if self.heads_warmup_steps < 0:
+            raise ValueError(
+                f"drafter.heads_warmup_steps must be >= 0; got {self.heads_warmup_steps}"
+            )
         if not 0 < self.loss_decay <= 1:
             raise ValueError(f"drafter.loss_decay must be in (0, 1]; got {self.loss_decay}")
         if self.output == "shared" and self.draft_vocab_size:
@@ -118,6 +143,9 @@ class MedusaDrafter(Drafter):
     kind = "medusa"
     config_class = MedusaConfig
     shared_with_target: tuple[str, ...] = ()
+    # Keys of model.safetensors a drafter loaded for decoding ignores: Medusa-2's adapter
+    # weights, which decoding gets merged into the target (load_target(..., adapter=...)).
+    training_only_prefixes: tuple[str, ...] = ("lora.",)
 
     def __init__(self, config: MedusaConfig, target, d2t: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -158,10 +186,59 @@ class MedusaDrafter(Drafter):
             with torch.no_grad():  # training starts from the target's next-token predictor
                 for head in self.heads:
                     head.out.weight.copy_(lm[d2t].float())
+        self.peft = None  # Medusa-2 while training: the target with its adapters (peft)
 
     @classmethod
     def build(cls, config: MedusaConfig, target, d2t: torch.Tensor | None = None) -> MedusaDrafter:
-        return cls(config, target, d2t)
+        """Heads for training. Medusa-2 (lora.rank > 0) puts LoRA adapters into `target` in place
+        and registers them here, so the trainer, DDP and the checkpoint see them as the
+        drafter's own parameters."""
+        drafter = cls(config, target, d2t)
+        if config.lora.rank > 0:
+            # a plain attribute, not a submodule: the target's weights are not the drafter's
+            object.__setattr__(drafter, "peft", attach_lora(target, config.lora))
+            adapters = {}
+            for name, module in drafter.peft.named_modules():
+                if hasattr(module, "lora_A") and "default" in module.lora_A:
+                    adapters[name.replace(".", "__")] = nn.ModuleDict({
+                        "A": module.lora_A["default"], "B": module.lora_B["default"],
+                        "dropout": module.lora_dropout["default"],
+                    })  # fmt: skip
+            drafter.lora = nn.ModuleDict(adapters)
+        return drafter
+
+    @property
+    def runs_target(self) -> bool:
+        """True for Medusa-2: the target's forward is part of the loss (gradients reach the
+        adapters), so the trainer hands the drafter no target output and it runs its own."""
+        return self.peft is not None
+
+    def param_groups(self) -> list[dict]:
+        """The optimizer's groups: the heads at lr x heads_lr_multiplier, and Medusa-2's adapters
+        at lr once heads_warmup_steps have passed."""
+        heads = [p for n, p in self.named_parameters() if not n.startswith("lora.")]
+        groups = [{"params": heads, "lr_scale": self.config.heads_lr_multiplier, "start_step": 0}]
+        if self.peft is not None:
+            lora = [p for n, p in self.named_parameters() if n.startswith("lora.")]
+            groups.append(
+                {"params": lora, "lr_scale": 1.0, "start_step": self.config.heads_warmup_steps}
+            )
+        return groups
+
+    def trained_fingerprint(self, target) -> dict:
+        """The fingerprint of the target these heads decode with: Medusa-2's is the fine-tuned
+        one, its adapter's hash added to the base's."""
+        if self.peft is None:
+            return target.fingerprint
+        from peft.utils import get_peft_model_state_dict
+
+        return {**target.fingerprint, "adapter": adapter_hash(get_peft_model_state_dict(self.peft))}
+
+    def write_extra(self, folder) -> None:
+        """Checkpoint files beside the weights: Medusa-2's adapter in peft's format (adapter/),
+        for load_target(base, adapter=...) and any peft user."""
+        if self.peft is not None:
+            self.peft.save_pretrained(str(folder / "adapter"))
 
     @classmethod
     def from_checkpoint(cls, config: MedusaConfig, target, hf_model) -> MedusaDrafter:
@@ -211,9 +288,50 @@ class MedusaDrafter(Drafter):
             return self.target.lm_head(x.to(self.target.dtype)).to(x.dtype)
         return torch.stack([head.out(x[k]) for k, head in enumerate(self.heads)])
 
-    def forward(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, dict]:
-        """The training loss (the trainer calls the module, so DDP sees the forward)."""
-        return self.loss(batch, target_out)
+    def forward(
+        self, batch: Mapping[str, torch.Tensor], target_out=None
+    ) -> tuple[torch.Tensor, dict]:
+        """The training loss (the trainer calls the module, so DDP sees the forward). Medusa-1:
+        the heads' loss on the frozen target's output. Medusa-2 (target_out None: it runs the
+        target itself, with gradients into the adapters): target_loss + heads_weight * the
+        heads' loss."""
+        if self.peft is None:
+            return self.loss(batch, target_out)
+        out = self.target.forward_with_grad(
+            batch["input_ids"], attention_mask=batch["attention_mask"],
+            capture_layers=self.capture_layers,
+        )  # fmt: skip
+        heads_loss, metrics = self.loss(batch, out)
+        target_term = self._target_term(batch, out.logits)
+        metrics["loss_heads"] = heads_loss.detach()
+        metrics["loss_target"] = target_term.detach()
+        return target_term + self.config.heads_weight * heads_loss, metrics
+
+    def _target_term(self, batch: Mapping[str, torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+        """Medusa-2's term for the fine-tuned target's own next-token predictions, mean over the
+        loss tokens: cross-entropy on the data (lm) or KL from the frozen base (kl)."""
+        log_q = F.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T - 1, V)
+        w = batch["loss_mask"][:, 1:].float()
+        if self.config.target_loss == "lm":
+            per_token = -log_q.gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+        else:
+            with torch.no_grad(), self.peft.disable_adapter():
+                base = self.target.forward(
+                    batch["input_ids"], attention_mask=batch["attention_mask"]
+                )
+            log_p = F.log_softmax(base.logits[:, :-1].float(), dim=-1)
+            per_token = (log_p.exp() * (log_p - log_q)).sum(-1)
+        return (per_token * w).sum() / w.sum().clamp(min=1)
+
+    def _target_out(self, batch: Mapping[str, torch.Tensor], target_out):
+        """The target's output for measuring: the one given, or (Medusa-2) the fine-tuned
+        target's own, without gradients."""
+        if target_out is not None:
+            return target_out
+        return self.target.forward(
+            batch["input_ids"], attention_mask=batch["attention_mask"],
+            capture_layers=self.capture_layers,
+        )  # fmt: skip
 
     # --- loss -----------------------------------------------------------------------------------
 
@@ -224,9 +342,11 @@ class MedusaDrafter(Drafter):
         logits (batch, S_k, draft vocab) from h_t; labels (batch, S_k) the data's x_{t+2+k};
         p_logits (batch, S_k, vocab) the target's logits at t + 1 + k, which predict the same
         token; valid (batch, S_k) bool where x_{t+2+k} is a loss token."""
+        target_out = self._target_out(batch, target_out)
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
         T = input_ids.shape[1]
         h = target_out.hidden_states[self.capture_layers[0]]  # (batch, T, hidden)
+        p_logits = target_out.logits.detach()  # a teacher, also when the target trains
         out = []
         K = self.config.num_heads
         logits = self.logits(h[:, : max(T - 2, 0)])  # (K, batch, T - 2, draft vocab)
@@ -237,7 +357,7 @@ class MedusaDrafter(Drafter):
             out.append({
                 "logits": logits[k, :, :S],
                 "labels": input_ids[:, 2 + k : 2 + k + S],
-                "p_logits": target_out.logits[:, 1 + k : 1 + k + S],
+                "p_logits": p_logits[:, 1 + k : 1 + k + S],
                 "valid": loss_mask[:, 2 + k : 2 + k + S],
             })  # fmt: skip
         return out

@@ -111,7 +111,14 @@ class Target:
     # -- forward --------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(
+    def forward(self, input_ids: torch.Tensor, **kwargs) -> TargetOutput:
+        """Run the target (no grad) and return logits plus the hidden states at `capture_layers`
+        (the keyword arguments of `forward_with_grad`)."""
+        return self.forward_with_grad(input_ids, **kwargs)
+
+    __call__ = forward
+
+    def forward_with_grad(
         self,
         input_ids: torch.Tensor,
         *,
@@ -122,7 +129,8 @@ class Target:
         capture_layers: Sequence[int] = (),
         logits_to_keep: int = 0,
     ) -> TargetOutput:
-        """Run the target (no grad) and return logits plus the hidden states at `capture_layers`.
+        """Run the target and return logits plus the hidden states at `capture_layers`, with
+        gradients where its parameters want them (LoRA adapters that a drafter kind trains).
 
         `attention_mask` may be the usual (batch, seq) padding mask or a float 4D mask
         (batch, 1, seq, past + seq) with 0 where attention is allowed, as tree verification uses.
@@ -151,8 +159,6 @@ class Target:
             cache=getattr(out, "cache", None),
         )
 
-    __call__ = forward
-
     def _capture_hooks(self, layer_ids: list[int], captured: dict[int, torch.Tensor]):
         """Forward hooks that keep only the requested layers' outputs (not all L of them, as
         output_hidden_states would). None where the model lacks the Llama-style layout."""
@@ -178,13 +184,23 @@ def make_fingerprint(model: PreTrainedModel, tokenizer) -> dict:
     """What identifies a target for a drafter: architecture, sizes and the exact tokenizer."""
     config = model.config
     architectures = getattr(config, "architectures", None) or [type(model).__name__]
-    return {
+    fingerprint = {
         "architecture": architectures[0],
         "hidden_size": int(config.hidden_size),
         "num_layers": int(config.num_hidden_layers),
         "vocab_size": int(model.get_output_embeddings().weight.shape[0]),
         "tokenizer_hash": tokenizer_hash(tokenizer),
     }
+    # A target fine-tuned through a LoRA adapter (Medusa-2, LayerSkip) has its base's shape and
+    # tokenizer: the adapter's hash, recorded when it was loaded or merged, tells them apart.
+    adapter = getattr(config, ADAPTER_ATTRIBUTE, None)
+    if adapter:
+        fingerprint["adapter"] = adapter
+    return fingerprint
+
+
+# The model config attribute (saved in a merged model's config.json) naming the adapter hash.
+ADAPTER_ATTRIBUTE = "specdraft_adapter"
 
 
 def tokenizer_hash(tokenizer) -> str:
@@ -204,9 +220,13 @@ def load_target(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
     trust_remote_code: bool = False,
+    adapter: str | Path | None = None,
 ) -> Target:
     """Load a target: "demo" / "demo-tiny" (built and cached on first use), a local folder, or a
-    hub id. dtype defaults to the checkpoint's own; `trust_remote_code` stays off unless asked."""
+    hub id. dtype defaults to the checkpoint's own; `trust_remote_code` stays off unless asked.
+    `adapter`: a peft LoRA adapter folder (a Medusa-2 or LayerSkip checkpoint's `adapter/`),
+    merged into the weights; the target's fingerprint then names the adapter, so drafters
+    trained with it load and drafters of the plain base do not."""
     if name in DEMO_TARGETS:
         path: str = str(ensure_demo_target(variant="tiny" if name == "demo-tiny" else "default"))
     else:
@@ -229,6 +249,36 @@ def load_target(
             f"could not load target {name!r}: {err}. Pass 'demo', a local model folder, or a hub "
             "id that is reachable (or already in the HF cache when HF_HUB_OFFLINE=1)."
         ) from err
+    if adapter is not None:
+        model = merge_adapter(model, adapter)
     if device is not None:
         model.to(device)
     return Target(model, tokenizer, name=name)
+
+
+def merge_adapter(model: PreTrainedModel, adapter: str | Path) -> PreTrainedModel:
+    """`model` with the peft LoRA adapter in folder `adapter` merged into its weights, its config
+    naming the adapter's hash (the fingerprint's `adapter`); a clear error for a folder that is
+    not an adapter or does not fit the model."""
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+
+    from specdraft.drafters.base import adapter_hash
+
+    folder = Path(adapter).expanduser()
+    if not (folder / "adapter_config.json").is_file():
+        raise TargetError(
+            f"{folder} is not a LoRA adapter folder (no adapter_config.json): pass the adapter/ "
+            "folder of a checkpoint trained with lora.rank > 0"
+        )
+    try:
+        peft_model = PeftModel.from_pretrained(model, str(folder))
+    except (ValueError, RuntimeError, KeyError) as err:  # names or shapes that do not fit
+        raise TargetError(
+            f"the adapter in {folder} does not fit this target ({err}); load the base model it "
+            "was trained on"
+        ) from err
+    digest = adapter_hash(get_peft_model_state_dict(peft_model))
+    merged = peft_model.merge_and_unload()
+    setattr(merged.config, ADAPTER_ATTRIBUTE, digest)
+    return merged

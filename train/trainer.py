@@ -52,9 +52,11 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
     ProjectConfiguration,
 )
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 
 from specdraft.config import config_to_dict, save_config
+from specdraft.core import check_fingerprint
 from specdraft.drafters import checkpoint
 from specdraft.inference.measure import usable_cores
 from specdraft.train.config import CONFIG_FILENAME, TrainConfig
@@ -277,15 +279,8 @@ class _Run:
         drafter.to(self.acc.device)
         if resume is not None:
             self._load_weights(drafter, resume)
-        decay = [p for p in drafter.parameters() if p.requires_grad and p.ndim >= 2]
-        no_decay = [p for p in drafter.parameters() if p.requires_grad and p.ndim < 2]
         optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": cfg.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=lr_at(0, cfg),
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            _param_groups(drafter, cfg), lr=lr_at(0, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2)
         )
         self.start_step = 0
         self.model, self.optimizer = self.acc.prepare(drafter, optimizer)
@@ -406,8 +401,9 @@ class _Run:
         # the same on every process: for decisions that change which forwards run
         shared = torch.Generator(acc.device).manual_seed(step_seed(cfg.seed, step, -1))
         lr = lr_at(step, cfg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group in self.optimizer.param_groups:  # a group waiting for its start trains nothing
+            started = step >= group.get("start_step", 0)
+            group["lr"] = lr * group.get("lr_scale", 1.0) if started else 0.0
 
         unwrapped = acc.unwrap_model(self.model)
         batches = []
@@ -428,11 +424,7 @@ class _Run:
         target_time = 0.0
         for batch, count in zip(batches, counts, strict=True):
             t0 = time.perf_counter()
-            with acc.autocast():
-                target_out = self.target.forward(
-                    batch["input_ids"], attention_mask=batch["attention_mask"],
-                    capture_layers=unwrapped.capture_layers,
-                )  # fmt: skip
+            target_out = self._target_out(unwrapped, batch)
             _sync(acc.device)
             target_time += time.perf_counter() - t0
             # accumulate() syncs gradients (DDP all-reduce, DeepSpeed step) on the last
@@ -454,6 +446,14 @@ class _Run:
                 "warmup_steps), check the data for empty or extreme rows, or use "
                 "mixed_precision=no, then resume with resume_from=latest."
             )
+        if self.acc.distributed_type != DistributedType.DEEPSPEED:
+            # a group before its start_step (Medusa-2's adapters in the heads' warm-up): no
+            # gradient, so AdamW leaves its weights and moments alone (ZeRO keeps its own
+            # gradient buffers; there the group's zero lr holds its weights)
+            for group in self.optimizer.param_groups:
+                if step < group.get("start_step", 0):
+                    for p in group["params"]:
+                        p.grad = None
         # (DeepSpeed clips inside its own step and reports the norm it saw.)
         grad_norm = acc.clip_grad_norm_(self.params, cfg.max_grad_norm or float("inf"))
         grad_norm = float(grad_norm) if grad_norm is not None else 0.0
@@ -491,6 +491,17 @@ class _Run:
             logs[k] = float(acc.reduce(v, reduction="sum") / global_tokens)
         return logs
 
+    def _target_out(self, drafter, batch: dict[str, torch.Tensor]):
+        """The frozen target's forward for `batch`, or None for a drafter that runs the target
+        inside its own loss (`runs_target`: Medusa-2, whose adapters train through it)."""
+        if getattr(drafter, "runs_target", False):
+            return None
+        with self.acc.autocast():
+            return self.target.forward(
+                batch["input_ids"], attention_mask=batch["attention_mask"],
+                capture_layers=drafter.capture_layers,
+            )  # fmt: skip
+
     # -- evaluation ---------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -512,11 +523,8 @@ class _Run:
         model.eval()
         for chunk, weight in eval_chunks(n, self.rank, self.world, cfg.micro_batch_size):
             batch = collate([self.eval_examples[i] for i in chunk], acc.device)
+            target_out = self._target_out(model, batch)
             with acc.autocast():
-                target_out = self.target.forward(
-                    batch["input_ids"], attention_mask=batch["attention_mask"],
-                    capture_layers=model.capture_layers,
-                )  # fmt: skip
                 loss, _ = model(batch, target_out)
                 a, g, c = model.acceptance(batch, target_out)
                 if extra:
@@ -580,10 +588,17 @@ class _Run:
         self.acc.wait_for_everyone()
         with _full_parameters(self.acc, self.model):  # a collective under ZeRO-3: all processes
             if self.main:
+                drafter = self.acc.unwrap_model(self.model)
+                # a drafter that fine-tunes the target (Medusa-2) belongs to the fine-tuned one
+                fingerprint = (
+                    drafter.trained_fingerprint(self.target)
+                    if hasattr(drafter, "trained_fingerprint")
+                    else self.target.fingerprint
+                )
                 checkpoint.save_drafter(
-                    self.acc.unwrap_model(self.model),
+                    drafter,
                     folder,
-                    target_fingerprint=self.target.fingerprint,
+                    target_fingerprint=fingerprint,
                     train_config_yaml=self.config_yaml,
                     provenance={**self.provenance, "steps": step, **(extra_provenance or {})},
                     tokenizer=self.tokenizer,
@@ -672,9 +687,30 @@ class _Run:
         return None
 
     def _load_weights(self, drafter, path: Path) -> None:
-        dtype = next(drafter.parameters()).dtype
-        saved = checkpoint.load_drafter(path, self.target, device=self.acc.device, dtype=dtype)
-        drafter.load_state_dict(saved.state_dict())
+        if getattr(drafter, "hf_model", None) is not None:  # a HF model folder (distill)
+            dtype = next(drafter.parameters()).dtype
+            saved = checkpoint.load_drafter(path, self.target, device=self.acc.device, dtype=dtype)
+            drafter.load_state_dict(saved.state_dict())
+            return
+        # Our own format, read straight into the drafter being trained: its training-only
+        # weights (Medusa-2's adapters) included, which a drafter loaded for decoding drops.
+        # The fine-tuned target's adapter hash changes as it trains; the base must match.
+        meta, _ = checkpoint.read_metadata(path)
+        expected = dict(meta.get("target_fingerprint") or {})
+        expected.pop("adapter", None)
+        check_fingerprint(
+            expected, self.target.fingerprint, f"the checkpoint {path}", error=ResumeError,
+            fix="resume with the target it was trained against",
+        )  # fmt: skip
+        state = load_file(path / checkpoint.WEIGHTS_NAME, device=str(self.acc.device))
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k not in set(meta.get("shared_with_target", ()))]
+        if missing or unexpected:
+            raise ResumeError(
+                f"{path / checkpoint.WEIGHTS_NAME} does not fit the drafter this config builds: "
+                f"missing {missing[:5]}, unexpected {unexpected[:5]}; resume with the config it "
+                "was trained with"
+            )
 
     def _load_state(self, optimizer, path: Path) -> int:
         state = json.loads((path / STATE_NAME).read_text())
@@ -769,6 +805,27 @@ def _tracker_config(cfg: TrainConfig) -> dict[str, Any]:
 
 
 # --- small helpers -----------------------------------------------------------------------------
+
+
+def _param_groups(drafter, cfg: TrainConfig) -> list[dict]:
+    """AdamW's groups: the drafter's own (`param_groups`: an lr_scale and a start_step each),
+    else one group of everything trainable; each split so that only matrices decay."""
+    groups = (
+        drafter.param_groups()
+        if hasattr(drafter, "param_groups")
+        else [{"params": list(drafter.parameters())}]
+    )
+    out = []
+    for group in groups:
+        trainable = [p for p in group["params"] if p.requires_grad]
+        extra = {k: v for k, v in group.items() if k != "params"}
+        for params, decay in (
+            ([p for p in trainable if p.ndim >= 2], cfg.weight_decay),
+            ([p for p in trainable if p.ndim < 2], 0.0),
+        ):
+            if params:
+                out.append({"params": params, "weight_decay": decay, **extra})
+    return out
 
 
 def _optimizer_file(sharded: bool, rank: int) -> str:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from specdraft.config import load_config
-from specdraft.drafters.checkpoint import load_drafter
+from specdraft.drafters.checkpoint import CheckpointError, load_drafter
 from specdraft.drafters.medusa import MedusaDrafter
+from specdraft.drafters.target import TargetError, load_target
+from specdraft.inference import generate
 from specdraft.train.medusa import DEFAULT_CONFIG, MedusaTrainConfig, main
 
 RECIPES = sorted(Path(DEFAULT_CONFIG).parent.glob("*.yaml"))
@@ -70,3 +74,61 @@ def test_bad_input_is_a_clear_error(tiny_target_path, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*common, "drafter.output=shared", "drafter.draft_vocab_size=10"])
     assert "needs output=own" in capsys.readouterr().err
+
+
+def medusa2_args(target_path, out) -> list[str]:
+    return [
+        f"target={target_path}", f"output_dir={out}", "max_steps=6", "micro_batch_size=4",
+        "eval_every=6", "eval_batches=2", "save_every=3", "data.max_samples=40",
+        "data.max_length=32", "warmup_steps=1", "lr=3e-3", "drafter.num_heads=2",
+        "drafter.loss=ce", "drafter.lora.rank=4", "drafter.target_loss=lm",
+        "drafter.heads_warmup_steps=3", "drafter.heads_lr_multiplier=2",
+        "decode.gamma=2", "decode.tree_top_k=2", "decode.tree_budget=3",
+        "eval_loop.num_prompts=2", "eval_loop.max_new_tokens=12", "eval_loop.threads=1",
+    ]  # fmt: skip
+
+
+def test_medusa2_fine_tunes_the_target_and_the_heads_belong_to_it(
+    tiny_target, tiny_target_path, tmp_path
+):
+    out = tmp_path / "run"
+    assert main(medusa2_args(tiny_target_path, out)) == 0
+    # the adapters sat out the heads' warm-up (B starts at zero, so the target was the base)
+    # and trained after it
+    warm = load_file(out / "checkpoint-3" / "model.safetensors")
+    final = load_file(out / "final" / "model.safetensors")
+    b_names = [k for k in final if k.startswith("lora.") and k.endswith("B.weight")]
+    assert b_names and all(not warm[k].any() for k in b_names)
+    assert any(final[k].any() for k in b_names)
+    assert (out / "final" / "adapter" / "adapter_config.json").is_file()
+    quality = json.loads((out / "target_quality.json").read_text())
+    assert quality["fine_tuned_loss"] != quality["base_loss"]
+    # against the plain base the heads are refused, naming the difference and the fix
+    with pytest.raises(CheckpointError, match="adapter: expected"):
+        load_drafter(out / "final", tiny_target)
+    # with the fine-tuned target (adapter merged at load, or the run's merged copy) they load
+    for tuned in (
+        load_target(tiny_target_path, adapter=out / "final" / "adapter"),
+        load_target(str(out / "target")),
+    ):
+        heads = load_drafter(out / "final", tuned)
+        assert tuned.fingerprint["adapter"] == quality["adapter"]
+        prompt = tuned.tokenizer("def add(a, b):")["input_ids"]
+        plain = generate(tuned, prompt, max_new_tokens=16)
+        spec = generate(tuned, prompt, heads, max_new_tokens=16, tree_top_k=1)
+        assert spec.tokens.tolist() == plain.tokens.tolist() and spec.stats.drafted > 0
+    served = json.loads((out / "eval_loop.json").read_text())
+    assert served["matches_ar"] is True  # lossless for the fine-tuned target it decodes with
+    # resuming from the step-3 checkpoint restores the adapters with the heads: bit-exact
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(out / "checkpoint-3", resumed / "checkpoint-3")
+    assert main([*medusa2_args(tiny_target_path, resumed), "resume_from=latest"]) == 0
+    again = load_file(resumed / "final" / "model.safetensors")
+    assert again.keys() == final.keys()
+    assert all(torch.equal(again[k], final[k]) for k in final)
+
+
+def test_a_bad_adapter_folder_is_a_clear_error(tiny_target_path, tmp_path):
+    with pytest.raises(TargetError, match="not a LoRA adapter folder"):
+        load_target(tiny_target_path, adapter=tmp_path)
