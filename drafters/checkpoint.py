@@ -152,6 +152,20 @@ def save_target_folder(model, tokenizer, folder: str | Path) -> Path:
     return folder
 
 
+def set_decode(folder: str | Path, decode: DecodeConfig) -> None:
+    """Replace the decoding defaults saved in a drafter folder (after tuning them on the machine
+    that serves it), atomically: a reader sees the old config.json or the new one."""
+    config_file = Path(folder) / CONFIG_NAME
+    read_metadata(folder)  # a complete specdraft folder, or a clear error
+    config = json.loads(config_file.read_text())
+    config["specdraft"]["decode"] = dataclasses.asdict(decode)
+    tmp = config_file.with_name(f".{CONFIG_NAME}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    _fsync(tmp)
+    os.replace(tmp, config_file)
+    _fsync(config_file.parent)
+
+
 def _replace_dir(new: Path, dest: Path) -> None:
     """Put the complete folder `new` at `dest`, durably, so that a reader or a crash finds the
     old folder or the new one, never neither: `new` is synced to disk first, and an existing
@@ -236,9 +250,17 @@ def load_drafter(
     A plain HF causal-LM folder (no `specdraft` block) loads as a two-model (`distill`) drafter;
     its vocabulary must be the target's. A folder written by specdraft must have been trained
     against this target: strict (the default) compares the whole fingerprint, strict=False only
-    the vocabulary size.
+    the vocabulary size. Published Medusa heads (FasterDecoding/Medusa's or vLLM's layout, no
+    `specdraft` block) load through their format's reader (drafters/export.py), their sizes
+    checked against the target's.
     """
     folder = Path(path).expanduser()
+    # lazily: the export module imports this one
+    from specdraft.drafters.export import imported_format, load_imported
+
+    fmt = imported_format(folder)
+    if fmt is not None:
+        return load_imported(folder, fmt, target, device=device, dtype=dtype)
     meta, hf_config = read_metadata(folder)
     device = device if device is not None else target.device
     dtype = dtype if dtype is not None else target.dtype

@@ -1,0 +1,520 @@
+"""Medusa heads in other tools' layouts: written for serving engines, read back into our loop.
+
+Each format is one entry of FORMATS (`scripts/export.py --format NAME`), with its writer and its
+reader; the Medusa ones go through `HeadWeights`, the heads as plain tensors.
+
+    medusa  FasterDecoding/Medusa's layout (medusa/model/medusa_model.py), which TensorRT-LLM's
+            Medusa converter (tensorrt_llm/models/medusa/weight.py) and TGI
+            (server/text_generation_server/layers/medusa.py) read:
+              config.json                 medusa_num_heads, medusa_num_layers,
+                                          base_model_name_or_path, hidden_size, vocab_size
+              medusa_lm_head.safetensors  per head h, the names of its nn.Sequential(*blocks,
+                                          out): {h}.{l}.linear.weight (H, H) and
+                                          {h}.{l}.linear.bias (H,) for block l < L, and
+                                          {h}.{L}.weight (V, H), the output layer
+    vllm    vLLM's MedusaModel (vllm/model_executor/models/medusa.py, its config
+            vllm/transformers_utils/configs/medusa.py):
+              config.json                 model_type medusa, architectures [MedusaModel],
+                                          hidden_size, vocab_size, num_heads, num_hidden_layers,
+                                          truncated_vocab_size, medusa_fc_bias, original_lm_head
+              model.safetensors           blocks.{h}.layers.{l}.weight (H, H) and .bias (H,),
+                                          lm_heads.{h}.weight (Vd, H), and with a reduced draft
+                                          vocabulary token_map (Vd,): draft id -> target id, our
+                                          d2t (vLLM sets every other token's logit to -inf)
+
+What is exact: all three read the target's final normed hidden state, head k predicting the
+token k + 2 places ahead, and compute x + SiLU(W x + b) per block, then the output layer, as
+drafters/medusa.py does. Heads with output=shared are written with a copy of the target's LM
+head as each head's output layer. A reduced draft vocabulary is exact in vllm only: the medusa
+layout has no token map, so exporting one there is an error. What is lost: the measured
+per-rank accuracies and the decoding defaults (no format holds them; reloaded heads build their
+tree from an assumed accuracy, with a warning).
+
+Two caveats of the reference's own Python model, not of the layout: its from_pretrained loads
+only `medusa_lm_head.pt` (a pickle; convert with torch.save if you need it), and it builds a
+head's L blocks as one shared module ([ResBlock] * L), so only L = 1 heads run there as trained;
+TensorRT-LLM and TGI read the safetensors file and every block's own weights.
+
+Writing is atomic (a temporary sibling renamed into place, as checkpoint.save_drafter does) and
+refuses a non-empty folder that is not a previous export unless `overwrite`. Reading (through
+`checkpoint.load_drafter`) is strict: a missing or an unexpected weight name, a wrong shape, or
+sizes other than the target's are a CheckpointError naming them; only safetensors are read.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdraft.drafters.base import Drafter
+from specdraft.drafters.checkpoint import (
+    CONFIG_NAME,
+    CheckpointError,
+    _clear_leftovers,
+    _replace_dir,
+)
+from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+from specdraft.drafters.target import Target
+
+
+class ExportError(ValueError):
+    """A drafter that cannot be written in the asked format, or a destination not to overwrite."""
+
+
+@dataclass
+class HeadWeights:
+    """K Medusa heads as plain tensors: what every format is written from and read into."""
+
+    blocks: list[list[tuple[torch.Tensor, torch.Tensor | None]]]  # [head][block]: (W, b or None)
+    out: list[torch.Tensor]  # [head]: (draft vocab, hidden) output layer
+    d2t: torch.Tensor | None  # (draft vocab,) draft id -> target id; None: the whole vocabulary
+    vocab_size: int  # the target's
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.blocks[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return self.out[0].shape[1]
+
+
+# --- from and to our drafter ---------------------------------------------------------------------
+
+
+def head_weights(drafter: MedusaDrafter) -> HeadWeights:
+    """The heads of `drafter` as tensors in its own dtype; output=shared heads get the target's
+    LM head as each head's output layer (the formats have no shared one)."""
+    dtype = drafter.heads[0].blocks[0].linear.weight.dtype
+    blocks = [[(b.linear.weight, b.linear.bias) for b in head.blocks] for head in drafter.heads]
+    if drafter.config.output == "shared":
+        lm = drafter.target.model.get_output_embeddings()
+        if getattr(lm, "bias", None) is not None:
+            raise ExportError(
+                f"the target {drafter.target.name!r}'s LM head has a bias, which the Medusa "
+                "formats' output layers lack: shared heads cannot be exported exactly; train "
+                "with drafter.output=own"
+            )
+        out = [lm.weight] * len(drafter.heads)
+    else:
+        out = [head.out.weight for head in drafter.heads]
+    d2t = drafter.d2t.detach().cpu()
+    if not drafter.reduced_vocab:
+        if not torch.equal(d2t, torch.arange(len(d2t))):  # the whole vocabulary, reordered
+            out = [o[drafter.t2d] for o in out]  # rows in target order: no map needed
+        d2t = None
+
+    def plain(t: torch.Tensor) -> torch.Tensor:  # its own storage: safetensors refuses sharing
+        return t.detach().to("cpu", dtype).contiguous().clone()
+
+    return HeadWeights(
+        blocks=[[(plain(w), plain(b)) for w, b in head] for head in blocks],
+        out=[plain(o) for o in out],
+        d2t=d2t,
+        vocab_size=drafter.target.vocab_size,
+    )
+
+
+def drafter_from(weights: HeadWeights, target: Target) -> MedusaDrafter:
+    """Heads with their own output layers (output=own) holding `weights`, for `target`; block
+    biases a format leaves out are zero."""
+    config = MedusaConfig(
+        num_heads=weights.num_heads,
+        num_layers=weights.num_layers,
+        output="own",
+        draft_vocab_size=0 if weights.d2t is None else len(weights.d2t),
+    )
+    drafter = MedusaDrafter(config, target, d2t=weights.d2t)
+    with torch.no_grad():
+        for head, blocks, out in zip(drafter.heads, weights.blocks, weights.out, strict=True):
+            for block, (w, b) in zip(head.blocks, blocks, strict=True):
+                block.linear.weight.copy_(w)
+                if b is not None:
+                    block.linear.bias.copy_(b)
+            head.out.weight.copy_(out)
+    return drafter
+
+
+# --- medusa: FasterDecoding/Medusa's layout ---------------------------------------------------------
+
+MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+MEDUSA_PICKLE = "medusa_lm_head.pt"
+
+
+def write_medusa(drafter: MedusaDrafter, base_model: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, the weights file's tensors) of `drafter` in the medusa layout."""
+    weights = head_weights(drafter)
+    if weights.d2t is not None:
+        raise ExportError(
+            f"these heads draft over {len(weights.d2t)} of the target's {weights.vocab_size} "
+            "tokens, and the medusa layout has no token map to say which: export with --format "
+            "vllm (its token_map is exact), or train with drafter.draft_vocab_size=0"
+        )
+    L = weights.num_layers
+    tensors = {}
+    for h, (blocks, out) in enumerate(zip(weights.blocks, weights.out, strict=True)):
+        for i, (w, b) in enumerate(blocks):
+            tensors[f"{h}.{i}.linear.weight"] = w
+            tensors[f"{h}.{i}.linear.bias"] = b
+        tensors[f"{h}.{L}.weight"] = out  # the reference's nn.Sequential(*blocks, out): index L
+    config = {
+        "medusa_num_heads": weights.num_heads,
+        "medusa_num_layers": L,
+        "base_model_name_or_path": base_model,
+        "hidden_size": weights.hidden_size,
+        "vocab_size": weights.vocab_size,
+    }
+    return config, tensors
+
+
+def read_medusa(folder: Path, config: dict, target: Target) -> MedusaDrafter:
+    """The heads of a medusa-layout folder, checked against `target` before anything is built."""
+    file = folder / MEDUSA_WEIGHTS
+    if not file.is_file():
+        if (folder / MEDUSA_PICKLE).is_file():
+            raise CheckpointError(_pickle_message(folder / MEDUSA_PICKLE, MEDUSA_WEIGHTS))
+        raise CheckpointError(
+            f"{folder} has a Medusa config.json but no {MEDUSA_WEIGHTS}: download the heads' "
+            "weights too (a folder holding a whole fine-tuned model with its heads is not read)"
+        )
+    K = _count(config, "medusa_num_heads", folder)
+    L = _count(config, "medusa_num_layers", folder)
+    _check_sizes(config, target, folder)
+    H, V = target.hidden_size, target.vocab_size
+    expected: dict[str, tuple[int, ...]] = {}
+    for h in range(K):
+        for i in range(L):
+            expected[f"{h}.{i}.linear.weight"] = (H, H)
+            expected[f"{h}.{i}.linear.bias"] = (H,)
+        expected[f"{h}.{L}.weight"] = (V, H)
+    state = _read_weights([file])
+    _check_names_and_shapes(state, expected, file, target, config)
+    blocks = [
+        [(state[f"{h}.{i}.linear.weight"], state[f"{h}.{i}.linear.bias"]) for i in range(L)]
+        for h in range(K)
+    ]
+    out = [state[f"{h}.{L}.weight"] for h in range(K)]
+    return drafter_from(HeadWeights(blocks, out, d2t=None, vocab_size=V), target)
+
+
+# --- vllm: vLLM's MedusaModel -------------------------------------------------------------------------
+
+VLLM_WEIGHTS = "model.safetensors"
+
+
+def write_vllm(drafter: MedusaDrafter, base_model: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, the weights file's tensors) of `drafter` in vLLM's layout."""
+    weights = head_weights(drafter)
+    tensors = {}
+    for h, (blocks, out) in enumerate(zip(weights.blocks, weights.out, strict=True)):
+        for i, (w, b) in enumerate(blocks):
+            tensors[f"blocks.{h}.layers.{i}.weight"] = w
+            tensors[f"blocks.{h}.layers.{i}.bias"] = b
+        tensors[f"lm_heads.{h}.weight"] = out
+    draft_vocab = weights.vocab_size
+    if weights.d2t is not None:
+        # vLLM reads token_map only when truncated_vocab_size < vocab_size, and then scatters
+        # each head's logits to these target ids (-inf elsewhere): our d2t exactly
+        tensors["token_map"] = weights.d2t.long().contiguous().clone()
+        draft_vocab = len(weights.d2t)
+    config = {
+        # vLLM's MedusaConfig renames every key holding "num" and "heads" to num_heads (and
+        # "num" and "layers" to num_hidden_layers): no other key may hold those words
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": weights.hidden_size,
+        "vocab_size": weights.vocab_size,
+        "num_heads": weights.num_heads,
+        "num_hidden_layers": weights.num_layers,
+        "truncated_vocab_size": draft_vocab,
+        "medusa_fc_bias": True,  # default False: the blocks would be built without bias
+        "original_lm_head": False,  # each head its own lm_heads.{h}
+        "base_model_name_or_path": base_model,
+    }
+    return config, tensors
+
+
+def read_vllm(folder: Path, config: dict, target: Target) -> MedusaDrafter:
+    """The heads of a vLLM Medusa folder, read as vLLM reads them (any *.safetensors file there,
+    names without a `medusa_heads.` prefix, one LM head for all with original_lm_head), checked
+    against `target` before anything is built."""
+    files = sorted(folder.glob("*.safetensors"))  # vLLM reads every safetensors file there
+    if not files:
+        pickles = sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
+        if pickles:
+            raise CheckpointError(_pickle_message(pickles[0], VLLM_WEIGHTS))
+        raise CheckpointError(f"{folder} has a vLLM Medusa config.json but no .safetensors weights")
+    K = _count(config, "num_heads", folder, also="medusa_num_heads")
+    L = _count(config, "num_hidden_layers", folder, also="medusa_num_layers")
+    _check_sizes(config, target, folder)
+    H, V = target.hidden_size, target.vocab_size
+    Vd = config.get("truncated_vocab_size") or V
+    if not isinstance(Vd, int) or not 0 < Vd <= V:
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME}: truncated_vocab_size={Vd!r} must be an integer in 1..{V} "
+            "(the target's vocabulary)"
+        )
+    bias = bool(config.get("medusa_fc_bias", False))
+    shared = bool(config.get("original_lm_head", False))
+    # vLLM strips this prefix from every name
+    state = {k.removeprefix("medusa_heads."): v for k, v in _read_weights(files).items()}
+    if shared and "lm_head.weight" in state:  # vLLM takes either name for the one LM head
+        state["lm_heads.0.weight"] = state.pop("lm_head.weight")
+    expected: dict[str, tuple[int, ...]] = {}
+    for h in range(K):
+        for i in range(L):
+            expected[f"blocks.{h}.layers.{i}.weight"] = (H, H)
+            if bias:
+                expected[f"blocks.{h}.layers.{i}.bias"] = (H,)
+    lm_names = ["lm_heads.0.weight"] if shared else [f"lm_heads.{h}.weight" for h in range(K)]
+    for name in lm_names:
+        # vLLM keeps the token_map rows of a head written over the whole vocabulary
+        rows = V if Vd < V and name in state and state[name].shape[0] == V else Vd
+        expected[name] = (rows, H)
+    if Vd < V:
+        expected["token_map"] = (Vd,)
+    where = ", ".join(f.name for f in files)
+    _check_names_and_shapes(state, expected, folder / where, target, config)
+    d2t = None
+    if Vd < V:
+        d2t = state["token_map"]
+        if d2t.is_floating_point() or d2t.min() < 0 or d2t.max() >= V or len(d2t.unique()) < Vd:
+            raise CheckpointError(
+                f"{folder / where}: token_map must hold {Vd} distinct target token ids in "
+                f"0..{V - 1}; the file is corrupt"
+            )
+        d2t = d2t.long()
+    lm = [state[name] for name in lm_names] * (K if shared else 1)
+    blocks = [
+        [
+            (state[f"blocks.{h}.layers.{i}.weight"], state.get(f"blocks.{h}.layers.{i}.bias"))
+            for i in range(L)
+        ]
+        for h in range(K)
+    ]
+    out = [o[d2t] if d2t is not None and o.shape[0] == V else o for o in lm]
+    return drafter_from(HeadWeights(blocks, out, d2t=d2t, vocab_size=V), target)
+
+
+# --- the format table ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Format:
+    """One layout another tool reads: its writer, its reader, and how its folders are known."""
+
+    help: str
+    kinds: tuple[str, ...]  # the drafter kinds it holds
+    weights_file: str  # the one weights file the writer writes
+    # (drafter, base_model_name_or_path) -> (config.json, the weights file's tensors)
+    write: Callable[[Drafter, str], tuple[dict, dict[str, torch.Tensor]]]
+    # (folder, its config.json, target) -> the drafter, all checked before it is built
+    read: Callable[[Path, dict, Target], Drafter]
+    detect: Callable[[dict], bool]  # a config.json of this format (without a specdraft block)
+    # The same tensors also written with torch.save under this name, for readers that only
+    # unpickle (the reference repository's own MedusaModel.from_pretrained reads
+    # medusa_lm_head.pt); we write it, and never read it.
+    pickle_copy: str | None = None
+
+
+FORMATS: dict[str, Format] = {
+    "medusa": Format(
+        help="FasterDecoding/Medusa's config.json + medusa_lm_head.safetensors and .pt (the reference, TensorRT-LLM, TGI)",
+        kinds=("medusa",),
+        weights_file=MEDUSA_WEIGHTS,
+        write=write_medusa,
+        read=read_medusa,
+        detect=lambda c: "medusa_num_heads" in c and c.get("model_type") != "medusa",
+        pickle_copy=MEDUSA_PICKLE,
+    ),
+    "vllm": Format(
+        help="vLLM's Medusa config.json (model_type medusa) + model.safetensors",
+        kinds=("medusa",),
+        weights_file=VLLM_WEIGHTS,
+        write=write_vllm,
+        read=read_vllm,
+        detect=lambda c: c.get("model_type") == "medusa",
+    ),
+}
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+def export_drafter(
+    drafter: Drafter,
+    out_dir: str | Path,
+    fmt: str,
+    *,
+    base_model_name_or_path: str,
+    overwrite: bool = False,
+) -> Path:
+    """Write `drafter` as a folder in format `fmt` (a FORMATS key) at `out_dir`, atomically, and
+    return it. `base_model_name_or_path` names the target the heads run with, recorded for the
+    engine (for Medusa-2 heads: the fine-tuned target, adapter merged). An existing `out_dir` is
+    replaced only if it is empty or a previous export, or with `overwrite`."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
+    spec = FORMATS[fmt]
+    if drafter.kind not in spec.kinds:
+        able = [name for name, f in FORMATS.items() if drafter.kind in f.kinds]
+        raise ExportError(
+            f"format {fmt!r} holds {'/'.join(spec.kinds)} drafters, not a {drafter.kind} one; "
+            f"formats for {drafter.kind}: {', '.join(able) or 'none yet'}"
+        )
+    out = Path(out_dir).expanduser()
+    check_destination(out, overwrite)
+    config, tensors = spec.write(drafter, base_model_name_or_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _clear_leftovers(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / spec.weights_file), metadata={"format": "pt"})
+        if spec.pickle_copy is not None:
+            torch.save(tensors, tmp / spec.pickle_copy)
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def check_destination(out: Path, overwrite: bool) -> None:
+    """Raise ExportError unless `out` may be written: absent, empty, a previous export, or any
+    folder with `overwrite`."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} is a file; pass a folder to export into")
+    if overwrite or not out.exists() or not any(out.iterdir()):
+        return
+    # a previous export: config.json of a known format and nothing but its files
+    known = {CONFIG_NAME} | {f.weights_file for f in FORMATS.values()}
+    known |= {f.pickle_copy for f in FORMATS.values() if f.pickle_copy}
+    names = {p.name for p in out.iterdir()}
+    if names <= known and imported_format(out) is not None:
+        return
+    raise ExportError(
+        f"{out} is not empty and holds no previous export ({', '.join(sorted(names)[:5])}"
+        f"{', ...' if len(names) > 5 else ''}): export to a new or empty folder, or replace the "
+        "whole folder with --force (overwrite=True)"
+    )
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+def imported_format(folder: str | Path) -> str | None:
+    """The FORMATS name of a folder another tool wrote (published Medusa heads); None for a
+    specdraft checkpoint, a plain HF folder, or a folder with no readable config.json."""
+    file = Path(folder) / CONFIG_NAME
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None  # checkpoint.read_metadata reports a missing or broken config.json
+    if not isinstance(config, dict) or "specdraft" in config:
+        return None
+    return next((name for name, f in FORMATS.items() if f.detect(config)), None)
+
+
+def load_imported(
+    folder: str | Path,
+    fmt: str,
+    target: Target,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Drafter:
+    """The drafter in `folder`, written in format `fmt`, for `target`, on the target's device
+    and dtype unless given. Everything is checked before a module is built: an error leaves
+    nothing half-loaded."""
+    folder = Path(folder).expanduser()
+    spec = FORMATS[fmt]
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    drafter = spec.read(folder, config, target)
+    device = device if device is not None else target.device
+    dtype = dtype if dtype is not None else target.dtype
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def _count(config: dict, key: str, folder: Path, also: str | None = None) -> int:
+    value = config.get(key, config.get(also)) if also else config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME}: {key} must be an integer >= 1; got {value!r}"
+        )
+    return value
+
+
+def _check_sizes(config: dict, target: Target, folder: Path) -> None:
+    """The config's hidden and vocabulary sizes, where it gives them, against the target's."""
+    for key, ours in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
+        if key in config and config[key] != ours:
+            raise CheckpointError(
+                f"{folder} holds heads for a target with {key}={config[key]}, but the target "
+                f"{target.name!r} has {key}={ours}: load the target they were trained for "
+                f"(base_model_name_or_path: {config.get('base_model_name_or_path', 'not given')})"
+            )
+
+
+def _read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            part = load_file(file)
+        except Exception as e:  # safetensors raises several types for a damaged file
+            raise CheckpointError(f"{file} cannot be read ({e}): the file is damaged") from e
+        repeated = sorted(set(state) & set(part))
+        if repeated:
+            raise CheckpointError(f"{file} repeats weights of another file there: {repeated[:5]}")
+        state.update(part)
+    return state
+
+
+def _check_names_and_shapes(
+    state: dict[str, torch.Tensor],
+    expected: dict[str, tuple[int, ...]],
+    file: Path,
+    target: Target,
+    config: dict,
+) -> None:
+    """Exactly the expected names, each with its shape; else an error naming what differs."""
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    if missing or extra:
+        raise CheckpointError(
+            f"{file} does not fit the heads its config.json describes: missing {_few(missing)}, "
+            f"unexpected {_few(extra)}; the folder is incomplete, or its config.json (head and "
+            "layer counts) belongs to other weights"
+        )
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise CheckpointError(
+                f"{file}: {name} has shape {tuple(state[name].shape)}, expected {shape} for the "
+                f"target {target.name!r} (hidden size {target.hidden_size}, vocabulary "
+                f"{target.vocab_size}): the heads belong to another target (base_model_name_or_"
+                f"path: {config.get('base_model_name_or_path', 'not given')}); load that one"
+            )
+
+
+def _few(names: list[str]) -> str:
+    return f"{names[:5]}{f' and {len(names) - 5} more' if len(names) > 5 else ''}"
+
+
+def _pickle_message(file: Path, safetensors_name: str) -> str:
+    return (
+        f"{file} is a pickle, which specdraft never loads (unpickling runs code). Convert it "
+        'once, where you trust the file: python -c "import torch; from safetensors.torch import '
+        f"save_file; sd = torch.load('{file}', weights_only=True); "
+        f"save_file({{k: v.contiguous() for k, v in sd.items()}}, "
+        f"'{file.with_name(safetensors_name)}')\""
+    )

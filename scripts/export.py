@@ -1,0 +1,91 @@
+"""Write a trained drafter in a layout a serving engine reads.
+
+    python scripts/export.py --format medusa runs/medusa-demo/final exports/medusa-demo
+    python scripts/export.py --format vllm runs/medusa-demo/final exports/medusa-demo-vllm \\
+        --base-model meta-llama/Llama-3.1-8B-Instruct
+
+The drafter is loaded with the target it was trained for (its train_config.yaml's `target`, or
+--target), which it must fit as load_drafter demands. --base-model (default: where the target
+was loaded from) is recorded for engines that load the target themselves. OUT is written
+atomically; an existing OUT is replaced only if it is empty or a previous export, or with
+--force. Formats (specdraft.drafters.export.FORMATS, which says what each writes and what is
+exact):
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from specdraft.drafters.checkpoint import CheckpointError, load_drafter, read_metadata
+from specdraft.drafters.export import FORMATS, ExportError, check_destination, export_drafter
+from specdraft.drafters.target import TargetError, load_target
+
+PROG = "scripts/export.py"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        out = export(args)
+    except (CheckpointError, ExportError, TargetError, OSError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    print(f"[export] {args.format}: {', '.join(sorted(p.name for p in out.iterdir()))} in {out}")
+    return 0
+
+
+def export(args: argparse.Namespace) -> Path:
+    folder, out = Path(args.folder).expanduser(), Path(args.out).expanduser()
+    if out.resolve() == folder.resolve() or out.resolve() in folder.resolve().parents:
+        raise ExportError(f"OUT {out} would replace the drafter folder {folder}; pick another")
+    check_destination(out, args.force)  # before the minutes a large target takes to load
+    target = load_target(args.target or target_of(folder), dtype=args.dtype)
+    drafter = load_drafter(folder, target)
+    base_model = args.base_model or target.model.config._name_or_path
+    return export_drafter(
+        drafter, out, args.format, base_model_name_or_path=base_model, overwrite=args.force
+    )
+
+
+def target_of(folder: Path) -> str:
+    """The target the training config in `folder` names; an error saying to pass --target where
+    there is none, or where the heads belong to a fine-tuned target (Medusa-2)."""
+    meta, _ = read_metadata(folder)
+    if ((meta or {}).get("config") or {}).get("lora", {}).get("rank", 0) > 0:
+        raise ExportError(
+            f"{folder} holds Medusa-2 heads, which decode with the fine-tuned target: pass "
+            "--target OUTPUT_DIR/target (the run's merged target; or merge its adapter/)"
+        )
+    config = folder / "train_config.yaml"
+    try:
+        name = (yaml.safe_load(config.read_text()) or {}).get("target")
+    except FileNotFoundError:
+        name = None
+    if not name:
+        raise ExportError(f"{folder} names no target (no train_config.yaml): pass --target")
+    return str(name)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    formats = "\n".join(f"  {name:8} {f.help}" for name, f in FORMATS.items())
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__ + formats,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("folder", metavar="FOLDER", help="a trained drafter folder (final/, best/)")
+    parser.add_argument("out", metavar="OUT", help="the folder to write")
+    parser.add_argument("--format", required=True, choices=sorted(FORMATS))
+    parser.add_argument("--base-model", default=None, help="recorded as base_model_name_or_path")
+    parser.add_argument("--target", default=None, help="default: FOLDER/train_config.yaml's")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: as saved)")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT whole")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

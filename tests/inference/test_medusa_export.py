@@ -1,0 +1,351 @@
+"""drafters/export.py: Medusa heads written in FasterDecoding/Medusa's and vLLM's layouts with
+exactly the names and shapes those readers take, the files computing our heads' logits when read
+the way the engines read them, published folders loading into our loop as the heads they hold,
+and every bad input a clear error that writes nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from spec_helpers import make_target, tiny_llama
+
+from specdraft.drafters.checkpoint import CheckpointError, load_drafter
+from specdraft.drafters.export import ExportError, export_drafter
+from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+from specdraft.inference import generate
+
+BASE = "org/base-model"
+
+
+def noisy_heads(target, seed: int = 0, scale: float = 0.3, d2t=None, **config) -> MedusaDrafter:
+    """Heads with random block weights (and output layers, with output=own): every tensor a
+    format writes differs from every other, so a swapped name shows."""
+    torch.manual_seed(seed)
+    heads = MedusaDrafter.build(MedusaConfig(**config), target, d2t).eval()
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * scale * p.std().clamp(min=0.1))
+    return heads
+
+
+def every_other_token(target, n: int) -> torch.Tensor:
+    """A reduced draft vocabulary: some of the target's tokens are missing."""
+    return torch.arange(1, target.vocab_size, 2)[:n]
+
+
+def export(heads, folder, fmt: str, **kw):
+    return export_drafter(heads, folder, fmt, base_model_name_or_path=BASE, **kw)
+
+
+def target_logits(heads: MedusaDrafter, h: torch.Tensor) -> torch.Tensor:
+    """(K, ..., vocab) the heads' logits over the target's vocabulary, -inf where they cannot
+    draft."""
+    logits = heads.logits(h)
+    full = torch.full((*logits.shape[:-1], heads.target.vocab_size), float("-inf"))
+    full[..., heads.d2t] = logits
+    return full
+
+
+# --- the exact layouts ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("output", ["own", "shared"])
+def test_medusa_layout_has_the_reference_names_and_shapes(random_target, output, tmp_path):
+    K, L, H, V = 3, 2, random_target.hidden_size, random_target.vocab_size
+    heads = noisy_heads(random_target, num_heads=K, num_layers=L, output=output)
+    out = export(heads, tmp_path / "medusa", "medusa")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "medusa_lm_head.pt", "medusa_lm_head.safetensors",
+    ]  # fmt: skip
+    assert json.loads((out / "config.json").read_text()) == {
+        "medusa_num_heads": K,
+        "medusa_num_layers": L,
+        "base_model_name_or_path": BASE,
+        "hidden_size": H,
+        "vocab_size": V,
+    }
+    state = load_file(out / "medusa_lm_head.safetensors")
+    # the copy the reference's own loader unpickles holds the same tensors (read here as
+    # tensors only; specdraft never unpickles)
+    pickled = torch.load(out / "medusa_lm_head.pt", weights_only=True)
+    assert pickled.keys() == state.keys() and all(torch.equal(pickled[k], state[k]) for k in state)
+    expected = {}
+    for h in range(K):
+        for i in range(L):
+            expected[f"{h}.{i}.linear.weight"] = (H, H)
+            expected[f"{h}.{i}.linear.bias"] = (H,)
+        expected[f"{h}.{L}.weight"] = (V, H)
+    assert {k: tuple(v.shape) for k, v in state.items()} == expected
+    lm = random_target.model.get_output_embeddings().weight
+    for h, head in enumerate(heads.heads):
+        for i, block in enumerate(head.blocks):
+            assert torch.equal(state[f"{h}.{i}.linear.weight"], block.linear.weight)
+            assert torch.equal(state[f"{h}.{i}.linear.bias"], block.linear.bias)
+        assert torch.equal(state[f"{h}.{L}.weight"], lm if output == "shared" else head.out.weight)
+
+
+@pytest.mark.parametrize("case", ["own", "shared", "draft-vocab"])
+def test_vllm_layout_has_the_names_and_shapes_vllm_loads(random_target, case, tmp_path):
+    K, L, H, V = 3, 2, random_target.hidden_size, random_target.vocab_size
+    Vd = 100 if case == "draft-vocab" else V
+    d2t = every_other_token(random_target, Vd) if case == "draft-vocab" else None
+    heads = noisy_heads(
+        random_target, num_heads=K, num_layers=L, d2t=d2t,
+        output="shared" if case == "shared" else "own", draft_vocab_size=Vd if d2t is not None else 0,
+    )  # fmt: skip
+    out = export(heads, tmp_path / "vllm", "vllm")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text()) == {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": H,
+        "vocab_size": V,
+        "num_heads": K,
+        "num_hidden_layers": L,
+        "truncated_vocab_size": Vd,
+        "medusa_fc_bias": True,
+        "original_lm_head": False,
+        "base_model_name_or_path": BASE,
+    }
+    state = load_file(out / "model.safetensors")
+    expected = {}
+    for h in range(K):
+        for i in range(L):
+            expected[f"blocks.{h}.layers.{i}.weight"] = (H, H)
+            expected[f"blocks.{h}.layers.{i}.bias"] = (H,)
+        expected[f"lm_heads.{h}.weight"] = (Vd, H)
+    if d2t is not None:
+        expected["token_map"] = (Vd,)
+        assert torch.equal(state["token_map"], d2t) and state["token_map"].dtype == torch.long
+    assert {k: tuple(v.shape) for k, v in state.items()} == expected
+
+
+def engine_logits(folder, fmt: str, h: torch.Tensor) -> torch.Tensor:
+    """(K, ..., vocab) logits from the files alone, the names spelled as the engines spell them:
+    FasterDecoding/Medusa's nn.Sequential(*blocks, out) state dict, and vLLM's Medusa model
+    (blocks.{h}.layers.{l}, lm_heads.{h}, token_map scattered over -inf)."""
+    config = json.loads((folder / "config.json").read_text())
+    if fmt == "medusa":
+        s = load_file(folder / "medusa_lm_head.safetensors")
+        K, L = config["medusa_num_heads"], config["medusa_num_layers"]
+        block = lambda k, i: (s[f"{k}.{i}.linear.weight"], s[f"{k}.{i}.linear.bias"])  # noqa: E731
+        out = lambda k: s[f"{k}.{L}.weight"]  # noqa: E731
+    else:
+        s = load_file(folder / "model.safetensors")
+        K, L = config["num_heads"], config["num_hidden_layers"]
+        block = lambda k, i: (s[f"blocks.{k}.layers.{i}.weight"], s[f"blocks.{k}.layers.{i}.bias"])  # noqa: E731
+        out = lambda k: s[f"lm_heads.{k}.weight"]  # noqa: E731
+    heads = []
+    for k in range(K):
+        x = h
+        for i in range(L):
+            x = x + F.silu(F.linear(x, *block(k, i)))
+        logits = F.linear(x, out(k))
+        if "token_map" in s and config["truncated_vocab_size"] < config["vocab_size"]:
+            full = torch.full((*logits.shape[:-1], config["vocab_size"]), float("-inf"))
+            full[..., s["token_map"]] = logits
+            logits = full
+        heads.append(logits)
+    return torch.stack(heads)
+
+
+READ_BACK = {
+    "medusa-own": ("medusa", dict(output="own")),
+    "medusa-shared": ("medusa", dict(output="shared")),
+    "vllm-own": ("vllm", dict(output="own")),
+    "vllm-shared": ("vllm", dict(output="shared")),
+    "vllm-draft-vocab": ("vllm", dict(output="own", draft_vocab_size=100)),
+}
+
+
+@pytest.mark.parametrize("case", READ_BACK)
+def test_the_files_and_the_reloaded_heads_give_the_original_logits(random_target, case, tmp_path):
+    fmt, config = READ_BACK[case]
+    d2t = every_other_token(random_target, 100) if config.get("draft_vocab_size") else None
+    heads = noisy_heads(random_target, num_heads=3, num_layers=2, d2t=d2t, **config)
+    out = export(heads, tmp_path / case, fmt)
+    h = torch.randn(5, random_target.hidden_size)
+    expected = target_logits(heads, h)
+    torch.testing.assert_close(engine_logits(out, fmt, h), expected, rtol=1e-5, atol=1e-5)
+
+    loaded = load_drafter(out, random_target)
+    assert isinstance(loaded, MedusaDrafter) and loaded.config.output == "own"
+    assert (loaded.config.num_heads, loaded.config.num_layers) == (3, 2)
+    assert torch.equal(loaded.d2t, heads.d2t)
+    torch.testing.assert_close(target_logits(loaded, h), expected, rtol=1e-5, atol=1e-5)
+
+
+PROMPTS = [[5, 17, 42, 17, 5, 9], [100, 3, 250, 7]]
+
+
+def fitted_heads(target, steps: int = 40) -> MedusaDrafter:
+    """Heads fitted for a few Adam steps to the target's own greedy text after PROMPTS, so its
+    drafts there are often accepted."""
+    torch.manual_seed(0)
+    heads = MedusaDrafter.build(MedusaConfig(num_heads=4, loss="kl"), target)
+    rows = [p + generate(target, p, max_new_tokens=40).tokens[0].tolist() for p in PROMPTS]
+    ids = torch.tensor([row[: min(map(len, rows))] for row in rows])
+    ones = torch.ones_like(ids)
+    batch = {"input_ids": ids, "attention_mask": ones, "loss_mask": ones}
+    out = target.forward(ids, capture_layers=[target.num_layers])
+    optimizer = torch.optim.Adam(heads.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss, _ = heads(batch, out)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return heads.eval()
+
+
+def test_a_reference_folder_decodes_in_our_loop_as_the_original(random_target, tmp_path):
+    """Greedy output is the target's whatever the heads are, so the drafts are compared too:
+    the reloaded heads propose the same trees, accepted the same way."""
+    heads = fitted_heads(random_target)
+    loaded = load_drafter(export(heads, tmp_path / "medusa", "medusa"), random_target)
+    decoding = dict(max_new_tokens=40, tree_top_k=4, tree_budget=8, gamma=4)
+    accepted = 0
+    for prompt in PROMPTS:
+        a = generate(random_target, prompt, heads, **decoding)
+        b = generate(random_target, prompt, loaded, **decoding)
+        assert b.tokens.tolist() == a.tokens.tolist()
+        assert b.stats.accepted_at == a.stats.accepted_at
+        assert b.stats.emitted_per_pass == a.stats.emitted_per_pass
+        assert b.stats.drafted == a.stats.drafted
+        accepted += a.stats.accepted
+    assert accepted > 0  # not vacuous: the heads' drafts were taken
+
+
+def test_a_published_vllm_folder_with_one_lm_head_and_a_full_vocab_token_map(
+    random_target, tmp_path
+):
+    """vLLM's other spellings: original_lm_head (one LM head for all heads, `lm_head.weight`),
+    no block bias, a `medusa_heads.` prefix, and a whole-vocabulary LM head cut to token_map."""
+    H, V, K = random_target.hidden_size, random_target.vocab_size, 2
+    torch.manual_seed(0)
+    token_map = torch.randperm(V)[:50]
+    state = {f"medusa_heads.blocks.{h}.layers.0.weight": torch.randn(H, H) for h in range(K)}
+    state["lm_head.weight"] = torch.randn(V, H)
+    state["token_map"] = token_map
+    folder = tmp_path / "published"
+    folder.mkdir()
+    save_file(state, str(folder / "model-00001.safetensors"))
+    config = {"model_type": "medusa", "hidden_size": H, "vocab_size": V, "medusa_num_heads": K,
+              "medusa_num_layers": 1, "truncated_vocab_size": 50, "original_lm_head": True}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = load_drafter(folder, random_target)
+    assert torch.equal(loaded.d2t, token_map)
+    h = torch.randn(3, H)
+    for k in range(K):
+        w = state[f"medusa_heads.blocks.{k}.layers.0.weight"]
+        x = h + F.silu(h @ w.T)
+        expected = x @ state["lm_head.weight"][token_map].T
+        torch.testing.assert_close(loaded.logits(h)[k], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_exporting_over_a_previous_export_replaces_it_whole(random_target, tmp_path):
+    heads = noisy_heads(random_target, num_heads=2)
+    out = export(heads, tmp_path / "out", "medusa")
+    export(heads, out, "vllm")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp or old folder left
+
+
+# --- bad inputs: a clear error, nothing written ------------------------------------------------------
+
+
+def listing(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_exporting_into_an_unrelated_folder_is_refused_unless_asked(random_target, tmp_path):
+    heads = noisy_heads(random_target, num_heads=2)
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    before = listing(tmp_path)
+    with pytest.raises(ExportError, match=r"not empty.*notes\.txt.*--force"):
+        export(heads, out, "medusa")
+    assert listing(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["notes"]
+    export(heads, out, "medusa", overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "medusa_lm_head.pt", "medusa_lm_head.safetensors",
+    ]  # fmt: skip
+
+
+def test_a_reduced_vocabulary_cannot_be_written_in_the_medusa_layout(random_target, tmp_path):
+    d2t = every_other_token(random_target, 100)
+    heads = noisy_heads(random_target, num_heads=2, draft_vocab_size=100, d2t=d2t)
+    with pytest.raises(ExportError, match=r"no token map.*--format vllm.*draft_vocab_size=0"):
+        export(heads, tmp_path / "out", "medusa")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def reference_folder(random_target, tmp_path):
+    heads = noisy_heads(random_target, num_heads=3, num_layers=1)
+    return export(heads, tmp_path / "medusa", "medusa")
+
+
+def rewrite(folder, change) -> None:
+    file = folder / "medusa_lm_head.safetensors"
+    state = load_file(file)
+    change(state)
+    save_file(state, str(file))
+
+
+BAD_WEIGHTS = {
+    "missing name": (lambda s: s.pop("1.0.linear.bias"), r"missing \['1\.0\.linear\.bias'\]"),
+    "extra name": (
+        lambda s: s.update({"3.0.linear.weight": s["0.0.linear.weight"].clone()}),
+        r"unexpected \['3\.0\.linear\.weight'\]",
+    ),
+    "wrong shape": (
+        lambda s: s.update({"2.1.weight": s["2.1.weight"][:-1].clone()}),
+        r"2\.1\.weight has shape \(383, 32\), expected \(384, 32\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_WEIGHTS)
+def test_weights_that_do_not_fit_the_config_are_named(random_target, reference_folder, case):
+    change, message = BAD_WEIGHTS[case]
+    rewrite(reference_folder, change)
+    before = listing(reference_folder)
+    with pytest.raises(CheckpointError, match=message):
+        load_drafter(reference_folder, random_target)
+    assert listing(reference_folder) == before
+
+
+def test_heads_for_another_hidden_size_are_refused(reference_folder):
+    narrow = make_target(tiny_llama(384, seed=3, hidden=16))
+    with pytest.raises(
+        CheckpointError, match=r"hidden_size=32.*has hidden_size=16.*org/base-model"
+    ):
+        load_drafter(reference_folder, narrow)
+
+
+def test_a_pickle_only_folder_is_never_unpickled(random_target, reference_folder, monkeypatch):
+    file = reference_folder / "medusa_lm_head.safetensors"
+    torch.save(load_file(file), reference_folder / "medusa_lm_head.pt")
+    file.unlink()
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("a pickle was loaded"))
+    with pytest.raises(CheckpointError, match=r"medusa_lm_head\.pt is a pickle.*save_file"):
+        load_drafter(reference_folder, random_target)
+    assert sorted(p.name for p in reference_folder.iterdir()) == [
+        "config.json", "medusa_lm_head.pt",
+    ]  # fmt: skip
+
+
+def test_a_vllm_folder_without_its_token_map_is_named(random_target, tmp_path):
+    d2t = every_other_token(random_target, 100)
+    heads = noisy_heads(random_target, num_heads=2, draft_vocab_size=100, d2t=d2t)
+    out = export(heads, tmp_path / "vllm", "vllm")
+    state = load_file(out / "model.safetensors")
+    del state["token_map"]
+    save_file(state, str(out / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing \['token_map'\]"):
+        load_drafter(out, random_target)

@@ -1,0 +1,78 @@
+"""scripts/export.py: a trained drafter folder loaded with the target its training config names
+and written in each format; bad input exits 2 with a one-line error and writes nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdraft.drafters.checkpoint import load_drafter, save_drafter
+from specdraft.drafters.export import FORMATS
+from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+from specdraft.scripts import export
+
+
+@pytest.fixture(scope="module")
+def heads_folder(tiny_target, tiny_target_path, tmp_path_factory):
+    """Medusa heads trained (here: perturbed) for the tiny demo target, saved as a run does."""
+    torch.manual_seed(0)
+    heads = MedusaDrafter.build(MedusaConfig(num_heads=2), tiny_target)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    folder = tmp_path_factory.mktemp("run") / "final"
+    save_drafter(
+        heads, folder, target_fingerprint=tiny_target.fingerprint,
+        train_config_yaml=f"target: {tiny_target_path}\n",
+    )  # fmt: skip
+    return folder
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_export_writes_heads_that_load_back(tiny_target, heads_folder, fmt, tmp_path, capsys):
+    out = tmp_path / fmt
+    assert export.main(["--format", fmt, str(heads_folder), str(out), "--base-model", "b/m"]) == 0
+    assert f"in {out}" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["base_model_name_or_path"] == "b/m"
+    h = torch.randn(3, tiny_target.hidden_size)
+    original = load_drafter(heads_folder, tiny_target)
+    torch.testing.assert_close(load_drafter(out, tiny_target).logits(h), original.logits(h))
+
+
+def test_the_base_model_defaults_to_where_the_target_was_loaded(
+    heads_folder, tiny_target_path, tmp_path
+):
+    assert export.main(["--format", "medusa", str(heads_folder), str(tmp_path / "out")]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["base_model_name_or_path"] == tiny_target_path
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("not empty", "is not empty and holds no previous export"),
+        ("no drafter", "has no config.json"),
+        ("out is the drafter", "would replace the drafter folder"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(heads_folder, tmp_path, capsys, case, message):
+    folder, out = heads_folder, tmp_path / "out"
+    if case == "not empty":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    elif case == "no drafter":
+        folder = tmp_path / "nothing"
+    else:
+        out = heads_folder
+    force = ["--force"] if case == "out is the drafter" else []  # refused even when forced
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert export.main(["--format", "vllm", str(folder), str(out), *force]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("scripts/export.py: error: ")
+    assert message in errors[0]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    assert sorted(p.name for p in heads_folder.iterdir()) == [
+        "COMPLETE", "config.json", "model.safetensors", "train_config.yaml",
+    ]  # fmt: skip
