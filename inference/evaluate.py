@@ -4,7 +4,10 @@
 transformers' generate; prompt lookup; each --drafter, with transformers' assisted decoding beside
 it); `measure` (inference/measure.py) decodes the same prompts with each; `make_report` and
 `write_report` turn them into report.json, report.md and three plots. Plots name each run by a
-short label (`short_labels`) that report.md and report.json key to its full name.
+short label (`short_labels`) that report.md and report.json key to its full name; a lossy run
+(Medusa's typical acceptance at temperature > 0) has "(lossy)" after its label, a `lossy` flag
+and a line of its own in report.md, beside every run's mean log p (the target's log-likelihood
+of its output: the drift).
 """
 
 from __future__ import annotations
@@ -132,7 +135,8 @@ def make_report(args, target, runs: Sequence[Run]) -> dict:
     greedy = args.temperature == 0
     rows = [summarize(run, runs[0], target, greedy) for run in runs]
     for row, label in zip(rows, short_labels(rows), strict=True):
-        row["label"] = label
+        # a lossy run's speedup is not comparable to the exact ones': every plot says so too
+        row["label"] = f"{label} (lossy)" if row["lossy"] else label
     keys = ("max_new_tokens", "temperature", "top_p", "top_k", "gamma", "topk", "seed", "prompts")
     settings = {k: getattr(args, k) for k in keys}
     settings.update(
@@ -188,12 +192,13 @@ def markdown(report: dict) -> str:
         f"{s['gamma'] if s['gamma'] is not None else 'per drafter'}, "
         f"{s['device']} {s['dtype']}. Speedup: tokens/s over our plain decoding (`ar`), same "
         "process; overhead = tau / speedup - 1; copied = share of target passes whose draft "
-        "was copied from the context (lookup_ngram) rather than drafted by the model. The plots "
-        "name each run by its label.",
+        "was copied from the context (lookup_ngram) rather than drafted by the model; mean log "
+        "p = the target's mean log-likelihood of the emitted tokens (temperature > 0), which "
+        "lossless runs share with `ar` up to noise. The plots name each run by its label.",
         "",
         "| label | run | tau | tokens/s | speedup | overhead | draft time | copied | extra params "
-        "| matches ar |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| matches ar | mean log p | lossy |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
     for r in report["runs"]:
@@ -202,8 +207,17 @@ def markdown(report: dict) -> str:
             f"{r['speedup_vs_ar']:.2f}x | {fmt(r['overhead'])} | "
             f"{fmt(r['draft_time_frac'], '{:.0%}')} | {fmt(r.get('copied_share'), '{:.0%}')} | "
             f"{r['extra_params']:,} | "
-            f"{fmt(r['matches_ar'], '{}')} |"
+            f"{fmt(r['matches_ar'], '{}')} | {fmt(r['mean_log_p'], '{:.3f}')} | "
+            f"{'yes' if r['lossy'] else 'no'} |"
         )
+    lossy = [r["label"] for r in report["runs"] if r["lossy"]]
+    if lossy:
+        lines += [
+            "",
+            f"**Lossy** (typical acceptance): {', '.join(lossy)}. Their output does not follow "
+            "the target's distribution: they trade fidelity (mean log p drifts from the lossless "
+            "runs') for speed, so their speedup is not comparable to the exact runs'.",
+        ]
     lines += ["", "Acceptance per position (alpha_i):", ""]
     for r in report["runs"]:
         if r["acceptance_per_position"]:
@@ -216,7 +230,8 @@ def log_wandb(report: dict, out: Path, project: str) -> None:
     import wandb
 
     run = wandb.init(project=project, config=report["settings"], job_type="evaluate")
-    columns = ["label", "name", "method", "tau", "tokens_per_s", "speedup_vs_ar", "overhead"]
+    columns = ["label", "name", "method", "tau", "tokens_per_s", "speedup_vs_ar", "overhead",
+               "mean_log_p", "lossy"]  # fmt: skip
     table = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in report["runs"]])
     images = {p.stem: wandb.Image(str(p)) for p in out.glob("*.png")}
     run.log({"runs": table, **images})

@@ -7,6 +7,9 @@
 `drafter=None` is plain autoregressive decoding through this same loop (an empty draft every
 step); `drafter="prompt_lookup"` is the training-free n-gram drafter.
 
+Output is exact (greedy, or the target's distribution at T > 0) unless a Medusa drafter is asked
+for typical acceptance (`acceptance="typical"`) at T > 0: then it is lossy, and the stats say so.
+
 Invariants the loop keeps between steps: the target's KV cache holds the first `cached` tokens of
 the sequence, and the tokens after them (`pending`: the whole prompt at first, then the last bonus
 token, then sometimes more) are fed at the start of the next verification. So prefill is simply
@@ -42,7 +45,7 @@ from specdraft.drafters.prompt_lookup import CopyingSession, PromptLookupDrafter
 from specdraft.drafters.target import Target
 from specdraft.inference.metrics import Stats
 from specdraft.inference.tree import tree_attention
-from specdraft.inference.verify import verify_greedy, verify_sampling
+from specdraft.inference.verify import verify_greedy, verify_sampling, verify_typical
 
 
 @dataclass
@@ -70,7 +73,8 @@ def generate(
     drafter: None (plain decoding), "prompt_lookup", a drafter from `load_drafter`, or any HF
     causal LM sharing the target's vocabulary (drafts as a two-model drafter).
     temperature 0 is greedy: output equals the target's greedy decoding token for token. Above
-    0, output follows the target's distribution after temperature, top-k and top-p exactly.
+    0, output follows the target's distribution after temperature, top-k and top-p exactly,
+    except with acceptance="typical" (Medusa only), which is lossy (stats.lossy).
     decode: how the drafter drafts (specdraft.core.DecodeConfig); None: the drafter's own
     defaults (saved with a trained drafter; DecodeConfig() otherwise). settings: DecodeConfig keys
     that override it for this call, e.g. gamma=8, tree_top_k=4, lookup_ngram=2.
@@ -79,7 +83,11 @@ def generate(
     sampling = SamplingSettings(temperature=float(temperature), top_k=int(top_k), top_p=top_p)
     device = target.device
     generator = torch.Generator(device=device).manual_seed(seed)
-    session, stats = _start_session(target, drafter, sampling, generator, decode, settings)
+    session, stats, decode = _start_session(target, drafter, sampling, generator, decode, settings)
+    # at temperature 0 typical acceptance is greedy verification: exact, nothing to mark
+    typical = decode is not None and decode.acceptance == "typical" and not sampling.greedy
+    stats.lossy = typical
+    log_p = torch.zeros((), dtype=torch.float64, device=device)  # sum of log p(emitted), T > 0
     eos = eos_ids(target.model)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
@@ -127,7 +135,12 @@ def generate(
             path, next_token = verify_greedy(tree, logits.argmax(-1).tolist())
         else:
             p = process_logits(logits, sampling)  # (n + 1, vocab)
-            path, next_token = verify_sampling(tree, p, generator)
+            if typical:
+                path, next_token = verify_typical(
+                    tree, p, generator, epsilon=decode.typical_epsilon, delta=decode.typical_delta
+                )
+            else:
+                path, next_token = verify_sampling(tree, p, generator)
 
         # 4. Keep both caches on the accepted path; the new token stays pending.
         compact(cache, length, path)
@@ -147,6 +160,11 @@ def generate(
                 new, stop = new[: i + 1], True
                 break
         seq[0, length : length + len(new)] = torch.tensor(new, device=device)
+        if not sampling.greedy:
+            # emitted token j was chosen at row 0 (the root) or at its accepted parent node's row
+            rows = ([0] + [1 + c for c in path])[: len(new)]
+            log_p += p[rows, new].double().log().sum()  # stays on the device: no sync per step
+            stats.log_p_tokens += len(new)
         length += len(new)
         stats.record_step(n, tree.depth, len(path), len(new))
         stats.draft_seconds += (t1 - t0) + (t3 - t2)
@@ -154,6 +172,7 @@ def generate(
         if stop:
             break
     stats.total_seconds = time.perf_counter() - start
+    stats.log_p_sum = float(log_p)
     if session is not None:
         stats.drafter_kv_bytes = session.extra_memory_bytes()
         stats.copies = isinstance(session, CopyingSession)
@@ -195,13 +214,19 @@ def _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k):
 
 
 def _start_session(target, drafter, sampling, generator, decode, settings):
-    """The drafting session for this call (None for plain decoding) and fresh stats."""
+    """The drafting session for this call (None for plain decoding), fresh stats and the
+    resolved decoding settings (None for plain decoding)."""
     stats = Stats()
     settings = {k: v for k, v in settings.items() if v is not None}
     if drafter is None:
+        if "typical" in (settings.get("acceptance"), getattr(decode, "acceptance", None)):
+            raise ValueError(
+                "acceptance='typical' needs a Medusa drafter, and plain decoding (drafter=None) "
+                "drafts nothing to accept: pass a Medusa drafter, or drop acceptance"
+            )
         if settings or decode is not None:
             raise ValueError(f"decoding settings {sorted(settings)} given without a drafter")
-        return None, stats
+        return None, stats, None
     if isinstance(drafter, str):
         if drafter != "prompt_lookup":
             raise ValueError(
@@ -217,10 +242,21 @@ def _start_session(target, drafter, sampling, generator, decode, settings):
         f"this {drafter.kind} drafter",
     )
     decode = (decode if decode is not None else drafter.decode).replace(**settings)
+    if decode.acceptance == "typical" and drafter.kind != "medusa":
+        raise ValueError(
+            f"acceptance='typical' is Medusa's typical acceptance, and this is a {drafter.kind} "
+            "drafter, whose drafts the loop verifies exactly (lossless): use acceptance='exact' "
+            "with it, or a Medusa drafter for typical acceptance"
+        )
     for message in drafter.ignored_settings(decode):
         warn_once(message)
-    session = drafter.new_session(target, sampling=sampling, decode=decode, generator=generator)
+    drafting = sampling
+    if decode.acceptance == "typical":
+        # Typical acceptance needs no draft distribution q: the heads draft their top
+        # candidates, as the reference's do, rather than sampling from q.
+        drafting = SamplingSettings()
+    session = drafter.new_session(target, sampling=drafting, decode=decode, generator=generator)
     if decode.lookup_ngram > 0 and not isinstance(drafter, PromptLookupDrafter):
         session = CopyingSession(session, decode.lookup_ngram, decode.gamma)
     stats.drafter_params = drafter.num_extra_parameters(target)
-    return session, stats
+    return session, stats, decode

@@ -20,7 +20,7 @@ import torch
 
 from specdraft.core import DecodeConfig
 from specdraft.data.demo import demo_prompts
-from specdraft.drafters.checkpoint import load_drafter
+from specdraft.drafters.checkpoint import load_drafter, set_decode
 from specdraft.inference.generate import generate
 from specdraft.inference.metrics import Stats
 
@@ -157,6 +157,9 @@ def summarize(run: Run, ar: Run, target, greedy: bool) -> dict:
         "num_prompts": len(run.outputs),
         "new_tokens": run.stats.new_tokens,
         "matches_ar": (run.outputs == ar.outputs) if greedy else None,
+        # drift beside speedup: lossless sampling keeps the target's mean log p (up to noise)
+        "mean_log_p": run.stats.mean_log_p if run.has_stats else None,
+        "lossy": run.stats.lossy if run.has_stats else False,
     }
 
 
@@ -180,6 +183,7 @@ def measure_vs_plain(
     measure([ar, run], prompts, target, log)
     row = summarize(run, ar, target, greedy=options.get("temperature", 0.0) == 0)
     row["ar_tokens_per_s"] = ar.stats.new_tokens / ar.seconds
+    row["ar_mean_log_p"] = ar.stats.mean_log_p
     return {**row, "max_new_tokens": max_new_tokens, **options}
 
 
@@ -211,27 +215,48 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
         torch.set_num_threads(cfg.eval_loop.threads or usable_cores())
     try:
         drafter = load_drafter(final, target)
+        tuning = None
+        if cfg.eval_loop.tune_budgets and not drafter.decode.chain:
+            decode, tuning = tune_tree_budget(
+                target, drafter, prompts[: cfg.eval_loop.tune_prompts],
+                cfg.eval_loop.tune_budgets, max_new_tokens=cfg.eval_loop.max_new_tokens,
+                temperature=cfg.eval_loop.temperature, seed=cfg.seed,
+            )  # fmt: skip
+            print(
+                "[specdraft] tree budget by measured tokens/s: "
+                + ", ".join(f"{r['tree_budget']}: {r['tokens_per_s']:.1f}" for r in tuning)
+                + f"; {final} now drafts with tree_budget={decode.tree_budget}"
+            )
+            set_decode(final, decode)
+            drafter.decode = decode
         m = measure_vs_plain(
             target, drafter, prompts, seed=cfg.seed,
             max_new_tokens=cfg.eval_loop.max_new_tokens, temperature=cfg.eval_loop.temperature,
         )  # fmt: skip
         m["torch_threads"] = torch.get_num_threads()
         m["decode"] = dataclasses.asdict(drafter.decode)
+        if tuning is not None:
+            m["tree_budget_tuning"] = tuning
     finally:
         torch.set_num_threads(threads)
     m["simulated_tau"] = simulated
     path = Path(result.output_dir) / "eval_loop.json"
     path.write_text(json.dumps(m, indent=2) + "\n")
     sim = "none" if simulated is None else f"{simulated:.3f}"
-    copied = ""
+    notes = ""
     if m.get("copied_share") is not None:  # a hybrid: say how much of it was the model
-        copied = f", {m['copied_share']:.0%} of passes verified a draft copied from the context"
+        notes = f", {m['copied_share']:.0%} of passes verified a draft copied from the context"
+    if m["lossy"]:  # a speedup bought with output that no longer follows the target
+        notes += (
+            f"; LOSSY (typical acceptance): mean log p {m['mean_log_p']:.3f} vs plain "
+            f"sampling's {m['ar_mean_log_p']:.3f}"
+        )
     print(
         f"[specdraft] in the loop on {m['num_prompts']} prompts x "
         f"{m['max_new_tokens']} new tokens: measured tau {m['tau']:.3f} (simulated {sim}), "
         f"speedup {m['speedup_vs_ar']:.2f}x plain decoding ({m['tokens_per_s']:.1f} vs "
         f"{m['ar_tokens_per_s']:.1f} tokens/s, same process, {m['torch_threads']} CPU "
-        f"thread(s)){copied}; {path}"
+        f"thread(s)){notes}; {path}"
     )
     return m
 
@@ -241,3 +266,33 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def tune_tree_budget(
+    target,
+    drafter,
+    prompts: Sequence[torch.Tensor],
+    budgets: Sequence[int],
+    *,
+    max_new_tokens: int,
+    **options,
+) -> tuple[DecodeConfig, list[dict]]:
+    """The drafter's decoding settings with the tree budget that decodes `prompts` fastest on
+    this machine, and one row per budget tried (budget, tokens_per_s, tau). A tree's best size
+    depends on the hardware (how much more a wider verification costs than a plain step) as
+    much as on the drafter, so it is measured where the drafter will run. options: generate's
+    sampling options (temperature, seed, ...)."""
+    runs = []
+    for b in budgets:
+        decode = drafter.decode.replace(tree_budget=b)
+        decoder = loop_decoder(
+            target, drafter, max_new_tokens=max_new_tokens, decode=decode, **options
+        )
+        runs.append(Run(f"tree_budget={b}", drafter.kind, decoder))
+    measure(runs, prompts, target)
+    rows = [
+        {"tree_budget": b, "tokens_per_s": run.stats.new_tokens / run.seconds, "tau": run.stats.tau}
+        for b, run in zip(budgets, runs, strict=True)
+    ]
+    best = max(rows, key=lambda r: r["tokens_per_s"])["tree_budget"]
+    return drafter.decode.replace(tree_budget=best), rows

@@ -8,6 +8,12 @@
 - extra memory: drafter parameters beyond the target's, plus the drafter's KV bytes at the end.
 - copied passes: target passes whose draft a model drafter copied from the context instead of
   running its model (lookup_ngram, any kind), so a hybrid's figures say how much came from which.
+- mean log p (temperature > 0): the mean over emitted tokens of log p(token), p the target's
+  processed distribution (temperature, top-k, top-p) at that token's position. Under lossless
+  sampling each term has expectation E_p[log p] = -H(p); a lossy acceptance rule (Medusa's
+  typical acceptance) drifts from that, and this figure beside tau shows by how much. Not
+  recorded when greedy (p is a point mass there).
+- lossy: the output did not follow the target's distribution (typical acceptance at T > 0).
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ class Stats:
     drafter_kv_bytes: int = 0
     copied_passes: int = 0
     copies: bool = False  # the drafter may copy from the context (copied_passes is meaningful)
+    log_p_sum: float = 0.0  # sum of log p(token) over the tokens it was recorded for
+    log_p_tokens: int = 0  # tokens whose log p was recorded (0 when greedy)
+    lossy: bool = False  # accepted by a rule that does not keep the target's distribution
 
     def record_step(self, tree_size: int, tree_depth: int, path_len: int, emitted: int) -> None:
         self.target_passes += 1
@@ -65,16 +74,23 @@ class Stats:
         return self.draft_seconds / busy if busy > 0 else 0.0
 
     @property
+    def mean_log_p(self) -> float | None:
+        """The target's mean log-likelihood of the emitted tokens; None where not recorded."""
+        return self.log_p_sum / self.log_p_tokens if self.log_p_tokens else None
+
+    @property
     def extra_memory_bytes(self) -> int:
         return self.drafter_kv_bytes
 
     def merge(self, other: Stats) -> Stats:
         """Sum of two runs (e.g. over prompts); memory figures take the larger."""
         out = Stats()
-        for name in ("new_tokens", "target_passes", "drafted", "accepted", "copied_passes"):
+        for name in ("new_tokens", "target_passes", "drafted", "accepted", "copied_passes",
+                     "log_p_tokens"):  # fmt: skip
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.copies = self.copies or other.copies
-        for name in ("draft_seconds", "verify_seconds", "total_seconds"):
+        out.lossy = self.lossy or other.lossy
+        for name in ("draft_seconds", "verify_seconds", "total_seconds", "log_p_sum"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.reached_at), len(other.reached_at))
         out.reached_at = _add_padded(self.reached_at, other.reached_at, n)
@@ -101,6 +117,8 @@ class Stats:
             "drafter_kv_bytes": self.drafter_kv_bytes,
             "copied_passes": self.copied_passes,
             "copies": self.copies,
+            "mean_log_p": self.mean_log_p,
+            "lossy": self.lossy,
         }
 
 

@@ -10,6 +10,8 @@ counted the same way for all (up to and including the first EOS). Speedups are r
 plain decoding (`ar`, always run). Writes DIR/report.json, DIR/report.md and PNG plots
 (acceptance per position, tau distribution, speedup with its draft/verify split), which name
 each run by a short label (eagle#1, ...) that report.md and report.json key to its full name.
+A lossy run (a Medusa drafter with acceptance=typical at temperature > 0) is labelled
+"(lossy)", and its mean log p (the target's log-likelihood of its output) shows the drift.
 
 Methods: `ar` (our loop, no drafter), `hf_ar` (transformers' generate), `prompt_lookup` (our
 loop), `hf_prompt_lookup` (transformers' prompt lookup), each --drafter in our loop, and
@@ -70,7 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a trained drafter (repeat; the same folder may come back with other settings): "
         "after a colon, decoding settings for this drafter only, over its saved defaults "
         "(gamma, tree_top_k, tree_budget, stop_below, draft_weights, lookup_ngram, "
-        "dynamic_gamma: specdraft.core.DecodeConfig)",
+        "dynamic_gamma, acceptance, typical_epsilon, typical_delta: specdraft.core.DecodeConfig; "
+        "acceptance=typical, Medusa only, is lossy at temperature > 0 and marked so)",
     )
     parser.add_argument("--baselines", default=",".join(BASELINES))
     parser.add_argument("--prompts", default="demo", help="demo, or a .txt/.json/.jsonl file")

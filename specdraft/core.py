@@ -65,6 +65,19 @@ class DecodeConfig:
     lookup_ngram: int = 0
     # Two-model drafts: grow gamma after a draft accepted to its full depth, shrink it otherwise.
     dynamic_gamma: bool = False
+    # How drafts are accepted at temperature > 0. exact: lossless rejection sampling, output
+    # follows the target's distribution. typical: Medusa's typical acceptance (Medusa drafters
+    # only): a draft token is kept when the target gives it more than min(typical_epsilon,
+    # typical_delta * exp(-entropy)); more tokens per pass, but output drifts from the target's
+    # distribution (lossy; evaluate.py marks such runs). At temperature 0 both are greedy.
+    acceptance: str = choice("exact", "typical")
+    # acceptance=typical: epsilon, the threshold's cap (the Medusa reference's
+    # posterior_threshold), which applies where the target is confident; raise it to accept less.
+    typical_epsilon: float = 0.09
+    # acceptance=typical: delta, the scale of the entropy-adapted threshold delta * exp(-H(p))
+    # (the reference's posterior_alpha, suggested sqrt(typical_epsilon)), which lowers the
+    # threshold where the target is unsure (high entropy H); raise it to accept less there.
+    typical_delta: float = 0.3
 
     def __post_init__(self) -> None:
         for key, low in (("gamma", 1), ("tree_top_k", 1), ("tree_budget", 1), ("lookup_ngram", 0)):
@@ -76,6 +89,13 @@ class DecodeConfig:
             raise ValueError(f"stop_below must be a number in [0, 1); got {stop!r}")
         if not isinstance(self.dynamic_gamma, bool):
             raise ValueError(f"dynamic_gamma must be true or false; got {self.dynamic_gamma!r}")
+        for key in ("typical_epsilon", "typical_delta"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(
+                    f"{key} must be a number in (0, 1]; got {value!r} (the Medusa reference "
+                    "uses typical_epsilon=0.09, typical_delta=0.3)"
+                )
         check_choices(self)
 
     @property

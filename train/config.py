@@ -33,6 +33,13 @@ class LoopEvalConfig:
     max_new_tokens: int = 128
     # 0 is greedy (output must equal plain decoding's); above 0, seeded lossless sampling.
     temperature: float = 0.0
+    # Trees (decode.tree_top_k > 1): first decode the first tune_prompts prompts with each of
+    # these tree budgets and save the fastest (tokens/s on this machine) as the drafter's
+    # tree_budget; empty: keep decode.tree_budget. How many nodes pay off depends on the
+    # hardware: a CPU verifies 16 tokens at ~2 plain steps' cost, a GPU 64 at about one.
+    tune_budgets: list[int] = field(default_factory=list)
+    # Prompts each budget is measured on.
+    tune_prompts: int = 6
     # CPU threads for the measurement; 0: every core this process may use, as decoding would.
     # (`accelerate launch` pins a lone CPU process to 1 thread for training; decoding speedups
     # differ by thread count, so the measurement states the count it ran with.)
@@ -44,7 +51,12 @@ class LoopEvalConfig:
                 f"eval_loop.threads must be >= 0 (0: all cores); got {self.threads}",
                 key="eval_loop.threads",
             )
-        for key in ("num_prompts", "max_new_tokens"):
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.tune_budgets):
+            raise ConfigError(
+                f"eval_loop.tune_budgets must be integers >= 1; got {list(self.tune_budgets)}",
+                key="eval_loop.tune_budgets",
+            )
+        for key in ("num_prompts", "max_new_tokens", "tune_prompts"):
             if getattr(self, key) < 1:
                 raise ConfigError(
                     f"eval_loop.{key} must be >= 1; got {getattr(self, key)}",
@@ -191,6 +203,12 @@ class TrainConfig:
         for key in ("min_lr_ratio", "adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, key) <= 1:
                 raise ConfigError(f"{key} must be in [0, 1]; got {getattr(self, key)}", key=key)
+        if self.decode.acceptance == "typical" and self.kind not in ("base", "medusa"):
+            raise ConfigError(
+                "decode.acceptance=typical is Medusa's lossy acceptance rule, and this trains "
+                f"a {self.kind} drafter, which is verified exactly: set decode.acceptance=exact",
+                key="decode.acceptance",
+            )
         if self.output_dir is None:
             self.output_dir = f"runs/{self.kind}-demo"
         if self.run_name is None:

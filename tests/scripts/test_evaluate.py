@@ -31,6 +31,8 @@ FIELDS = {
     "num_prompts",
     "new_tokens",
     "matches_ar",
+    "mean_log_p",
+    "lossy",
 }
 
 
@@ -81,6 +83,7 @@ def test_greedy_report(tiny_target_path, draft_folder, tmp_path):
     }
     for r in runs.values():
         assert set(r) == FIELDS
+        assert r["mean_log_p"] is None and r["lossy"] is False  # greedy: p is a point mass
         assert r["num_prompts"] == 2 and 0 < r["new_tokens"] <= 24
         assert r["matches_ar"] is True  # greedy: every method reproduces plain decoding
         assert r["tokens_per_s"] > 0
@@ -121,6 +124,10 @@ def test_sampling_report_has_no_greedy_match(tiny_target_path, tmp_path):
     runs = json.loads((out / "report.json").read_text())["runs"]
     assert [r["name"] for r in runs] == ["ar", "prompt_lookup"]
     assert all(r["matches_ar"] is None for r in runs)
+    # lossless sampling: the target's log-likelihood of the output is measured, nothing is lossy
+    assert all(r["mean_log_p"] < 0 and r["lossy"] is False for r in runs)
+    assert "| mean log p | lossy |" in (out / "report.md").read_text()
+    assert "**Lossy**" not in (out / "report.md").read_text()
 
 
 def test_unknown_baseline_is_refused(tmp_path):

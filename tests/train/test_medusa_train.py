@@ -40,6 +40,7 @@ def test_training_lowers_the_loss_and_final_drafts_a_measured_tree(
         "data.max_length=32", "warmup_steps=1", "lr=3e-3", "drafter.num_heads=3", *drafter,
         "decode.gamma=3", "decode.tree_top_k=3", "decode.tree_budget=6",
         "eval_loop.num_prompts=2", "eval_loop.max_new_tokens=12", "eval_loop.threads=1",
+        "eval_loop.tune_budgets=[2,6]", "eval_loop.tune_prompts=1",
     ])  # fmt: skip
     assert code == 0
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
@@ -52,8 +53,12 @@ def test_training_lowers_the_loss_and_final_drafts_a_measured_tree(
     for acc in (heads.accuracy_greedy, heads.accuracy_sampled):
         assert acc.shape == (3, heads.config.accuracy_ranks) and not torch.isnan(acc).any()
         assert torch.all(acc.sum(1) <= 1 + 1e-6)
-    assert heads.decode.tree_budget == 6
     served = json.loads((out / "eval_loop.json").read_text())
+    # the budget was chosen by measured tokens/s, saved with the heads and measured with
+    tuning = served["tree_budget_tuning"]
+    assert [r["tree_budget"] for r in tuning] == [2, 6]
+    fastest = max(tuning, key=lambda r: r["tokens_per_s"])["tree_budget"]
+    assert heads.decode.tree_budget == served["decode"]["tree_budget"] == fastest
     assert served["num_prompts"] == 2 and served["drafted"] > 0
     assert served["matches_ar"] is True  # greedy: the same tokens as plain greedy decoding
 
@@ -74,6 +79,9 @@ def test_bad_input_is_a_clear_error(tiny_target_path, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*common, "drafter.output=shared", "drafter.draft_vocab_size=10"])
     assert "needs output=own" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*common, "eval_loop.tune_budgets=[4,0]"])
+    assert "tune_budgets must be integers >= 1" in capsys.readouterr().err
 
 
 def medusa2_args(target_path, out) -> list[str]:
