@@ -22,7 +22,8 @@ import torch
 
 from specdraft.config import override
 from specdraft.core import DecodeConfig, eos_ids
-from specdraft.drafters.checkpoint import load_drafter
+from specdraft.drafters.checkpoint import load_drafter, read_metadata
+from specdraft.drafters.target import load_target
 from specdraft.inference.measure import Run, loop_decoder, summarize
 
 BASELINES = ("ar", "hf_ar", "prompt_lookup", "hf_assisted", "hf_prompt_lookup")
@@ -97,6 +98,15 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
     transformers' assisted decoding with it if it is a HF model and hf_assisted is asked for.
     Raises ValueError (a ConfigError) naming `spec` and the key for a bad setting."""
     path, items = split_drafter_spec(spec)
+    runs: list[Run] = []
+    tuned = fine_tuned_target(path, target, args)
+    if tuned is not None:
+        # Heads trained with the target fine-tuned (Medusa-2) decode with that target: its own
+        # plain decoding is the output they must equal; speedups stay against `ar`, since the
+        # merged target costs what the base does per step.
+        target = tuned
+        plain = Run(f"ar[{Path(path).parent.name or path}]", "ar", _ours(target, args, None))
+        runs.append(plain)
     drafter = load_drafter(path, target)
     decode = drafter.decode.replace(gamma=args.gamma, tree_top_k=args.topk)
     decode = override(decode, items, source=f"--drafter {spec}")
@@ -105,7 +115,9 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
         name += ":" + ",".join(items)
     params = drafter.num_extra_parameters(target)
     decoding = _ours(target, args, drafter, decode)
-    runs = [Run(name, drafter.kind, decoding, params, settings=dataclasses.asdict(decode))]
+    runs.append(Run(name, drafter.kind, decoding, params, settings=dataclasses.asdict(decode)))
+    if tuned is not None:
+        runs[-1].same_as = runs[0].name
     hf_model = getattr(drafter, "hf_model", None)
     if "hf_assisted" in args.baselines.split(",") and hf_model is not None:
         # transformers reads gamma and its schedule from the assistant's own generation
@@ -116,6 +128,24 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
         assisted = _hf(target, args, assistant_model=hf_model)
         runs.append(Run(f"hf_assisted[{name}]", "hf_assisted", assisted, params))
     return runs
+
+
+def fine_tuned_target(path: str, base, args):
+    """The fine-tuned target a drafter folder decodes with, when its heads were trained with the
+    target fine-tuned (its fingerprint names an adapter, saved in FOLDER/adapter): the base
+    with that adapter merged. None for every other drafter."""
+    meta, _ = read_metadata(path)
+    if not (meta or {}).get("target_fingerprint", {}).get("adapter"):
+        return None
+    adapter = Path(path) / "adapter"
+    if not adapter.is_dir():
+        raise ValueError(
+            f"--drafter {path}: its heads decode with a fine-tuned target, and the folder has no "
+            "adapter/ to build it from; pass --target the run's merged target instead"
+        )
+    if base.fingerprint.get("adapter"):  # --target is already a fine-tuned target
+        return None
+    return load_target(args.target, dtype=args.dtype, device=args.device, adapter=adapter)
 
 
 def split_drafter_spec(spec: str) -> tuple[str, list[str]]:
@@ -133,7 +163,10 @@ def make_report(args, target, runs: Sequence[Run]) -> dict:
     """report.json's content: the target, the settings, and one row of figures per run (`ar`
     first), each with the short `label` the plots name it by."""
     greedy = args.temperature == 0
-    rows = [summarize(run, runs[0], target, greedy) for run in runs]
+    by_name = {run.name: run for run in runs}
+    rows = [
+        summarize(run, runs[0], target, greedy, same_as=by_name.get(run.same_as)) for run in runs
+    ]
     for row, label in zip(rows, short_labels(rows), strict=True):
         # a lossy run's speedup is not comparable to the exact ones': every plot says so too
         row["label"] = f"{label} (lossy)" if row["lossy"] else label

@@ -38,6 +38,9 @@ class Run:
     stats: Stats = field(default_factory=Stats)
     has_stats: bool = True  # False for methods outside our loop (transformers' generate)
     settings: dict | None = None  # the DecodeConfig a trained drafter drafted with, as a dict
+    # The run whose outputs this one's must equal when greedy (None: `ar`); a drafter decoding
+    # with a fine-tuned target (Medusa-2) names that target's own plain decoding.
+    same_as: str | None = None
 
 
 def loop_prompts(eval_loop, data_path: str, target, eval_examples) -> list[torch.Tensor]:
@@ -130,8 +133,10 @@ def measure(runs: Sequence[Run], prompts: Sequence[torch.Tensor], target, log=No
             log(f"{run.name}: {sum(map(len, run.outputs))} tokens")
 
 
-def summarize(run: Run, ar: Run, target, greedy: bool) -> dict:
-    """One run's figures beside plain decoding `ar` (measured on the same prompts)."""
+def summarize(run: Run, ar: Run, target, greedy: bool, same_as: Run | None = None) -> dict:
+    """One run's figures beside plain decoding `ar` (measured on the same prompts); greedy
+    output is checked against `same_as` when given (the plain decoding of the target the run
+    decoded with), else against `ar`."""
     tps = run.stats.new_tokens / run.seconds
     speedup = tps / (ar.stats.new_tokens / ar.seconds)
     tau = run.stats.tau if run.has_stats else (1.0 if run.method == "hf_ar" else None)
@@ -156,7 +161,7 @@ def summarize(run: Run, ar: Run, target, greedy: bool) -> dict:
         "extra_memory_bytes": run.extra_params * target.dtype.itemsize + run.stats.drafter_kv_bytes,
         "num_prompts": len(run.outputs),
         "new_tokens": run.stats.new_tokens,
-        "matches_ar": (run.outputs == ar.outputs) if greedy else None,
+        "matches_ar": (run.outputs == (same_as or ar).outputs) if greedy else None,
         # drift beside speedup: lossless sampling keeps the target's mean log p (up to noise)
         "mean_log_p": run.stats.mean_log_p if run.has_stats else None,
         "lossy": run.stats.lossy if run.has_stats else False,

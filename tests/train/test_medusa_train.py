@@ -15,6 +15,7 @@ from specdraft.drafters.checkpoint import CheckpointError, load_drafter
 from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.drafters.target import TargetError, load_target
 from specdraft.inference import generate
+from specdraft.scripts import evaluate
 from specdraft.train.medusa import DEFAULT_CONFIG, MedusaTrainConfig, main
 
 RECIPES = sorted(Path(DEFAULT_CONFIG).parent.glob("*.yaml"))
@@ -127,6 +128,15 @@ def test_medusa2_fine_tunes_the_target_and_the_heads_belong_to_it(
         assert spec.tokens.tolist() == plain.tokens.tolist() and spec.stats.drafted > 0
     served = json.loads((out / "eval_loop.json").read_text())
     assert served["matches_ar"] is True  # lossless for the fine-tuned target it decodes with
+    # evaluate.py decodes the heads with their fine-tuned target (merged from final/adapter)
+    # and checks them against that target's own plain decoding, beside the base's `ar`
+    report_dir = tmp_path / "eval"
+    evaluate.main([
+        "--target", tiny_target_path, "--drafter", str(out / "final"), "--baselines", "ar",
+        "--num-prompts", "2", "--max-new-tokens", "12", "--output", str(report_dir),
+    ])  # fmt: skip
+    rows = {r["name"]: r for r in json.loads((report_dir / "report.json").read_text())["runs"]}
+    assert list(rows)[:2] == ["ar", "ar[run]"] and rows[str(out / "final")]["matches_ar"] is True
     # resuming from the step-3 checkpoint restores the adapters with the heads: bit-exact
     resumed = tmp_path / "resumed"
     resumed.mkdir()
