@@ -268,3 +268,20 @@ def test_bad_settings_are_clear_errors(random_target):
                        {random_target.num_layers: torch.zeros(1, 2, random_target.hidden_size)})  # fmt: skip
     with pytest.raises(ValueError, match="too short for any Medusa head"):
         heads(short, out)
+
+
+def test_an_adapter_of_another_model_is_a_clear_error(tmp_path):
+    """A LoRA adapter trained on a model of another shape does not merge into the target: the
+    error names the adapter folder and the fix."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from spec_helpers import tiny_llama
+
+    from specdraft.drafters.target import TargetError, merge_adapter
+
+    other = get_peft_model(
+        tiny_llama(384, seed=0, hidden=48), PeftLoraConfig(r=4, target_modules=["q_proj"])
+    )
+    other.save_pretrained(str(tmp_path))
+    with pytest.raises(TargetError, match=r"does not fit this target.*load the base model"):
+        merge_adapter(tiny_llama(384, seed=1, hidden=32), tmp_path)
