@@ -274,9 +274,10 @@ def merge_adapter(model: PreTrainedModel, adapter: str | Path) -> PreTrainedMode
     try:
         peft_model = PeftModel.from_pretrained(model, str(folder))
     except (ValueError, RuntimeError, KeyError) as err:  # names or shapes that do not fit
+        detail = " ".join(str(err).split())[:300]  # peft lists every mismatch: the first few
         raise TargetError(
-            f"the adapter in {folder} does not fit this target ({err}); load the base model it "
-            "was trained on"
+            f"the adapter in {folder} does not fit this target ({detail}...); load the base "
+            "model it was trained on"
         ) from err
     digest = adapter_hash(get_peft_model_state_dict(peft_model))
     merged = peft_model.merge_and_unload()
