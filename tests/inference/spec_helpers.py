@@ -8,7 +8,9 @@ import copy
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.drafters.target import Target
+from specdraft.inference import generate
 
 
 def tiny_llama(vocab: int, seed: int, hidden: int = 32, layers: int = 2, init: float = 0.3):
@@ -78,3 +80,32 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     stat = ((counts - expected) ** 2 / expected).sum()
     df = torch.tensor(float(counts.numel() - 1))
     return float(torch.special.gammaincc(df / 2, stat / 2))
+
+
+MEDUSA_PROMPTS = [[5, 17, 42, 17, 5, 9], [100, 3, 250, 7], [33, 33, 8, 301, 12, 6, 90]]
+
+
+def fitted_medusa_heads(
+    target, config: dict, d2t=None, *, prompts=MEDUSA_PROMPTS, steps: int = 60, measure=True
+) -> MedusaDrafter:
+    """Medusa heads (self-distillation, MedusaConfig keys `config`) fitted for a few Adam steps to
+    the target's own greedy text after `prompts`: they predict it often but not always, so
+    drafts there are both accepted and rejected. measure: their per-rank accuracies measured on
+    that text (the tree's input); else left unmeasured."""
+    torch.manual_seed(0)
+    heads = MedusaDrafter.build(MedusaConfig(loss="kl", **config), target, d2t)
+    rows = [p + generate(target, p, max_new_tokens=40).tokens[0].tolist() for p in prompts]
+    ids = torch.tensor([row[: min(map(len, rows))] for row in rows])
+    ones = torch.ones_like(ids)
+    batch = {"input_ids": ids, "attention_mask": ones, "loss_mask": ones}
+    out = target.forward(ids, capture_layers=[target.num_layers])
+    optimizer = torch.optim.Adam(heads.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss, _ = heads(batch, out)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    heads.eval()
+    if measure:
+        heads.finish_evaluation(heads.eval_statistics(batch, out))
+    return heads

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from spec_helpers import MEDUSA_PROMPTS, fitted_medusa_heads
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, TargetOutput
 from specdraft.drafters.checkpoint import load_drafter, save_drafter
@@ -193,32 +194,7 @@ GREEDY_CASES = {
 }  # fmt: skip
 
 
-PROMPTS = [[5, 17, 42, 17, 5, 9], [100, 3, 250, 7], [33, 33, 8, 301, 12, 6, 90]]
-
-
-def fitted_heads(target, config: dict, d2t=None, steps: int = 60) -> MedusaDrafter:
-    """Heads fitted for a few Adam steps to the target's own greedy text after PROMPTS: they
-    predict it often but not always, so drafts are both accepted and rejected."""
-    torch.manual_seed(0)
-    heads = MedusaDrafter.build(MedusaConfig(loss="kl", **config), target, d2t)
-    ids = [p + generate(target, p, max_new_tokens=40).tokens[0].tolist() for p in PROMPTS]
-    length = min(map(len, ids))
-    ids = torch.tensor([row[:length] for row in ids])
-    batch = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "loss_mask": torch.ones_like(ids),
-    }
-    out = target.forward(ids, capture_layers=[target.num_layers])
-    optimizer = torch.optim.Adam(heads.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss, _ = heads(batch, out)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    heads.eval()
-    heads.finish_evaluation(heads.eval_statistics(batch, out))
-    return heads
+PROMPTS = MEDUSA_PROMPTS
 
 
 @pytest.mark.parametrize("case", GREEDY_CASES)
@@ -227,7 +203,7 @@ def test_greedy_output_equals_plain_greedy_decoding(random_target, case, monkeyp
     d2t = None
     if config.get("draft_vocab_size"):  # every other token: some of the target's are missing
         d2t = torch.arange(0, random_target.vocab_size, 2)[: config["draft_vocab_size"]]
-    heads = fitted_heads(random_target, config, d2t)
+    heads = fitted_medusa_heads(random_target, config, d2t)
     sizes = []
     propose = MedusaSession.propose
     monkeypatch.setattr(

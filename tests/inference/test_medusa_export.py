@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from spec_helpers import make_target, tiny_llama
+from spec_helpers import MEDUSA_PROMPTS, fitted_medusa_heads, make_target, tiny_llama
 
 from specdraft.drafters.checkpoint import CheckpointError, load_drafter
 from specdraft.drafters.export import ExportError, export_drafter
@@ -179,26 +179,12 @@ def test_the_files_and_the_reloaded_heads_give_the_original_logits(random_target
     torch.testing.assert_close(target_logits(loaded, h), expected, rtol=1e-5, atol=1e-5)
 
 
-PROMPTS = [[5, 17, 42, 17, 5, 9], [100, 3, 250, 7]]
-
-
-def fitted_heads(target, steps: int = 40) -> MedusaDrafter:
-    """Heads fitted for a few Adam steps to the target's own greedy text after PROMPTS, so its
-    drafts there are often accepted."""
-    torch.manual_seed(0)
-    heads = MedusaDrafter.build(MedusaConfig(num_heads=4, loss="kl"), target)
-    rows = [p + generate(target, p, max_new_tokens=40).tokens[0].tolist() for p in PROMPTS]
-    ids = torch.tensor([row[: min(map(len, rows))] for row in rows])
-    ones = torch.ones_like(ids)
-    batch = {"input_ids": ids, "attention_mask": ones, "loss_mask": ones}
-    out = target.forward(ids, capture_layers=[target.num_layers])
-    optimizer = torch.optim.Adam(heads.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss, _ = heads(batch, out)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return heads.eval()
+def fitted_heads(target) -> MedusaDrafter:
+    """Fitted heads whose drafts are often accepted; unmeasured, as an export carries no
+    accuracies, so the original and the reloaded heads build the same (assumed) tree."""
+    return fitted_medusa_heads(
+        target, dict(num_heads=4), prompts=MEDUSA_PROMPTS[:2], steps=40, measure=False
+    )
 
 
 def test_a_reference_folder_decodes_in_our_loop_as_the_original(random_target, tmp_path):
@@ -208,7 +194,7 @@ def test_a_reference_folder_decodes_in_our_loop_as_the_original(random_target, t
     loaded = load_drafter(export(heads, tmp_path / "medusa", "medusa"), random_target)
     decoding = dict(max_new_tokens=40, tree_top_k=4, tree_budget=8, gamma=4)
     accepted = 0
-    for prompt in PROMPTS:
+    for prompt in MEDUSA_PROMPTS[:2]:
         a = generate(random_target, prompt, heads, **decoding)
         b = generate(random_target, prompt, loaded, **decoding)
         assert b.tokens.tolist() == a.tokens.tolist()

@@ -10,18 +10,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from spec_helpers import chi_square_p_value
+from spec_helpers import MEDUSA_PROMPTS, chi_square_p_value, fitted_medusa_heads
 from test_joint import CASES, FALSE_ALARM, exact_joint, sample_joint, target  # noqa: F401
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, process_logits
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.inference import generate
 from specdraft.inference.evaluate import make_report, markdown
 from specdraft.inference.measure import Run, loop_decoder, measure
 from specdraft.inference.verify import verify_typical
 
-PROMPTS = [[5, 17, 42, 17, 5, 9], [100, 3, 250, 7], [33, 33, 8, 301, 12, 6, 90]]
+PROMPTS = MEDUSA_PROMPTS
 CHAIN = dict(gamma=3)
 TREE = dict(gamma=3, tree_top_k=3, tree_budget=8)
 
@@ -165,24 +165,9 @@ def test_the_walk_matches_the_rule_on_random_distributions():
 
 @pytest.fixture(scope="module")
 def heads(random_target) -> MedusaDrafter:
-    """Heads fitted for a few Adam steps to the target's greedy text after PROMPTS: drafts are
-    accepted sometimes, and rejected."""
-    torch.manual_seed(0)
-    heads = MedusaDrafter.build(MedusaConfig(num_heads=3, loss="kl"), random_target)
-    ids = [p + generate(random_target, p, max_new_tokens=40).tokens[0].tolist() for p in PROMPTS]
-    ids = torch.tensor([row[: min(map(len, ids))] for row in ids])
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-             "loss_mask": torch.ones_like(ids)}  # fmt: skip
-    out = random_target.forward(ids, capture_layers=[random_target.num_layers])
-    optimizer = torch.optim.Adam(heads.parameters(), lr=3e-3)
-    for _ in range(60):
-        loss, _ = heads(batch, out)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    heads.eval()
-    heads.finish_evaluation(heads.eval_statistics(batch, out))
-    return heads
+    """Heads fitted to the target's greedy text after PROMPTS: drafts are accepted sometimes,
+    and rejected."""
+    return fitted_medusa_heads(random_target, dict(num_heads=3))
 
 
 @pytest.mark.parametrize("decoding", [CHAIN, TREE], ids=["chain", "tree"])
