@@ -370,11 +370,15 @@ class _Run:
                 self._save_drafter(self.out / "final", step)
             throughput = _throughput(timed, self.acc.device)
             if self.main and throughput:
+                share = (
+                    f"{throughput['target_forward_share']:.0%} of step time in the target forward"
+                )
+                if getattr(self.acc.unwrap_model(self.model), "runs_target", False):
+                    share = "the target's forward and backward inside the drafter's loss"
                 bar.write(
                     f"[specdraft] throughput over {timed['steps']} steps after the first: "
                     f"{throughput['tokens_per_s']:.0f} tokens/s ({self.world} process"
-                    f"{'es' if self.world > 1 else ''}), {throughput['target_forward_share']:.0%} "
-                    f"of step time in the target forward, peak memory "
+                    f"{'es' if self.world > 1 else ''}), {share}, peak memory "
                     f"{throughput['peak_memory_mb']:.0f} MiB",
                     file=sys.stderr,
                 )
