@@ -49,7 +49,11 @@ def build_runs(args, target) -> list[Run]:
         lookup = _hf(target, args, prompt_lookup_num_tokens=gamma)
         runs.append(Run("hf_prompt_lookup", "hf_prompt_lookup", lookup))
     for spec in args.drafter:
-        runs += drafter_runs(spec, target, args)
+        # a fine-tuned target's plain decoding (ar[...]) is run once for all its drafters
+        names = {run.name for run in runs}
+        runs += [
+            r for r in drafter_runs(spec, target, args) if r.method != "ar" or r.name not in names
+        ]
     return runs
 
 

@@ -285,19 +285,28 @@ def tune_tree_budget(
     """The drafter's decoding settings with the tree budget that decodes `prompts` fastest on
     this machine, and one row per budget tried (budget, tokens_per_s, tau). A tree's best size
     depends on the hardware (how much more a wider verification costs than a plain step) as
-    much as on the drafter, so it is measured where the drafter will run. options: generate's
-    sampling options (temperature, seed, ...)."""
-    runs = []
-    for b in budgets:
-        decode = drafter.decode.replace(tree_budget=b)
-        decoder = loop_decoder(
-            target, drafter, max_new_tokens=max_new_tokens, decode=decode, **options
-        )
-        runs.append(Run(f"tree_budget={b}", drafter.kind, decoder))
-    measure(runs, prompts, target)
+    much as on the drafter, so it is measured where the drafter will run. The budgets take turns
+    on each prompt, so a machine whose load drifts during the measurement slows them alike.
+    options: generate's sampling options (temperature, seed, ...)."""
+    decodes = [drafter.decode.replace(tree_budget=b) for b in budgets]
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
+    for decode in decodes:  # warm-up: first-call costs paid by none of the timed decodes
+        generate(target, prompts[0][:, :16], drafter, max_new_tokens=8, decode=decode, **options)
+    seconds = [0.0] * len(budgets)
+    stats = [Stats() for _ in budgets]
+    for ids in prompts:
+        for i, decode in enumerate(decodes):
+            sync()
+            start = time.perf_counter()
+            out = generate(
+                target, ids, drafter, max_new_tokens=max_new_tokens, decode=decode, **options
+            )
+            sync()
+            seconds[i] += time.perf_counter() - start
+            stats[i] = stats[i].merge(out.stats)
     rows = [
-        {"tree_budget": b, "tokens_per_s": run.stats.new_tokens / run.seconds, "tau": run.stats.tau}
-        for b, run in zip(budgets, runs, strict=True)
+        {"tree_budget": b, "tokens_per_s": st.new_tokens / sec, "tau": st.tau}
+        for b, sec, st in zip(budgets, seconds, stats, strict=True)
     ]
     best = max(rows, key=lambda r: r["tokens_per_s"])["tree_budget"]
     return drafter.decode.replace(tree_budget=best), rows
