@@ -691,21 +691,33 @@ class _Run:
         return None
 
     def _load_weights(self, drafter, path: Path) -> None:
-        if getattr(drafter, "hf_model", None) is not None:  # a HF model folder (distill)
-            dtype = next(drafter.parameters()).dtype
-            saved = checkpoint.load_drafter(path, self.target, device=self.acc.device, dtype=dtype)
-            drafter.load_state_dict(saved.state_dict())
-            return
-        # Our own format, read straight into the drafter being trained: its training-only
-        # weights (Medusa-2's adapters) included, which a drafter loaded for decoding drops.
-        # The fine-tuned target's adapter hash changes as it trains; the base must match.
+        """The checkpoint's weights, read straight into the drafter being trained: not through
+        load_drafter, whose from_pretrained would build the student partitioned under ZeRO-3
+        (a vocabulary of 0 rows), and which drops training-only weights (Medusa-2's adapters).
+        The fine-tuned target's adapter hash changes as it trains; the base must match."""
         meta, _ = checkpoint.read_metadata(path)
-        expected = dict(meta.get("target_fingerprint") or {})
+        expected = dict((meta or {}).get("target_fingerprint") or {})
         expected.pop("adapter", None)
         check_fingerprint(
             expected, self.target.fingerprint, f"the checkpoint {path}", error=ResumeError,
             fix="resume with the target it was trained against",
         )  # fmt: skip
+        hf_model = getattr(drafter, "hf_model", None)
+        if hf_model is not None:  # a HF model folder (distill): its own names, maybe sharded
+            state: dict[str, torch.Tensor] = {}
+            for weights in sorted(path.glob("*.safetensors")):
+                state.update(load_file(weights, device=str(self.acc.device)))
+            missing, unexpected = hf_model.load_state_dict(state, strict=False)
+            # a tied weight (the LM head of tied embeddings) is saved once, under one name
+            ptrs = {k: v.data_ptr() for k, v in hf_model.state_dict(keep_vars=True).items()}
+            loaded = {ptrs[k] for k in state if k in ptrs}
+            missing = [k for k in missing if ptrs.get(k) not in loaded]
+            if missing or unexpected:
+                raise ResumeError(
+                    f"{path} does not fit the student this config builds: missing {missing[:5]}, "
+                    f"unexpected {unexpected[:5]}; resume with the config it was trained with"
+                )
+            return
         state = load_file(path / checkpoint.WEIGHTS_NAME, device=str(self.acc.device))
         missing, unexpected = drafter.load_state_dict(state, strict=False)
         missing = [k for k in missing if k not in set(meta.get("shared_with_target", ()))]
