@@ -24,7 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
+from torch.utils.checkpoint import checkpoint
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specdraft.config import choice
 from specdraft.core import (
@@ -128,6 +130,79 @@ def resolve_config(config: EagleConfig, target) -> EagleConfig:
     return config
 
 
+# --- the training-time test's attention ------------------------------------------------------
+
+
+def ttt_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention of unrolled step k (EagleDrafter.unroll) without its (S, (k + 1) S) mask.
+
+    Given no mask and keys of (k + 1) S positions for S queries (step 0's keys, then one block
+    per later step), query t attends to step 0's keys 0..t and to key t of every later block:
+    a causal attention plus k keys per query. Scores are computed a block of queries at a time
+    (recomputed in the backward pass when training), so memory grows as S x block, not as the
+    dense mask's and scores' S x (k + 1) S. With a mask (drafting through the modules), or a
+    layout it does not know (sliding windows, soft-capping), it is transformers' SDPA attention.
+    query (batch, heads, S, head_dim); key, value (batch, kv_heads, keys, head_dim).
+    """
+    S, n_keys = query.shape[2], key.shape[2]
+    plain = attention_mask is not None or n_keys % S or kwargs.get("sliding_window")
+    if plain or kwargs.get("softcap") or getattr(module, "is_causal", True) is False:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    H = query.shape[1]
+    G = H // key.shape[1]  # query heads per key/value head: grouped, never repeated in memory
+    q = query.unflatten(1, (key.shape[1], G))  # (B, KVH, G, S, D)
+    later = n_keys // S - 1
+    k0, v0 = key[:, :, :S], value[:, :, :S]  # step 0: causal
+    kd = key[:, :, S:].unflatten(2, (later, S))  # (B, KVH, k, S, D): block j, position t
+    vd = value[:, :, S:].unflatten(2, (later, S))
+    diag = torch.einsum("bngsd,bnjsd->bngsj", q, kd) * scale  # (B, KVH, G, S, k)
+    p_drop = dropout if module.training else 0.0
+    outs = []
+    for start in range(0, S, TTT_BLOCK):
+        end = min(S, start + TTT_BLOCK)
+        args = (q[:, :, :, start:end], k0[:, :, :end], v0[:, :, :end],
+                diag[:, :, :, start:end], vd[:, :, :, start:end], start, scale, p_drop)  # fmt: skip
+        if torch.is_grad_enabled() and query.requires_grad:
+            outs.append(checkpoint(_ttt_block, *args, use_reentrant=False))
+        else:
+            outs.append(_ttt_block(*args))
+    out = torch.cat(outs, dim=3).flatten(1, 2)  # (B, H, S, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _ttt_block(q, k0, v0, diag, vd, start: int, scale: float, p_drop: float) -> torch.Tensor:
+    """Queries start .. start + C of every head group: causal scores over step 0's keys 0..end
+    and their k keys of the later blocks, one softmax over both, in float32.
+    q (B, KVH, G, C, D); k0, v0 (B, KVH, end, D); diag (B, KVH, G, C, k); vd (B, KVH, k, C, D)."""
+    C, end = q.shape[3], k0.shape[2]
+    scores = (q @ k0[:, :, None].transpose(-1, -2)).float() * scale  # (B, KVH, G, C, end)
+    rows = start + torch.arange(C, device=q.device)
+    future = torch.arange(end, device=q.device)[None, :] > rows[:, None]  # (C, end)
+    scores = scores.masked_fill(future, float("-inf"))
+    p = torch.cat([scores, diag.float()], dim=-1).softmax(-1)
+    if p_drop > 0:
+        p = F.dropout(p, p_drop)
+    p = p.to(q.dtype)
+    return p[..., :end] @ v0[:, :, None] + torch.einsum("bngcj,bnjcd->bngcd", p[..., end:], vd)
+
+
+TTT_ATTENTION = "specdraft_ttt"
+TTT_BLOCK = 256  # queries per block of ttt_attention
+AttentionInterface.register(TTT_ATTENTION, ttt_attention)
+
+
 # --- module ------------------------------------------------------------------------------------
 
 
@@ -151,6 +226,8 @@ class EagleDrafter(Drafter):
 
         layer_config = copy.deepcopy(target.config)
         layer_config.num_hidden_layers = 1
+        # the training-time test's attention (ttt_attention); with a mask it is the layer's own
+        layer_config._attn_implementation = TTT_ATTENTION
         if getattr(layer_config, "layer_types", None) is not None:
             layer_config.layer_types = layer_config.layer_types[:1]
         self.layer = type(target.layers[0])(layer_config, layer_idx=0)
@@ -288,7 +365,7 @@ class EagleDrafter(Drafter):
     # --- loss: training-time test ----------------------------------------------------------------
 
     def unroll(
-        self, batch: Mapping[str, torch.Tensor], target_out, steps: int
+        self, batch: Mapping[str, torch.Tensor], target_out, steps: int, *, dense: bool = False
     ) -> list[dict[str, torch.Tensor]]:
         """Run the head `steps` steps on its own outputs, all positions at once.
 
@@ -298,6 +375,11 @@ class EagleDrafter(Drafter):
         drafting), at position id t + k. Its target is the target's distribution at t + 1 + k.
         Returns per step: h (batch, S, hidden), logits (batch, S, draft vocab), p_logits
         (batch, S, vocab), valid (batch, S) bool, and the next true feature (batch, S, hidden).
+
+        Step k's attention runs through `ttt_attention`, which knows this structure (causal over
+        step 0, one key per earlier step at t itself) and never builds the (S, (k + 1) S) mask;
+        dense=True passes that dense float mask to the layer's own attention instead, the
+        reference the lean path is tested and measured against (BENCHMARKS.md, "EAGLE").
         """
         input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
         B, T = input_ids.shape
@@ -317,8 +399,10 @@ class EagleDrafter(Drafter):
             idx = (t + 1 + k).clamp(max=T - 1)  # (S,) token / target position; clamped = invalid
             nxt = t + 2 + k  # the token position the step predicts
             valid = (nxt < T)[None, :] & loss_mask[:, nxt.clamp(max=T - 1)]  # (B, S)
-            allowed = torch.cat([causal] + [eye] * k, dim=1)  # (S, (k + 1) S)
-            mask = float_mask(allowed, dtype)[None, None].expand(B, 1, -1, -1)
+            mask = None  # ttt_attention: the structure, without a mask
+            if dense:
+                allowed = torch.cat([causal] + [eye] * k, dim=1)  # (S, (k + 1) S)
+                mask = float_mask(allowed, dtype)[None, None].expand(B, 1, -1, -1)
             positions = (t + k)[None].expand(B, S)
             h = self.step(input_ids[:, idx], feature, positions, mask, cache)  # (B, S, hidden)
             out.append({

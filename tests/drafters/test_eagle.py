@@ -275,3 +275,48 @@ def test_eagle1_trains_with_the_papers_feature_noise_by_default(tiny_target):
 
     cfg = override(EagleTrainConfig(), ["drafter.version=eagle1"])
     assert resolve_config(cfg.drafter, tiny_target).feature_noise == 0.1
+
+
+@pytest.mark.parametrize("version", ["eagle3", "eagle1"])
+def test_the_unroll_without_a_mask_equals_the_dense_mask(version, monkeypatch):
+    """ttt_attention (causal over step 0 plus one key per later step, a block of queries at a
+    time, recomputed in backward) gives the dense-mask attention's outputs and gradients, with
+    grouped-query heads and more than one query block."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import specdraft.drafters.eagle as eagle
+    from specdraft.drafters.target import Target
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
+    )  # fmt: skip
+    target = Target(LlamaForCausalLM(config).eval(), _VocabTokenizer(300))
+    head = EagleDrafter.build(EagleConfig(version=version, ttt_steps=4), target).train()
+    ids = torch.randint(0, 300, (2, 40))
+    loss_mask = torch.ones_like(ids)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+    out = target.forward(ids, capture_layers=head.capture_layers)
+    monkeypatch.setattr(eagle, "TTT_BLOCK", 16)  # 39 queries: three blocks
+    results = []
+    for dense in (True, False):
+        head.zero_grad()
+        torch.manual_seed(1)  # the same feature noise (eagle1)
+        steps = head.unroll(batch, out, 4, dense=dense)
+        sum(s["logits"].float().square().mean() for s in steps).backward()
+        grads = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+        results.append((torch.stack([s["h"] for s in steps]), grads))
+    (h_dense, g_dense), (h_lean, g_lean) = results
+    torch.testing.assert_close(h_lean, h_dense, rtol=1e-5, atol=1e-5)
+    assert g_dense.keys() == g_lean.keys() and g_dense
+    for name in g_dense:
+        torch.testing.assert_close(g_lean[name], g_dense[name], rtol=1e-4, atol=1e-6)
+
+
+class _VocabTokenizer:
+    def __init__(self, n: int) -> None:
+        self.vocab = {str(i): i for i in range(n)}
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
