@@ -32,7 +32,9 @@ from specdraft.core import (
     DraftTree,
     DraftVocab,
     SamplingSettings,
+    children_of,
     draft_chain,
+    process_logits,
 )
 from specdraft.drafters.base import Drafter, LoraConfig, adapter_hash, attach_lora, warn_once
 from specdraft.drafters.lean import DraftLinear, SharedWeights, use_int8
@@ -596,7 +598,8 @@ class MedusaSession:
     (sampled from each head's q at temperature > 0, which lossless verification needs, and
     ending early by stop_below); tree_top_k > 1 drafts the tree of `tree_paths`, built once per
     call from the heads' measured accuracies, with up to tree_budget nodes, gamma levels and
-    tree_top_k candidates per head (point masses at every temperature).
+    tree_top_k candidates per head: the heads' top candidates when greedy, and at temperature
+    > 0 each node's children sampled from their head's q without replacement (_sampled_tree).
     """
 
     def __init__(
@@ -650,11 +653,51 @@ class MedusaSession:
                 vocab=self.vocab,
             )
         shape = self._shape(depth)
+        if not self.sampling.greedy:
+            return self._sampled_tree(logits, shape)
         ranked = logits.topk(min(shape.width, logits.shape[-1]), dim=-1).indices  # (depth, width)
         tokens = ranked[shape.heads, shape.ranks]  # (n,)
         if self.vocab is not None:
             tokens = self.vocab.to_target(tokens)
         return DraftTree(tokens[None].to(seq.device), list(shape.parents), list(shape.depths))
+
+    def _sampled_tree(self, logits: torch.Tensor, shape: TreeShape) -> DraftTree:
+        """The tree's shape with its nodes sampled (temperature > 0): the children of a node are
+        drawn from their head's q (after the same temperature / top-k / top-p as the target's)
+        without replacement, child i from q with its elder siblings' tokens removed and
+        renormalised, which is the q it is verified with. Recursive rejection sampling over
+        such children keeps the output exactly the target's (Jeon et al. 2024) and accepts far
+        more than fixed top candidates where the target's distribution is flat. A child left
+        with no probability (q's support used up by its siblings) is dropped with its subtree."""
+        q_heads = process_logits(logits, self.sampling)  # (depth, draft vocab)
+        if self.vocab is not None:
+            q_heads = self.vocab.spread(q_heads)  # (depth, vocab)
+        n = len(shape.parents)
+        tokens = [0] * n
+        q = torch.zeros(n, q_heads.shape[-1], dtype=q_heads.dtype, device=q_heads.device)
+        kept = [True] * n
+        for parent, kids in children_of(shape.parents).items():
+            if parent >= 0 and not kept[parent]:
+                for c in kids:
+                    kept[c] = False
+                continue
+            left = q_heads[shape.depths[kids[0]] - 1].clone()
+            for c in kids:  # in node order: rank order
+                total = left.sum()
+                if total <= 0:
+                    kept[c] = False
+                    continue
+                q[c] = left / total
+                tokens[c] = int(torch.multinomial(q[c], 1, generator=self.generator))
+                left[tokens[c]] = 0.0
+        index = {old: new for new, old in enumerate(i for i in range(n) if kept[i])}
+        rows = list(index)
+        return DraftTree(
+            torch.tensor([[tokens[i] for i in rows]], device=q.device),
+            [index[shape.parents[i]] if shape.parents[i] >= 0 else -1 for i in rows],
+            [shape.depths[i] for i in rows],
+            q[rows][None],
+        )
 
     @torch.no_grad()
     def accept(

@@ -1,8 +1,8 @@
 """Drafters fed by the target's hidden states at temperature > 0 beyond one-token drafts: the
 first three emitted tokens follow the target's exact joint distribution while an EAGLE head
 drafts 3-deep chains (plain, and stopping early with int8 weights) and multi-level dynamic trees,
-and Medusa heads draft chains sampled from their q and trees of point masses from their measured
-accuracy, under temperature, top-p and top-k.
+and Medusa heads draft chains sampled from their q and trees (shaped by their measured accuracy)
+whose children are sampled from q without replacement, under temperature, top-p and top-k.
 
 Why three tokens: these sessions have no target features before the prompt's forward, so the
 first token always comes from the prefill, undrafted. The second and third then come from the
@@ -167,6 +167,13 @@ CASES = {
         dict(tree_top_k=2, gamma=3, tree_budget=6),
         SamplingSettings(temperature=T),
     ),
+    # three children per node, and top_p leaves q fewer tokens than that at times: the
+    # children its support cannot fill are dropped
+    "medusa-tree-top_p": (
+        "medusa",
+        dict(tree_top_k=3, gamma=3, tree_budget=9),
+        SamplingSettings(temperature=T, top_p=0.6),
+    ),
 }
 
 
@@ -207,7 +214,9 @@ def below_the_first_position_corrects_from_p(tree, p, generator):
     [
         (accept_every_draft, "eagle-chain"),
         (below_the_first_position_corrects_from_p, "eagle-tree-top_k"),
-        (below_the_first_position_corrects_from_p, "medusa-tree"),
+        # Medusa's sampled children follow q, close to p here, so the subtle error above barely
+        # moves their output; keeping every draft whatever the target says does
+        (accept_every_draft, "medusa-tree"),
     ],
     ids=["accept-every-draft", "below-the-first-position-corrects-from-p", "medusa-tree"],
 )
