@@ -57,7 +57,9 @@ class MedusaConfig:
     draft_vocab_size: int = 0
     # ce: cross-entropy against the data's tokens (the reference trainer) | kl: self-distillation,
     # head k at t learns the target's own distribution at t + 1 + k (for data the target
-    # regenerated, scripts/regenerate.py; the trainer's target pass computes it anyway).
+    # regenerated, scripts/regenerate.py; the trainer's target pass computes it anyway). With a
+    # reduced draft vocabulary, positions whose token (ce) or target argmax (kl) is outside it
+    # are left out.
     loss: str = choice("ce", "kl")
     # Head k's loss is weighted loss_decay ** k (the paper's 0.8; 1.0 is the reference trainer's
     # plain sum).
@@ -180,7 +182,7 @@ class MedusaDrafter(Drafter):
         # (finish_evaluation): how often the head's r-th candidate is the target's greedy token,
         # and the target's mean probability of it. NaN until measured. The tree is built from
         # them (tree_paths).
-        K, R = config.num_heads, config.accuracy_ranks
+        K, R = config.num_heads, min(config.accuracy_ranks, len(d2t))
         self.register_buffer("accuracy_greedy", torch.full((K, R), float("nan")))
         self.register_buffer("accuracy_sampled", torch.full((K, R), float("nan")))
         if own:
@@ -217,7 +219,11 @@ class MedusaDrafter(Drafter):
 
     def param_groups(self) -> list[dict]:
         """The optimizer's groups: the heads at lr x heads_lr_multiplier, and Medusa-2's adapters
-        at lr once heads_warmup_steps have passed."""
+        at lr once heads_warmup_steps have passed. Before that the trainer gives the adapters
+        no gradient (AdamW leaves them and their moments alone), except under DeepSpeed, which
+        keeps its own gradient buffers: there only their zero lr holds them, their gradients
+        still enter ZeRO's clipping norm and Adam moments, and the target's backward is computed
+        during the warm-up all the same."""
         heads = [p for n, p in self.named_parameters() if not n.startswith("lora.")]
         groups = [{"params": heads, "lr_scale": self.config.heads_lr_multiplier, "start_step": 0}]
         if self.peft is not None:
@@ -276,6 +282,12 @@ class MedusaDrafter(Drafter):
             )
         if not decode.chain and decode.stop_below > 0:
             ignored.append("stop_below is ignored by Medusa trees (tree_top_k > 1): it ends chains")
+        ranks = min(self.config.accuracy_ranks, len(self.d2t))
+        if decode.tree_top_k > ranks:
+            ignored.append(
+                f"tree_top_k={decode.tree_top_k} is more candidates per head than these heads' "
+                f"measured ranks ({ranks}): their trees use the top {ranks}"
+            )
         return ignored
 
     def train(self, mode: bool = True) -> MedusaDrafter:
@@ -441,7 +453,7 @@ class MedusaDrafter(Drafter):
         """Sums the trainer adds up over held-out data and hands to `finish_evaluation`: per head
         and rank r, how often the head's r-th candidate is the target's argmax (greedy), the
         target's probability of it summed (sampled), and the positions counted."""
-        K, R = self.config.num_heads, self.config.accuracy_ranks
+        K, R = self.accuracy_greedy.shape
         device = self.d2t.device
         greedy = torch.zeros(K, R, device=device)
         sampled = torch.zeros(K, R, device=device)
@@ -501,15 +513,15 @@ def tree_paths(
     depth, ranks = min(depth, K), min(top_k, R)
     acc = accuracy.tolist()
     chosen: list[tuple[int, ...]] = []
-    # max-heap of candidates by probability; ties to the shallower, lower-ranked path
-    heap = [(-acc[0][r], (r,)) for r in range(ranks)]
+    # max-heap of candidates by probability; ties to the shallower, then lower-ranked path
+    heap = [(-acc[0][r], 1, (r,)) for r in range(ranks)]
     heapq.heapify(heap)
     while heap and len(chosen) < budget:
-        neg, path = heapq.heappop(heap)
+        neg, length, path = heapq.heappop(heap)
         chosen.append(path)
-        if len(path) < depth:
+        if length < depth:
             for r in range(ranks):
-                heapq.heappush(heap, (neg * acc[len(path)][r], (*path, r)))
+                heapq.heappush(heap, (neg * acc[length][r], length + 1, (*path, r)))
     return sorted(chosen, key=lambda p: (len(p), p))
 
 

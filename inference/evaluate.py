@@ -109,7 +109,8 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
         # plain decoding is the output they must equal; speedups stay against `ar`, since the
         # merged target costs what the base does per step.
         target = tuned
-        plain = Run(f"ar[{Path(path).parent.name or path}]", "ar", _ours(target, args, None))
+        # named by the adapter: best/, final/ and each checkpoint of one run hold different ones
+        plain = Run(f"ar[adapter {tuned.fingerprint['adapter']}]", "ar", _ours(target, args, None))
         runs.append(plain)
     drafter = load_drafter(path, target)
     decode = drafter.decode.replace(gamma=args.gamma, tree_top_k=args.topk)

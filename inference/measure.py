@@ -227,12 +227,17 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
                 cfg.eval_loop.tune_budgets, max_new_tokens=cfg.eval_loop.max_new_tokens,
                 temperature=cfg.eval_loop.temperature, seed=cfg.seed,
             )  # fmt: skip
+            best = final.parent / "best"
+            tuned = [f for f in (final, best) if f.is_dir()]
             print(
                 "[specdraft] tree budget by measured tokens/s: "
                 + ", ".join(f"{r['tree_budget']}: {r['tokens_per_s']:.1f}" for r in tuning)
-                + f"; {final} now drafts with tree_budget={decode.tree_budget}"
+                + f" (on the first {cfg.eval_loop.tune_prompts} of the prompts measured below); "
+                + " and ".join(map(str, tuned))
+                + f" now draft with tree_budget={decode.tree_budget}"
             )
-            set_decode(final, decode)
+            for folder in tuned:  # (their train_config.yaml keeps the budget trained with)
+                set_decode(folder, decode)
             drafter.decode = decode
         m = measure_vs_plain(
             target, drafter, prompts, seed=cfg.seed,

@@ -158,7 +158,9 @@ def verify_typical(
     Against the Medusa reference (FasterDecoding/Medusa, medusa/model/utils.py,
     `evaluate_posterior` and `generate_candidates`): the same per-token rule (strictly above
     min(posterior_threshold, posterior_alpha * exp(-H)), p the softmax at the temperature) and
-    the same longest accepted path; its entropy adds 1e-5 inside the log, H here is exact; and
+    the same longest accepted path, but ties between equally long paths go to the likelier
+    child where they part, where the reference takes the larger sum of log p along the path;
+    its entropy adds 1e-5 inside the log, H here is exact; and
     its default (fast=True) takes the token after the path as the argmax of p there, not a
     draw, which would pull output towards greedy even when no draft is accepted. p here is also
     after top-k / top-p, as everywhere in the loop.

@@ -22,7 +22,7 @@ from specdraft.data.dataset import build_datasets
 from specdraft.drafters.base import adapter_hash
 from specdraft.drafters.checkpoint import save_target_folder
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
-from specdraft.drafters.target import ADAPTER_ATTRIBUTE, Target, load_target
+from specdraft.drafters.target import Target, load_target, merge_adapter
 from specdraft.inference.measure import loop_prompts, report_after_training
 from specdraft.train.config import TrainConfig
 from specdraft.train.trainer import collate, train
@@ -102,8 +102,10 @@ def finish_medusa2(heads: MedusaDrafter, target, eval_examples, cfg: MedusaTrain
         f"{tuned:.4f} (fine-tuned, adapter {digest})",
         file=sys.stderr,
     )
-    merged = heads.peft.merge_and_unload()  # the base is not needed any more
-    setattr(merged.config, ADAPTER_ATTRIBUTE, digest)
+    # Merged from the saved adapter, as load_target(base, adapter=final/adapter) merges it, so
+    # the target measured here is the one a user loads (also when training ran in bf16).
+    base = heads.peft.unload()  # the adapters taken out, unmerged: the base is not needed after
+    merged = merge_adapter(base, out / "final" / "adapter")
     tuned_target = Target(merged, target.tokenizer, name=f"{cfg.target}+adapter")
     if cfg.save_merged_target:
         save_target_folder(merged, target.tokenizer, out / "target")

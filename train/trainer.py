@@ -13,6 +13,13 @@ only through this small interface (`TrainableDrafter`):
     drafter.eval_statistics(batch, target_out)       optional: held-out sums (a dict of
     drafter.finish_evaluation(sums)                  tensors) the drafter keeps (Medusa's
                                                      per-rank accuracies, for its tree)
+    drafter.param_groups()                           optional: optimizer groups, each with an
+                                                     lr_scale and a start_step
+    drafter.runs_target                              optional: True when the loss runs the
+                                                     target itself (target_out is then None)
+    drafter.trained_fingerprint(target)              optional: the fingerprint saved (the
+                                                     fine-tuned target's, for Medusa-2)
+    drafter.write_extra(folder)                      optional: files saved beside the weights
     parameters with requires_grad                    what the optimizer trains
     kind, config, hf_model (optional)                what checkpoint.py saves
 
@@ -210,7 +217,8 @@ def train(
     tokenizer: Any = None,
     provenance: dict | None = None,
 ) -> TrainResult:
-    """Train `drafter` against the frozen `target`; see the module docstring.
+    """Train `drafter` against `target` (frozen, or fine-tuned through the drafter's own
+    adapters when it `runs_target`: Medusa-2); see the module docstring.
 
     Writes output_dir/train_config.yaml, checkpoint-<step>/ every save_every steps (keeping the
     last keep_last), best/ (best simulated tau) and final/. Raises NonFiniteLossError on inf/nan
@@ -696,7 +704,12 @@ class _Run:
         (a vocabulary of 0 rows), and which drops training-only weights (Medusa-2's adapters).
         The fine-tuned target's adapter hash changes as it trains; the base must match."""
         meta, _ = checkpoint.read_metadata(path)
-        expected = dict((meta or {}).get("target_fingerprint") or {})
+        if meta is None:
+            raise ResumeError(
+                f"{path} is not a specdraft checkpoint (no specdraft block in its config.json); "
+                "resume from a checkpoint-<step> folder a run wrote"
+            )
+        expected = dict(meta.get("target_fingerprint") or {})
         expected.pop("adapter", None)
         check_fingerprint(
             expected, self.target.fingerprint, f"the checkpoint {path}", error=ResumeError,
