@@ -1,0 +1,66 @@
+"""After training a drafter that fine-tunes its target through LoRA adapters (Medusa-2; LayerSkip
+next): say what the fine-tuning cost the target, and build the fine-tuned target the drafter
+decodes with, as a user would load it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from specdraft.drafters.base import adapter_hash
+from specdraft.drafters.checkpoint import save_target_folder
+from specdraft.drafters.target import Target, merge_adapter
+from specdraft.train.trainer import collate
+
+
+def finish_fine_tuning(peft_model, target: Target, eval_examples, cfg, what: str) -> Target:
+    """Report the held-out loss of the base (adapters off) and of the fine-tuned target in
+    output_dir/target_quality.json, then return the fine-tuned target, merged from the run's
+    saved final/adapter as load_target(base, adapter=...) merges it (so the target measured
+    after training is the one a user loads, also after a bf16 run), and save it to
+    output_dir/target when cfg.save_merged_target. `peft_model` is `target`'s model with the
+    adapters in; after this the base is gone from memory."""
+    from peft.utils import get_peft_model_state_dict
+
+    digest = adapter_hash(get_peft_model_state_dict(peft_model))
+    peft_model.eval()
+    with peft_model.disable_adapter():
+        base = heldout_loss(target, eval_examples, cfg.micro_batch_size, cfg.eval_batches)
+    tuned = heldout_loss(target, eval_examples, cfg.micro_batch_size, cfg.eval_batches)
+    quality = {"base_loss": base, "fine_tuned_loss": tuned, "adapter": digest}
+    out = Path(cfg.output_dir)
+    (out / "target_quality.json").write_text(json.dumps(quality, indent=2) + "\n")
+    print(
+        f"[specdraft] {what} fine-tuned the target: held-out loss {base:.4f} (base) -> "
+        f"{tuned:.4f} (fine-tuned, adapter {digest})",
+        file=sys.stderr,
+    )
+    plain = peft_model.unload()  # the adapters taken out, unmerged
+    merged = merge_adapter(plain, out / "final" / "adapter")
+    if cfg.save_merged_target:
+        save_target_folder(merged, target.tokenizer, out / "target")
+        print(
+            f"[specdraft] fine-tuned target (adapter merged) in {out / 'target'}", file=sys.stderr
+        )
+    return Target(merged, target.tokenizer, name=f"{cfg.target}+adapter")
+
+
+@torch.no_grad()
+def heldout_loss(target: Target, examples, batch_size: int, batches: int) -> float:
+    """The target's mean next-token cross-entropy over the loss tokens of the first `batches`
+    held-out micro-batches (0: all)."""
+    n = len(examples) if not batches else min(len(examples), batches * batch_size)
+    total = count = 0.0
+    for start in range(0, n, batch_size):
+        batch = collate(examples[start : min(n, start + batch_size)], target.device)
+        logits = target.forward(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        log_q = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        nll = -log_q.gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+        w = batch["loss_mask"][:, 1:].float()
+        total += float((nll * w).sum())
+        count += float(w.sum())
+    return total / max(count, 1.0)
