@@ -306,15 +306,17 @@ class MedusaDrafter(Drafter):
         self, batch: Mapping[str, torch.Tensor], target_out=None
     ) -> tuple[torch.Tensor, dict]:
         """The training loss (the trainer calls the module, so DDP sees the forward). Medusa-1:
-        the heads' loss on the frozen target's output. Medusa-2 (target_out None: it runs the
-        target itself, with gradients into the adapters): target_loss + heads_weight * the
-        heads' loss."""
+        the heads' loss on the frozen target's output. Medusa-2: target_loss + heads_weight *
+        the heads' loss, on the fine-tuned target's output: its own forward, with gradients into
+        the adapters, when target_out is None (training), else the one given (evaluation)."""
         if self.peft is None:
             return self.loss(batch, target_out)
-        out = self.target.forward_with_grad(
-            batch["input_ids"], attention_mask=batch["attention_mask"],
-            capture_layers=self.capture_layers,
-        )  # fmt: skip
+        out = target_out
+        if out is None:
+            out = self.target.forward_with_grad(
+                batch["input_ids"], attention_mask=batch["attention_mask"],
+                capture_layers=self.capture_layers,
+            )  # fmt: skip
         heads_loss, metrics = self.loss(batch, out)
         target_term = self._target_term(batch, out.logits)
         metrics["loss_heads"] = heads_loss.detach()

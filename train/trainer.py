@@ -503,10 +503,12 @@ class _Run:
             logs[k] = float(acc.reduce(v, reduction="sum") / global_tokens)
         return logs
 
-    def _target_out(self, drafter, batch: dict[str, torch.Tensor]):
-        """The frozen target's forward for `batch`, or None for a drafter that runs the target
-        inside its own loss (`runs_target`: Medusa-2, whose adapters train through it)."""
-        if getattr(drafter, "runs_target", False):
+    def _target_out(self, drafter, batch: dict[str, torch.Tensor], training: bool = True):
+        """The target's forward for `batch` (no gradients), or, while training, None for a
+        drafter that runs the target inside its own loss (`runs_target`: Medusa-2, whose
+        adapters train through it). Evaluation always gets the forward: one pass serves the
+        loss, the acceptance and the statistics."""
+        if training and getattr(drafter, "runs_target", False):
             return None
         with self.acc.autocast():
             return self.target.forward(
@@ -535,7 +537,7 @@ class _Run:
         model.eval()
         for chunk, weight in eval_chunks(n, self.rank, self.world, cfg.micro_batch_size):
             batch = collate([self.eval_examples[i] for i in chunk], acc.device)
-            target_out = self._target_out(model, batch)
+            target_out = self._target_out(model, batch, training=False)
             with acc.autocast():
                 loss, _ = model(batch, target_out)
                 a, g, c = model.acceptance(batch, target_out)

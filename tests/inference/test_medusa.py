@@ -261,3 +261,25 @@ def test_an_adapter_of_another_model_is_a_clear_error(tmp_path):
     other.save_pretrained(str(tmp_path))
     with pytest.raises(TargetError, match=r"does not fit this target.*load the base model"):
         merge_adapter(tiny_llama(384, seed=1, hidden=32), tmp_path)
+
+
+def test_medusa2_evaluation_reuses_one_target_pass(monkeypatch):
+    """Given the fine-tuned target's output (evaluation), Medusa-2's loss is computed from it, as
+    the acceptance and statistics are, instead of running the target again; without it
+    (training) the loss runs the target itself, with gradients into the adapters."""
+    from spec_helpers import make_target, tiny_llama
+
+    from specdraft.drafters.base import LoraConfig
+    from specdraft.drafters.target import Target
+
+    target = make_target(tiny_llama(384, seed=5))
+    config = MedusaConfig(num_heads=2, lora=LoraConfig(rank=2, dropout=0.0), target_loss="lm")
+    heads = MedusaDrafter.build(config, target).eval()
+    batch, out = batch_and_target_out(target)
+    trained = heads(batch, None)[0]  # runs the target itself
+    calls = []
+    monkeypatch.setattr(Target, "forward_with_grad", lambda *a, **k: calls.append(1))
+    with torch.no_grad():
+        given = heads(batch, out)[0]
+    assert calls == []
+    torch.testing.assert_close(given, trained.detach())
