@@ -34,9 +34,10 @@ from transformers import (
 )
 
 from specdraft.data.demo import END, build_demo_tokenizer, demo_corpus_texts, demo_prompts
+from specdraft.precision import resolve_precision
 
 # Bump when a change to this file changes what a build produces for the same settings.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 COMPLETE_MARKER = "build_info.json"
 
 
@@ -54,6 +55,9 @@ class DemoSpec:
     warmup_steps: int
     corpus_files: int  # use only the first N corpus files for tokenizer and training (0: all)
     seed: int = 0
+    # Training autocast: bf16 where the CPU has it natively (resolve_spec turns "auto" into what
+    # this machine runs, so the cache folder's hash names the precision actually used), else fp32.
+    precision: str = "auto"
 
 
 SPECS = {
@@ -86,7 +90,10 @@ def resolve_spec(
     unknown = sorted(set(overrides or {}) - set(asdict(spec)))
     if unknown:
         raise ValueError(f"unknown demo build setting(s) {unknown}; valid: {sorted(asdict(spec))}")
-    return replace(spec, **(overrides or {}))
+    spec = replace(spec, **(overrides or {}))
+    if spec.precision not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"demo build precision {spec.precision!r}: choose auto, bf16 or fp32")
+    return replace(spec, precision=resolve_precision(spec.precision, "cpu", "the demo build"))
 
 
 def demo_target_dir(spec: DemoSpec, variant: str) -> Path:
@@ -194,7 +201,8 @@ def build(spec: DemoSpec, out: Path) -> dict:
             group["lr"] = _lr_at(step, spec)
         idx = order[(torch.arange(spec.batch_size) + step * spec.batch_size) % len(order)]
         batch = train_blocks[idx]
-        loss = model(input_ids=batch, labels=batch).loss  # HF shifts the labels itself
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.precision == "bf16"):
+            loss = model(input_ids=batch, labels=batch).loss  # HF shifts the labels itself
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from specdraft.core import TargetOutput
 from specdraft.drafters.demo_target import ensure_demo_target
+from specdraft.precision import to_dtype
 
 DEMO_TARGETS = ("demo", "demo-tiny")
 
@@ -47,6 +48,7 @@ class Target:
         self.hidden_size: int = model.config.hidden_size
         self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
         self.fingerprint: dict = make_fingerprint(model, tokenizer)
+        self.saved_dtype: torch.dtype = self.dtype  # load_target sets the checkpoint's own
 
     @property
     def device(self) -> torch.device:
@@ -235,12 +237,11 @@ def load_target(
             raise TargetError(
                 f"target folder {path} does not exist; pass a folder, a hub id or 'demo'"
             )
-    if isinstance(dtype, str):
-        dtype = {"auto": "auto", "float32": torch.float32, "fp32": torch.float32,
-                 "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                 "float16": torch.float16, "fp16": torch.float16}.get(dtype, dtype)  # fmt: skip
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = to_dtype(dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        saved = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).dtype
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype if dtype is not None else "auto", trust_remote_code=trust_remote_code
         )
@@ -253,7 +254,10 @@ def load_target(
         model = merge_adapter(model, adapter)
     if device is not None:
         model.to(device)
-    return Target(model, tokenizer, name=name)
+    target = Target(model, tokenizer, name=name)
+    # the precision the checkpoint was saved in: what decoding "as saved" means
+    target.saved_dtype = to_dtype(str(saved).removeprefix("torch.")) if saved else target.dtype
+    return target
 
 
 def merge_adapter(model: PreTrainedModel, adapter: str | Path) -> PreTrainedModel:

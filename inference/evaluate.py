@@ -35,9 +35,23 @@ LABEL_CHARS = 16
 # --- runs --------------------------------------------------------------------------------------
 
 
-def build_runs(args, target) -> list[Run]:
+def build_runs(args, target, suffix: str = "") -> list[Run]:
     """The methods to measure, from scripts/evaluate.py's options `args`: `ar` first, then the
-    baselines asked for, then each --drafter's runs."""
+    baselines asked for, then each --drafter's runs; each run's name ends with `suffix` (the
+    precision, "@bf16", when several are measured) and carries the target's dtype."""
+    runs = _runs(args, target)
+    for run in runs:
+        run.name += suffix
+        run.same_as = None if run.same_as is None else run.same_as + suffix
+        run.dtype = dtype_name(target.dtype)
+    return runs
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _runs(args, target) -> list[Run]:
     baselines = [b for b in args.baselines.split(",") if b]
     gamma = args.gamma if args.gamma is not None else HF_GAMMA
     runs = [Run("ar", "ar", _ours(target, args, None))]  # the reference for speedups, always run
@@ -150,7 +164,7 @@ def fine_tuned_target(path: str, base, args):
         )
     if base.fingerprint.get("adapter"):  # --target is already a fine-tuned target
         return None
-    return load_target(args.target, dtype=args.dtype, device=args.device, adapter=adapter)
+    return load_target(args.target, dtype=base.dtype, device=base.device, adapter=adapter)
 
 
 def split_drafter_spec(spec: str) -> tuple[str, list[str]]:
@@ -164,26 +178,49 @@ def split_drafter_spec(spec: str) -> tuple[str, list[str]]:
 # --- report ------------------------------------------------------------------------------------
 
 
-def make_report(args, target, runs: Sequence[Run]) -> dict:
-    """report.json's content: the target, the settings, and one row of figures per run (`ar`
-    first), each with the short `label` the plots name it by."""
+def make_report(args, targets, runs: Sequence[Run]) -> dict:
+    """report.json's content: the target, the settings, and one row of figures per run, each with
+    the short `label` the plots name it by. `targets`: the target, or one per precision measured
+    (runs carry their dtype; each precision's `ar` comes first among its runs).
+
+    Speedups are honest across precisions: `speedup_vs_ar` is against the *fastest* plain
+    decoding measured, whatever its precision, so a bf16 method is never flattered by a slow
+    bf16 baseline; `speedup_vs_ar_same_dtype` is against plain decoding in the run's own
+    precision. Greedy output is checked (`matches_ar`) against the plain decoding of the run's
+    own precision (or its `same_as`): in bf16 a multi-token pass can round a near tie
+    differently from a one-token step, and the report says so as measured."""
+    targets = list(targets) if isinstance(targets, (list, tuple)) else [targets]
+    of_dtype = {dtype_name(t.dtype): t for t in targets}
     greedy = args.temperature == 0
     by_name = {run.name: run for run in runs}
-    rows = [
-        summarize(run, runs[0], target, greedy, same_as=by_name.get(run.same_as)) for run in runs
-    ]
+    plain = {}  # dtype -> that precision's plain decoding
+    for run in runs:
+        if run.method == "ar" and run.same_as is None:
+            plain.setdefault(run.dtype, run)
+    fastest = max(plain.values(), key=lambda r: r.stats.new_tokens / r.seconds)
+    rows = []
+    for run in runs:
+        own = plain[run.dtype]
+        target = of_dtype.get(run.dtype, targets[0])
+        row = summarize(run, fastest, target, greedy, same_as=by_name.get(run.same_as, own))
+        row["dtype"] = run.dtype
+        row["speedup_vs_ar_same_dtype"] = (run.stats.new_tokens / run.seconds) / (
+            own.stats.new_tokens / own.seconds
+        )
+        rows.append(row)
     for row, label in zip(rows, short_labels(rows), strict=True):
         # a lossy run's speedup is not comparable to the exact ones': every plot says so too
         row["label"] = f"{label} (lossy)" if row["lossy"] else label
     keys = ("max_new_tokens", "temperature", "top_p", "top_k", "gamma", "topk", "seed", "prompts")
     settings = {k: getattr(args, k) for k in keys}
     settings.update(
-        device=str(target.device),
-        dtype=str(target.dtype).removeprefix("torch."),
+        device=str(targets[0].device),
+        dtype=", ".join(of_dtype),
+        fastest_plain=fastest.name,
         torch_threads=torch.get_num_threads(),
     )
     return {
-        "target": {"name": target.name, **target.fingerprint},
+        "target": {"name": targets[0].name, **targets[0].fingerprint},
         "settings": settings,
         "runs": rows,
     }
@@ -228,21 +265,24 @@ def markdown(report: dict) -> str:
         "",
         f"{s['max_new_tokens']} new tokens, temperature {s['temperature']}, gamma "
         f"{s['gamma'] if s['gamma'] is not None else 'per drafter'}, "
-        f"{s['device']} {s['dtype']}. Speedup: tokens/s over our plain decoding (`ar`), same "
-        "process; overhead = tau / speedup - 1; copied = share of target passes whose draft "
+        f"{s['device']} {s['dtype']}. Speedup: tokens/s over our fastest plain decoding "
+        f"(`{s.get('fastest_plain', 'ar')}`), same process, whatever its precision; 'same dtype': "
+        "over plain decoding in the run's own precision, which 'matches ar' compares with too; "
+        "overhead = tau / speedup - 1; copied = share of target passes whose draft "
         "was copied from the context (lookup_ngram) rather than drafted by the model; mean log "
         "p = the target's mean log-likelihood of the emitted tokens (temperature > 0), which "
         "lossless runs share with `ar` up to noise. The plots name each run by its label.",
         "",
-        "| label | run | tau | tokens/s | speedup | overhead | draft time | copied | extra params "
-        "| matches ar | mean log p | lossy |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| label | run | dtype | tau | tokens/s | speedup | same dtype | overhead | draft time "
+        "| copied | extra params | matches ar | mean log p | lossy |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
     for r in report["runs"]:
         lines.append(
-            f"| {r['label']} | {r['name']} | {fmt(r['tau'])} | {r['tokens_per_s']:.1f} | "
-            f"{r['speedup_vs_ar']:.2f}x | {fmt(r['overhead'])} | "
+            f"| {r['label']} | {r['name']} | {r.get('dtype', '-')} | {fmt(r['tau'])} | "
+            f"{r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | "
+            f"{fmt(r.get('speedup_vs_ar_same_dtype'), '{:.2f}x')} | {fmt(r['overhead'])} | "
             f"{fmt(r['draft_time_frac'], '{:.0%}')} | {fmt(r.get('copied_share'), '{:.0%}')} | "
             f"{r['extra_params']:,} | "
             f"{fmt(r['matches_ar'], '{}')} | {fmt(r['mean_log_p'], '{:.3f}')} | "

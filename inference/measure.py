@@ -21,8 +21,10 @@ import torch
 from specdraft.core import DecodeConfig
 from specdraft.data.demo import demo_prompts
 from specdraft.drafters.checkpoint import load_drafter, set_decode
+from specdraft.drafters.target import load_target
 from specdraft.inference.generate import generate
 from specdraft.inference.metrics import Stats
+from specdraft.precision import to_dtype
 
 
 @dataclass
@@ -41,6 +43,9 @@ class Run:
     # The run whose outputs this one's must equal when greedy (None: `ar`); a drafter decoding
     # with a fine-tuned target (Medusa-2) names that target's own plain decoding.
     same_as: str | None = None
+    # The precision the run's target computes in ("float32", "bfloat16", ...): evaluate.py
+    # measures several side by side, each against its own plain decoding and the fastest one.
+    dtype: str | None = None
 
 
 def loop_prompts(eval_loop, data_path: str, target, eval_examples) -> list[torch.Tensor]:
@@ -215,6 +220,11 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
     if not prompts:
         return None
     target.to(target.device)  # whole again where training placed only a part (a cache stand-in)
+    dtype = target.saved_dtype if cfg.eval_loop.dtype == "auto" else to_dtype(cfg.eval_loop.dtype)
+    if dtype != target.dtype:  # e.g. trained against a bf16 copy, decoded as saved (fp32)
+        tuned = target.fingerprint.get("adapter")  # Medusa-2: the base with the run's adapter
+        adapter = Path(result.output_dir) / "final" / "adapter" if tuned else None
+        target = load_target(cfg.target, dtype=dtype, device=target.device, adapter=adapter)
     threads = torch.get_num_threads()
     if target.device.type == "cpu":
         torch.set_num_threads(cfg.eval_loop.threads or usable_cores())

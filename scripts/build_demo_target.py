@@ -40,8 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         "--set",
         nargs="*",
         default=[],
-        metavar="KEY=INT|FLOAT",
-        help="override build settings, e.g. --set hidden_size=384 num_layers=6 lr=2e-3",
+        metavar="KEY=VALUE",
+        help="override build settings, e.g. --set hidden_size=384 num_layers=6 lr=2e-3 "
+        "precision=fp32",
     )
     args = parser.parse_args(argv)
     overrides = {}
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         key, sep, value = item.partition("=")
         if not sep:
             parser.error(f"--set takes KEY=VALUE items, got {item!r}")
-        overrides[key] = float(value) if any(c in value for c in ".e") else int(value)
+        overrides[key] = _number_or_text(value)
     try:
         path = ensure_demo_target(args.variant, args.budget, args.seed, args.force, overrides)
     except ValueError as err:
@@ -61,6 +62,15 @@ def main(argv: list[str] | None = None) -> int:
             info["report"] = report(path, num_prompts=args.num_prompts)
     print(json.dumps(info, indent=2))
     return 0
+
+
+def _number_or_text(value: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
 
 
 if __name__ == "__main__":

@@ -25,33 +25,42 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
 from specdraft.drafters import load_target
 from specdraft.inference.evaluate import (
     BASELINES,
     HF_GAMMA,
     build_runs,
+    dtype_name,
     log_wandb,
     make_report,
     markdown,
     write_report,
 )
 from specdraft.inference.measure import load_prompts, measure
+from specdraft.precision import resolve_precision, to_dtype
+
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    targets = [load_target(args.target, dtype=d, device=args.device) for d in args.dtypes]
     try:
-        prompts = load_prompts(args.prompts, args.num_prompts, target)
+        prompts = load_prompts(args.prompts, args.num_prompts, targets[0])
     except ValueError as e:
         raise SystemExit(f"--prompts: {e}") from None
-    try:
-        runs = build_runs(args, target)
-    except ValueError as e:  # a bad --drafter: its folder, or a decoding setting
-        raise SystemExit(str(e)) from None
-    measure(runs, prompts, target, log=lambda m: print(f"[evaluate] {m}", file=sys.stderr))
+    runs = []
+    for target in targets:
+        suffix = f"@{SHORT.get(dtype_name(target.dtype), dtype_name(target.dtype))}"
+        try:
+            runs += build_runs(args, target, suffix if len(targets) > 1 else "")
+        except ValueError as e:  # a bad --drafter: its folder, or a decoding setting
+            raise SystemExit(str(e)) from None
+    measure(runs, prompts, targets[0], log=lambda m: print(f"[evaluate] {m}", file=sys.stderr))
 
-    report = make_report(args, target, runs)
+    report = make_report(args, targets, runs)
     write_report(report, runs, Path(args.output))
     if args.wandb:
         log_wandb(report, Path(args.output), args.wandb)
@@ -98,7 +107,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: as saved)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="the target's (and drafters') precision: float32, bfloat16, float16, or several "
+        "comma-separated (float32,bfloat16) to measure each side by side, every method against "
+        "the fastest plain decoding (default: as saved). bfloat16 on a CPU without native bf16 "
+        "is emulated and slow (one line says so)",
+    )
     parser.add_argument("--output", required=True, help="folder for report.json/.md and plots")
     parser.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to W&B")
     args = parser.parse_args(argv)
@@ -110,6 +126,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"{flag} must be >= 1, got {value}")
     if args.max_new_tokens < 1 or args.num_prompts < 1:
         parser.error("--max-new-tokens and --num-prompts must be >= 1")
+    args.dtypes = [None]
+    if args.dtype is not None:
+        names = [d.strip() for d in args.dtype.split(",") if d.strip()]
+        try:
+            args.dtypes = [to_dtype(d) for d in names]
+        except ValueError as e:
+            parser.error(f"--dtype: {e}")
+        if not names or len(set(args.dtypes)) < len(args.dtypes):
+            parser.error(f"--dtype {args.dtype!r}: give each precision once, e.g. float32,bfloat16")
+        if any(d == torch.bfloat16 for d in args.dtypes) and args.device in (None, "cpu"):
+            resolve_precision("bf16", "cpu", "decoding")  # one line where it is emulated
     return args
 
 

@@ -8,6 +8,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests run fp32 and exact on every machine: "auto" precision (the trainer's mixed_precision, the
+# demo build) resolves as on a CPU without native bf16, which also exercises that fallback. The
+# tests of bf16 itself turn this off (tests/test_precision.py).
+os.environ.setdefault("SPECDRAFT_NO_BF16", "1")
 
 import pytest
 import torch

@@ -9,9 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+import torch
+
 from specdraft.config import ConfigError, check_choices, choice
 from specdraft.core import DecodeConfig
 from specdraft.data.config import DataConfig
+from specdraft.precision import resolve_precision
 
 # The resolved config of a run, in output_dir and in every checkpoint folder.
 CONFIG_FILENAME = "train_config.yaml"
@@ -40,6 +43,12 @@ class LoopEvalConfig:
     tune_budgets: list[int] = field(default_factory=list)
     # Prompts each budget is measured on.
     tune_prompts: int = 6
+    # The target's precision in the measurement. auto: as its checkpoint was saved (how
+    # evaluate.py and a user decode it by default), whatever training loaded it in: the demo
+    # target trains in bf16 on a CPU with native bf16 but decodes fastest in fp32 (one-token
+    # steps gain nothing from bf16 there; BENCHMARKS.md, "Precision"). Or float32 | bfloat16 |
+    # float16.
+    dtype: str = choice("auto", "float32", "bfloat16", "float16")
     # CPU threads for the measurement; 0: every core this process may use, as decoding would.
     # (`accelerate launch` pins a lone CPU process to 1 thread for training; decoding speedups
     # differ by thread count, so the measurement states the count it ran with.)
@@ -147,8 +156,11 @@ class TrainConfig:
     # None: start fresh; "latest": the newest complete checkpoint in output_dir; or a
     # checkpoint-<step> folder.
     resume_from: str | None = None
-    # Autocast precision of training (accelerate's values): no | bf16 | fp16.
-    mixed_precision: str = choice("no", "bf16", "fp16")
+    # Autocast precision of training (accelerate's values): auto | no | bf16 | fp16. auto: bf16
+    # where the device has native bf16 (GPUs that support it; CPUs with AVX-512 BF16 or AMX,
+    # where it trains 1.6-2.5x faster, BENCHMARKS.md "Precision"), else no (fp32). The saved
+    # train_config.yaml holds the precision the run used.
+    mixed_precision: str = choice("auto", "no", "bf16", "fp16")
     # Threads per process when training on a CPU; 0: OMP_NUM_THREADS where you set it for a plain
     # `python` run, else the physical cores this process may use divided by the processes on this
     # machine (what `accelerate launch --cpu` picks). Plain `accelerate launch` on a machine
@@ -209,6 +221,10 @@ class TrainConfig:
                 f"a {self.kind} drafter, which is verified exactly: set decode.acceptance=exact",
                 key="decode.acceptance",
             )
+        if self.mixed_precision == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            bf16 = resolve_precision("auto", device, "training") == "bf16"
+            self.mixed_precision = "bf16" if bf16 else "no"
         if self.output_dir is None:
             self.output_dir = f"runs/{self.kind}-demo"
         if self.run_name is None:

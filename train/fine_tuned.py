@@ -46,7 +46,9 @@ def finish_fine_tuning(peft_model, target: Target, eval_examples, cfg, what: str
         print(
             f"[specdraft] fine-tuned target (adapter merged) in {out / 'target'}", file=sys.stderr
         )
-    return Target(merged, target.tokenizer, name=f"{cfg.target}+adapter")
+    tuned = Target(merged, target.tokenizer, name=f"{cfg.target}+adapter")
+    tuned.saved_dtype = target.saved_dtype  # the base's: what decoding "as saved" means
+    return tuned
 
 
 @torch.no_grad()

@@ -33,6 +33,8 @@ FIELDS = {
     "matches_ar",
     "mean_log_p",
     "lossy",
+    "dtype",
+    "speedup_vs_ar_same_dtype",
 }
 
 

@@ -215,7 +215,7 @@ def test_named_errors_from_a_file_and_from_the_command_line(tmp_path, text, item
     [
         ("report_to=wandbb", "report_to", "none | wandb | tensorboard"),
         ("lr_schedule=step", "lr_schedule", "cosine | linear | constant"),
-        ("mixed_precision=fp8", "mixed_precision", "no | bf16 | fp16"),
+        ("mixed_precision=fp8", "mixed_precision", "auto | no | bf16 | fp16"),
         ("data.overlong=cut", "data.overlong", "truncate | drop"),
         ("data.format=csv", "data.format", "sharegpt"),
         ("drafter.mode=max", "drafter.mode", "sum | concat"),
