@@ -58,16 +58,21 @@ class DemoSpec:
     # Training autocast: bf16 where the CPU has it natively (resolve_spec turns "auto" into what
     # this machine runs, so the cache folder's hash names the precision actually used), else fp32.
     precision: str = "auto"
+    # muon: Muon (torch.optim.Muon, RMS matched to AdamW's) for the decoder layers' matrices and
+    # AdamW for embeddings and norms; at the same tokens it learns far faster here (BENCHMARKS.md,
+    # "Demo target"). adamw: AdamW for everything (the tiny variant, and the v1 target).
+    optimizer: str = "muon"
 
 
 SPECS = {
     "default": DemoSpec(
-        vocab_size=4096, hidden_size=512, num_layers=4, num_heads=8, intermediate_size=1408,
-        seq_len=512, batch_size=8, steps=350, lr=1e-3, warmup_steps=20, corpus_files=0,
+        vocab_size=4096, hidden_size=256, num_layers=8, num_heads=4, intermediate_size=688,
+        seq_len=512, batch_size=8, steps=500, lr=4e-3, warmup_steps=20, corpus_files=0,
     ),
     "tiny": DemoSpec(
         vocab_size=384, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
         seq_len=64, batch_size=4, steps=25, lr=3e-3, warmup_steps=2, corpus_files=40,
+        optimizer="adamw",
     ),
 }  # fmt: skip
 BUDGETS = {"default": 1, "long": 3}
@@ -91,6 +96,8 @@ def resolve_spec(
     if unknown:
         raise ValueError(f"unknown demo build setting(s) {unknown}; valid: {sorted(asdict(spec))}")
     spec = replace(spec, **(overrides or {}))
+    if spec.optimizer not in ("muon", "adamw"):
+        raise ValueError(f"demo build optimizer {spec.optimizer!r}: choose muon or adamw")
     if spec.precision not in ("auto", "bf16", "fp32"):
         raise ValueError(f"demo build precision {spec.precision!r}: choose auto, bf16 or fp32")
     return replace(spec, precision=resolve_precision(spec.precision, "cpu", "the demo build"))
@@ -149,6 +156,27 @@ def _lr_at(step: int, spec: DemoSpec) -> float:
     return spec.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def _optimizers(model: LlamaForCausalLM, spec: DemoSpec) -> list[torch.optim.Optimizer]:
+    """Muon for the decoder layers' matrices and AdamW for the rest, or AdamW for all; weight
+    decay 0.1 on matrices, none on embeddings and norms."""
+    named = list(model.named_parameters())
+    matrices = [p for n, p in named if p.dim() >= 2 and "embed_tokens" not in n]
+    embeddings = [p for n, p in named if p.dim() >= 2 and "embed_tokens" in n]
+    vectors = [p for n, p in named if p.dim() < 2]
+    adamw = dict(lr=spec.lr, betas=(0.9, 0.95))
+    if spec.optimizer == "adamw":
+        groups = [{"params": matrices + embeddings, "weight_decay": 0.1}]
+        return [torch.optim.AdamW([*groups, {"params": vectors, "weight_decay": 0.0}], **adamw)]
+    muon = torch.optim.Muon(
+        matrices, lr=spec.lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"
+    )  # the same lr and decay as AdamW, per the RMS matching
+    rest = torch.optim.AdamW(
+        [{"params": embeddings, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+        **adamw,
+    )
+    return [muon, rest]
+
+
 def _blocks(texts: list[str], tokenizer, seq_len: int) -> torch.Tensor:
     """Tokenize, join documents with EOS and cut into (n_blocks, seq_len + 1) rows."""
     ids: list[int] = []
@@ -186,18 +214,12 @@ def build(spec: DemoSpec, out: Path) -> dict:
         dtype="float32",
     )
     model = LlamaForCausalLM(config)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=spec.lr,
-        betas=(0.9, 0.95),
-    )
+    optimizers = _optimizers(model, spec)
     order = torch.randperm(len(train_blocks), generator=torch.Generator().manual_seed(spec.seed))
     model.train()
     log_every = max(1, spec.steps // 20)
     for step in range(spec.steps):
-        for group in opt.param_groups:
+        for group in (g for opt in optimizers for g in opt.param_groups):
             group["lr"] = _lr_at(step, spec)
         idx = order[(torch.arange(spec.batch_size) + step * spec.batch_size) % len(order)]
         batch = train_blocks[idx]
@@ -205,8 +227,9 @@ def build(spec: DemoSpec, out: Path) -> dict:
             loss = model(input_ids=batch, labels=batch).loss  # HF shifts the labels itself
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         if step % log_every == 0 or step == spec.steps - 1:
             print(
                 f"[specdraft] demo target step {step + 1}/{spec.steps} loss {loss.item():.3f} "

@@ -98,3 +98,27 @@ def test_heldout_files_are_disjoint_from_training_and_prompts_come_from_them():
 def test_loop_detector():
     assert bdt.loops([1, 2, 3] * 40)
     assert not bdt.loops(list(range(120)))
+
+
+def test_muon_takes_the_layer_matrices_and_adamw_the_rest():
+    """The default build's optimizers: every parameter in exactly one, Muon only for 2-D
+    decoder-layer weights (Muon orthogonalizes matrices; embeddings and norms stay AdamW)."""
+    from dataclasses import replace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdraft.drafters.demo_target import _optimizers, resolve_spec
+
+    spec = replace(resolve_spec("tiny"), optimizer="muon")
+    config = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, tie_word_embeddings=True)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    muon, adamw = _optimizers(model, spec)
+    assert type(muon).__name__ == "Muon" and type(adamw).__name__ == "AdamW"
+    held = [id(p) for opt in (muon, adamw) for g in opt.param_groups for p in g["params"]]
+    assert sorted(held) == sorted(id(p) for p in model.parameters())  # each once
+    assert all(p.dim() == 2 for g in muon.param_groups for p in g["params"])
+    embed = model.get_input_embeddings().weight
+    assert all(p is not embed for g in muon.param_groups for p in g["params"])
+    with pytest.raises(ValueError, match="optimizer 'sgd'"):
+        resolve_spec("tiny", overrides={"optimizer": "sgd"})
