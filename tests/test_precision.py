@@ -66,7 +66,9 @@ def test_without_native_bf16_auto_falls_back_to_fp32_with_one_line(without, caps
 
 
 def test_to_dtype_names_and_errors():
-    assert precision.to_dtype("bf16") is torch.bfloat16 and precision.to_dtype("no") is torch.float32
+    assert (
+        precision.to_dtype("bf16") is torch.bfloat16 and precision.to_dtype("no") is torch.float32
+    )
     assert precision.to_dtype(torch.float16) is torch.float16
     with pytest.raises(ValueError, match="unknown dtype 'bf61'"):
         precision.to_dtype("bf61")
