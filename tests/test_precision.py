@@ -97,7 +97,21 @@ def test_the_demo_builds_cache_folder_names_the_precision_used(native, monkeypat
         resolve_spec("tiny", overrides={"precision": "int4"})
 
 
-def test_bf16_training_on_cpu_then_measured_as_saved(native, tiny_target_path, tmp_path):
+@pytest.fixture
+def fresh_accelerator_state():
+    """accelerate keeps one AcceleratorState per process, fixed at the first Accelerator's
+    mixed_precision (the other tests' fp32): this test trains in bf16, so it starts and ends
+    with a fresh one (the process group, in PartialState, is kept)."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    yield
+    AcceleratorState._reset_state()
+
+
+def test_bf16_training_on_cpu_then_measured_as_saved(
+    native, fresh_accelerator_state, tiny_target_path, tmp_path
+):
     """mixed_precision=bf16 on a CPU (accelerate's CPU autocast) against a bf16 copy of the
     target; the end-of-run measurement decodes the target as saved (fp32), exactly."""
     out = tmp_path / "run"
