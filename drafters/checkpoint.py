@@ -99,7 +99,9 @@ def save_drafter(
             "target_fingerprint": target_fingerprint,
             "provenance": {"git_commit": git_commit(), **(provenance or {})},
         }
-        hf_model = getattr(drafter, "hf_model", None)
+        # a kind may save another model than the one it trains (LayerSkip's LoRA: merged)
+        saved = getattr(drafter, "model_to_save", None)
+        hf_model = saved() if saved is not None else getattr(drafter, "hf_model", None)
         if hf_model is not None:
             # A plain HF folder: transformers writes the config and (tie-aware) safetensors.
             hf_model.save_pretrained(tmp, safe_serialization=True)
@@ -267,7 +269,9 @@ def load_drafter(
     if meta is not None:
         expected = meta.get("target_fingerprint") or {}
         fix = "load the target it was made for, or train one for this target"
-        if expected.get("adapter"):  # trained with the target fine-tuned (Medusa-2)
+        if meta.get("kind") == "layerskip":
+            fix = f"a LayerSkip drafter is its own target: load_target('{folder}')"
+        elif expected.get("adapter"):  # trained with the target fine-tuned (Medusa-2)
             fix = (
                 f"it decodes with the target fine-tuned beside it: load_target(BASE, "
                 f"adapter='{folder / 'adapter'}'), or the merged target its run saved"
@@ -287,7 +291,11 @@ def load_drafter(
         config_values, decode_values = _split_decode(meta)
         config = _config_from_dict(cls.config_class, config_values, folder)
         decode = _config_from_dict(DecodeConfig, decode_values, folder)
-    if hf_config is not None:
+    if getattr(cls, "uses_target_weights", False):
+        # the drafter is the target itself (LayerSkip): the fingerprint check above made sure the
+        # target is this folder's model, so no second copy is loaded
+        drafter = cls.from_checkpoint(config, target, None)
+    elif hf_config is not None:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
         vocab = model.get_output_embeddings().weight.shape[0]
         if vocab != target.vocab_size:

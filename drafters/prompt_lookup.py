@@ -100,6 +100,16 @@ class CopyingSession:
             return tree
         return self.inner.propose(context)
 
+    def bind_cache(self, cache) -> None:
+        if hasattr(self.inner, "bind_cache"):
+            self.inner.bind_cache(cache)
+
+    def verify(self, tree: DraftTree, logits_to_keep: int):
+        """The inner session's own verification of its draft, if it has one; else None (the
+        loop's full forward, which also verifies every copy)."""
+        verify = getattr(self.inner, "verify", None)
+        return None if verify is None else verify(tree, logits_to_keep)
+
     def accept(
         self,
         tree: DraftTree,

@@ -25,14 +25,61 @@ from specdraft.core import DecodeConfig, eos_ids
 from specdraft.drafters.checkpoint import load_drafter, read_metadata
 from specdraft.drafters.target import load_target
 from specdraft.inference.measure import Run, loop_decoder, summarize
+from specdraft.precision import resolve_precision, to_dtype
 
-BASELINES = ("ar", "hf_ar", "prompt_lookup", "hf_assisted", "hf_prompt_lookup")
+BASELINES = ("ar", "hf_ar", "prompt_lookup", "hf_assisted", "hf_prompt_lookup", "hf_early_exit")
 # gamma for transformers' prompt lookup when --gamma is not given: our prompt lookup's default
 HF_GAMMA = DecodeConfig().gamma
 # A run name up to this long is its own label; a longer one is labelled by its method, numbered.
 LABEL_CHARS = 16
 
 # --- runs --------------------------------------------------------------------------------------
+
+
+SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def check_options(args) -> None:
+    """Validate scripts/evaluate.py's options; sets `args.dtypes` from --dtype (`parse_dtypes`).
+    ValueError names the bad option and what it accepts."""
+    unknown = set(args.baselines.split(",")) - set(BASELINES) - {""}
+    if unknown:
+        raise ValueError(f"unknown baselines {sorted(unknown)}; choose from {','.join(BASELINES)}")
+    for flag, value in (("--gamma", args.gamma), ("--topk", args.topk)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.max_new_tokens < 1 or args.num_prompts < 1:
+        raise ValueError("--max-new-tokens and --num-prompts must be >= 1")
+    try:
+        args.dtypes = parse_dtypes(args.dtype, args.device)
+    except ValueError as e:
+        raise ValueError(f"--dtype: {e}") from None
+
+
+def parse_dtypes(text: str | None, device: str | None = None) -> list[torch.dtype | None]:
+    """evaluate.py's --dtype: None (the target's saved precision) or comma-separated names
+    ("float32,bfloat16"), each at most once. Asking for bf16 on a CPU without native bf16 prints
+    one line saying it is emulated."""
+    if text is None:
+        return [None]
+    names = [d.strip() for d in text.split(",") if d.strip()]
+    dtypes = [to_dtype(d) for d in names]  # ValueError names an unknown one
+    if not names or len(set(dtypes)) < len(dtypes):
+        raise ValueError(f"{text!r}: give each precision once, e.g. float32,bfloat16")
+    if torch.bfloat16 in dtypes and device in (None, "cpu"):
+        resolve_precision("bf16", "cpu", "decoding")
+    return dtypes
+
+
+def runs_per_precision(args, targets: Sequence) -> list[Run]:
+    """`build_runs` for each loaded target (one per precision); with more than one, every run's
+    name ends with its precision ("ar@fp32", "eagle@bf16")."""
+    runs = []
+    for target in targets:
+        name = dtype_name(target.dtype)
+        suffix = f"@{SHORT_DTYPE.get(name, name)}" if len(targets) > 1 else ""
+        runs += build_runs(args, target, suffix)
+    return runs
 
 
 def build_runs(args, target, suffix: str = "") -> list[Run]:
@@ -138,7 +185,19 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
     if tuned is not None:
         runs[-1].same_as = runs[0].name
     hf_model = getattr(drafter, "hf_model", None)
-    if "hf_assisted" in args.baselines.split(",") and hf_model is not None:
+    if drafter.kind == "layerskip":
+        # the target drafting with its own first layers: transformers' early-exit assisted
+        # generation, with the same exit and a constant gamma (it recomputes the early layers)
+        if "hf_early_exit" in args.baselines.split(","):
+            config = target.model.generation_config
+            config.num_assistant_tokens, config.num_assistant_tokens_schedule = (
+                decode.gamma,
+                "constant",
+            )
+            config.assistant_confidence_threshold = 0.0
+            early = _hf(target, args, assistant_early_exit=drafter.config.exit_layer)
+            runs.append(Run(f"hf_early_exit[{name}]", "hf_early_exit", early, params))
+    elif "hf_assisted" in args.baselines.split(",") and hf_model is not None:
         # transformers reads gamma and its schedule from the assistant's own generation
         # config; a zero confidence threshold turns off its early stop, so gamma is constant
         hf_model.generation_config.num_assistant_tokens = decode.gamma
@@ -154,6 +213,8 @@ def fine_tuned_target(path: str, base, args):
     target fine-tuned (its fingerprint names an adapter, saved in FOLDER/adapter): the base
     with that adapter merged. None for every other drafter."""
     meta, _ = read_metadata(path)
+    if (meta or {}).get("kind") == "layerskip":  # its own target: --target FOLDER
+        return None
     if not (meta or {}).get("target_fingerprint", {}).get("adapter"):
         return None
     adapter = Path(path) / "adapter"

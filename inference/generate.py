@@ -97,6 +97,9 @@ def generate(
     seq[0, :prompt_len] = seq_ids.to(device)
     length, cached = prompt_len, 0
     cache = DynamicCache(config=target.config)
+    if hasattr(session, "bind_cache"):  # a drafter that drafts on the target's cache (LayerSkip)
+        session.bind_cache(cache)
+    own_verify = getattr(session, "verify", None)
     no_draft = DraftTree.empty(device=device)
     capture = list(getattr(session, "capture_layers", None) or ())
     start = time.perf_counter()
@@ -120,16 +123,20 @@ def generate(
         inputs = seq[:, cached:length]
         if n:
             inputs = torch.cat([inputs, tree.tokens.to(device)], dim=1)  # (1, pending + n)
-        mask, positions = tree_attention(tree, cached, pending, target.dtype, device)
-        out = target.forward(
-            inputs,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            capture_layers=capture,
-            logits_to_keep=n + 1,
-        )
+        # A session that drafted on the shared cache verifies its own draft (LayerSkip: the late
+        # layers only); any other tree gets the full forward.
+        out = own_verify(tree, n + 1) if own_verify is not None else None
+        if out is None:
+            mask, positions = tree_attention(tree, cached, pending, target.dtype, device)
+            out = target.forward(
+                inputs,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                capture_layers=capture,
+                logits_to_keep=n + 1,
+            )
         logits = out.logits[0]  # (n + 1, vocab): the root (last pending token), then each node
         if sampling.greedy:
             path, next_token = verify_greedy(tree, logits.argmax(-1).tolist())

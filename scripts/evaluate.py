@@ -13,10 +13,10 @@ each run by a short label (eagle#1, ...) that report.md and report.json key to i
 A lossy run (a Medusa drafter with acceptance=typical at temperature > 0) is labelled
 "(lossy)", and its mean log p (the target's log-likelihood of its output) shows the drift.
 
-Methods: `ar` (our loop, no drafter), `hf_ar` (transformers' generate), `prompt_lookup` (our
-loop), `hf_prompt_lookup` (transformers' prompt lookup), each --drafter in our loop, and
-`hf_assisted` (transformers' generate(assistant_model=...) with a constant gamma) for each
-two-model drafter.
+Methods: `ar` (our loop, no drafter), `hf_ar` (transformers' generate), `prompt_lookup`, its
+`hf_prompt_lookup`, each --drafter in our loop, `hf_assisted` (generate(assistant_model=...),
+constant gamma) per two-model drafter, `hf_early_exit` (assistant_early_exit) per LayerSkip one.
+`--dtype float32,bfloat16` measures every method in each precision, against the fastest plain.
 """
 
 from __future__ import annotations
@@ -25,23 +25,18 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from specdraft.drafters import load_target
 from specdraft.inference.evaluate import (
     BASELINES,
     HF_GAMMA,
-    build_runs,
-    dtype_name,
+    check_options,
     log_wandb,
     make_report,
     markdown,
+    runs_per_precision,
     write_report,
 )
 from specdraft.inference.measure import load_prompts, measure
-from specdraft.precision import resolve_precision, to_dtype
-
-SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,13 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         prompts = load_prompts(args.prompts, args.num_prompts, targets[0])
     except ValueError as e:
         raise SystemExit(f"--prompts: {e}") from None
-    runs = []
-    for target in targets:
-        suffix = f"@{SHORT.get(dtype_name(target.dtype), dtype_name(target.dtype))}"
-        try:
-            runs += build_runs(args, target, suffix if len(targets) > 1 else "")
-        except ValueError as e:  # a bad --drafter: its folder, or a decoding setting
-            raise SystemExit(str(e)) from None
+    try:
+        runs = runs_per_precision(args, targets)
+    except ValueError as e:  # a bad --drafter: its folder, or a decoding setting
+        raise SystemExit(str(e)) from None
     measure(runs, prompts, targets[0], log=lambda m: print(f"[evaluate] {m}", file=sys.stderr))
 
     report = make_report(args, targets, runs)
@@ -110,33 +102,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--dtype",
         default=None,
-        help="the target's (and drafters') precision: float32, bfloat16, float16, or several "
-        "comma-separated (float32,bfloat16) to measure each side by side, every method against "
-        "the fastest plain decoding (default: as saved). bfloat16 on a CPU without native bf16 "
-        "is emulated and slow (one line says so)",
+        help="float32, bfloat16, float16 or several (float32,bfloat16), for the target and "
+        "drafters (default: as saved); bf16 on a CPU without native bf16 is emulated and slow",
     )
     parser.add_argument("--output", required=True, help="folder for report.json/.md and plots")
     parser.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to W&B")
     args = parser.parse_args(argv)
-    unknown = set(args.baselines.split(",")) - set(BASELINES) - {""}
-    if unknown:
-        parser.error(f"unknown baselines {sorted(unknown)}; choose from {','.join(BASELINES)}")
-    for flag, value in (("--gamma", args.gamma), ("--topk", args.topk)):
-        if value is not None and value < 1:
-            parser.error(f"{flag} must be >= 1, got {value}")
-    if args.max_new_tokens < 1 or args.num_prompts < 1:
-        parser.error("--max-new-tokens and --num-prompts must be >= 1")
-    args.dtypes = [None]
-    if args.dtype is not None:
-        names = [d.strip() for d in args.dtype.split(",") if d.strip()]
-        try:
-            args.dtypes = [to_dtype(d) for d in names]
-        except ValueError as e:
-            parser.error(f"--dtype: {e}")
-        if not names or len(set(args.dtypes)) < len(args.dtypes):
-            parser.error(f"--dtype {args.dtype!r}: give each precision once, e.g. float32,bfloat16")
-        if any(d == torch.bfloat16 for d in args.dtypes) and args.device in (None, "cpu"):
-            resolve_precision("bf16", "cpu", "decoding")  # one line where it is emulated
+    try:
+        check_options(args)
+    except ValueError as e:
+        parser.error(str(e))
     return args
 
 

@@ -31,14 +31,8 @@ def finish_fine_tuning(peft_model, target: Target, eval_examples, cfg, what: str
     with peft_model.disable_adapter():
         base = heldout_loss(target, eval_examples, cfg.micro_batch_size, cfg.eval_batches)
     tuned = heldout_loss(target, eval_examples, cfg.micro_batch_size, cfg.eval_batches)
-    quality = {"base_loss": base, "fine_tuned_loss": tuned, "adapter": digest}
+    write_quality(cfg.output_dir, base, tuned, digest, what)
     out = Path(cfg.output_dir)
-    (out / "target_quality.json").write_text(json.dumps(quality, indent=2) + "\n")
-    print(
-        f"[specdraft] {what} fine-tuned the target: held-out loss {base:.4f} (base) -> "
-        f"{tuned:.4f} (fine-tuned, adapter {digest})",
-        file=sys.stderr,
-    )
     plain = peft_model.unload()  # the adapters taken out, unmerged
     merged = merge_adapter(plain, out / "final" / "adapter")
     if cfg.save_merged_target:
@@ -49,6 +43,17 @@ def finish_fine_tuning(peft_model, target: Target, eval_examples, cfg, what: str
     tuned = Target(merged, target.tokenizer, name=f"{cfg.target}+adapter")
     tuned.saved_dtype = target.saved_dtype  # the base's: what decoding "as saved" means
     return tuned
+
+
+def write_quality(output_dir, base: float, tuned: float, digest: str, what: str) -> None:
+    """output_dir/target_quality.json and one line: what fine-tuning cost the target."""
+    quality = {"base_loss": base, "fine_tuned_loss": tuned, "adapter": digest}
+    (Path(output_dir) / "target_quality.json").write_text(json.dumps(quality, indent=2) + "\n")
+    print(
+        f"[specdraft] {what} fine-tuned the target: held-out loss {base:.4f} (base) -> "
+        f"{tuned:.4f} (fine-tuned, {digest})",
+        file=sys.stderr,
+    )
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ only through this small interface (`TrainableDrafter`):
     drafter.trained_fingerprint(target)              optional: the fingerprint saved (the
                                                      fine-tuned target's, for Medusa-2)
     drafter.write_extra(folder)                      optional: files saved beside the weights
+    drafter.begin_step(step, max_steps)              optional: told the step before each one
     parameters with requires_grad                    what the optimizer trains
     kind, config, hf_model (optional)                what checkpoint.py saves
 
@@ -418,6 +419,8 @@ class _Run:
             group["lr"] = lr * group.get("lr_scale", 1.0) if started else 0.0
 
         unwrapped = acc.unwrap_model(self.model)
+        if hasattr(unwrapped, "begin_step"):  # a schedule inside the loss (LayerSkip's curriculum)
+            unwrapped.begin_step(step, cfg.max_steps)
         batches = []
         for micro in range(cfg.grad_accum):
             idx = examples_for(step, micro, self.rank, len(self.train_examples), cfg, self.world)

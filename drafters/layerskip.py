@@ -1,0 +1,528 @@
+"""LayerSkip: the target fine-tuned so that its own first E layers draft for the rest.
+
+Training (Elhoushi et al. 2024, "LayerSkip"): the target itself trains, with
+- layer dropout: in each sample, layer l is skipped with probability
+  p_max * scale(l / (L - 1)) (scales below), so late layers learn to be optional and early
+  ones to carry the prediction; off in evaluation. Skipped samples do not run the layer at all;
+- an early-exit loss: the shared final norm and LM head read the hidden state after chosen
+  layers, and each exit's cross-entropy over the loss tokens is weighted by a scale function of
+  its depth, with e_scale on the non-final exits; a curriculum can rotate or grow the set of
+  exits over training; the last layer always trains.
+The random draws come from torch's generator, which the trainer reseeds from (seed, step) before
+every step, so a run is deterministic for its seed and a resumed run equals an uninterrupted one.
+
+Decoding (self-speculation): layers [0, E) + final norm + LM head draft a chain; layers [E, L)
+verify it, fed the exit-layer hidden states the draft already computed, so the early layers run
+once per token. Draft and verification share the loop's one KV cache: drafting appends the
+early layers' entries, verification the late layers', and the loop's compaction keeps the
+accepted path in both. The checkpoint is a plain Hugging Face model folder (the fine-tuned
+target) with the drafter's block: it is its own target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdraft.core import (
+    DecodeConfig,
+    DraftContext,
+    DraftTree,
+    SamplingSettings,
+    TargetOutput,
+    draft_chain,
+    float_mask,
+)
+from specdraft.drafters.base import Drafter, LoraConfig, attach_lora
+from specdraft.drafters.distill import simulated_alpha
+from specdraft.drafters.target import ADAPTER_ATTRIBUTE, TargetError
+
+# scale(x), x = l / (L - 1) in [0, 1]: how layer dropout grows with depth (p_max at the top for
+# all but uniform; exp is the paper's choice for continual pre-training)
+DROPOUT_SCALES = {
+    "uniform": lambda x: 1.0,
+    "linear": lambda x: x,
+    "exp": lambda x: 2.0**x - 1.0,
+    "log": lambda x: math.log2(1.0 + x),
+    "sin": lambda x: math.sin(math.pi / 2 * x),
+}
+# weight(e) of the exit after e layers (e = 1..L) before normalising: uniform, e, 1 + ... + e,
+# sqrt(e), 1 / e, 1 / sqrt(e) (deeper exits weigh more with the first four)
+EXIT_SCALES = {
+    "uniform": lambda e: 1.0,
+    "l": lambda e: float(e),
+    "sum_l": lambda e: e * (e + 1) / 2.0,
+    "sqrt_l": lambda e: math.sqrt(e),
+    "inv_l": lambda e: 1.0 / e,
+    "inv_sqrt_l": lambda e: 1.0 / math.sqrt(e),
+}
+CURRICULA = ("none", "rotational", "gradual")
+
+
+@dataclass
+class LayerSkipConfig:
+    # E: the draft runs the first E layers (then the final norm and LM head); 0: a quarter of
+    # the target's layers (at least 1), resolved against the target when training starts.
+    exit_layer: int = 0
+    # Layer dropout: the largest skip probability p_max (0: off) and how it grows with depth.
+    layer_dropout: float = 0.1
+    dropout_scale: str = "exp"
+    # Early-exit loss after these layer counts (1..L-1; the last layer always trains); empty:
+    # after every `early_exit_every`-th layer. The exit layer E is always among them.
+    early_exit_layers: list[int] = field(default_factory=list)
+    early_exit_every: int = 1
+    # Each exit's weight: EXIT_SCALES[early_exit_scale](e), times e_scale for the non-final
+    # exits, normalised to sum to 1 over the exits trained at a step.
+    early_exit_scale: str = "l"
+    e_scale: float = 1.0
+    # none: every exit at every step; rotational: the non-final exits take turns, one group of
+    # every `rotation_period`-th exit per step; gradual: exits join from the deepest to the
+    # shallowest, evenly over the first `gradual_fraction` of training.
+    curriculum: str = "none"
+    rotation_period: int = 2
+    gradual_fraction: float = 0.5
+    # LoRA adapters instead of full fine-tuning (lora.rank > 0).
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, Mapping):
+            self.lora = LoraConfig(**self.lora)
+        choices = (
+            ("dropout_scale", self.dropout_scale, DROPOUT_SCALES),
+            ("early_exit_scale", self.early_exit_scale, EXIT_SCALES),
+            ("curriculum", self.curriculum, CURRICULA),
+        )
+        for name, value, allowed in choices:
+            if value not in allowed:
+                raise ValueError(f"drafter.{name} must be one of {sorted(allowed)}; got {value!r}")
+        if not 0 <= self.layer_dropout < 1:
+            raise ValueError(f"drafter.layer_dropout must be in [0, 1); got {self.layer_dropout}")
+        if self.exit_layer < 0 or self.early_exit_every < 1 or self.rotation_period < 1:
+            raise ValueError(
+                "drafter.exit_layer must be >= 0 (0: a quarter of the layers), "
+                "early_exit_every and rotation_period >= 1"
+            )
+        if self.e_scale <= 0 or not 0 <= self.gradual_fraction <= 1:
+            raise ValueError("drafter.e_scale must be > 0 and gradual_fraction in [0, 1]")
+
+    def resolve(self, num_layers: int) -> LayerSkipConfig:
+        """Check the layer counts against a target of `num_layers` layers and fill exit_layer."""
+        if num_layers < 2:
+            raise ValueError(
+                f"LayerSkip needs a target with at least 2 layers (one to draft, one to verify); "
+                f"this one has {num_layers}"
+            )
+        if self.exit_layer == 0:
+            self.exit_layer = max(1, num_layers // 4)
+        if not 1 <= self.exit_layer < num_layers:
+            raise ValueError(
+                f"drafter.exit_layer {self.exit_layer} must be in 1..{num_layers - 1} for this "
+                f"{num_layers}-layer target: the draft needs a layer, verification at least one"
+            )
+        bad = [e for e in self.early_exit_layers if not 1 <= e < num_layers]
+        if bad:
+            raise ValueError(
+                f"drafter.early_exit_layers {bad} are not in 1..{num_layers - 1} (the last layer, "
+                f"{num_layers}, always trains)"
+            )
+        return self
+
+    def exits(self, num_layers: int) -> list[int]:
+        """Every exit the loss may train, shallowest first, the last layer included."""
+        chosen = set(self.early_exit_layers) or set(
+            range(self.early_exit_every, num_layers, self.early_exit_every)
+        )
+        return sorted(chosen | {self.exit_layer, num_layers})
+
+
+def dropout_rates(num_layers: int, p_max: float, scale: str) -> list[float]:
+    """Skip probability of each layer: p_max * scale(l / (L - 1))."""
+    fn = DROPOUT_SCALES[scale]
+    return [p_max * fn(i / (num_layers - 1)) for i in range(num_layers)]
+
+
+def exit_weights(exits: list[int], num_layers: int, scale: str, e_scale: float) -> dict[int, float]:
+    """Normalised loss weight of each exit (the last layer's without e_scale)."""
+    fn = EXIT_SCALES[scale]
+    raw = {e: fn(e) * (1.0 if e == num_layers else e_scale) for e in exits}
+    total = sum(raw.values())
+    return {e: w / total for e, w in raw.items()}
+
+
+def active_exits(cfg: LayerSkipConfig, num_layers: int, step: int, max_steps: int) -> list[int]:
+    """The exits the loss trains at `step` (0-based) of `max_steps`, under the curriculum."""
+    exits = cfg.exits(num_layers)
+    early = exits[:-1]
+    if cfg.curriculum == "rotational":
+        early = [
+            e for i, e in enumerate(early) if i % cfg.rotation_period == step % cfg.rotation_period
+        ]
+    elif cfg.curriculum == "gradual":
+        horizon = cfg.gradual_fraction * max_steps
+        early = [e for e in early if step >= horizon * (num_layers - e) / num_layers]
+    return [*early, num_layers]
+
+
+# --- running a Llama-style model a range of layers at a time ----------------------------------
+
+
+def llama_parts(model) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module, nn.Module]:
+    """(embedding, decoder layers, final norm, rotary embedding, LM head) of a Llama-style causal
+    LM, looking through a peft wrapper; a clear error for other layouts."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "model", None)
+    parts = [getattr(inner, name, None) for name in ("layers", "norm", "rotary_emb")]
+    if not isinstance(parts[0], nn.ModuleList) or any(p is None for p in parts):
+        raise TargetError(
+            f"{type(base).__name__} does not have the Llama-style layout LayerSkip runs a layer "
+            "at a time (model.layers, model.norm, model.rotary_emb, lm_head); supported families: "
+            "Llama, Qwen2/Qwen3, Mistral"
+        )
+    return base.get_input_embeddings(), parts[0], parts[1], parts[2], base.get_output_embeddings()
+
+
+def run_layers(
+    layers,
+    hidden: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    positions: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    cache=None,
+    skip: Mapping[int, torch.Tensor] | None = None,
+    keep: set[int] = frozenset(),
+) -> dict[int, torch.Tensor]:
+    """Run `layers` (an (index, layer) sequence) over hidden (batch, seq, H).
+
+    skip: per layer index, a (batch,) bool of the samples that skip it: they do not run it (the
+    others run as a sub-batch). Returns the hidden state after each layer index in `keep`, and
+    under -1 the state after the last layer.
+    """
+    out: dict[int, torch.Tensor] = {}
+    for index, layer in layers:
+        skipped = None if skip is None else skip.get(index)
+        if skipped is None or not bool(skipped.any()):
+            hidden = layer(
+                hidden, attention_mask=mask, position_ids=positions, cache=cache,
+                use_cache=cache is not None, position_embeddings=rotary,
+            )  # fmt: skip
+        elif not bool(skipped.all()):
+            run = (~skipped).nonzero().flatten()
+            hidden = hidden.index_copy(
+                0, run, _sub_layer(layer, hidden, run, mask, positions, rotary)
+            )
+        if index in keep:
+            out[index] = hidden
+    out[-1] = hidden
+    return out
+
+
+def _sub_layer(layer, hidden, rows, mask, positions, rotary) -> torch.Tensor:
+    """The layer over the batch rows `rows` only (its mask, positions and rotary sliced alike)."""
+    batch = hidden.shape[0]
+
+    def rows_of(t):
+        return t.index_select(0, rows) if isinstance(t, torch.Tensor) and t.shape[0] == batch else t
+
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise TargetError(
+            f"layer dropout slices the attention mask per sample, and this attention "
+            f"implementation builds a {type(mask).__name__}: load the target with "
+            "attn_implementation='sdpa' or 'eager'"
+        )
+    return layer(
+        hidden.index_select(0, rows), attention_mask=rows_of(mask), position_ids=rows_of(positions),
+        position_embeddings=tuple(rows_of(t) for t in rotary),
+    )  # fmt: skip
+
+
+def causal_float_mask(past: int, new: int, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """(1, 1, new, past + new) float mask: each new token sees the past and the new ones up to
+    itself. None for a single token, which sees everything."""
+    if new == 1:
+        return None
+    allowed = torch.ones(new, past + new, dtype=torch.bool, device=device)
+    allowed[:, past:] = torch.ones(new, new, dtype=torch.bool, device=device).tril()
+    return float_mask(allowed, dtype)[None, None]
+
+
+def weights_digest(model: nn.Module) -> str:
+    """A short hash of a model's weights (every tensor, sampled at a stride of at most 4096
+    values each, fp32): what a fully fine-tuned target is told apart from its base by."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        stride = max(1, flat.numel() // 4096)
+        digest.update(name.encode())
+        digest.update(flat[::stride].float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+# --- the drafter ----------------------------------------------------------------------------------
+
+
+class LayerSkipDrafter(Drafter):
+    """The fine-tuned target as its own drafter. `hf_model` is the model (what is saved: a plain
+    HF folder); with LoRA, `peft` is its peft wrapper while training."""
+
+    kind = "layerskip"
+    config_class = LayerSkipConfig
+    # the loss runs the model itself (the trainer hands it no target output)
+    runs_target = True
+    # decoding uses the target's own weights: load_drafter loads no second copy
+    uses_target_weights = True
+
+    def __init__(self, config: LayerSkipConfig, hf_model) -> None:
+        super().__init__()
+        self.hf_model = hf_model
+        self.config = config.resolve(hf_model.config.num_hidden_layers)
+        self.num_layers = hf_model.config.num_hidden_layers
+        self.capture_layers: tuple[int, ...] = ()
+        self.target_fingerprint: dict | None = None
+        self.peft = None
+        self._step, self._max_steps = 0, 1
+
+    @classmethod
+    def build(cls, config: LayerSkipConfig, target) -> LayerSkipDrafter:
+        """For training: the target's own model becomes trainable in place (full fine-tuning),
+        or gets LoRA adapters (lora.rank > 0); no second copy of the weights."""
+        llama_parts(target.model)  # a clear error before training for other layouts
+        if config.lora.rank > 0:
+            peft = attach_lora(target, config.lora)
+            drafter = cls(config, target.model)
+            object.__setattr__(drafter, "peft", peft)  # not a submodule: hf_model holds it
+            return drafter
+        for p in target.model.parameters():
+            p.requires_grad_(True)
+        return cls(config, target.model)
+
+    @classmethod
+    def from_checkpoint(cls, config: LayerSkipConfig, target, hf_model) -> LayerSkipDrafter:
+        return cls(config, target.model if hf_model is None else hf_model)
+
+    def begin_step(self, step: int, max_steps: int) -> None:
+        """Called by the trainer before each training step: the curriculum follows it."""
+        self._step, self._max_steps = step, max(1, max_steps)
+
+    def trained_fingerprint(self, target) -> dict:
+        """The fine-tuned model's own fingerprint: the base's, with the trained weights' hash as
+        its `adapter`, also written into the saved model config so load_target(folder) gives the
+        same fingerprint back."""
+        if self.peft is not None:
+            from peft.utils import get_peft_model_state_dict
+
+            from specdraft.drafters.base import adapter_hash
+
+            digest = adapter_hash(get_peft_model_state_dict(self.peft))
+        else:
+            digest = weights_digest(self.hf_model)
+        setattr(self.hf_model.config, ADAPTER_ATTRIBUTE, digest)
+        return {**target.fingerprint, "adapter": digest}
+
+    def model_to_save(self):
+        """The plain HF model a checkpoint holds: the model itself, or with LoRA a merged copy
+        (the adapter is also saved, in adapter/, by `write_extra`)."""
+        if self.peft is None:
+            return self.hf_model
+        import copy
+
+        return copy.deepcopy(self.peft).merge_and_unload()
+
+    def write_extra(self, folder) -> None:
+        if self.peft is not None:
+            self.peft.save_pretrained(str(folder / "adapter"))
+
+    def ignored_settings(self, decode: DecodeConfig) -> list[str]:
+        ignored = []
+        if not decode.chain:
+            ignored.append("LayerSkip drafts chains: tree_top_k > 1 is ignored")
+        if decode.draft_weights == "int8":
+            ignored.append(
+                "draft_weights=int8 is ignored by LayerSkip: its draft is the target's own layers"
+            )
+        return ignored
+
+    # --- loss --------------------------------------------------------------------------------
+
+    def forward(self, batch: Mapping[str, torch.Tensor], target_out=None):
+        return self.loss(batch, target_out)
+
+    def exit_states(
+        self, batch: Mapping[str, torch.Tensor], exits: list[int]
+    ) -> dict[int, torch.Tensor]:
+        """Hidden states after each exit's layer count (final-normed), with layer dropout while
+        training: {e: (batch, seq, H)}."""
+        from transformers.masking_utils import create_causal_mask
+
+        embed, layers, norm, rotary_emb, _ = llama_parts(self.hf_model)
+        ids = batch["input_ids"]
+        hidden = embed(ids)
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]
+        mask = create_causal_mask(
+            config=self.hf_model.config, inputs_embeds=hidden,
+            attention_mask=batch.get("attention_mask"), cache=None, position_ids=positions,
+        )  # fmt: skip
+        skip = None
+        if self.training and self.config.layer_dropout > 0:
+            rates = dropout_rates(
+                self.num_layers, self.config.layer_dropout, self.config.dropout_scale
+            )
+            draws = torch.rand(self.num_layers, ids.shape[0], device=ids.device)
+            skip = {i: draws[i] < rate for i, rate in enumerate(rates) if rate > 0}
+        states = run_layers(
+            enumerate(layers), hidden, mask=mask, positions=positions,
+            rotary=rotary_emb(hidden, positions), skip=skip, keep={e - 1 for e in exits},
+        )  # fmt: skip
+        return {e: norm(states[e - 1]) for e in exits}
+
+    def loss(self, batch: Mapping[str, torch.Tensor], target_out=None) -> tuple[torch.Tensor, dict]:
+        """The weighted early-exit cross-entropy over the loss tokens (position t predicts t + 1
+        where loss_mask[t + 1])."""
+        if self.training:
+            exits = active_exits(self.config, self.num_layers, self._step, self._max_steps)
+        else:
+            exits = self.config.exits(self.num_layers)
+        weights = exit_weights(
+            exits, self.num_layers, self.config.early_exit_scale, self.config.e_scale
+        )
+        states = self.exit_states(batch, exits)
+        keep = batch["loss_mask"][:, 1:].bool()
+        labels = batch["input_ids"][:, 1:][keep]
+        lm_head = self.hf_model.get_output_embeddings()
+        loss = states[exits[-1]].new_zeros((), dtype=torch.float32)
+        metrics: dict[str, torch.Tensor] = {}
+        for e in exits:
+            logits = lm_head(states[e][:, :-1][keep])
+            ce = F.cross_entropy(logits.float(), labels) if len(labels) else loss * 0
+            metrics[f"loss_exit{e}"] = ce.detach()
+            loss = loss + weights[e] * ce
+        return loss, metrics
+
+    @torch.no_grad()
+    def acceptance(
+        self, batch: Mapping[str, torch.Tensor], target_out=None
+    ) -> tuple[torch.Tensor, ...]:
+        """(alpha summed, greedy agreement summed, count) per draft depth 1..gamma: the exit
+        layer's distribution q against the model's own final p at each loss position; a chain
+        drafter's depths get the same estimate (as the distilled draft's)."""
+        e, last = self.config.exit_layer, self.num_layers
+        states = self.exit_states(batch, [e, last])
+        keep = batch["loss_mask"][:, 1:].bool()
+        lm_head = self.hf_model.get_output_embeddings()
+        q_logits = lm_head(states[e][:, :-1][keep]).float()
+        p_logits = lm_head(states[last][:, :-1][keep]).float()
+        alpha = simulated_alpha(p_logits, q_logits).sum()
+        agree = (q_logits.argmax(-1) == p_logits.argmax(-1)).sum().float()
+        count = torch.tensor(float(q_logits.shape[0]), device=alpha.device)
+        gamma = self.decode.gamma
+        return alpha.repeat(gamma), agree.repeat(gamma), count.repeat(gamma)
+
+    # --- decoding ----------------------------------------------------------------------------
+
+    def new_session(
+        self,
+        target,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> LayerSkipSession:
+        if target.model is not self.hf_model:
+            raise ValueError(
+                "a LayerSkip drafter decodes with its own fine-tuned model as the target: load "
+                "the target from the drafter's folder (evaluate.py --target FOLDER)"
+            )
+        return LayerSkipSession(target.model, self.config.exit_layer, decode, sampling, generator)
+
+
+class LayerSkipSession:
+    """One generate call's self-speculative drafting, on the loop's own KV cache (`bind_cache`).
+
+    A proposal feeds the pending tokens and each drafted token but the last through layers
+    [0, E) (their entries go into the cache's first E layers) and reads the exit-layer logits.
+    `verify` then feeds the last drafted token through the same layers and runs layers [E, L)
+    over every new token from the saved exit-layer states: the early layers never run twice.
+    A tree this session did not draft (a copy) is verified by the loop's full forward.
+    """
+
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, model, exit_layer: int, decode, sampling, generator) -> None:
+        self.embed, self.layers, self.norm, self.rotary, self.lm_head = llama_parts(model)
+        self.exit = exit_layer
+        self.decode, self.sampling, self.generator = decode, sampling, generator
+        self.dtype = self.embed.weight.dtype
+        self.cache = None
+        self._tree: DraftTree | None = None
+        self._states: list[torch.Tensor] = []  # exit-layer states of the fed new tokens
+        self._cached = 0  # what every layer of the cache held at the last proposal
+
+    def bind_cache(self, cache) -> None:
+        self.cache = cache
+
+    def _early(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Feed ids (1, n) at positions start.. through layers [0, E): their exit-layer states."""
+        hidden = self.embed(ids)
+        self._states.append(self._run(hidden, start, range(self.exit)))
+        return self._states[-1]
+
+    def _run(self, hidden: torch.Tensor, start: int, indices: range) -> torch.Tensor:
+        n = hidden.shape[1]
+        positions = torch.arange(start, start + n, device=hidden.device)[None]
+        past = self.cache.get_seq_length(indices[0])
+        return run_layers(
+            [(i, self.layers[i]) for i in indices], hidden,
+            mask=causal_float_mask(past, n, self.dtype, hidden.device), positions=positions,
+            rotary=self.rotary(hidden, positions), cache=self.cache,
+        )[-1]  # fmt: skip
+
+    def _logits(self, state: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(state))
+
+    def propose(self, context: DraftContext) -> DraftTree:
+        seq = context.tokens
+        length = seq.shape[1]
+        cached = self.cache.get_seq_length(self.exit)  # what every layer holds
+        for layer in self.cache.layers[: self.exit]:  # no early entries nothing verified
+            extra = layer.get_seq_length() - cached
+            if extra > 0:
+                layer.crop(-extra)
+        self._states, self._cached = [], cached
+        depth = min(self.decode.gamma, context.max_depth)
+        state = self._early(seq[:, cached:], cached)
+        tree = draft_chain(
+            self._logits(state[:, -1]),
+            lambda token, i: self._logits(self._early(token, length + i)[:, -1]),
+            depth=depth,
+            sampling=self.sampling,
+            generator=self.generator,
+            stop_below=self.decode.stop_below,
+        )
+        self._tree = tree
+        return tree
+
+    def verify(self, tree: DraftTree, logits_to_keep: int) -> TargetOutput | None:
+        """The verification forward of this session's own proposal (None for any other tree):
+        logits (1, logits_to_keep, vocab) for the last pending token and each node."""
+        if tree is not self._tree:
+            return None
+        self._tree = None
+        fed = sum(s.shape[1] for s in self._states)
+        if len(tree):
+            self._early(tree.tokens[:, -1:], self._cached + fed)
+        states = torch.cat(self._states, dim=1)
+        late = range(self.exit, len(self.layers))
+        final = self._run(states, self._cached, late)
+        return TargetOutput(logits=self._logits(final[:, -logits_to_keep:]), cache=self.cache)
+
+    def accept(self, tree: DraftTree, path: list[int], hidden_states=None) -> None:
+        pass  # the loop compacts the shared cache
+
+    def extra_memory_bytes(self) -> int:
+        return 0  # the draft's cache entries are the target's own

@@ -1,0 +1,78 @@
+"""Fine-tune the target for LayerSkip: `accelerate launch train/layerskip.py [key=value ...]`.
+
+Defaults to configs/layerskip/demo.yaml (the demo target, fully fine-tuned on a CPU in minutes);
+`--help` lists every key. The target itself trains (layer dropout and the early-exit loss,
+drafters/layerskip.py; drafter.lora.rank > 0 trains LoRA adapters instead), so every checkpoint
+is a plain HF model folder that is its own target: `evaluate.py --target runs/layerskip-demo/final
+--drafter runs/layerskip-demo/final`. Setup, train, report: the loop is train/trainer.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from specdraft.config import parse_cli
+from specdraft.data.dataset import build_datasets
+from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
+from specdraft.drafters.target import load_target
+from specdraft.inference.measure import loop_prompts, report_after_training
+from specdraft.train.config import TrainConfig
+from specdraft.train.fine_tuned import heldout_loss, write_quality
+from specdraft.train.trainer import train
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "layerskip" / "demo.yaml"
+
+
+@dataclass
+class LayerSkipTrainConfig(TrainConfig):
+    kind: ClassVar[str] = "layerskip"
+    drafter: LayerSkipConfig = field(default_factory=LayerSkipConfig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "train/layerskip.py"
+    cfg = parse_cli(
+        LayerSkipTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
+    )
+    try:
+        # the weights train: fp32 master weights (mixed_precision autocasts the products)
+        dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
+        target = load_target(cfg.target, dtype=dtype)
+        train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
+        drafter = LayerSkipDrafter.build(cfg.drafter, target)
+        prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
+    except (ValueError, OSError) as e:  # missing data, bad target, bad layer counts
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(summary.format(), file=sys.stderr)
+    dc, layers = drafter.config, drafter.num_layers
+    trained = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    print(
+        f"[specdraft] LayerSkip: draft with layers 1-{dc.exit_layer} of {layers}, early-exit "
+        f"loss after {dc.exits(layers)} ({dc.early_exit_scale}, curriculum {dc.curriculum}), "
+        f"layer dropout up to {dc.layer_dropout} ({dc.dropout_scale}); training "
+        f"{trained / 1e6:.2f}M parameters ({'LoRA' if dc.lora.rank else 'full fine-tuning'})",
+        file=sys.stderr,
+    )
+    base_loss = heldout_loss(target, eval_examples, cfg.micro_batch_size, cfg.eval_batches)
+    result = train(
+        cfg, drafter, target, train_examples, eval_examples, tokenizer=target.tokenizer,
+        provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
+    )  # fmt: skip
+    if not result.main_process or result.stopped_by_signal:
+        return 0
+    # the fine-tuned model, as a user loads it, is both target and drafter from here on
+    final = result.output_dir / "final"
+    tuned = load_target(final, dtype=target.saved_dtype, device=target.device)
+    del target, drafter
+    loss = heldout_loss(tuned, eval_examples, cfg.micro_batch_size, cfg.eval_batches)
+    write_quality(cfg.output_dir, base_loss, loss, tuned.fingerprint["adapter"], "LayerSkip")
+    report_after_training(tuned, result, prompts, cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
