@@ -18,7 +18,7 @@ from specdraft.drafters.layerskip import (
     exit_weights,
 )
 from specdraft.drafters.target import Target, load_target
-from train.layerskip import main
+from specdraft.train.layerskip import main
 
 
 def test_scales_and_curricula():
@@ -121,7 +121,7 @@ def test_bad_input_to_the_entry_script(tiny_target_path, tmp_path, capsys):
 
 
 def test_evaluate_measures_it_beside_transformers_early_exit(tiny_target_path, tmp_path):
-    from scripts.evaluate import main as evaluate
+    from specdraft.scripts.evaluate import main as evaluate
 
     out = tmp_path / "run"
     assert main([
