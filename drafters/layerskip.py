@@ -41,7 +41,7 @@ from specdraft.core import (
 )
 from specdraft.drafters.base import Drafter, LoraConfig, attach_lora
 from specdraft.drafters.distill import simulated_alpha
-from specdraft.drafters.target import ADAPTER_ATTRIBUTE, TargetError
+from specdraft.drafters.target import ADAPTER_ATTRIBUTE, TargetError, llama_parts
 
 # scale(x), x = l / (L - 1) in [0, 1]: how layer dropout grows with depth (p_max at the top for
 # all but uniform; exp is the paper's choice for continual pre-training)
@@ -170,21 +170,6 @@ def active_exits(cfg: LayerSkipConfig, num_layers: int, step: int, max_steps: in
 
 
 # --- running a Llama-style model a range of layers at a time ----------------------------------
-
-
-def llama_parts(model) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module, nn.Module]:
-    """(embedding, decoder layers, final norm, rotary embedding, LM head) of a Llama-style causal
-    LM, looking through a peft wrapper; a clear error for other layouts."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    inner = getattr(base, "model", None)
-    parts = [getattr(inner, name, None) for name in ("layers", "norm", "rotary_emb")]
-    if not isinstance(parts[0], nn.ModuleList) or any(p is None for p in parts):
-        raise TargetError(
-            f"{type(base).__name__} does not have the Llama-style layout LayerSkip runs a layer "
-            "at a time (model.layers, model.norm, model.rotary_emb, lm_head); supported families: "
-            "Llama, Qwen2/Qwen3, Mistral"
-        )
-    return base.get_input_embeddings(), parts[0], parts[1], parts[2], base.get_output_embeddings()
 
 
 def run_layers(

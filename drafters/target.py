@@ -84,16 +84,7 @@ class Target:
         return self._llama_style()[1]
 
     def _llama_style(self) -> tuple[nn.ModuleList, nn.Module]:
-        inner = getattr(self.model, "model", None)
-        layers = getattr(inner, "layers", None)
-        norm = getattr(inner, "norm", None)
-        if not isinstance(layers, nn.ModuleList) or norm is None:
-            raise TargetError(
-                f"{type(self.model).__name__} does not have the Llama-style layout "
-                "(model.model.layers, model.model.norm, model.lm_head) that per-layer access needs; "
-                "supported families: Llama, Qwen2/Qwen3, Mistral. Use a drafter kind that only "
-                "needs hidden states (eagle, medusa, distill) with this target."
-            )
+        _, layers, norm, _, _ = llama_parts(self.model)
         return layers, norm
 
     def check_layer_ids(self, layer_ids: Sequence[int]) -> list[int]:
@@ -180,6 +171,22 @@ class Target:
         modules = {0: self.model.get_input_embeddings(), self.num_layers: norm}
         modules.update({i: layers[i - 1] for i in range(1, self.num_layers)})
         return [modules[i].register_forward_hook(keep(i)) for i in sorted(set(layer_ids))]
+
+
+def llama_parts(model) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module, nn.Module]:
+    """(embedding, decoder layers, final norm, rotary embedding, LM head) of a Llama-style causal
+    LM, looking through a peft wrapper; a clear error for other layouts."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "model", None)
+    parts = [getattr(inner, name, None) for name in ("layers", "norm", "rotary_emb")]
+    if not isinstance(parts[0], nn.ModuleList) or any(p is None for p in parts):
+        raise TargetError(
+            f"{type(base).__name__} does not have the Llama-style layout "
+            "(model.model.layers, model.model.norm, model.model.rotary_emb, model.lm_head) that "
+            "per-layer access needs; supported families: Llama, Qwen2/Qwen3, Mistral. Use a "
+            "drafter kind that only needs hidden states (eagle, medusa, distill) with this target."
+        )
+    return base.get_input_embeddings(), parts[0], parts[1], parts[2], base.get_output_embeddings()
 
 
 def make_fingerprint(model: PreTrainedModel, tokenizer) -> dict:
