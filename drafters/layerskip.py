@@ -8,8 +8,9 @@ Training (Elhoushi et al. 2024, "LayerSkip"): the target itself trains, with
   layers, and each exit's cross-entropy over the loss tokens is weighted by a scale function of
   its depth, with e_scale on the non-final exits; a curriculum can rotate or grow the set of
   exits over training; the last layer always trains.
-The random draws come from torch's generator, which the trainer reseeds from (seed, step) before
-every step, so a run is deterministic for its seed and a resumed run equals an uninterrupted one.
+Each training sample's layer-dropout draws come from its own generator, seeded by the step's
+shared seed and the sample's index in the training set (`prepare_batch`): a run is deterministic
+for its seed, a resumed run equals an uninterrupted one, and two processes skip what one does.
 
 Decoding (self-speculation): layers [0, E) + final norm + LM head draft a chain; layers [E, L)
 verify it, fed the exit-layer hidden states the draft already computed, so the early layers run
@@ -197,11 +198,17 @@ def run_layers(
                 hidden, attention_mask=mask, position_ids=positions, cache=cache,
                 use_cache=cache is not None, position_embeddings=rotary,
             )  # fmt: skip
-        elif not bool(skipped.all()):
+        elif not bool(skipped.all()):  # the rows that run it, as a sub-batch
             run = (~skipped).nonzero().flatten()
             hidden = hidden.index_copy(
                 0, run, _sub_layer(layer, hidden, run, mask, positions, rotary)
             )
+        elif torch.is_grad_enabled():
+            # every row skips it: it still runs on one row, its output weighted by zero, so its
+            # parameters take part in every process's step (DDP's gradient reduction and
+            # ZeRO-3's gathering expect the same layers on every process)
+            first = torch.zeros(1, dtype=torch.long, device=hidden.device)
+            hidden = hidden + 0 * _sub_layer(layer, hidden, first, mask, positions, rotary).sum()
         if index in keep:
             out[index] = hidden
     out[-1] = hidden
@@ -291,6 +298,26 @@ class LayerSkipDrafter(Drafter):
     def from_checkpoint(cls, config: LayerSkipConfig, target, hf_model) -> LayerSkipDrafter:
         return cls(config, target.model if hf_model is None else hf_model)
 
+    def prepare_batch(self, batch: dict, target, generator, shared: torch.Generator) -> dict:
+        """The trainer's hook before each micro-batch: each sample's layer-dropout decisions
+        (batch["layer_skip"], (layers, batch) bool), drawn from a generator seeded by the step's
+        seed (the same on every process) and the sample's index in the training set, so they do
+        not depend on how the global batch is split into processes and micro-batches."""
+        if self.config.layer_dropout > 0 and "example_index" in batch:
+            step_seed = shared.initial_seed()
+            draws = torch.stack([
+                torch.rand(self.num_layers, generator=torch.Generator().manual_seed(
+                    (step_seed * 1_000_003 + int(i)) % (2**63 - 1)
+                ))
+                for i in batch["example_index"].tolist()
+            ], dim=1)  # fmt: skip
+            batch["layer_skip"] = (draws < self._rates()[:, None]).to(batch["input_ids"].device)
+        return batch
+
+    def _rates(self) -> torch.Tensor:
+        c = self.config
+        return torch.tensor(dropout_rates(self.num_layers, c.layer_dropout, c.dropout_scale))
+
     def begin_step(self, step: int, max_steps: int) -> None:
         """Called by the trainer before each training step: the curriculum follows it."""
         self._step, self._max_steps = step, max(1, max_steps)
@@ -322,6 +349,16 @@ class LayerSkipDrafter(Drafter):
     def write_extra(self, folder) -> None:
         if self.peft is not None:
             self.peft.save_pretrained(str(folder / "adapter"))
+
+    def draft_exit(self, decode: DecodeConfig) -> int:
+        """The exit layer a draft with `decode` runs to: decode.exit_layer, else the trained one."""
+        exit_layer = decode.exit_layer or self.config.exit_layer
+        if not 1 <= exit_layer < self.num_layers:
+            raise ValueError(
+                f"exit_layer={exit_layer} is not in 1..{self.num_layers - 1} for this "
+                f"{self.num_layers}-layer target: the draft needs a layer, verification at least one"
+            )
+        return exit_layer
 
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = []
@@ -355,11 +392,11 @@ class LayerSkipDrafter(Drafter):
         )  # fmt: skip
         skip = None
         if self.training and self.config.layer_dropout > 0:
-            rates = dropout_rates(
-                self.num_layers, self.config.layer_dropout, self.config.dropout_scale
-            )
-            draws = torch.rand(self.num_layers, ids.shape[0], device=ids.device)
-            skip = {i: draws[i] < rate for i, rate in enumerate(rates) if rate > 0}
+            skipped = batch.get("layer_skip")  # drawn per sample by prepare_batch
+            if skipped is None:  # outside the trainer: torch's generator
+                draws = torch.rand(self.num_layers, ids.shape[0], device=ids.device)
+                skipped = draws < self._rates().to(ids.device)[:, None]
+            skip = {i: skipped[i] for i in range(self.num_layers) if bool(skipped[i].any())}
         states = run_layers(
             enumerate(layers), hidden, mask=mask, positions=positions,
             rotary=rotary_emb(hidden, positions), skip=skip, keep={e - 1 for e in exits},
@@ -396,7 +433,7 @@ class LayerSkipDrafter(Drafter):
         """(alpha summed, greedy agreement summed, count) per draft depth 1..gamma: the exit
         layer's distribution q against the model's own final p at each loss position; a chain
         drafter's depths get the same estimate (as the distilled draft's)."""
-        e, last = self.config.exit_layer, self.num_layers
+        e, last = self.draft_exit(self.decode), self.num_layers
         states = self.exit_states(batch, [e, last])
         keep = batch["loss_mask"][:, 1:].bool()
         lm_head = self.hf_model.get_output_embeddings()
@@ -407,6 +444,28 @@ class LayerSkipDrafter(Drafter):
         count = torch.tensor(float(q_logits.shape[0]), device=alpha.device)
         gamma = self.decode.gamma
         return alpha.repeat(gamma), agree.repeat(gamma), count.repeat(gamma)
+
+    @torch.no_grad()
+    def agreement_per_exit(self, batch: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """For every exit e in 1..L-1: (top-1 agreements with the final layer, summed sampled
+        acceptance alpha, positions) over the batch's loss positions, as a (3,) tensor: how well
+        each candidate exit layer would draft, without layer dropout."""
+        training = self.training
+        self.eval()
+        try:
+            states = self.exit_states(batch, list(range(1, self.num_layers + 1)))
+        finally:
+            self.train(training)
+        keep = batch["loss_mask"][:, 1:].bool()
+        lm_head = self.hf_model.get_output_embeddings()
+        final = lm_head(states[self.num_layers][:, :-1][keep]).float()
+        out = {}
+        for e in range(1, self.num_layers):
+            logits = lm_head(states[e][:, :-1][keep]).float()
+            agree = (logits.argmax(-1) == final.argmax(-1)).sum().float()
+            alpha = simulated_alpha(final, logits).sum()
+            out[e] = torch.stack([agree, alpha, agree.new_tensor(float(len(logits)))])
+        return out
 
     # --- decoding ----------------------------------------------------------------------------
 
@@ -423,7 +482,8 @@ class LayerSkipDrafter(Drafter):
                 "a LayerSkip drafter decodes with its own fine-tuned model as the target: load "
                 "the target from the drafter's folder (evaluate.py --target FOLDER)"
             )
-        return LayerSkipSession(target.model, self.config.exit_layer, decode, sampling, generator)
+        exit_layer = self.draft_exit(decode)
+        return LayerSkipSession(target.model, exit_layer, decode, sampling, generator)
 
 
 class LayerSkipSession:

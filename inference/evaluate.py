@@ -195,7 +195,7 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
                 "constant",
             )
             config.assistant_confidence_threshold = 0.0
-            early = _hf(target, args, assistant_early_exit=drafter.config.exit_layer)
+            early = _hf(target, args, assistant_early_exit=drafter.draft_exit(decode))
             runs.append(Run(f"hf_early_exit[{name}]", "hf_early_exit", early, params))
     elif "hf_assisted" in args.baselines.split(",") and hf_model is not None:
         # transformers reads gamma and its schedule from the assistant's own generation

@@ -255,6 +255,11 @@ def _start_session(target, drafter, sampling, generator, decode, settings):
             "drafter, whose drafts the loop verifies exactly (lossless): use acceptance='exact' "
             "with it, or a Medusa drafter for typical acceptance"
         )
+    if decode.exit_layer and drafter.kind != "layerskip":
+        raise ValueError(
+            f"exit_layer={decode.exit_layer} chooses where a LayerSkip drafter's draft exits the "
+            f"target, and this is a {drafter.kind} drafter: leave exit_layer at 0"
+        )
     for message in drafter.ignored_settings(decode):
         warn_once(message)
     drafting = sampling

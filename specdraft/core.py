@@ -78,9 +78,14 @@ class DecodeConfig:
     # (the reference's posterior_alpha, suggested sqrt(typical_epsilon)), which lowers the
     # threshold where the target is unsure (high entropy H); raise it to accept less there.
     typical_delta: float = 0.3
+    # LayerSkip drafters only: draft with the target's first exit_layer layers (0: the exit
+    # layer the drafter was trained for). Early-exit training trains every exit, so the fastest
+    # one on the hardware at hand is a decoding choice (scripts/tune.py measures it).
+    exit_layer: int = 0
 
     def __post_init__(self) -> None:
-        for key, low in (("gamma", 1), ("tree_top_k", 1), ("tree_budget", 1), ("lookup_ngram", 0)):
+        integers = (("gamma", 1), ("tree_top_k", 1), ("tree_budget", 1), ("lookup_ngram", 0))
+        for key, low in (*integers, ("exit_layer", 0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{key} must be an integer >= {low}; got {value!r}")

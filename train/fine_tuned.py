@@ -45,9 +45,12 @@ def finish_fine_tuning(peft_model, target: Target, eval_examples, cfg, what: str
     return tuned
 
 
-def write_quality(output_dir, base: float, tuned: float, digest: str, what: str) -> None:
-    """output_dir/target_quality.json and one line: what fine-tuning cost the target."""
-    quality = {"base_loss": base, "fine_tuned_loss": tuned, "adapter": digest}
+def write_quality(
+    output_dir, base: float, tuned: float, digest: str, what: str, extra: dict | None = None
+) -> None:
+    """output_dir/target_quality.json (with `extra`'s keys) and one line: what fine-tuning cost
+    the target."""
+    quality = {"base_loss": base, "fine_tuned_loss": tuned, "adapter": digest, **(extra or {})}
     (Path(output_dir) / "target_quality.json").write_text(json.dumps(quality, indent=2) + "\n")
     print(
         f"[specdraft] {what} fine-tuned the target: held-out loss {base:.4f} (base) -> "
@@ -71,3 +74,21 @@ def heldout_loss(target: Target, examples, batch_size: int, batches: int) -> flo
         total += float((nll * w).sum())
         count += float(w.sum())
     return total / max(count, 1.0)
+
+
+@torch.no_grad()
+def exit_agreement(drafter, examples, batch_size: int, batches: int) -> dict[int, dict]:
+    """A LayerSkip drafter's per-exit figures over the first `batches` held-out micro-batches
+    (0: all): {exit: {"agreement": top-1 agreement with the final layer, "alpha": sampled
+    acceptance}} for every candidate exit layer."""
+    n = len(examples) if not batches else min(len(examples), batches * batch_size)
+    device = next(drafter.parameters()).device
+    sums: dict[int, torch.Tensor] = {}
+    for start in range(0, n, batch_size):
+        batch = collate(examples[start : min(n, start + batch_size)], device)
+        for e, figures in drafter.agreement_per_exit(batch).items():
+            sums[e] = sums.get(e, 0) + figures.double().cpu()
+    return {
+        e: {"agreement": float(s[0] / max(s[2], 1)), "alpha": float(s[1] / max(s[2], 1))}
+        for e, s in sums.items()
+    }

@@ -20,7 +20,7 @@ from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
 from specdraft.drafters.target import load_target
 from specdraft.inference.measure import loop_prompts, report_after_training
 from specdraft.train.config import TrainConfig
-from specdraft.train.fine_tuned import heldout_loss, write_quality
+from specdraft.train.fine_tuned import exit_agreement, heldout_loss, write_quality
 from specdraft.train.trainer import train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "layerskip" / "demo.yaml"
@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{trained / 1e6:.2f}M parameters ({'LoRA' if dc.lora.rank else 'full fine-tuning'})",
         file=sys.stderr,
     )
-    base_loss = heldout_loss(target, eval_examples, cfg.micro_batch_size, cfg.eval_batches)
+    held_out = (eval_examples, cfg.micro_batch_size, cfg.eval_batches)
+    base_loss = heldout_loss(target, *held_out)
+    before = exit_agreement(drafter, *held_out)
     result = train(
         cfg, drafter, target, train_examples, eval_examples, tokenizer=target.tokenizer,
         provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
@@ -68,10 +70,31 @@ def main(argv: list[str] | None = None) -> int:
     final = result.output_dir / "final"
     tuned = load_target(final, dtype=target.saved_dtype, device=target.device)
     del target, drafter
-    loss = heldout_loss(tuned, eval_examples, cfg.micro_batch_size, cfg.eval_batches)
-    write_quality(cfg.output_dir, base_loss, loss, tuned.fingerprint["adapter"], "LayerSkip")
+    loss = heldout_loss(tuned, *held_out)
+    after = exit_agreement(LayerSkipDrafter(cfg.drafter, tuned.model), *held_out)
+    print(exit_table(before, after, cfg.drafter.exit_layer), file=sys.stderr)
+    agreement = {"exit_agreement": {"before": before, "after": after}}
+    write_quality(
+        cfg.output_dir, base_loss, loss, tuned.fingerprint["adapter"], "LayerSkip", agreement
+    )
     report_after_training(tuned, result, prompts, cfg)
     return 0
+
+
+def exit_table(before: dict, after: dict, chosen: int) -> str:
+    """The per-exit figures before and after training, one line per candidate exit layer."""
+    lines = [
+        "[specdraft] each exit layer against the final one, held-out "
+        "(top-1 agreement, sampled acceptance alpha), before -> after training:"
+    ]
+    for e in sorted(after):
+        b, a = before[e], after[e]
+        mark = "  <- trained exit" if e == chosen else ""
+        lines.append(
+            f"  exit {e:>2}: agreement {b['agreement']:.3f} -> {a['agreement']:.3f}, "
+            f"alpha {b['alpha']:.3f} -> {a['alpha']:.3f}{mark}"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ only through this small interface (`TrainableDrafter`):
                                                      count) per draft depth, for the simulated
                                                      tau (sampled and greedy) of evaluation
     drafter.capture_layers                           target hidden states the loss needs
-    drafter.prepare_batch(batch, target, generator, shared)  optional: swap data (on-policy)
+    drafter.prepare_batch(batch, target, generator, shared)  optional: swap data (on-policy),
+                                                     or draw per-sample randomness: a training
+                                                     batch's `example_index` holds each row's
+                                                     index in the training set
     drafter.eval_statistics(batch, target_out)       optional: held-out sums (a dict of
     drafter.finish_evaluation(sums)                  tensors) the drafter keeps (Medusa's
                                                      per-rank accuracies, for its tree)
@@ -425,6 +428,7 @@ class _Run:
         for micro in range(cfg.grad_accum):
             idx = examples_for(step, micro, self.rank, len(self.train_examples), cfg, self.world)
             batch = collate([self.train_examples[i] for i in idx], acc.device)
+            batch["example_index"] = torch.tensor(idx, device=acc.device)
             if hasattr(unwrapped, "prepare_batch"):
                 batch = unwrapped.prepare_batch(batch, self.target, generator, shared)
             batches.append(batch)

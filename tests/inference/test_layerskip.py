@@ -59,7 +59,73 @@ def test_the_early_layers_run_once_per_token(deep_target, monkeypatch):
     assert calls[0] >= len(prompt) + out.tokens.shape[1] - 1
 
 
-def test_sampled_output_follows_the_target():
+def test_eos_inside_a_draft_and_a_chosen_exit_at_decode_time(deep_target, monkeypatch):
+    """EOS and max_new_tokens falling inside an accepted draft end the output where plain
+    decoding ends it; decode's exit_layer drafts from another exit of the same model."""
+    prompt = [5, 6, 7, 8, 5, 6]
+    drafter = self_drafter(deep_target, 2)
+    plain = generate(deep_target, prompt, None, max_new_tokens=40).tokens[0].tolist()
+    out = generate(deep_target, prompt, drafter, max_new_tokens=40, gamma=6)
+    # an EOS token that the drafts reach, several tokens into the output
+    eos = next(t for t in plain[6:] if plain.index(t) >= 6)
+    monkeypatch.setattr(deep_target.model.generation_config, "eos_token_id", eos)
+    plain_eos = generate(deep_target, prompt, None, max_new_tokens=40).tokens[0].tolist()
+    assert plain_eos[-1] == eos and len(plain_eos) < len(plain)
+    for gamma, n in ((6, 40), (5, 11), (3, 7)):
+        ours = generate(deep_target, prompt, drafter, max_new_tokens=n, gamma=gamma)
+        assert ours.tokens[0].tolist() == plain_eos[:n]
+    assert out.stats.accepted > 0
+    monkeypatch.undo()
+    for exit_layer in (1, 3):
+        other = generate(deep_target, prompt, drafter, max_new_tokens=40, exit_layer=exit_layer)
+        assert other.tokens[0].tolist() == plain
+    with pytest.raises(ValueError, match=r"exit_layer=4 is not in 1\.\.3"):
+        generate(deep_target, prompt, drafter, max_new_tokens=4, exit_layer=4)
+    with pytest.raises(ValueError, match="exit_layer=2 chooses where a LayerSkip"):
+        generate(deep_target, prompt, "prompt_lookup", max_new_tokens=4, exit_layer=2)
+
+
+def test_the_shared_cache_after_compaction_is_plain_decodings(deep_target, monkeypatch):
+    """After self-speculation (drafts rejected and accepted, every layer written by draft and
+    verification alike), the one cache holds what one forward over the output computes."""
+    from specdraft.drafters import layerskip
+
+    caches = []
+    bind = layerskip.LayerSkipSession.bind_cache
+    monkeypatch.setattr(
+        layerskip.LayerSkipSession, "bind_cache", lambda s, c: (caches.append(c), bind(s, c))
+    )
+    out = generate(deep_target, [5, 6, 7, 8], self_drafter(deep_target, 2), max_new_tokens=30)
+    assert out.stats.drafted > out.stats.accepted > 0  # both kinds of outcome happened
+    (cache,) = caches
+    seq = torch.cat([torch.tensor([[5, 6, 7, 8]]), out.tokens], dim=1)[:, :-1]  # last: pending
+    with torch.no_grad():
+        full = deep_target.model(seq, use_cache=True).past_key_values
+    assert cache.get_seq_length() == seq.shape[1]
+    for ours, plain in zip(cache.layers, full.layers, strict=True):
+        assert ours.keys.shape == plain.keys.shape
+        assert torch.allclose(ours.keys, plain.keys, atol=1e-5)
+        assert torch.allclose(ours.values, plain.values, atol=1e-5)
+
+
+def accept_every_draft(tree, p, generator):
+    """Lossy: keeps the whole drafted chain whatever the target says."""
+    from specdraft.inference.verify import verify_sampling
+
+    path, _ = verify_sampling(tree, p, generator)
+    path = list(range(len(tree)))
+    return path, int(torch.multinomial(p[len(tree)], 1, generator=generator))
+
+
+@pytest.mark.parametrize("lossy", [False, True], ids=["exact", "accept-every-draft"])
+def test_sampled_output_follows_the_target(lossy, monkeypatch):
+    """Two tokens sampled through self-speculation follow the target's joint distribution; a
+    verifier that keeps every draft fails the same check (it has the power to catch one)."""
+    import importlib
+
+    if lossy:
+        loop = importlib.import_module("specdraft.inference.generate")
+        monkeypatch.setattr(loop, "verify_sampling", accept_every_draft)
     target = make_target(tiny_llama(6, seed=3, hidden=16, layers=2, init=0.5))
     drafter = self_drafter(target, 1)
     counts = torch.zeros(6, 6)
@@ -80,7 +146,8 @@ def test_sampled_output_follows_the_target():
             [target.model(torch.tensor([[1, 2, 3, y]])).logits[0, -1] for y in range(6)]
         )
     exact = first[:, None] * process_logits(nxt, settings)
-    assert chi_square_p_value(counts.flatten(), exact.flatten()) > 1e-3
+    p_value = chi_square_p_value(counts.flatten(), exact.flatten())
+    assert p_value < 1e-3 if lossy else p_value > 1e-3
 
 
 def test_another_model_as_target_is_refused(deep_target):

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from specdraft.drafters.checkpoint import CheckpointError, load_drafter
@@ -96,6 +97,11 @@ def test_train_then_decode_as_its_own_target(tiny_target_path, tmp_path, capsys)
     assert served["matches_ar"] is True and served["drafted"] > 0
     quality = json.loads((out / "target_quality.json").read_text())
     assert quality["base_loss"] != quality["fine_tuned_loss"]
+    # each candidate exit's agreement with the final layer, before and after training
+    agreement = quality["exit_agreement"]
+    assert agreement["before"].keys() == agreement["after"].keys() == {"1"}
+    assert 0 < agreement["after"]["1"]["agreement"] <= 1 and agreement["after"]["1"]["alpha"] > 0
+    assert "exit  1: agreement" in capsys.readouterr().err
     # a plain HF folder, which transformers' own early-exit assisted generation runs exactly
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     base = load_target(tiny_target_path)
@@ -140,3 +146,110 @@ def test_evaluate_measures_it_beside_transformers_early_exit(tiny_target_path, t
     }
     assert rows["layerskip"]["matches_ar"] is True and rows["layerskip"]["tau"] > 1
     assert rows["hf_early_exit"]["matches_ar"] is True
+
+
+def test_the_loss_equals_a_per_sample_reference_loop(tiny_target):
+    """The batched loss, layer dropout and padding included, equals a naive loop: each sample
+    alone through the layers it does not skip, the final norm and LM head after each exit, the
+    cross-entropy over all loss tokens of the batch per exit, weighted by the exit's scale."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_target.model.name_or_path)
+    cfg = LayerSkipConfig(exit_layer=1, layer_dropout=0.5, early_exit_scale="sum_l", e_scale=0.7)
+    drafter = LayerSkipDrafter(cfg, model).train()
+    lengths = [12, 9, 12, 7]
+    ids = torch.zeros(4, 12, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(row))
+        attention[row, :n] = 1
+    loss_mask = attention.clone()
+    loss_mask[:, :4] = 0  # a prompt without loss
+    skip = torch.tensor([[True, False, False, True], [False, True, False, True]])
+    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+    loss, metrics = drafter.loss({**batch, "layer_skip": skip})
+
+    norm, head = model.model.norm, model.get_output_embeddings()
+    per_exit = {1: [], 2: []}  # (nll, ) of every loss token, per exit
+    with torch.no_grad():
+        for row, n in enumerate(lengths):
+            h = model.get_input_embeddings()(ids[row : row + 1, :n])
+            pos = torch.arange(n)[None]
+            rotary = model.model.rotary_emb(h, pos)
+            for layer in range(2):
+                if not skip[layer, row]:
+                    h = model.model.layers[layer](h, position_ids=pos, position_embeddings=rotary)
+                logits = head(norm(h))[0, :-1].float()
+                nll = F.cross_entropy(logits, ids[row, 1:n], reduction="none")
+                per_exit[layer + 1].append(nll[loss_mask[row, 1:n].bool()])
+    ce = {e: torch.cat(v).mean() for e, v in per_exit.items()}
+    weights = exit_weights([1, 2], 2, "sum_l", 0.7)
+    expected = sum(weights[e] * ce[e] for e in (1, 2))
+    assert torch.allclose(loss.detach(), expected, atol=1e-5)
+    assert torch.allclose(metrics["loss_exit1"], ce[1], atol=1e-5)
+    # a layer no sample runs still takes part in the graph (zero gradient), as DDP needs
+    skip_all = torch.tensor([[True] * 4, [False] * 4])
+    drafter.zero_grad()
+    drafter.loss({**batch, "layer_skip": skip_all})[0].backward()
+    q = model.model.layers[0].self_attn.q_proj.weight.grad
+    assert q is not None and torch.count_nonzero(q) == 0
+
+
+def test_a_resumed_run_with_layer_dropout_equals_an_uninterrupted_one(tiny_target_path, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file
+
+    common = [
+        f"target={tiny_target_path}", "max_steps=4", "micro_batch_size=4", "eval_every=0",
+        "save_every=2", "data.max_samples=40", "data.max_length=32", "warmup_steps=1",
+        "drafter.exit_layer=1", "drafter.layer_dropout=0.5", "drafter.dropout_scale=uniform",
+        "drafter.curriculum=rotational", "eval_loop.enabled=false",
+    ]  # fmt: skip
+    assert main([*common, f"output_dir={tmp_path / 'straight'}"]) == 0
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "straight" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    assert main([*common, f"output_dir={tmp_path / 'resumed'}", "resume_from=latest"]) == 0
+    a, b = (
+        load_file(tmp_path / d / "final" / "model.safetensors") for d in ("straight", "resumed")
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the dropout changed the run: without it the weights end elsewhere
+    assert main([*common, "drafter.layer_dropout=0", f"output_dir={tmp_path / 'none'}"]) == 0
+    c = load_file(tmp_path / "none" / "final" / "model.safetensors")
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_lora_trains_adapters_and_saves_a_merged_model(tiny_target_path, tmp_path):
+    out = tmp_path / "lora"
+    code = main([
+        f"target={tiny_target_path}", f"output_dir={out}", "max_steps=3", "micro_batch_size=4",
+        "eval_every=0", "save_every=0", "data.max_samples=20", "data.max_length=32",
+        "warmup_steps=1", "lr=1e-2", "drafter.exit_layer=1", "drafter.lora.rank=4",
+        "drafter.lora.dropout=0", "eval_loop.num_prompts=2", "eval_loop.max_new_tokens=12",
+    ])  # fmt: skip
+    assert code == 0
+    final = out / "final"
+    assert (final / "adapter" / "adapter_config.json").is_file()
+    # the saved model is the base with the adapter merged: plain HF, no peft keys
+    from safetensors.torch import load_file
+
+    weights = load_file(final / "model.safetensors")
+    assert not any("lora" in k for k in weights)
+    base = load_target(tiny_target_path)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(weights[q], base.model.state_dict()[q])  # the adapter is in it
+    assert torch.equal(weights["model.embed_tokens.weight"], base.model.model.embed_tokens.weight)
+    tuned = load_target(str(final))
+    merged = load_target(tiny_target_path, adapter=final / "adapter")
+    assert torch.allclose(tuned.model.state_dict()[q], merged.model.state_dict()[q], atol=1e-6)
+    assert json.loads((out / "eval_loop.json").read_text())["matches_ar"] is True
+
+
+def test_lora_modules_that_match_nothing_are_named(tiny_target_path, tmp_path, capsys):
+    code = main([
+        f"target={tiny_target_path}", f"output_dir={tmp_path / 'x'}", "drafter.exit_layer=1",
+        "drafter.lora.rank=4", "drafter.lora.target_modules=[query_key_value]",
+    ])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "query_key_value" in err and "match no layer" in err and "q_proj" in err
+    assert not (tmp_path / "x").exists()

@@ -33,6 +33,10 @@ KINDS = {
     # match one in distribution only)
     "medusa2": ("medusa", [*MEDUSA, "drafter.lora.rank=4", "drafter.lora.dropout=0", "drafter.target_loss=lm",
                            "drafter.heads_warmup_steps=1"]),
+    # the target itself trains, with layer dropout on: each sample's skips are drawn from its
+    # index in the training set, so the split into processes does not change them
+    "layerskip": ("layerskip", ["drafter.exit_layer=1", "drafter.layer_dropout=0.5",
+                                "drafter.dropout_scale=uniform", "decode.gamma=2"]),
 }  # fmt: skip
 
 
@@ -68,7 +72,8 @@ def test_two_processes_equal_one_with_the_same_global_batch(tiny_target_path, tm
     # training moved the weights (the tiny target is nearly deterministic, so Medusa's heads,
     # right at the start, show it in their loss rather than their tau)
     first, last = one["evals"][0], one["evals"][-1]
-    assert last["loss"] < first["loss"] if script == "medusa" else last["tau"] > first["tau"]
+    moved = last["tau"] > first["tau"] if script in ("distill", "eagle") else True
+    assert moved and last["loss"] < first["loss"]
     a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("one", "two"))
     assert a.keys() == b.keys()
     for k in a:
