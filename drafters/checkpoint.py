@@ -154,13 +154,16 @@ def save_target_folder(model, tokenizer, folder: str | Path) -> Path:
     return folder
 
 
-def set_decode(folder: str | Path, decode: DecodeConfig) -> None:
+def set_decode(folder: str | Path, decode: DecodeConfig, measured: dict | None = None) -> None:
     """Replace the decoding defaults saved in a drafter folder (after tuning them on the machine
-    that serves it), atomically: a reader sees the old config.json or the new one."""
+    that serves it), atomically: a reader sees the old config.json or the new one. `measured`
+    (where and how fast they were measured) is kept beside them as `decode_measured`."""
     config_file = Path(folder) / CONFIG_NAME
     read_metadata(folder)  # a complete specdraft folder, or a clear error
     config = json.loads(config_file.read_text())
     config["specdraft"]["decode"] = dataclasses.asdict(decode)
+    if measured is not None:
+        config["specdraft"]["decode_measured"] = measured
     tmp = config_file.with_name(f".{CONFIG_NAME}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(config, indent=2) + "\n")
     _fsync(tmp)

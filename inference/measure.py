@@ -24,6 +24,7 @@ from specdraft.drafters.checkpoint import load_drafter, set_decode
 from specdraft.drafters.target import load_target
 from specdraft.inference.generate import generate
 from specdraft.inference.metrics import Stats
+from specdraft.inference.tune import search_decode
 from specdraft.precision import to_dtype
 
 
@@ -232,9 +233,11 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
         drafter = load_drafter(final, target)
         tuning = None
         if cfg.eval_loop.tune_budgets and not drafter.decode.chain:
-            decode, tuning = tune_tree_budget(
+            # a tree's best size depends on the hardware as much as on the drafter
+            decode, tuning = search_decode(
                 target, drafter, prompts[: cfg.eval_loop.tune_prompts],
-                cfg.eval_loop.tune_budgets, max_new_tokens=cfg.eval_loop.max_new_tokens,
+                {"tree_budget": cfg.eval_loop.tune_budgets},
+                max_new_tokens=cfg.eval_loop.max_new_tokens,
                 temperature=cfg.eval_loop.temperature, seed=cfg.seed,
             )  # fmt: skip
             best = final.parent / "best"
@@ -286,42 +289,3 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
-
-
-def tune_tree_budget(
-    target,
-    drafter,
-    prompts: Sequence[torch.Tensor],
-    budgets: Sequence[int],
-    *,
-    max_new_tokens: int,
-    **options,
-) -> tuple[DecodeConfig, list[dict]]:
-    """The drafter's decoding settings with the tree budget that decodes `prompts` fastest on
-    this machine, and one row per budget tried (budget, tokens_per_s, tau). A tree's best size
-    depends on the hardware (how much more a wider verification costs than a plain step) as
-    much as on the drafter, so it is measured where the drafter will run. The budgets take turns
-    on each prompt, so a machine whose load drifts during the measurement slows them alike.
-    options: generate's sampling options (temperature, seed, ...)."""
-    decodes = [drafter.decode.replace(tree_budget=b) for b in budgets]
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
-    for decode in decodes:  # warm-up: first-call costs paid by none of the timed decodes
-        generate(target, prompts[0][:, :16], drafter, max_new_tokens=8, decode=decode, **options)
-    seconds = [0.0] * len(budgets)
-    stats = [Stats() for _ in budgets]
-    for ids in prompts:
-        for i, decode in enumerate(decodes):
-            sync()
-            start = time.perf_counter()
-            out = generate(
-                target, ids, drafter, max_new_tokens=max_new_tokens, decode=decode, **options
-            )
-            sync()
-            seconds[i] += time.perf_counter() - start
-            stats[i] = stats[i].merge(out.stats)
-    rows = [
-        {"tree_budget": b, "tokens_per_s": st.new_tokens / sec, "tau": st.tau}
-        for b, sec, st in zip(budgets, seconds, stats, strict=True)
-    ]
-    best = max(rows, key=lambda r: r["tokens_per_s"])["tree_budget"]
-    return drafter.decode.replace(tree_budget=best), rows

@@ -1,0 +1,229 @@
+"""Choose a drafter's decoding settings by measured tokens/s on the hardware at hand.
+
+The best draft depth, tree shape, stop rule, draft weights, copying and (LayerSkip) exit layer
+depend on the machine as much as on the drafter: how much a wider verification or one more
+drafting call costs is a property of the hardware. So they are measured where the drafter will
+run. The search goes one setting at a time (SEARCH_ORDER), each round racing the best settings
+so far against every candidate value of one setting, with plain decoding in the same round; the
+candidates take turns on each prompt, so a machine whose load drifts slows them alike. At
+temperature 0 a candidate whose output differs from plain decoding's is not kept (unless the
+caller allows it: in bf16, near ties can flip a token). scripts/tune.py saves the result into
+the checkpoint as its decoding defaults; training scripts tune the tree budget with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdraft.core import DecodeConfig
+from specdraft.inference.generate import generate
+from specdraft.inference.metrics import Stats
+
+# Trees first (their width and budget decide whether stop_below or int8 apply at all), then the
+# depth, then what refines a chain, then copying.
+SEARCH_ORDER = (
+    "exit_layer",
+    "tree_top_k",
+    "tree_budget",
+    "gamma",
+    "stop_below",
+    "draft_weights",
+    "lookup_ngram",
+)
+
+
+def default_space(drafter, target) -> dict[str, list]:
+    """The values tried for each setting, for this drafter on this target's device. A value the
+    drafter cannot honour (its `ignored_settings` says so) is skipped during the search."""
+    cpu = target.device.type == "cpu"
+    space: dict[str, list] = {
+        "tree_top_k": [1, 2, 4],
+        # a CPU's verification cost grows quickly with the tree; a GPU's hardly at all
+        "tree_budget": [6, 12, 24] if cpu else [16, 32, 64],
+        "gamma": [1, 2, 3, 4, 5, 6, 8],
+        "stop_below": [0.0, 0.2, 0.4],
+        "draft_weights": ["full", "int8"] if cpu else ["full"],
+        "lookup_ngram": [0, 3],
+    }
+    if hasattr(drafter, "draft_exit"):  # LayerSkip: every exit the target's depth allows
+        space["exit_layer"] = list(range(1, drafter.num_layers))
+    return space
+
+
+def parse_space(items: Sequence[str], base: Mapping[str, list]) -> dict[str, list]:
+    """`base` with KEY=V1,V2,... items replacing the values tried for KEY (a DecodeConfig key);
+    KEY= (nothing) leaves KEY out of the search. Raises ValueError naming a bad item."""
+    space = dict(base)
+    for item in items:
+        key, sep, values = item.partition("=")
+        key = key.strip()
+        if not sep or key not in SEARCH_ORDER:
+            raise ValueError(
+                f"--search {item!r}: expected KEY=V1,V2,... with KEY one of {', '.join(SEARCH_ORDER)}"
+            )
+        if not values.strip():
+            space.pop(key, None)
+            continue
+        kind = type(getattr(DecodeConfig(), key))
+        try:
+            parsed = [kind(v.strip()) for v in values.split(",")]
+        except ValueError:
+            raise ValueError(f"--search {item!r}: {key} takes {kind.__name__} values") from None
+        for v in parsed:  # DecodeConfig's own checks, naming the key
+            DecodeConfig(**{key: v})
+        space[key] = parsed
+    return space
+
+
+def check_space(drafter, space: Mapping[str, Sequence]) -> None:
+    """Raise ValueError naming a value this drafter can never decode with (an exit layer out of
+    the target's range, or any exit layer for a drafter that is not LayerSkip)."""
+    if "exit_layer" not in space:
+        return
+    if not hasattr(drafter, "draft_exit"):
+        raise ValueError(
+            f"exit_layer is a LayerSkip setting, and this is a {drafter.kind} drafter: leave it "
+            "out of --search"
+        )
+    for value in space["exit_layer"]:
+        drafter.draft_exit(DecodeConfig(exit_layer=value))
+
+
+@dataclass
+class Trial:
+    """One setting's decodes in a race (decode None: plain decoding)."""
+
+    decode: DecodeConfig | None
+    seconds: float = 0.0
+    stats: Stats = field(default_factory=Stats)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.stats.new_tokens / max(self.seconds, 1e-9)
+
+
+def race(
+    target,
+    drafter,
+    prompts: Sequence[torch.Tensor],
+    decodes: Sequence[DecodeConfig],
+    *,
+    max_new_tokens: int,
+    **options,
+) -> list[Trial]:
+    """Plain decoding, then each of `decodes`, on every prompt, taking turns per prompt after a
+    warm-up of each. options: generate's sampling options (temperature, seed, ...)."""
+    trials = [Trial(None), *(Trial(d) for d in decodes)]
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
+
+    def run(trial: Trial, ids: torch.Tensor, n: int):
+        if trial.decode is None:
+            return generate(target, ids, None, max_new_tokens=n, **options)
+        return generate(target, ids, drafter, max_new_tokens=n, decode=trial.decode, **options)
+
+    for trial in trials:  # first-call costs paid by none of the timed decodes
+        run(trial, prompts[0][:, :16], 8)
+    for ids in prompts:
+        for trial in trials:
+            sync()
+            start = time.perf_counter()
+            out = run(trial, ids, max_new_tokens)
+            sync()
+            trial.seconds += time.perf_counter() - start
+            trial.stats = trial.stats.merge(out.stats)
+            trial.outputs.append(out.tokens[0].tolist())
+    return trials
+
+
+def search_decode(
+    target,
+    drafter,
+    prompts: Sequence[torch.Tensor],
+    space: Mapping[str, Sequence],
+    *,
+    max_new_tokens: int,
+    require_equal: bool = True,
+    log: Callable[[str], None] | None = None,
+    **options,
+) -> tuple[DecodeConfig, list[dict]]:
+    """The drafter's decoding settings after a search over `space` (DecodeConfig key -> values,
+    searched in SEARCH_ORDER, starting from drafter.decode), and one row per candidate measured:
+    {"round": key, key: value, "tokens_per_s", "speedup" (vs plain decoding in the same round),
+    "tau", "matches_plain" (None when sampling), "kept"}."""
+    greedy = options.get("temperature", 0.0) == 0
+    best, rows = drafter.decode, []
+    if "exit_layer" in space:  # 0 means the trained exit: name it, so it is raced once
+        best = best.replace(exit_layer=drafter.draft_exit(best))
+    for key in SEARCH_ORDER:
+        if key not in space or (key == "tree_budget" and best.chain):
+            continue
+        candidates = [best]
+        for value in space[key]:
+            decode = best.replace(**{key: value})
+            honoured = len(drafter.ignored_settings(decode)) <= len(drafter.ignored_settings(best))
+            if honoured and decode not in candidates:
+                candidates.append(decode)
+        if len(candidates) == 1:
+            continue
+        trials = race(
+            target, drafter, prompts, candidates, max_new_tokens=max_new_tokens, **options
+        )
+        plain, measured = trials[0], trials[1:]
+        round_rows = []
+        for trial in measured:
+            same = trial.outputs == plain.outputs if greedy else None
+            round_rows.append({
+                "round": key, key: getattr(trial.decode, key),
+                "tokens_per_s": trial.tokens_per_s,
+                "speedup": trial.tokens_per_s / plain.tokens_per_s,
+                "tau": trial.stats.tau, "matches_plain": same, "kept": False,
+            })  # fmt: skip
+        eligible = [
+            (t, r)
+            for t, r in zip(measured, round_rows, strict=True)
+            if r["matches_plain"] is not False or not require_equal
+        ]
+        if eligible:
+            winner, row = max(eligible, key=lambda tr: tr[0].tokens_per_s)
+            best, row["kept"] = winner.decode, True
+        rows.extend(round_rows)
+        if log is not None:
+            log(
+                f"{key}: "
+                + ", ".join(
+                    f"{r[key]} {r['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x"
+                    + (", differs from plain" if r["matches_plain"] is False else "")
+                    + ")"
+                    for r in round_rows
+                )
+                + f" -> {getattr(best, key)}"
+            )
+    return best, rows
+
+
+def hardware(device: torch.device) -> str:
+    """A short name of the machine a measurement ran on (CPU model and threads, or the GPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    return f"{name}, {torch.get_num_threads()} thread(s)"
+
+
+def changed(before: DecodeConfig, after: DecodeConfig) -> dict:
+    """The settings `after` changes, {key: (old, new)}."""
+    old, new = dataclasses.asdict(before), dataclasses.asdict(after)
+    return {k: (old[k], new[k]) for k in old if old[k] != new[k]}

@@ -1,0 +1,126 @@
+"""scripts/tune.py: decoding settings chosen by measured tokens/s, kept only with plain decoding's
+greedy output, and saved into the drafter folder with where they were measured."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdraft.core import DecodeConfig
+from specdraft.drafters.checkpoint import load_drafter
+from specdraft.drafters.target import load_target
+from specdraft.inference import tune
+from specdraft.inference.metrics import Stats
+from specdraft.scripts.tune import main
+from specdraft.train.layerskip import main as train_layerskip
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def layerskip_folder(tiny_target_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tune") / "run"
+    assert train_layerskip([
+        f"target={tiny_target_path}", f"output_dir={out}", "max_steps=2", "micro_batch_size=4",
+        "eval_every=0", "save_every=0", "data.max_samples=20", "data.max_length=32",
+        "eval_loop.enabled=false", "drafter.exit_layer=1", "decode.gamma=4",
+    ]) == 0  # fmt: skip
+    return out / "final"
+
+
+def test_tune_saves_the_fastest_settings_with_equal_output(layerskip_folder, tmp_path, capsys):
+    report = tmp_path / "tune.json"
+    code = main([
+        str(layerskip_folder), "--num-prompts", "2", "--max-new-tokens", "12",
+        "--search", "gamma=1,2", "stop_below=", "lookup_ngram=0,2", "--output", str(report),
+    ])  # fmt: skip
+    assert code == 0
+    result = json.loads(report.read_text())
+    rows = result["search"]
+    # LayerSkip drafts chains: no tree round; each round raced the settings so far with its values
+    assert [r["round"] for r in rows] == ["gamma"] * 3 + ["lookup_ngram"] * 2
+    assert sorted(r["gamma"] for r in rows if r["round"] == "gamma") == [1, 2, 4]
+    for key in ("gamma", "lookup_ngram"):
+        kept = [r for r in rows if r["round"] == key and r["kept"]]
+        assert len(kept) == 1 and kept[0]["matches_plain"] is True
+        fastest = max((r for r in rows if r["round"] == key), key=lambda r: r["tokens_per_s"])
+        assert kept[0] is fastest or fastest["matches_plain"] is False
+        assert result["decode"][key] == kept[0][key]
+    # saved into the folder: what evaluate.py and the loop now decode with, and where measured
+    saved = json.loads((layerskip_folder / "config.json").read_text())["specdraft"]
+    assert saved["decode"] == result["decode"]
+    measured = saved["decode_measured"]
+    assert measured["dtype"] == "float32" and "thread" in measured["hardware"]
+    assert measured["before"]["decode"]["gamma"] == 4  # the hand-picked settings, raced again
+    assert measured["speedup"] > 0 and measured["tau"] >= 1
+    target = load_target(str(layerskip_folder))
+    assert load_drafter(layerskip_folder, target).decode == DecodeConfig(**result["decode"])
+    assert "now decodes with these settings" in capsys.readouterr().out
+
+
+def test_dry_run_leaves_the_folder(layerskip_folder):
+    before = (layerskip_folder / "config.json").read_bytes()
+    args = [str(layerskip_folder), "--num-prompts", "1", "--max-new-tokens", "6", "--dry-run"]
+    assert main([*args, "--search", "gamma=1", "stop_below=", "lookup_ngram="]) == 0
+    assert (layerskip_folder / "config.json").read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["{missing}"], "has no config.json"),
+        (["{folder}", "--search", "depth=3"], "KEY one of exit_layer"),
+        (["{folder}", "--search", "gamma=0"], "gamma must be an integer >= 1"),
+        (["{folder}", "--search", "gamma=two"], "gamma takes int values"),
+        (["{folder}", "--search", "exit_layer=5"], "exit_layer=5 is not in 1..1"),
+        (["{plain}"], "pass --target"),
+    ],
+)
+def test_bad_input_is_named_and_changes_nothing(
+    layerskip_folder, tiny_target, tmp_path, capsys, args, message
+):
+    plain = tmp_path / "plain"
+    tiny_target.model.save_pretrained(plain)
+    before = (layerskip_folder / "config.json").read_bytes()
+    paths = {"missing": tmp_path / "nope", "folder": layerskip_folder, "plain": plain}
+    code = main([a.format(**paths) for a in args] + ["--num-prompts", "1", "--max-new-tokens", "4"])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert (layerskip_folder / "config.json").read_bytes() == before
+
+
+def test_a_faster_setting_that_changes_greedy_output_is_not_kept(monkeypatch):
+    """The race's selection: the fastest candidate whose output differs from plain decoding's
+    loses to the fastest equal one, unless mismatches are allowed."""
+
+    def fake_race(target, drafter, prompts, decodes, **_):
+        trials = [tune.Trial(None, 1.0, Stats(new_tokens=10), [[1, 2, 3]])]
+        for d in decodes:  # gamma 3 is the fastest, and wrong
+            wrong = d.gamma == 3
+            out = [[1, 2, 4]] if wrong else [[1, 2, 3]]
+            trials.append(tune.Trial(d, 1.0 / d.gamma, Stats(new_tokens=10), out))
+        return trials
+
+    class Drafter:
+        decode = DecodeConfig(gamma=1)
+
+        def ignored_settings(self, decode):
+            return []
+
+    monkeypatch.setattr(tune, "race", fake_race)
+    best, rows = tune.search_decode(
+        None, Drafter(), [], {"gamma": [2, 3]}, max_new_tokens=4, temperature=0.0
+    )
+    assert best.gamma == 2 and [r["matches_plain"] for r in rows] == [True, True, False]
+    best, _ = tune.search_decode(
+        None, Drafter(), [], {"gamma": [2, 3]}, max_new_tokens=4, require_equal=False
+    )
+    assert best.gamma == 3
