@@ -24,7 +24,7 @@ from specdraft.drafters.checkpoint import load_drafter, set_decode
 from specdraft.drafters.target import load_target
 from specdraft.inference.generate import generate
 from specdraft.inference.metrics import Stats
-from specdraft.inference.tune import search_decode
+from specdraft.inference.tune import default_space, search_decode
 from specdraft.precision import to_dtype
 
 
@@ -232,24 +232,31 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
     try:
         drafter = load_drafter(final, target)
         tuning = None
-        if cfg.eval_loop.tune_budgets and not drafter.decode.chain:
-            # a tree's best size depends on the hardware as much as on the drafter
+        space = {key: default_space(drafter, target)[key] for key in cfg.eval_loop.tune}
+        if cfg.eval_loop.tune_budgets:
+            space["tree_budget"] = cfg.eval_loop.tune_budgets
+        if space:
+            # the best settings depend on the hardware as much as on the drafter
             decode, tuning = search_decode(
-                target, drafter, prompts[: cfg.eval_loop.tune_prompts],
-                {"tree_budget": cfg.eval_loop.tune_budgets},
+                target, drafter, prompts[: cfg.eval_loop.tune_prompts], space,
                 max_new_tokens=cfg.eval_loop.max_new_tokens,
                 temperature=cfg.eval_loop.temperature, seed=cfg.seed,
             )  # fmt: skip
             best = final.parent / "best"
             tuned = [f for f in (final, best) if f.is_dir()]
+            for key in dict.fromkeys(r["round"] for r in tuning):
+                print(
+                    f"[specdraft] {key} by measured tokens/s: "
+                    + ", ".join(
+                        f"{r[key]}: {r['tokens_per_s']:.1f}" for r in tuning if r["round"] == key
+                    )
+                    + f" -> {getattr(decode, key)}"
+                )
             print(
-                "[specdraft] tree budget by measured tokens/s: "
-                + ", ".join(f"{r['tree_budget']}: {r['tokens_per_s']:.1f}" for r in tuning)
-                + f" (on the first {cfg.eval_loop.tune_prompts} of the prompts measured below); "
-                + " and ".join(map(str, tuned))
-                + f" now draft with tree_budget={decode.tree_budget}"
+                f"[specdraft] (on the first {cfg.eval_loop.tune_prompts} of the prompts measured "
+                "below) " + " and ".join(map(str, tuned)) + " now decode with these settings"
             )
-            for folder in tuned:  # (their train_config.yaml keeps the budget trained with)
+            for folder in tuned:  # (their train_config.yaml keeps the settings trained with)
                 set_decode(folder, decode)
             drafter.decode = decode
         m = measure_vs_plain(
@@ -259,7 +266,7 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
         m["torch_threads"] = torch.get_num_threads()
         m["decode"] = dataclasses.asdict(drafter.decode)
         if tuning is not None:
-            m["tree_budget_tuning"] = tuning
+            m["tuning"] = tuning
     finally:
         torch.set_num_threads(threads)
     m["simulated_tau"] = simulated

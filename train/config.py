@@ -14,6 +14,7 @@ import torch
 from specdraft.config import ConfigError, check_choices, choice
 from specdraft.core import DecodeConfig
 from specdraft.data.config import DataConfig
+from specdraft.inference.tune import SEARCH_ORDER as TUNABLE
 from specdraft.precision import resolve_precision
 
 # The resolved config of a run, in output_dir and in every checkpoint folder.
@@ -41,7 +42,12 @@ class LoopEvalConfig:
     # tree_budget; empty: keep decode.tree_budget. How many nodes pay off depends on the
     # hardware: a CPU verifies 16 tokens at ~2 plain steps' cost, a GPU 64 at about one.
     tune_budgets: list[int] = field(default_factory=list)
-    # Prompts each budget is measured on.
+    # Decoding settings chosen by measured tokens/s before the measurement, searched over
+    # scripts/tune.py's values and saved as the drafter's defaults: any of exit_layer,
+    # tree_top_k, tree_budget, gamma, stop_below, draft_weights, lookup_ngram (e.g. LayerSkip's
+    # [exit_layer, gamma]); empty: keep the decode section's.
+    tune: list[str] = field(default_factory=list)
+    # Prompts each budget or setting is measured on.
     tune_prompts: int = 6
     # The target's precision in the measurement. auto: as its checkpoint was saved (how
     # evaluate.py and a user decode it by default), whatever training loaded it in: the demo
@@ -64,6 +70,12 @@ class LoopEvalConfig:
             raise ConfigError(
                 f"eval_loop.tune_budgets must be integers >= 1; got {list(self.tune_budgets)}",
                 key="eval_loop.tune_budgets",
+            )
+        unknown = [k for k in self.tune if k not in TUNABLE]
+        if unknown:
+            raise ConfigError(
+                f"eval_loop.tune {unknown}: each must be one of {', '.join(TUNABLE)}",
+                key="eval_loop.tune",
             )
         for key in ("num_prompts", "max_new_tokens", "tune_prompts"):
             if getattr(self, key) < 1:
@@ -220,6 +232,15 @@ class TrainConfig:
                 "decode.acceptance=typical is Medusa's lossy acceptance rule, and this trains "
                 f"a {self.kind} drafter, which is verified exactly: set decode.acceptance=exact",
                 key="decode.acceptance",
+            )
+        uses_exit = "exit_layer" in self.eval_loop.tune or self.decode.exit_layer
+        if uses_exit and self.kind not in ("base", "layerskip"):
+            raise ConfigError(
+                "exit_layer (in eval_loop.tune or decode) is LayerSkip's setting, and this "
+                f"trains a {self.kind} drafter: leave it out",
+                key="eval_loop.tune"
+                if "exit_layer" in self.eval_loop.tune
+                else "decode.exit_layer",
             )
         if self.mixed_precision == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -91,10 +91,16 @@ def test_train_then_decode_as_its_own_target(tiny_target_path, tmp_path, capsys)
         "eval_every=2", "eval_batches=2", "save_every=2", "data.max_samples=20",
         "data.max_length=32", "warmup_steps=1", "eval_loop.num_prompts=2",
         "eval_loop.max_new_tokens=12", "drafter.exit_layer=1", "drafter.layer_dropout=0.2",
+        "eval_loop.tune=[exit_layer,gamma]", "decode.gamma=3",
     ])  # fmt: skip
     assert code == 0
     served = json.loads((out / "eval_loop.json").read_text())
     assert served["matches_ar"] is True and served["drafted"] > 0
+    # gamma chosen by measured tokens/s before the measurement (one exit: nothing to choose)
+    rounds = {r["round"] for r in served["tuning"]}
+    assert rounds == {"gamma"} and served["decode"]["exit_layer"] == 1
+    kept = next(r for r in served["tuning"] if r["kept"])
+    assert served["decode"]["gamma"] == kept["gamma"] == load_drafter_decode(out)["gamma"]
     quality = json.loads((out / "target_quality.json").read_text())
     assert quality["base_loss"] != quality["fine_tuned_loss"]
     # each candidate exit's agreement with the final layer, before and after training
@@ -117,6 +123,10 @@ def test_train_then_decode_as_its_own_target(tiny_target_path, tmp_path, capsys)
     drafter = load_drafter(out / "final", tuned)
     assert drafter.hf_model is tuned.model and drafter.config.exit_layer == 1
     assert isinstance(tuned, Target)
+
+
+def load_drafter_decode(run) -> dict:
+    return json.loads((run / "final" / "config.json").read_text())["specdraft"]["decode"]
 
 
 def test_bad_input_to_the_entry_script(tiny_target_path, tmp_path, capsys):

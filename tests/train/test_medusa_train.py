@@ -56,7 +56,7 @@ def test_training_lowers_the_loss_and_final_drafts_a_measured_tree(
         assert torch.all(acc.sum(1) <= 1 + 1e-6)
     served = json.loads((out / "eval_loop.json").read_text())
     # the budget was chosen by measured tokens/s, saved with the heads and measured with
-    tuning = served["tree_budget_tuning"]
+    tuning = served["tuning"]
     assert sorted(r["tree_budget"] for r in tuning) == [2, 6]  # the configured 6 among them
     fastest = next(r["tree_budget"] for r in tuning if r["kept"])
     assert (
@@ -89,6 +89,12 @@ def test_bad_input_is_a_clear_error(tiny_target_path, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*common, "eval_loop.tune_budgets=[4,0]"])
     assert "tune_budgets must be integers >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*common, "eval_loop.tune=[depth]"])
+    assert "eval_loop.tune ['depth']: each must be one of exit_layer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*common, "eval_loop.tune=[gamma,exit_layer]"])
+    assert "LayerSkip's setting" in capsys.readouterr().err
 
 
 def medusa2_args(target_path, out) -> list[str]:
