@@ -4,12 +4,14 @@ and the checkpoint as a plain HF model that is its own target."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from specdraft.config import load_config
 from specdraft.drafters.checkpoint import CheckpointError, load_drafter
 from specdraft.drafters.layerskip import (
     LayerSkipConfig,
@@ -19,7 +21,9 @@ from specdraft.drafters.layerskip import (
     exit_weights,
 )
 from specdraft.drafters.target import Target, load_target
-from specdraft.train.layerskip import main
+from specdraft.train.layerskip import LayerSkipTrainConfig, main
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_scales_and_curricula():
@@ -54,6 +58,16 @@ def test_scales_and_curricula():
 def test_bad_settings_are_named(values, message):
     with pytest.raises(ValueError, match=message):
         LayerSkipConfig(**values).resolve(4)
+
+
+@pytest.mark.parametrize(
+    "recipe", sorted((ROOT / "configs" / "layerskip").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_recipes_load(recipe):
+    cfg = load_config(LayerSkipTrainConfig, recipe)
+    assert cfg.drafter.exit_layer >= 1 and cfg.eval_loop.tune == ["exit_layer", "gamma"]
+    if "8b" in recipe.name:
+        assert cfg.drafter.resolve(32).exits(32)[-1] == 32
 
 
 def test_the_loss_without_dropout_is_the_models_own(tiny_target):
