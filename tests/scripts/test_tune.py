@@ -53,7 +53,8 @@ def test_tune_saves_the_fastest_settings_with_equal_output(layerskip_folder, tmp
         assert len(kept) == 1 and kept[0]["matches_plain"] is True
         fastest = max((r for r in rows if r["round"] == key), key=lambda r: r["tokens_per_s"])
         assert kept[0] is fastest or fastest["matches_plain"] is False
-        assert result["decode"][key] == kept[0][key]
+        if not result["measured"]["kept_saved"]:  # (else the saved settings won the last race)
+            assert result["decode"][key] == kept[0][key]
     # saved into the folder: what evaluate.py and the loop now decode with, and where measured
     saved = json.loads((layerskip_folder / "config.json").read_text())["specdraft"]
     assert saved["decode"] == result["decode"]
@@ -124,3 +125,25 @@ def test_a_faster_setting_that_changes_greedy_output_is_not_kept(monkeypatch):
         None, Drafter(), [], {"gamma": [2, 3]}, max_new_tokens=4, require_equal=False
     )
     assert best.gamma == 3
+
+
+def test_the_saved_settings_stay_when_they_win_the_final_race(layerskip_folder, monkeypatch):
+    """The search's pick must beat the saved settings once more, side by side, to replace them:
+    a pick that only won a noisy round is not written."""
+    from specdraft.scripts import tune as script
+
+    saved = json.loads((layerskip_folder / "config.json").read_text())["specdraft"]["decode"]
+    pick = DecodeConfig(**{**saved, "gamma": saved["gamma"] + 1})
+    monkeypatch.setattr(script, "search_decode", lambda *a, **k: (pick, [{"kept": True}]))
+
+    def final_race(target, drafter, prompts, decodes, **_):
+        plain = tune.Trial(None, 1.0, Stats(new_tokens=10))
+        before, after = (
+            tune.Trial(d, s, Stats(new_tokens=10)) for d, s in zip(decodes, [1, 2], strict=True)
+        )
+        return [plain, before, after]  # the saved settings twice as fast as the pick
+
+    monkeypatch.setattr(script, "race", final_race)
+    assert main([str(layerskip_folder), "--num-prompts", "1", "--max-new-tokens", "4"]) == 0
+    written = json.loads((layerskip_folder / "config.json").read_text())["specdraft"]
+    assert written["decode"] == saved and written["decode_measured"]["kept_saved"] is True
