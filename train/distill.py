@@ -20,7 +20,7 @@ from specdraft.drafters.distill import DistillConfig, DistillDrafter
 from specdraft.drafters.target import load_target
 from specdraft.inference.measure import loop_prompts, report_after_training
 from specdraft.train.config import TrainConfig
-from specdraft.train.trainer import train
+from specdraft.train.trainer import plain_loading, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "distill" / "demo.yaml"
 
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg, drafter, target, train_examples, eval_examples, tokenizer=target.tokenizer,
         provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
     )  # fmt: skip
-    report_after_training(target, result, prompts, cfg)
+    with plain_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
+        report_after_training(target, result, prompts, cfg)
     return 0
 
 

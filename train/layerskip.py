@@ -21,7 +21,7 @@ from specdraft.drafters.target import load_target
 from specdraft.inference.measure import loop_prompts, report_after_training
 from specdraft.train.config import TrainConfig
 from specdraft.train.fine_tuned import exit_agreement, heldout_loss, write_quality
-from specdraft.train.trainer import train
+from specdraft.train.trainer import plain_loading, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "layerskip" / "demo.yaml"
 
@@ -66,10 +66,19 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     if not result.main_process or result.stopped_by_signal:
         return 0
-    # the fine-tuned model, as a user loads it, is both target and drafter from here on
-    final = result.output_dir / "final"
-    tuned = load_target(final, dtype=target.saved_dtype, device=target.device)
-    del target, drafter
+    as_saved = {"dtype": target.saved_dtype, "device": target.device}
+    del target, drafter  # the trained model: the saved one is loaded as a user loads it
+    with plain_loading():  # whole, also after a ZeRO-3 run
+        finish(cfg, result, as_saved, held_out, base_loss, before, prompts)
+    return 0
+
+
+def finish(cfg, result, as_saved: dict, held_out, base_loss: float, before: dict, prompts) -> None:
+    """The end of a run on the main process: the fine-tuned model, as a user loads it, is both
+    target and drafter from here on; report its quality, its exits, and its speed."""
+    tuned = load_target(result.output_dir / "final", **as_saved)
+    # "as saved" is the base's precision (a DeepSpeed bf16 run saves bf16 weights)
+    tuned.saved_dtype = as_saved["dtype"]
     loss = heldout_loss(tuned, *held_out)
     after = exit_agreement(LayerSkipDrafter(cfg.drafter, tuned.model), *held_out)
     print(exit_table(before, after, cfg.drafter.exit_layer), file=sys.stderr)
@@ -78,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg.output_dir, base_loss, loss, tuned.fingerprint["adapter"], "LayerSkip", agreement
     )
     report_after_training(tuned, result, prompts, cfg)
-    return 0
 
 
 def exit_table(before: dict, after: dict, chosen: int) -> str:

@@ -23,7 +23,7 @@ from specdraft.drafters.target import load_target
 from specdraft.inference.measure import loop_prompts, report_after_training
 from specdraft.train.config import TrainConfig
 from specdraft.train.fine_tuned import finish_fine_tuning
-from specdraft.train.trainer import train
+from specdraft.train.trainer import plain_loading, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "medusa" / "demo.yaml"
 
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     if heads.peft is not None and result.main_process and not result.stopped_by_signal:
         target = finish_fine_tuning(heads.peft, target, eval_examples, cfg, "Medusa-2")
-    report_after_training(target, result, prompts, cfg)
+    with plain_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
+        report_after_training(target, result, prompts, cfg)
     return 0
 
 

@@ -879,6 +879,23 @@ def _deepspeed_state_classes() -> list:
     return [LossScaler, ZeroStageEnum, fragment_address]
 
 
+@contextlib.contextmanager
+def plain_loading():
+    """A context in which from_pretrained loads a whole model, as in a single process, even after
+    a ZeRO-3 run: the end of a training script loads the saved checkpoint on the main process
+    alone, where ZeRO-3's partitioned loading would wait for the other processes forever.
+    (accelerate leaves transformers' DeepSpeed config set after training; transformers loads
+    partitioned while it is set, whatever accelerate's zero3_init flag says.)"""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
 def _full_parameters(acc: Accelerator, model):
     """Under ZeRO-3, gather the partitioned parameters for saving; otherwise nothing to do."""
     plugin = (

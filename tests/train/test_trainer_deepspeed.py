@@ -103,3 +103,43 @@ def test_two_deepspeed_processes_on_cpu_equal_one_plain_process(tiny_target_path
     assert a.keys() == b.keys()
     for k in a:
         assert (a[k] - b[k]).abs().max().item() < 1e-5, k
+
+
+def test_layerskip_under_zero3_on_two_processes(tiny_target_path, tmp_path):
+    """LayerSkip trains the target itself, so ZeRO-3 partitions the very model that drafts: with
+    layer dropout on (a layer every row of a process skips still runs, on one row weighted by
+    zero, or the processes' gathers would differ), two ZeRO-3 processes train what one plain
+    process does, and the end of the run loads the saved model whole on the main process (the
+    partitioned loading that accelerate leaves switched on would wait for the others)."""
+    from specdraft.train.layerskip import main as layerskip
+
+    common = [
+        f"target={tiny_target_path}", "max_steps=4", "eval_every=2", "eval_batches=2",
+        "save_every=0", "data.max_samples=20", "data.max_length=32", "grad_accum=2",
+        "warmup_steps=1", "seed=1", "mixed_precision=no", "drafter.exit_layer=1",
+        "drafter.layer_dropout=0.5", "drafter.dropout_scale=uniform",
+    ]  # fmt: skip
+    launch = [
+        str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+        str(ROOT / "configs" / "accelerate" / "deepspeed_zero3.yaml"), "--num_processes", "2",
+        str(ROOT / "train" / "layerskip.py"), *common, "micro_batch_size=2",
+        "eval_loop.num_prompts=2", "eval_loop.max_new_tokens=12", f"output_dir={tmp_path / 'ds'}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(launch, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    served = json.loads((tmp_path / "ds" / "eval_loop.json").read_text())
+    assert served["matches_ar"] is True and served["drafted"] > 0
+    assert "exit_agreement" in json.loads((tmp_path / "ds" / "target_quality.json").read_text())
+
+    plain = [*common, "micro_batch_size=4", "eval_loop.enabled=false"]
+    assert layerskip([*plain, f"output_dir={tmp_path / 'plain'}"]) == 0
+    ds, one = (
+        json.loads((tmp_path / d / "checkpoint-4" / "trainer_state.json").read_text())
+        for d in ("ds", "plain")
+    )
+    assert ds["world_size"] == 2 and ds["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("plain", "ds"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] - b[k]).abs().max().item() < 1e-5, k
