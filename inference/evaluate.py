@@ -166,9 +166,9 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
     runs: list[Run] = []
     tuned = fine_tuned_target(path, target, args)
     if tuned is not None:
-        # Heads trained with the target fine-tuned (Medusa-2) decode with that target: its own
-        # plain decoding is the output they must equal; speedups stay against `ar`, since the
-        # merged target costs what the base does per step.
+        # Heads trained with the target fine-tuned (Medusa-2), and LayerSkip (the fine-tuned
+        # target itself), decode with that target: its own plain decoding is the output they
+        # must equal; speedups stay against `ar`, since it costs what the base does per step.
         target = tuned
         # named by the adapter: best/, final/ and each checkpoint of one run hold different ones
         plain = Run(f"ar[adapter {tuned.fingerprint['adapter']}]", "ar", _ours(target, args, None))
@@ -211,10 +211,17 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
 def fine_tuned_target(path: str, base, args):
     """The fine-tuned target a drafter folder decodes with, when its heads were trained with the
     target fine-tuned (its fingerprint names an adapter, saved in FOLDER/adapter): the base
-    with that adapter merged. None for every other drafter."""
+    with that adapter merged; for a LayerSkip folder, the folder itself. None for every other
+    drafter, and where `base` already is that target."""
     meta, _ = read_metadata(path)
-    if (meta or {}).get("kind") == "layerskip":  # its own target: --target FOLDER
-        return None
+    if (meta or {}).get("kind") == "layerskip":
+        # its own target: with --target FOLDER nothing to load; beside another target (the base
+        # it was fine-tuned from, say) it decodes with its own model, measured against that
+        # model's plain decoding, so every kind runs in one evaluation
+        own = meta.get("target_fingerprint", {}).get("adapter")
+        if base.fingerprint.get("adapter") == own:
+            return None
+        return load_target(path, dtype=base.dtype, device=base.device)
     if not (meta or {}).get("target_fingerprint", {}).get("adapter"):
         return None
     adapter = Path(path) / "adapter"
