@@ -381,7 +381,8 @@ class _Run:
                 self._save_checkpoint(step)  # the end state is resumable too (e.g. to extend)
                 self._save_drafter(self.out / "final", step)
             throughput = _throughput(timed, self.acc.device)
-            if self.main and throughput:
+            if self.main and throughput:  # what training cost, for scripts/compare.py
+                (self.out / "throughput.json").write_text(json.dumps(throughput, indent=2) + "\n")
                 share = (
                     f"{throughput['target_forward_share']:.0%} of step time in the target forward"
                 )
