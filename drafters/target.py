@@ -223,6 +223,17 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def target_path(name: str) -> str:
+    """Where load_target reads `name` from: the demo targets' cached folders (built on first
+    use), a local folder, or a hub id as given. TargetError for a local path that is missing."""
+    if name in DEMO_TARGETS:
+        return str(ensure_demo_target(variant="tiny" if name == "demo-tiny" else "default"))
+    path = os.path.expanduser(name)
+    if not Path(path).exists() and (path.startswith((".", "/", "~")) or os.sep in path[:1]):
+        raise TargetError(f"target folder {path} does not exist; pass a folder, a hub id or 'demo'")
+    return path
+
+
 def load_target(
     name: str = "demo",
     *,
@@ -236,14 +247,7 @@ def load_target(
     `adapter`: a peft LoRA adapter folder (a Medusa-2 or LayerSkip checkpoint's `adapter/`),
     merged into the weights; the target's fingerprint then names the adapter, so drafters
     trained with it load and drafters of the plain base do not."""
-    if name in DEMO_TARGETS:
-        path: str = str(ensure_demo_target(variant="tiny" if name == "demo-tiny" else "default"))
-    else:
-        path = os.path.expanduser(name)
-        if not Path(path).exists() and (path.startswith((".", "/", "~")) or os.sep in path[:1]):
-            raise TargetError(
-                f"target folder {path} does not exist; pass a folder, a hub id or 'demo'"
-            )
+    path = target_path(name)
     if isinstance(dtype, str) and dtype != "auto":
         dtype = to_dtype(dtype)
     try:

@@ -117,14 +117,17 @@ def loop_decoder(target, drafter, **options) -> Callable[[torch.Tensor], tuple[l
 
 
 def measure(runs: Sequence[Run], prompts: Sequence[torch.Tensor], target, log=None) -> None:
-    """Decode every prompt with every run, filling in its outputs, seconds and stats."""
+    """Decode every prompt with every run, filling in its outputs, seconds and stats; the runs
+    take turns on each prompt."""
     sync = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
     # 1. Warm-up: every method once on a short decode, so no method pays for first-call costs.
     for run in runs:
         run.decode(prompts[0][:, :16])
-    # 2. Measure, method by method, on the same prompts.
-    for run in runs:
-        for ids in prompts:
+    # 2. Measure on the same prompts, the methods taking turns on each prompt: a machine whose
+    # speed drifts during the measurement (shared cores, thermal limits) slows them alike,
+    # where measuring method after method would hand the drift to whichever ran last.
+    for i, ids in enumerate(prompts):
+        for run in runs:
             sync()
             start = time.perf_counter()
             tokens, stats = run.decode(ids)
@@ -136,6 +139,9 @@ def measure(runs: Sequence[Run], prompts: Sequence[torch.Tensor], target, log=No
                 stats = Stats(new_tokens=len(tokens))
             run.stats = run.stats.merge(stats)
         if log is not None:
+            log(f"prompt {i + 1}/{len(prompts)}: every method decoded it")
+    if log is not None:
+        for run in runs:
             log(f"{run.name}: {sum(map(len, run.outputs))} tokens")
 
 

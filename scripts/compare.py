@@ -13,7 +13,8 @@ tokens/s on this machine (--tune-prompts; 0 keeps the saved ones), and every fam
 decoding, prompt lookup and transformers' assisted and early-exit generation decode the same
 prompts in this one process, greedy and then at temperature 1. Writes OUTPUT/report.md (one
 table, the best of each column in bold), report.json, frontier.png (speedup against extra
-memory), tau_vs_speedup.png, acceptance.png and simulated_tau.png.
+memory), tau_vs_speedup.png, acceptance.png and simulated_tau.png; --wandb PROJECT logs the
+table and plots to W&B too.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="runs/compare")
+    parser.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to W&B")
     args = parser.parse_args(argv)
     try:
         args.families = check_families([f for f in args.families.split(",") if f])

@@ -26,13 +26,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdraft.config import load_config
+from specdraft.core import DecodeConfig
 from specdraft.drafters.checkpoint import load_drafter, read_metadata, set_decode
-from specdraft.drafters.target import load_target
+from specdraft.drafters.target import load_target, target_path
 from specdraft.inference.evaluate import drafter_runs, fine_tuned_target, make_report
 from specdraft.inference.measure import Run, load_prompts, loop_decoder, measure
 from specdraft.inference.tune import default_space, search_decode
+from specdraft.train.trainer import simulated_tau
 
 FAMILIES = ("distill", "eagle", "medusa", "layerskip")
+# beside a run trained by compare: its wall-clock time and training tokens, so a later
+# comparison that takes the folder (--folder) still reports what training it cost
+TRAINING_RECORD = "compare_training.json"
 TRAIN_DIR = Path(__file__).resolve().parent
 
 
@@ -43,11 +48,12 @@ class Family:
     name: str
     folder: Path | None = None
     error: str | None = None
-    train_seconds: float | None = None  # None: taken as given, not trained here
+    train_seconds: float | None = None  # None: not trained by scripts/compare.py
     train_tokens: int | None = None
     train_tokens_per_s: float | None = None
     train_peak_memory_mb: float | None = None
     simulated: list[dict] = field(default_factory=list)  # step, served simulated tau
+    alpha_greedy: list[float] = field(default_factory=list)  # the last evaluation's, per depth
     quality: dict | None = None  # target_quality.json: the target's held-out loss before/after
     tuned: dict | None = None  # the decoding settings chosen, and what changed
 
@@ -94,9 +100,9 @@ def train_family(
         errors = [line for line in lines if "error" in line.lower()] or lines
         message = errors[-1] if errors else f"exit status {proc.returncode}"
         return Family(family, error=f"{message} ({log})")
-    found = collect(family, run_dir / "final")
-    found.train_seconds, found.train_tokens = seconds, steps * per_step
-    return found
+    record = {"seconds": seconds, "tokens": steps * per_step, "budget_tokens": budget_tokens}
+    (run_dir / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    return collect(family, run_dir / "final")
 
 
 def collect(family: str, folder: Path) -> Family:
@@ -112,10 +118,14 @@ def collect(family: str, folder: Path) -> Family:
     if states:
         evals = json.loads(states[-1].read_text())["evals"]
         found.simulated = [{"step": e["step"], "tau": e["served"]} for e in evals]
+        found.alpha_greedy = list(evals[-1].get("alpha_greedy") or []) if evals else []
     if (run / "throughput.json").is_file():
         throughput = json.loads((run / "throughput.json").read_text())
         found.train_tokens_per_s = throughput.get("tokens_per_s")
         found.train_peak_memory_mb = throughput.get("peak_memory_mb")
+    if (run / TRAINING_RECORD).is_file():  # trained by scripts/compare.py: what it took
+        record = json.loads((run / TRAINING_RECORD).read_text())
+        found.train_seconds, found.train_tokens = record["seconds"], record["tokens"]
     if (run / "target_quality.json").is_file():
         found.quality = json.loads((run / "target_quality.json").read_text())
     return found
@@ -158,17 +168,50 @@ def measure_all(
         Run("ar", "ar", loop_decoder(target, None, **_options(run_args))),
         Run("prompt_lookup", "prompt_lookup", loop_decoder(target, "prompt_lookup", **_options(run_args))),
     ]  # fmt: skip
+    own_only = Namespace(**{**vars(run_args), "baselines": "ar"})
     for found in families:
         if found.folder is None:
             continue
-        names = {r.name for r in runs}
-        for run in drafter_runs(str(found.folder), target, run_args):
-            if run.method != "ar" or run.name not in names:
-                runs.append(run)
+        specs = [(str(found.folder), run_args)]
+        if temperature == 0 and load_drafter_decode(found.folder).lookup_ngram > 0:
+            # the drafter alone too: the tau that training's simulated tau predicts
+            specs.append((f"{found.folder}:lookup_ngram=0", own_only))
+        for spec, spec_args in specs:
+            names = {r.name for r in runs}
+            for run in drafter_runs(spec, target, spec_args):
+                if run.method != "ar" or run.name not in names:
+                    runs.append(run)
     for run in runs:
         run.dtype = str(target.dtype).removeprefix("torch.")
     measure(runs, prompts, target, log=lambda m: print(f"[compare] {m}", file=sys.stderr))
     return make_report(run_args, [target], runs), runs
+
+
+def load_drafter_decode(folder: Path) -> DecodeConfig:
+    """The decoding defaults saved in a drafter folder."""
+    meta, _ = read_metadata(folder)
+    return DecodeConfig(**(meta or {}).get("decode", {}))
+
+
+def served_simulated_tau(found: Family, decode: dict) -> float | None:
+    """Training's simulated greedy tau for the settings the drafter is served with (a chain of
+    decode's gamma, at decode's exit layer for LayerSkip): from the last evaluation's greedy
+    agreement per depth, or for another LayerSkip exit from the per-exit agreement measured at
+    the end of training; past the deepest depth training measured, that depth's agreement
+    carries on. None where training measured nothing that predicts it (a tree)."""
+    if decode["tree_top_k"] > 1:
+        return None
+    alphas = found.alpha_greedy
+    exit_layer = decode.get("exit_layer", 0)
+    if found.name == "layerskip" and exit_layer and found.quality:
+        per_exit = found.quality.get("exit_agreement", {}).get("after", {})
+        if str(exit_layer) in per_exit:
+            alphas = [per_exit[str(exit_layer)]["agreement"]] * decode["gamma"]
+    if not alphas:
+        return None
+    # deeper than training measured: its deepest agreement carried on
+    alphas = [*alphas, *[alphas[-1]] * (decode["gamma"] - len(alphas))]
+    return simulated_tau(alphas[: decode["gamma"]])
 
 
 def _options(args: Namespace) -> dict:
@@ -182,8 +225,8 @@ def family_rows(families: Sequence[Family], greedy: dict, sampled: dict | None) 
     """One row per family: the drafter's figures (greedy, and the T = 1 speedup), training cost,
     the target's quality cost, and simulated tau beside measured tau."""
 
-    def row_of(report, found):  # a drafter's run is named by its folder
-        rows = [r for r in report["runs"] if r["name"] == str(found.folder)]
+    def row_of(report, found, settings=""):  # a drafter's run is named by its folder
+        rows = [r for r in report["runs"] if r["name"] == f"{found.folder}{settings}"]
         return rows[0] if rows else None
 
     out = []
@@ -194,7 +237,8 @@ def family_rows(families: Sequence[Family], greedy: dict, sampled: dict | None) 
             continue
         g = row_of(greedy, found)
         s = row_of(sampled, found) if sampled else None
-        simulated = found.simulated[-1]["tau"] if found.simulated else None
+        alone = row_of(greedy, found, ":lookup_ngram=0") or g  # the drafter without copying
+        simulated = served_simulated_tau(found, g["decode"])
         quality = (
             found.quality["fine_tuned_loss"] - found.quality["base_loss"] if found.quality else None
         )
@@ -206,14 +250,16 @@ def family_rows(families: Sequence[Family], greedy: dict, sampled: dict | None) 
             train_seconds=found.train_seconds, train_tokens=found.train_tokens,
             train_tokens_per_s=found.train_tokens_per_s,
             train_peak_memory_mb=found.train_peak_memory_mb, quality_cost_nats=quality,
-            simulated_tau=simulated,
-            tau_gap=(simulated / g["tau"] - 1) if simulated and g["tau"] else None,
+            tau_alone=alone["tau"], simulated_tau=simulated,
+            tau_gap=(simulated / alone["tau"] - 1) if simulated and alone["tau"] else None,
             simulated_over_training=found.simulated, tuned=found.tuned,
         )  # fmt: skip
         out.append(row)
     return out
 
 
+# a simulated tau further than this from the measured one is flagged in report.md
+GAP_FLAG = 0.10
 # (column, header, format, best: max | min | None)
 COLUMNS = (
     ("tau", "τ", "{:.2f}", max),
@@ -225,6 +271,7 @@ COLUMNS = (
     ("train_seconds", "training time", "{:.0f} s", min),
     ("train_tokens", "training tokens", "{:,}", None),
     ("quality_cost_nats", "target's loss cost", "{:+.3f} nats", None),
+    ("tau_alone", "τ without copying", "{:.2f}", max),
     ("simulated_tau", "simulated τ", "{:.2f}", None),
     ("tau_gap", "simulated vs measured", "{:+.0%}", None),
 )
@@ -256,6 +303,8 @@ def markdown(report: dict) -> str:
         for key, _, fmt, _ in COLUMNS:
             value = r.get(key)
             text = "-" if value is None else fmt.format(value)
+            if key == "tau_gap" and value is not None and abs(value) > GAP_FLAG:
+                text += " (!)"  # training's prediction is off by more than the goal allows
             cells.append(f"**{text}**" if key in best and value == best[key] else text)
         lines.append(f"| {r['family']} | " + " | ".join(cells) + " |")
     lines += ["", "Baselines and every run (greedy):", ""]
@@ -335,12 +384,49 @@ def plot(report: dict, out: Path) -> None:
         plt.close(figure)
 
 
+def log_wandb(report: dict, out: Path, project: str) -> None:
+    """The family table and the plots as one W&B run (its files under out/wandb)."""
+    import wandb
+
+    run = wandb.init(project=project, dir=str(out), job_type="compare",
+                     config={"summary": report["summary"], "target": report["target"]})  # fmt: skip
+    columns = ["family", "error", *(key for key, _, _, _ in COLUMNS)]
+    rows = [[r.get(c) for c in columns] for r in report["families"]]
+    images = {p.stem: wandb.Image(str(p)) for p in out.glob("*.png")}
+    run.log({"families": wandb.Table(columns=columns, data=rows), **images})
+    run.finish()
+
+
+def check_prompts(args: Namespace) -> None:
+    """Before any training: the prompts exist and fit the target's context with the new tokens
+    (read with the target's tokenizer and config only). ValueError names the problem."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = target_path(args.target)
+    reader = Namespace(tokenizer=AutoTokenizer.from_pretrained(path), device="cpu")
+    prompts = load_prompts(args.prompts, args.num_prompts, reader)
+    if not prompts:
+        raise ValueError(f"--prompts {args.prompts}: no prompts in it")
+    limit = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+    longest = max(p.shape[1] for p in prompts)
+    if limit is not None and longest + args.max_new_tokens > limit:
+        raise ValueError(
+            f"--prompts {args.prompts}: a prompt of {longest} tokens plus --max-new-tokens "
+            f"{args.max_new_tokens} is longer than the target's context ({limit} positions): "
+            "shorten the prompts or ask for fewer new tokens"
+        )
+
+
 def compare(args: Namespace) -> dict:
     """scripts/compare.py's work: train (or take) each family, tune, measure, report into
     args.output. Returns the report."""
+    check_prompts(args)
+    given = dict(args.folders)
+    for name, folder in given.items():  # a folder that is no drafter, or another family's
+        if name in args.families:
+            collect(name, Path(folder))
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
-    given = dict(args.folders)
     families: list[Family] = []
     for name in args.families:
         if name in given:
@@ -375,8 +461,10 @@ def compare(args: Namespace) -> dict:
             if trained
             else "Folders trained elsewhere. "
         )
-        + "Simulated τ: training's prediction for the settings it trained with; the gap is to "
-        "the τ measured with the tuned settings. Best per column in bold."
+        + "τ counts copied drafts too; τ without copying is the drafter alone with the same "
+        "settings. Simulated τ: training's prediction (greedy agreement per depth at the last "
+        "evaluation, teacher-forced) for the served chain; the gap is to τ without copying, "
+        f"(!) where it exceeds {GAP_FLAG:.0%}. Best per column in bold."
     )
     report = {
         "target": greedy["target"],
@@ -388,4 +476,6 @@ def compare(args: Namespace) -> dict:
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     (out / "report.md").write_text(markdown(report))
     plot(report, out)
+    if args.wandb:
+        log_wandb(report, out, args.wandb)
     return report

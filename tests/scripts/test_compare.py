@@ -39,6 +39,7 @@ def test_every_family_trained_tuned_measured_and_reported(tmp_path, capsys):
         assert r["speedup_t1"] > 0 and r["train_tokens"] >= 2000 and r["train_seconds"] > 0
         assert r["train_tokens_per_s"] > 0 and r["simulated_tau"] is not None
         assert len(r["simulated_over_training"]) >= 2 and r["tuned"]["decode"]
+        assert r["tau_alone"] >= 1 and r["tau_gap"] is not None  # the drafter's own tau
     # what only some families cost: weights beside the target, or the target's own quality
     assert rows["eagle"]["extra_params"] > 0 and rows["layerskip"]["extra_params"] == 0
     assert rows["layerskip"]["quality_cost_nats"] is not None
@@ -56,10 +57,12 @@ def test_every_family_trained_tuned_measured_and_reported(tmp_path, capsys):
     # the trained folders again, taken as given: nothing retrained
     again = tmp_path / "again"
     given = ["--folder", f"eagle={out / 'eagle' / 'final'}", "--families", "eagle",
-             "--tune-prompts", "0", "--no-sampled"]  # fmt: skip
+             "--tune-prompts", "0", "--no-sampled", "--wandb", "specdraft-test"]  # fmt: skip
     assert main([*SMALL, *given, "--output", str(again)]) == 0
+    assert list((again / "wandb").glob("offline-run-*/run-*.wandb"))  # WANDB_MODE=offline
     row = json.loads((again / "report.json").read_text())["families"][0]
-    assert row["train_seconds"] is None and row["simulated_tau"] is not None
+    assert row["train_seconds"] == rows["eagle"]["train_seconds"]  # as recorded by the first
+    assert row["simulated_tau"] is not None
     assert not (again / "eagle").exists()
 
 
@@ -84,3 +87,20 @@ def test_a_folder_of_another_family_is_refused(tmp_path, capsys, tiny_target):
                  "--output", str(tmp_path / "out")])  # fmt: skip
     assert code == 2
     assert "holds a distill drafter, not eagle" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("content", "extra", "message"),
+    [
+        ("", [], "no prompts in it"),
+        ("word " * 3000, [], "longer than the target's context"),
+    ],
+)
+def test_bad_prompts_are_named_before_any_training(tmp_path, capsys, content, extra, message):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(content)
+    out = tmp_path / "out"
+    code = main([*SMALL, "--prompts", str(prompts), "--output", str(out), *extra])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()  # nothing trained, nothing written
