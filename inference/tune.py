@@ -167,9 +167,8 @@ def search_decode(
             continue
         candidates = [best]
         for value in space[key]:
-            decode = best.replace(**{key: value})
-            honoured = len(drafter.ignored_settings(decode)) <= len(drafter.ignored_settings(best))
-            if honoured and decode not in candidates:
+            decode = _fit(drafter, best.replace(**{key: value}), key, best)
+            if decode is not None and decode not in candidates:
                 candidates.append(decode)
         if len(candidates) == 1:
             continue
@@ -207,6 +206,21 @@ def search_decode(
                 + f" -> {getattr(best, key)}"
             )
     return best, rows
+
+
+def _fit(drafter, decode: DecodeConfig, key: str, best: DecodeConfig) -> DecodeConfig | None:
+    """`decode` (best with one setting, `key`, changed) made consistent: the other settings the
+    change leaves meaningless back at their defaults (a tree drops stop_below, which ends
+    chains). None when the drafter still cannot honour something in it."""
+    ignored = lambda d: len(drafter.ignored_settings(d))  # noqa: E731
+    allowed, defaults = ignored(best), DecodeConfig()
+    for f in dataclasses.fields(DecodeConfig):
+        if ignored(decode) <= allowed:
+            break
+        reset = decode.replace(**{f.name: getattr(defaults, f.name)})
+        if f.name != key and ignored(reset) < ignored(decode):
+            decode = reset
+    return decode if ignored(decode) <= allowed else None
 
 
 def hardware(device: torch.device) -> str:

@@ -147,3 +147,27 @@ def test_the_saved_settings_stay_when_they_win_the_final_race(layerskip_folder, 
     assert main([str(layerskip_folder), "--num-prompts", "1", "--max-new-tokens", "4"]) == 0
     written = json.loads((layerskip_folder / "config.json").read_text())["specdraft"]
     assert written["decode"] == saved and written["decode_measured"]["kept_saved"] is True
+
+
+def test_a_tree_is_raced_with_the_chain_only_settings_reset():
+    """A chain with stop_below set still gets its tree candidates: racing tree_top_k > 1 drops
+    stop_below (which trees ignore) rather than skipping the tree."""
+
+    class Drafter:
+        decode = DecodeConfig(gamma=4, stop_below=0.3)
+
+        def ignored_settings(self, decode):
+            return ["stop_below"] if decode.tree_top_k > 1 and decode.stop_below > 0 else []
+
+    fit = tune._fit(Drafter(), Drafter.decode.replace(tree_top_k=4), "tree_top_k", Drafter.decode)
+    assert fit == DecodeConfig(gamma=4, tree_top_k=4, stop_below=0.0)
+
+    # a value the drafter can never honour stays out
+    class Chains(Drafter):
+        def ignored_settings(self, decode):
+            return ["trees"] if decode.tree_top_k > 1 else []
+
+    assert (
+        tune._fit(Chains(), Drafter.decode.replace(tree_top_k=4), "tree_top_k", Drafter.decode)
+        is None
+    )
