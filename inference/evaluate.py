@@ -182,8 +182,6 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
     params = drafter.num_extra_parameters(target)
     decoding = _ours(target, args, drafter, decode)
     runs.append(Run(name, drafter.kind, decoding, params, settings=dataclasses.asdict(decode)))
-    if tuned is not None:
-        runs[-1].same_as = runs[0].name
     hf_model = getattr(drafter, "hf_model", None)
     if drafter.kind == "layerskip":
         # the target drafting with its own first layers: transformers' early-exit assisted
@@ -205,6 +203,9 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
         hf_model.generation_config.assistant_confidence_threshold = 0.0
         assisted = _hf(target, args, assistant_model=hf_model)
         runs.append(Run(f"hf_assisted[{name}]", "hf_assisted", assisted, params))
+    if tuned is not None:  # every method on the fine-tuned target must give its plain output
+        for run in runs[1:]:
+            run.same_as = runs[0].name
     return runs
 
 

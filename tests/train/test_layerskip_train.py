@@ -173,7 +173,7 @@ def test_evaluate_measures_it_beside_transformers_early_exit(tiny_target_path, t
     # beside the base target, as every other kind runs: it decodes with its own model, against
     # that model's plain decoding, and the base's plain decoding stays the speed reference
     code = evaluate([
-        "--target", tiny_target_path, "--drafter", final, "--baselines", "ar",
+        "--target", tiny_target_path, "--drafter", final, "--baselines", "ar,hf_early_exit",
         "--num-prompts", "2", "--max-new-tokens", "12", "--output", str(tmp_path / "beside"),
     ])  # fmt: skip
     assert code == 0
@@ -181,6 +181,8 @@ def test_evaluate_measures_it_beside_transformers_early_exit(tiny_target_path, t
     names = [r["name"] for r in runs]
     assert names[0] == "ar" and names[1].startswith("ar[adapter ")
     assert runs[2]["method"] == "layerskip" and runs[2]["matches_ar"] is True
+    # transformers' early exit too is checked against the fine-tuned model's own output
+    assert runs[3]["method"] == "hf_early_exit" and runs[3]["matches_ar"] is True
 
 
 def test_the_loss_equals_a_per_sample_reference_loop(tiny_target):
