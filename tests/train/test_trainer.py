@@ -163,7 +163,11 @@ def test_keep_last_best_and_final_folders(tiny_target, data, tmp_path):
     result = _run(_cfg(tmp_path, save_every=1, keep_last=2), tiny_target, data)
     out = tmp_path / "run"
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["best", "checkpoint-5", "checkpoint-6", "final", "train_config.yaml"]
+    assert names == [
+        "best", "checkpoint-5", "checkpoint-6", "final", "throughput.json", "train_config.yaml"
+    ]  # fmt: skip
+    throughput = json.loads((out / "throughput.json").read_text())  # for scripts/compare.py
+    assert throughput["tokens_per_s"] > 0 and throughput["steps"] == 5
     best = json.loads((out / "best" / "config.json").read_text())["specdraft"]
     assert best["provenance"]["simulated_tau"] == pytest.approx(result.best_tau)
     # served greedy (eval_loop.temperature 0): best/ is picked by the greedy simulated tau
