@@ -29,8 +29,8 @@ from specdraft.config import load_config
 from specdraft.core import DecodeConfig
 from specdraft.drafters.checkpoint import load_drafter, read_metadata, set_decode
 from specdraft.drafters.target import load_target, target_path
-from specdraft.inference.evaluate import drafter_runs, fine_tuned_target, make_report
-from specdraft.inference.measure import Run, load_prompts, loop_decoder, measure
+from specdraft.inference.evaluate import build_runs, fine_tuned_target, make_report
+from specdraft.inference.measure import Run, load_prompts, measure
 from specdraft.inference.tune import default_space, search_decode
 from specdraft.train.trainer import simulated_tau
 
@@ -160,29 +160,24 @@ def measure_all(
     families: Sequence[Family], args: Namespace, target, prompts, temperature: float
 ) -> tuple[dict, list[Run]]:
     """Every trained family plus the baselines on `prompts` at `temperature`, in this process:
-    evaluate.py's report (one row per run). Transformers' own methods run greedy only."""
-    run_args = Namespace(**{**vars(args), "temperature": temperature})
+    evaluate.py's runs and report (one row per run). Transformers' own methods run greedy only;
+    greedy, a drafter that copies from the context also runs alone (lookup_ngram=0): the tau
+    that training's simulated tau predicts."""
     hf = ["hf_assisted", "hf_early_exit"] if temperature == 0 else []
-    run_args.baselines = ",".join(["ar", "prompt_lookup", *hf])
-    runs = [
-        Run("ar", "ar", loop_decoder(target, None, **_options(run_args))),
-        Run("prompt_lookup", "prompt_lookup", loop_decoder(target, "prompt_lookup", **_options(run_args))),
-    ]  # fmt: skip
-    own_only = Namespace(**{**vars(run_args), "baselines": "ar"})
-    for found in families:
-        if found.folder is None:
-            continue
-        specs = [(str(found.folder), run_args)]
-        if temperature == 0 and load_drafter_decode(found.folder).lookup_ngram > 0:
-            # the drafter alone too: the tau that training's simulated tau predicts
-            specs.append((f"{found.folder}:lookup_ngram=0", own_only))
-        for spec, spec_args in specs:
-            names = {r.name for r in runs}
-            for run in drafter_runs(spec, target, spec_args):
-                if run.method != "ar" or run.name not in names:
-                    runs.append(run)
-    for run in runs:
-        run.dtype = str(target.dtype).removeprefix("torch.")
+    folders = [f.folder for f in families if f.folder is not None]
+    run_args = Namespace(
+        **{**vars(args), "temperature": temperature, "drafter": [str(f) for f in folders],
+           "baselines": ",".join(["ar", "prompt_lookup", *hf])},
+    )  # fmt: skip
+    runs = build_runs(run_args, target)
+    copying = [f for f in folders if load_drafter_decode(f).lookup_ngram > 0]
+    if temperature == 0 and copying:
+        alone = [f"{f}:lookup_ngram=0" for f in copying]
+        names = {r.name for r in runs}  # the plain decodings already there
+        extra = build_runs(
+            Namespace(**{**vars(run_args), "drafter": alone, "baselines": ""}), target
+        )
+        runs += [r for r in extra if r.name not in names]
     measure(runs, prompts, target, log=lambda m: print(f"[compare] {m}", file=sys.stderr))
     return make_report(run_args, [target], runs), runs
 
@@ -211,13 +206,6 @@ def served_simulated_tau(found: Family, decode: dict) -> float | None:
     # deeper than training measured: its deepest agreement carried on
     alphas = [*alphas, *[alphas[-1]] * (decode["gamma"] - len(alphas))]
     return simulated_tau(alphas[: decode["gamma"]])
-
-
-def _options(args: Namespace) -> dict:
-    return dict(
-        max_new_tokens=args.max_new_tokens, seed=args.seed, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k,
-    )  # fmt: skip
 
 
 def family_rows(families: Sequence[Family], greedy: dict, sampled: dict | None) -> list[dict]:
