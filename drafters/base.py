@@ -17,7 +17,7 @@ import hashlib
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -65,6 +65,9 @@ class Drafter(nn.Module):
     decode: DecodeConfig = DecodeConfig()
     # Prefixes of saved weight names that only training uses (none by default; see Medusa).
     training_only_prefixes: tuple[str, ...] = ()
+    # Config values of keys added since a checkpoint was written, by their meaning then:
+    # load_drafter fills them in where a saved config lacks them.
+    legacy_defaults: ClassVar[dict] = {}
 
     def new_session(
         self,

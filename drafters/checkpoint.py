@@ -292,6 +292,8 @@ def load_drafter(
     config, decode = None, DecodeConfig()
     if meta is not None:
         config_values, decode_values = _split_decode(meta)
+        # keys added since the folder was written take the meaning they had then
+        config_values = {**cls.legacy_defaults, **config_values}
         config = _config_from_dict(cls.config_class, config_values, folder)
         decode = _config_from_dict(DecodeConfig, decode_values, folder)
     if getattr(cls, "uses_target_weights", False):

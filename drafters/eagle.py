@@ -25,8 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface, DynamicCache, LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
 
 from specdraft.config import choice
 from specdraft.core import (
@@ -78,6 +85,21 @@ class EagleConfig:
     reg_weight: float = 1.0
     # eagle1: weight of the cross-entropy against the target's distribution (eagle3 has only it).
     cls_weight: float = 0.1
+    # reference: the layout SafeAILab/EAGLE, SpecForge, speculators, vLLM and SGLang compute, a
+    # Llama decoder layer whatever the target's family, which scripts/export.py writes for them
+    # (eagle3: the layer's q/k/v read cat(input_layernorm(embedding), hidden_norm(feature)), 2H
+    # wide, and the residual is the feature; eagle1: fc over cat(embedding, feature), then a layer
+    # without input norm). projected: specdraft's first layout, kept to load heads trained
+    # before (their config has no `architecture`): eagle3 projects cat(norm(embedding),
+    # norm(feature)) to H (fc_in) before a stock layer of the target's own class; eagle1's layer
+    # keeps its input norm. A projected head cannot be exported (BENCHMARKS.md, "EAGLE
+    # reference architecture", measured both on the demo target).
+    architecture: str = choice("reference", "projected")
+    # eagle3 reference: the residual around attention is hidden_norm(feature) (True) or the
+    # feature itself (False, as SafeAILab/EAGLE and vLLM by default). Exports always write it.
+    norm_before_residual: bool = False
+    # eagle1: fc has a bias (SafeAILab/EAGLE's default; its config.json says `bias`).
+    fc_bias: bool = True
 
     def __post_init__(self) -> None:
         # ttt_steps and feature_noise stay None here and resolve with the version (resolve_config):
@@ -97,6 +119,11 @@ class EagleConfig:
                 f"drafter.feature_layers must name 3 target layers (low, mid, high); got "
                 f"{self.feature_layers}"
             )
+
+
+# Keys a head saved before they existed had, by their meaning then (Drafter.legacy_defaults):
+# heads trained before `architecture` are the projected layout.
+LEGACY_DEFAULTS = {"architecture": "projected"}
 
 
 def default_feature_layers(num_layers: int) -> list[int]:
@@ -203,6 +230,94 @@ TTT_BLOCK = 256  # queries per block of ttt_attention
 AttentionInterface.register(TTT_ATTENTION, ttt_attention)
 
 
+# --- the reference architecture's layers ----------------------------------------------------------
+
+
+def llama_layer_config(target_config, attn_implementation: str = TTT_ATTENTION) -> LlamaConfig:
+    """A one-layer LlamaConfig of the target's shape: the reference heads are Llama layers
+    whatever the target's family (SpecForge and speculators train LlamaForCausalLMEagle3 heads
+    for Qwen targets too), with the target's sizes, activation, norm epsilon and rotary."""
+    c = target_config
+    heads = c.num_attention_heads
+    config = LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        hidden_act=getattr(c, "hidden_act", "silu"),
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+        rope_parameters=copy.deepcopy(getattr(c, "rope_parameters", None)),
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = attn_implementation
+    return config
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer as SafeAILab/EAGLE (cnets.py), SpecForge and vLLM/SGLang's
+    Eagle3 Llama models compute it. Its input is cat(embedding, feature), 2H wide:
+
+        f = hidden_norm(feature);  x = cat(input_layernorm(embedding), f)
+        h = (f if norm_before_residual else feature) + attention(x)   # q/k/v read 2H
+        out = h + mlp(post_attention_layernorm(h))
+
+    The attention and MLP are Llama's, the attention's q/k/v widened to 2H inputs; the output is
+    the pre-norm state, fed back as the next feature and normed before the LM head."""
+
+    lean_family = "llama"  # drafters/lean.py runs it (LeanLayer splits the two inputs)
+    two_inputs = True
+
+    def __init__(self, config: LlamaConfig, norm_before_residual: bool = False) -> None:
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.norm_before_residual = norm_before_residual
+        self.self_attn = LlamaAttention(config, layer_idx=0)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(self.self_attn, name)
+            setattr(self.self_attn, name, nn.Linear(2 * H, old.out_features, bias=False))
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(H, eps=eps)
+        self.hidden_norm = LlamaRMSNorm(H, eps=eps)
+        self.post_attention_layernorm = LlamaRMSNorm(H, eps=eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: DynamicCache | None = None,
+        use_cache: bool = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """(batch, n, 2H) cat(embedding, feature) -> (batch, n, H); the arguments are a
+        decoder layer's, so drafting drives it like any layer (drafters/lean.py ModuleLayer)."""
+        H = hidden_states.shape[-1] // 2
+        emb, feature = hidden_states[..., :H], hidden_states[..., H:]
+        normed = self.hidden_norm(feature)
+        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)
+        attn, _ = self.self_attn(
+            hidden_states=x, attention_mask=attention_mask, position_ids=position_ids,
+            cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
+        )  # fmt: skip
+        h = (normed if self.norm_before_residual else feature) + attn
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def eagle1_reference_layer(config: LlamaConfig) -> LlamaDecoderLayer:
+    """The reference EAGLE-1/2 layer (SafeAILab/EAGLE cnets1.py; vLLM's and SGLang's EAGLE Llama
+    models): a Llama decoder layer whose input norm is dropped (fc's output goes straight in)."""
+    layer = LlamaDecoderLayer(config, layer_idx=0)
+    layer.input_layernorm = nn.Identity()
+    return layer
+
+
 # --- module ------------------------------------------------------------------------------------
 
 
@@ -212,6 +327,7 @@ class EagleDrafter(Drafter):
 
     kind = "eagle"
     config_class = EagleConfig
+    legacy_defaults = LEGACY_DEFAULTS
     shared_with_target: tuple[str, ...] = ()
 
     def __init__(self, config: EagleConfig, target, d2t: torch.Tensor | None = None) -> None:
@@ -224,23 +340,34 @@ class EagleDrafter(Drafter):
         H, V = target.hidden_size, target.vocab_size
         self.capture_layers: list[int] = self.capture_layers_for(config, target)
 
-        layer_config = copy.deepcopy(target.config)
-        layer_config.num_hidden_layers = 1
-        # the training-time test's attention (ttt_attention); with a mask it is the layer's own
-        layer_config._attn_implementation = TTT_ATTENTION
-        if getattr(layer_config, "layer_types", None) is not None:
-            layer_config.layer_types = layer_config.layer_types[:1]
-        self.layer = type(target.layers[0])(layer_config, layer_idx=0)
-        self.rotary = type(target.model.model.rotary_emb)(config=layer_config)
-        norm_class = type(target.norm)
+        # the layer's attention is the training-time test's (ttt_attention); with a mask it is
+        # transformers' SDPA attention
         eps = getattr(target.config, "rms_norm_eps", 1e-6)
+        if config.architecture == "reference":
+            layer_config = llama_layer_config(target.config)
+            self.rotary = LlamaRotaryEmbedding(config=layer_config)
+            norm_class = LlamaRMSNorm
+            if config.version == "eagle1":
+                self.layer = eagle1_reference_layer(layer_config)
+            else:
+                self.layer = Eagle3Layer(layer_config, config.norm_before_residual)
+        else:
+            layer_config = copy.deepcopy(target.config)
+            layer_config.num_hidden_layers = 1
+            layer_config._attn_implementation = TTT_ATTENTION
+            if getattr(layer_config, "layer_types", None) is not None:
+                layer_config.layer_types = layer_config.layer_types[:1]
+            self.layer = type(target.layers[0])(layer_config, layer_idx=0)
+            self.rotary = type(target.model.model.rotary_emb)(config=layer_config)
+            norm_class = type(target.norm)
         if config.version == "eagle1":
-            self.fc = nn.Linear(2 * H, H, bias=True)
+            self.fc = nn.Linear(2 * H, H, bias=config.fc_bias)
         else:
             self.fc_fuse = nn.Linear(3 * H, H, bias=False)
-            self.embed_norm = norm_class(H, eps=eps)
-            self.feature_norm = norm_class(H, eps=eps)
-            self.fc_in = nn.Linear(2 * H, H, bias=False)
+            if config.architecture == "projected":
+                self.embed_norm = norm_class(H, eps=eps)
+                self.feature_norm = norm_class(H, eps=eps)
+                self.fc_in = nn.Linear(2 * H, H, bias=False)
             self.final_norm = norm_class(H, eps=eps)
             Vd = config.draft_vocab_size or V
             if d2t is None:
@@ -320,7 +447,7 @@ class EagleDrafter(Drafter):
 
     def fuse(self, hidden_states: Mapping[int, torch.Tensor]) -> torch.Tensor:
         """The target's hidden states at `capture_layers` -> (batch, seq, hidden) features."""
-        dtype = self.layer.input_layernorm.weight.dtype
+        dtype = self.layer.post_attention_layernorm.weight.dtype
         if self.config.version == "eagle1":
             return hidden_states[self.capture_layers[0]].to(dtype)
         low_mid_high = [hidden_states[i].to(dtype) for i in self.capture_layers]
@@ -346,10 +473,13 @@ class EagleDrafter(Drafter):
         return out[0] if isinstance(out, tuple) else out
 
     def layer_input(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """(batch, n) tokens + (batch, n, hidden) features -> (batch, n, hidden) layer input."""
+        """(batch, n) tokens + (batch, n, hidden) features -> the layer's input: (batch, n,
+        hidden), or cat(embedding, feature) (batch, n, 2 hidden) for EAGLE-3's reference layer."""
         emb = self.target.embed(tokens).to(features.dtype)  # (batch, n, hidden)
         if self.config.version == "eagle1":
             return self.fc(torch.cat([emb, features], dim=-1))
+        if self.config.architecture == "reference":
+            return torch.cat([emb, features], dim=-1)  # the layer norms each half itself
         return self.fc_in(torch.cat([self.embed_norm(emb), self.feature_norm(features)], dim=-1))
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -491,33 +621,35 @@ class EagleDrafter(Drafter):
 
 class DraftingWeights:
     """The head as drafting runs it: the layer's fused (and maybe int8) weights, and its input
-    and output products with the RMSNorm weights before them folded in. eps: the epsilons of
-    the norms before fc_in (embedding, feature) and before the LM head; None for eagle1."""
+    and output products with the RMSNorm weights before them folded in.
+
+    fuse: the low/mid/high product (eagle3). input: the product before the layer (eagle1's fc,
+    the projected eagle3's fc_in), None where the layer reads cat(embedding, feature) itself
+    (the reference eagle3). in_eps: the epsilons of the norms of embedding and feature before
+    fc_in (projected eagle3 only). out_eps: the final norm's before the LM head (eagle3)."""
 
     @torch.no_grad()
     def __init__(self, head: EagleDrafter, int8: bool) -> None:
         self.int8 = int8
         self.layer = LayerWeights(head.layer, int8=int8)
-        if head.config.version == "eagle1":
-            self.eps = None
-            self.fuse = None  # the final feature is used as it is
+        self.fuse = self.input = self.in_eps = self.out_eps = None
+        if head.config.version == "eagle1":  # the final feature is used as it is
             self.input = DraftLinear(head.fc.weight, head.fc.bias, int8=int8)
             lm = head.target.model.get_output_embeddings()
             self.output = DraftLinear(lm.weight, lm.bias, int8=int8)
-        else:
-            self.eps = tuple(n.variance_epsilon for n in (head.embed_norm, head.feature_norm,
-                                                          head.final_norm))  # fmt: skip
+            return
+        self.fuse = DraftLinear(head.fc_fuse.weight, int8=int8)
+        if head.config.architecture == "projected":
+            self.in_eps = (head.embed_norm.variance_epsilon, head.feature_norm.variance_epsilon)
             in_scale = torch.cat([head.embed_norm.weight, head.feature_norm.weight])
-            self.fuse = DraftLinear(head.fc_fuse.weight, int8=int8)
             self.input = DraftLinear(head.fc_in.weight, in_scale=in_scale, int8=int8)
-            self.output = DraftLinear(
-                head.lm_head.weight, in_scale=head.final_norm.weight, int8=int8
-            )
+        self.out_eps = head.final_norm.variance_epsilon
+        self.output = DraftLinear(head.lm_head.weight, in_scale=head.final_norm.weight, int8=int8)
 
     def memory_bytes(self) -> int:
         """Bytes beyond the head's own parameters: the int8 copies (fp weights are shared, but
         the fused layer and folded products are copies too)."""
-        linears = [self.input, self.output] + ([self.fuse] if self.fuse else [])
+        linears = [lin for lin in (self.input, self.output, self.fuse) if lin is not None]
         return self.layer.memory_bytes() + sum(lin.memory_bytes() for lin in linears)
 
 
@@ -627,16 +759,17 @@ class EagleSession:
         if w is None:
             return self.layer(self.head.layer_input(tokens, features), positions, visible)
         emb = self.head.target.embed(tokens).to(features.dtype)
-        if w.eps is not None:  # eagle3: both inputs normed (their weights are in w.input)
-            emb, features = rms(emb, w.eps[0]), rms(features, w.eps[1])
-        return self.layer(w.input(torch.cat([emb, features], dim=-1)), positions, visible)
+        if w.in_eps is not None:  # projected eagle3: both normed (their weights are in w.input)
+            emb, features = rms(emb, w.in_eps[0]), rms(features, w.in_eps[1])
+        x = torch.cat([emb, features], dim=-1)  # the reference eagle3 layer norms them itself
+        return self.layer(x if w.input is None else w.input(x), positions, visible)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """(..., hidden) -> (..., draft vocab) draft logits (the target's vocab for eagle1)."""
         w = self.w
         if w is None:
             return self.head.draft_logits(h)
-        return w.output(h if w.eps is None else rms(h, w.eps[2]))
+        return w.output(h if w.out_eps is None else rms(h, w.out_eps))
 
     def _fuse(self, hidden_states: Mapping[int, torch.Tensor], rows: list[int]) -> torch.Tensor:
         """The features of the given positions (rows) of a verification forward."""

@@ -52,7 +52,10 @@ def lean_supported(layer: nn.Module, rotary: nn.Module | None = None) -> bool:
     sliding window, and (when given) a rotary module of a static type that rotates each
     (i, i + head_dim / 2) pair by one angle (probed at two positions)."""
     module = type(layer).__module__
-    if not any(module == f"transformers.models.{f}.modeling_{f}" for f in LEAN_FAMILIES):
+    llama_maths = getattr(type(layer), "lean_family", None) == "llama"  # EAGLE-3's layer
+    if not llama_maths and not any(
+        module == f"transformers.models.{f}.modeling_{f}" for f in LEAN_FAMILIES
+    ):
         return False
     if rotary is not None and getattr(rotary, "rope_type", "default") not in _STATIC_ROPE:
         return False
@@ -63,7 +66,9 @@ def lean_supported(layer: nn.Module, rotary: nn.Module | None = None) -> bool:
             return False
     children = {name for name, _ in layer.named_children()}
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if children != _LAYER_PARTS or attn is None or mlp is None:
+    if children != _LAYER_PARTS | ({"hidden_norm"} if _two_inputs(layer) else set()):
+        return False
+    if attn is None or mlp is None:
         return False
     attn_parts = {name for name, _ in attn.named_children()}
     if not (_ATTN_PARTS <= attn_parts <= _ATTN_PARTS | _QK_NORMS):
@@ -75,9 +80,18 @@ def lean_supported(layer: nn.Module, rotary: nn.Module | None = None) -> bool:
         return False  # Mistral's default window: LeanLayer has no windowed mask
     if hasattr(layer, "residual_multiplier") or getattr(config, "residual_multiplier", 1.0) != 1:
         return False
-    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    norms = [layer.post_attention_layernorm]
     norms += [getattr(attn, n) for n in _QK_NORMS if n in attn_parts]
+    if _two_inputs(layer):
+        norms.append(layer.hidden_norm)
+    if not isinstance(layer.input_layernorm, nn.Identity):  # the reference EAGLE-1 layer's is
+        norms.append(layer.input_layernorm)
     return all(_is_llama_rms_norm(n) for n in norms)
+
+
+def _two_inputs(layer: nn.Module) -> bool:
+    """A layer fed cat(embedding, feature), normed apart (EAGLE-3's reference layer)."""
+    return getattr(layer, "two_inputs", False) is True
 
 
 def _is_llama_rms_norm(norm: nn.Module) -> bool:
@@ -101,17 +115,12 @@ def decode_layer(
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm without its weight (folded into the next product), in x's dtype.
-
-    Computed as x * sqrt(d) / max(|x|, sqrt(d * eps)): eps as a floor rather than an addend,
-    which differs from x / sqrt(mean(x^2) + eps) by a relative eps / (2 mean(x^2)) (~1e-6 for
-    hidden states; more for small vectors such as token embeddings, mean(x^2) ~1e-4 giving
-    ~5e-3) and costs 4 small calls where F.rms_norm costs ~6 on a CPU (a norm runs 5 times per
-    head pass). A draft only proposes; verification keeps the output exact.
-    """
-    d = x.shape[-1]
-    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    return x / n.clamp_min_((d * eps) ** 0.5).mul_(d**-0.5)
+    """Llama's RMSNorm without its weight (folded into the next product): x / sqrt(mean(x^2) +
+    eps) computed in float32 and returned in x's dtype, as LlamaRMSNorm computes it before its
+    weight, so drafting computes what the head's modules compute."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), eps=eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 class DraftLinear:
@@ -210,6 +219,17 @@ class LayerWeights:
         self.scaling = float(attn.scaling)
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         norm_in, post = layer.input_layernorm, layer.post_attention_layernorm
+        # the input's norms: Llama's one; none (the reference EAGLE-1 layer); or EAGLE-3's
+        # reference layer, fed cat(embedding, feature) and norming each half with its own weight
+        self.eps_in = None if isinstance(norm_in, nn.Identity) else norm_in.variance_epsilon
+        self.split = self.eps_hidden = self.hidden_weight = None
+        in_scale = None if self.eps_in is None else norm_in.weight
+        if _two_inputs(layer):
+            self.split = norm_in.weight.shape[0]  # where the feature starts in the input
+            self.eps_hidden = layer.hidden_norm.variance_epsilon
+            in_scale = torch.cat([norm_in.weight, layer.hidden_norm.weight])
+            if layer.norm_before_residual:  # the residual is the normed feature, weight and all
+                self.hidden_weight = layer.hidden_norm.weight.detach()
         # q and k rows reordered so that each head's rotary pairs (i, i + head_dim / 2) sit side
         # by side: LeanLayer then rotates q and k with one complex multiply. q.k is a sum over
         # the head dims, so the same reordering of q and k leaves attention unchanged.
@@ -222,7 +242,7 @@ class LayerWeights:
         self.qkv = DraftLinear(
             torch.cat([p.weight for p in projections])[rows.to(self.device)],
             None if bias is None else bias[rows.to(self.device)],
-            in_scale=norm_in.weight, int8=int8,
+            in_scale=in_scale, int8=int8,
         )  # fmt: skip
         self.o = DraftLinear(attn.o_proj.weight, attn.o_proj.bias, int8=int8)
         gate, up = mlp.gate_proj, mlp.up_proj
@@ -233,7 +253,7 @@ class LayerWeights:
         self.down = DraftLinear(mlp.down_proj.weight, mlp.down_proj.bias, int8=int8)
         self.act = mlp.act_fn
         self.intermediate = gate.out_features
-        self.eps_in, self.eps_post = norm_in.variance_epsilon, post.variance_epsilon
+        self.eps_post = post.variance_epsilon
         self.q_norm = _norm_params(getattr(attn, "q_norm", None), self.pair_order)
         self.k_norm = _norm_params(getattr(attn, "k_norm", None), self.pair_order)
 
@@ -245,7 +265,7 @@ class LayerWeights:
 class LeanLayer:
     """A Llama-layout decoder layer with its own in-place KV cache (batch 1).
 
-    Call it with (1, n, hidden) inputs, their position ids and which cached entries each may see;
+    Call it with (1, n, hidden) inputs ((1, n, 2 hidden) for EAGLE-3's reference layer), their position ids and which cached entries each may see;
     it appends the n new keys/values after the `length` already held and returns the layer's
     (1, n, hidden) output. `crop(m)` keeps the first m entries.
     """
@@ -317,7 +337,14 @@ class LeanLayer:
         hd, nq, nkv, q_size, kv_size = w.head_dim, w.num_heads, w.num_kv_heads, w.q_size, w.kv_size
 
         x = x.to(self.dtype)  # the residual stream stays in the layer's dtype
-        qkv = w.qkv(rms(x, w.eps_in))[0]  # (n, q + 2 kv), the norm's weight folded in
+        if w.split is not None:  # EAGLE-3: x = cat(embedding, feature), each half normed
+            emb, feature = x[..., : w.split], x[..., w.split :]
+            normed = rms(feature, w.eps_hidden)
+            x_in = torch.cat([rms(emb, w.eps_in), normed], dim=-1)
+            x = feature if w.hidden_weight is None else normed * w.hidden_weight
+        else:
+            x_in = x if w.eps_in is None else rms(x, w.eps_in)
+        qkv = w.qkv(x_in)[0]  # (n, q + 2 kv), the norms' weights folded in
         qk = qkv[:, : q_size + kv_size].float().view(n, nq + nkv, hd)
         if w.q_norm is not None:  # Qwen3: per-head norms before the rotation
             qk = torch.cat([F.rms_norm(qk[:, :nq], (hd,), *w.q_norm),

@@ -23,17 +23,24 @@ from specdraft.inference.tree import tree_attention
 from specdraft.inference.verify import verify_greedy, verify_sampling
 
 
-@pytest.fixture(scope="module", params=["eagle3", "eagle1"])
+@pytest.fixture(
+    scope="module", params=["eagle3", "eagle1", "eagle3-projected", "eagle1-projected"]
+)
 def trained_head(request, tiny_target):
-    """A head trained for a few dozen steps on the target's own predictions, so it accepts."""
+    """A head trained for a few dozen steps on the target's own predictions, so it accepts: each
+    version in the reference architecture and in the projected one heads trained before had."""
     torch.manual_seed(0)
+    version, _, architecture = request.param.partition("-")
     V = tiny_target.vocab_size
-    d2t = torch.arange(0, V, 2) if request.param == "eagle3" else None  # half the vocabulary
+    d2t = torch.arange(0, V, 2) if version == "eagle3" else None  # half the vocabulary
     if d2t is not None:
         argmax = tiny_target.forward(torch.randint(3, V, (8, 24))).logits.argmax(-1).unique()
         d2t = torch.unique(torch.cat([d2t, argmax]))[: V // 2].sort().values
     cfg = EagleConfig(
-        version=request.param, ttt_steps=2, draft_vocab_size=len(d2t) if d2t is not None else 0
+        version=version,
+        ttt_steps=2,
+        draft_vocab_size=len(d2t) if d2t is not None else 0,
+        architecture=architecture or "reference",
     )
     head = EagleDrafter.build(cfg, tiny_target, d2t)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
@@ -256,10 +263,12 @@ def test_int8_drafting_weights_stay_close_to_the_head(tiny_target, trained_head)
     """The int8 copies are per-row symmetric: every product is within a few percent."""
     w = trained_head.drafting_weights(int8=True)
     full = trained_head.drafting_weights(int8=False)
-    assert w.input.int8 and w.output.int8 and w.layer.gate_up.int8  # really int8, no fallback
-    assert not full.input.int8 and w.memory_bytes() < full.memory_bytes()
-    x = torch.randn(5, w.input.weight.shape[1])
-    exact, approx = full.input(x), w.input(x)
+    # the product before the layer: fc (eagle1), fc_in (projected eagle3), else the fused one
+    first, first_full = (w.input, full.input) if w.input is not None else (w.fuse, full.fuse)
+    assert first.int8 and w.output.int8 and w.layer.gate_up.int8  # really int8, no fallback
+    assert w.layer.qkv.int8 and not first_full.int8 and w.memory_bytes() < full.memory_bytes()
+    x = torch.randn(5, first.weight.shape[1])
+    exact, approx = first_full(x), first(x)
     assert approx.dtype == torch.bfloat16 and exact.dtype == x.dtype  # the kernels' own dtypes
     assert (approx.float() - exact).norm() / exact.norm() < 0.03
 
