@@ -265,7 +265,7 @@ def load_drafter(
 
     fmt = imported_format(folder)
     if fmt is not None:
-        return load_imported(folder, fmt, target, device=device, dtype=dtype)
+        return load_imported(folder, fmt, target, device=device, dtype=dtype, strict=strict)
     meta, hf_config = read_metadata(folder)
     device = device if device is not None else target.device
     dtype = dtype if dtype is not None else target.dtype

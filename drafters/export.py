@@ -46,12 +46,11 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.checkpoint import (
@@ -60,12 +59,18 @@ from specdraft.drafters.checkpoint import (
     _clear_leftovers,
     _replace_dir,
 )
+from specdraft.drafters.eagle_export import EAGLE_FORMATS
+from specdraft.drafters.formats import (
+    ExportError,
+    Format,
+    check_names_and_shapes,
+    check_sizes,
+    count,
+    pickle_message,
+    read_weights,
+)
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.drafters.target import Target
-
-
-class ExportError(ValueError):
-    """A drafter that cannot be written in the asked format, or a destination not to overwrite."""
 
 
 @dataclass
@@ -178,19 +183,21 @@ def write_medusa(drafter: MedusaDrafter, base_model: str) -> tuple[dict, dict[st
     return config, tensors
 
 
-def read_medusa(folder: Path, config: dict, target: Target) -> MedusaDrafter:
+def read_medusa(
+    folder: Path, config: dict, target: Target, *, strict: bool = True
+) -> MedusaDrafter:
     """The heads of a medusa-layout folder, checked against `target` before anything is built."""
     file = folder / MEDUSA_WEIGHTS
     if not file.is_file():
         if (folder / MEDUSA_PICKLE).is_file():
-            raise CheckpointError(_pickle_message(folder / MEDUSA_PICKLE, MEDUSA_WEIGHTS))
+            raise CheckpointError(pickle_message(folder / MEDUSA_PICKLE, MEDUSA_WEIGHTS))
         raise CheckpointError(
             f"{folder} has a Medusa config.json but no {MEDUSA_WEIGHTS}: download the heads' "
             "weights too (a folder holding a whole fine-tuned model with its heads is not read)"
         )
-    K = _count(config, "medusa_num_heads", folder)
-    L = _count(config, "medusa_num_layers", folder)
-    _check_sizes(config, target, folder)
+    K = count(config, "medusa_num_heads", folder)
+    L = count(config, "medusa_num_layers", folder)
+    check_sizes(config, target, folder)
     H, V = target.hidden_size, target.vocab_size
     expected: dict[str, tuple[int, ...]] = {}
     for h in range(K):
@@ -198,8 +205,8 @@ def read_medusa(folder: Path, config: dict, target: Target) -> MedusaDrafter:
             expected[f"{h}.{i}.linear.weight"] = (H, H)
             expected[f"{h}.{i}.linear.bias"] = (H,)
         expected[f"{h}.{L}.weight"] = (V, H)
-    state = _read_weights([file])
-    _check_names_and_shapes(state, expected, file, target, config)
+    state = read_weights([file])
+    check_names_and_shapes(state, expected, file, target, config)
     blocks = [
         [(state[f"{h}.{i}.linear.weight"], state[f"{h}.{i}.linear.bias"]) for i in range(L)]
         for h in range(K)
@@ -245,7 +252,7 @@ def write_vllm(drafter: MedusaDrafter, base_model: str) -> tuple[dict, dict[str,
     return config, tensors
 
 
-def read_vllm(folder: Path, config: dict, target: Target) -> MedusaDrafter:
+def read_vllm(folder: Path, config: dict, target: Target, *, strict: bool = True) -> MedusaDrafter:
     """The heads of a vLLM Medusa folder, read as vLLM reads them (any *.safetensors file there,
     names without a `medusa_heads.` prefix, one LM head for all with original_lm_head), checked
     against `target` before anything is built."""
@@ -253,11 +260,11 @@ def read_vllm(folder: Path, config: dict, target: Target) -> MedusaDrafter:
     if not files:
         pickles = sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
         if pickles:
-            raise CheckpointError(_pickle_message(pickles[0], VLLM_WEIGHTS))
+            raise CheckpointError(pickle_message(pickles[0], VLLM_WEIGHTS))
         raise CheckpointError(f"{folder} has a vLLM Medusa config.json but no .safetensors weights")
-    K = _count(config, "num_heads", folder, also="medusa_num_heads")
-    L = _count(config, "num_hidden_layers", folder, also="medusa_num_layers")
-    _check_sizes(config, target, folder)
+    K = count(config, "num_heads", folder, also="medusa_num_heads")
+    L = count(config, "num_hidden_layers", folder, also="medusa_num_layers")
+    check_sizes(config, target, folder)
     H, V = target.hidden_size, target.vocab_size
     Vd = config.get("truncated_vocab_size") or V
     if not isinstance(Vd, int) or not 0 < Vd <= V:
@@ -268,7 +275,7 @@ def read_vllm(folder: Path, config: dict, target: Target) -> MedusaDrafter:
     bias = bool(config.get("medusa_fc_bias", False))
     shared = bool(config.get("original_lm_head", False))
     # vLLM strips this prefix from every name
-    state = {k.removeprefix("medusa_heads."): v for k, v in _read_weights(files).items()}
+    state = {k.removeprefix("medusa_heads."): v for k, v in read_weights(files).items()}
     if shared and "lm_head.weight" in state:  # vLLM takes either name for the one LM head
         state["lm_heads.0.weight"] = state.pop("lm_head.weight")
     expected: dict[str, tuple[int, ...]] = {}
@@ -285,7 +292,7 @@ def read_vllm(folder: Path, config: dict, target: Target) -> MedusaDrafter:
     if Vd < V:
         expected["token_map"] = (Vd,)
     where = ", ".join(f.name for f in files)
-    _check_names_and_shapes(state, expected, folder / where, target, config)
+    check_names_and_shapes(state, expected, folder / where, target, config)
     d2t = None
     if Vd < V:
         d2t = state["token_map"]
@@ -310,24 +317,6 @@ def read_vllm(folder: Path, config: dict, target: Target) -> MedusaDrafter:
 # --- the format table ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Format:
-    """One layout another tool reads: its writer, its reader, and how its folders are known."""
-
-    help: str
-    kinds: tuple[str, ...]  # the drafter kinds it holds
-    weights_file: str  # the one weights file the writer writes
-    # (drafter, base_model_name_or_path) -> (config.json, the weights file's tensors)
-    write: Callable[[Drafter, str], tuple[dict, dict[str, torch.Tensor]]]
-    # (folder, its config.json, target) -> the drafter, all checked before it is built
-    read: Callable[[Path, dict, Target], Drafter]
-    detect: Callable[[dict], bool]  # a config.json of this format (without a specdraft block)
-    # The same tensors also written with torch.save under this name, for readers that only
-    # unpickle (the reference repository's own MedusaModel.from_pretrained reads
-    # medusa_lm_head.pt); we write it, and never read it.
-    pickle_copy: str | None = None
-
-
 FORMATS: dict[str, Format] = {
     "medusa": Format(
         help="FasterDecoding/Medusa's config.json + medusa_lm_head.safetensors and .pt (the reference, TensorRT-LLM, TGI)",
@@ -347,6 +336,9 @@ FORMATS: dict[str, Format] = {
         detect=lambda c: c.get("model_type") == "medusa",
     ),
 }
+
+
+FORMATS.update(EAGLE_FORMATS)
 
 
 # --- writing -----------------------------------------------------------------------------------
@@ -384,6 +376,9 @@ def export_drafter(
         if spec.pickle_copy is not None:
             torch.save(tensors, tmp / spec.pickle_copy)
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        problems = [] if spec.validate is None else spec.validate(tmp, drafter.target.vocab_size)
+        if problems:  # a bug of ours: the engine would refuse or misread the folder
+            raise ExportError(f"the {fmt} folder written would not load: {'; '.join(problems)}")
         _replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -433,88 +428,16 @@ def load_imported(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    strict: bool = True,
 ) -> Drafter:
     """The drafter in `folder`, written in format `fmt`, for `target`, on the target's device
     and dtype unless given. Everything is checked before a module is built: an error leaves
-    nothing half-loaded."""
+    nothing half-loaded. strict=False accepts a verifier named otherwise than the target (the
+    same model under another name); sizes and shapes are always checked."""
     folder = Path(folder).expanduser()
     spec = FORMATS[fmt]
     config = json.loads((folder / CONFIG_NAME).read_text())
-    drafter = spec.read(folder, config, target)
+    drafter = spec.read(folder, config, target, strict=strict)
     device = device if device is not None else target.device
     dtype = dtype if dtype is not None else target.dtype
     return drafter.to(device=device, dtype=dtype).eval()
-
-
-def _count(config: dict, key: str, folder: Path, also: str | None = None) -> int:
-    value = config.get(key, config.get(also)) if also else config.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CheckpointError(
-            f"{folder / CONFIG_NAME}: {key} must be an integer >= 1; got {value!r}"
-        )
-    return value
-
-
-def _check_sizes(config: dict, target: Target, folder: Path) -> None:
-    """The config's hidden and vocabulary sizes, where it gives them, against the target's."""
-    for key, ours in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
-        if key in config and config[key] != ours:
-            raise CheckpointError(
-                f"{folder} holds heads for a target with {key}={config[key]}, but the target "
-                f"{target.name!r} has {key}={ours}: load the target they were trained for "
-                f"(base_model_name_or_path: {config.get('base_model_name_or_path', 'not given')})"
-            )
-
-
-def _read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            part = load_file(file)
-        except Exception as e:  # safetensors raises several types for a damaged file
-            raise CheckpointError(f"{file} cannot be read ({e}): the file is damaged") from e
-        repeated = sorted(set(state) & set(part))
-        if repeated:
-            raise CheckpointError(f"{file} repeats weights of another file there: {repeated[:5]}")
-        state.update(part)
-    return state
-
-
-def _check_names_and_shapes(
-    state: dict[str, torch.Tensor],
-    expected: dict[str, tuple[int, ...]],
-    file: Path,
-    target: Target,
-    config: dict,
-) -> None:
-    """Exactly the expected names, each with its shape; else an error naming what differs."""
-    missing = sorted(set(expected) - set(state))
-    extra = sorted(set(state) - set(expected))
-    if missing or extra:
-        raise CheckpointError(
-            f"{file} does not fit the heads its config.json describes: missing {_few(missing)}, "
-            f"unexpected {_few(extra)}; the folder is incomplete, or its config.json (head and "
-            "layer counts) belongs to other weights"
-        )
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
-            raise CheckpointError(
-                f"{file}: {name} has shape {tuple(state[name].shape)}, expected {shape} for the "
-                f"target {target.name!r} (hidden size {target.hidden_size}, vocabulary "
-                f"{target.vocab_size}): the heads belong to another target (base_model_name_or_"
-                f"path: {config.get('base_model_name_or_path', 'not given')}); load that one"
-            )
-
-
-def _few(names: list[str]) -> str:
-    return f"{names[:5]}{f' and {len(names) - 5} more' if len(names) > 5 else ''}"
-
-
-def _pickle_message(file: Path, safetensors_name: str) -> str:
-    return (
-        f"{file} is a pickle, which specdraft never loads (unpickling runs code). Convert it "
-        'once, where you trust the file: python -c "import torch; from safetensors.torch import '
-        f"save_file; sd = torch.load('{file}', weights_only=True); "
-        f"save_file({{k: v.contiguous() for k, v in sd.items()}}, "
-        f"'{file.with_name(safetensors_name)}')\""
-    )

@@ -1,0 +1,640 @@
+"""EAGLE heads in the layouts serving engines load, and published heads read back into our loop.
+
+Three formats (`scripts/export.py --format NAME`), each a writer, a reader and the checks the
+engine's own loader makes (`layout_problems`, run on every export before the folder is renamed
+into place and on every import before a module is built). All hold heads of the reference
+architecture only (EagleConfig.architecture = reference): a Llama decoder layer in the target's
+shape, which is what the engines build whatever the target's family.
+
+    speculators  vllm-project/speculators' Eagle3Speculator, which vLLM serves (EAGLE-3 only):
+                   config.json   speculators_model_type eagle3, architectures [Eagle3Speculator],
+                                 transformer_layer_config (the layer's LlamaConfig as a dict),
+                                 draft_vocab_size, norm_before_residual, target_hidden_size,
+                                 eagle_aux_hidden_state_layer_ids, speculators_config {algorithm,
+                                 proposal_methods [{proposal_type, speculative_tokens}],
+                                 default_proposal_method, verifier {name_or_path, architectures}}
+                   model.safetensors  fc.weight, layers.0.*, norm.weight, lm_head.weight, and with
+                                 a reduced draft vocabulary d2t and t2d
+    sglang       SGLang's LlamaForCausalLMEagle3, as SpecForge exports it (EAGLE-3 only):
+                   config.json   the layer's LlamaConfig, architectures [LlamaForCausalLMEagle3],
+                                 draft_vocab_size, tie_word_embeddings false, eagle_config
+                                 {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state}
+                   model.safetensors  midlayer.*, fc.weight, norm.weight, lm_head.weight, d2t, t2d
+    eagle        SafeAILab/EAGLE's EAGLE-1/2 layout (cnets1.py; the yuhuili/EAGLE-* heads), which
+                 SGLang's LlamaForCausalLMEagle and vLLM's EagleLlamaForCausalLM read (EAGLE-1):
+                   config.json   the layer's LlamaConfig, num_hidden_layers 1, bias (fc's),
+                                 architectures [LlamaForCausalLMEagle]
+                   model.safetensors  fc.weight (and fc.bias), layers.0.* without input_layernorm
+
+The draft vocabulary: ours is d2t, draft id -> target id. The engines' d2t holds offsets (target
+id = i + d2t[i], int64) and t2d is a bool mask over the target vocabulary; both convert exactly,
+and sorted(i + d2t[i]) must equal t2d's nonzero positions. A whole vocabulary in another order is
+written as an LM head with rows in target order and no maps.
+
+Which target hidden states are fused (EAGLE-3): our id i is the output of decoder layer i (1-based;
+HF's hidden_states[i]). vLLM and speculators number them the same way; SGLang's eagle_config
+numbers the output of layer k 0-based, so it holds i - 1 (an id 0, the embeddings, cannot be said
+there). Our id L is the final *normed* state, which no engine captures (they take the pre-norm
+residual stream): a head fusing it is refused.
+
+What the engines do not say and we found in their loaders (vLLM 0.33, SGLang 0.5.23, speculators
+0.9.0, read, not run here; no GPU was lent): vLLM takes norm_before_residual as True when the key
+is missing and speculators as False, so it is always written; vLLM refuses a d2t when the draft
+vocabulary is the whole one, so speculators folders hold the maps only for a reduced vocabulary;
+SGLang has no norm_before_residual (it computes False), so such heads are refused for it. For
+EAGLE-1, SGLang's fc always has a bias and vLLM's never (it drops fc.bias without a word and reads
+`bias` as the *attention's* bias): no one EAGLE-1 folder serves both; the default (fc_bias true,
+the reference's) serves SGLang and SafeAILab/EAGLE; train with drafter.fc_bias=false for vLLM.
+What is lost on export: the decoding defaults except the chain length (speculative_tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specdraft.drafters.checkpoint import CONFIG_NAME, CheckpointError
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter, llama_layer_config
+from specdraft.drafters.formats import (
+    ExportError,
+    Format,
+    check_names_and_shapes,
+    check_sizes,
+    few,
+    pickle_message,
+    read_weights,
+)
+from specdraft.drafters.target import Target
+
+WEIGHTS = "model.safetensors"
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose loader this layout was read from
+SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
+EAGLE1_ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
+# The layer config fields that fix the head's maths beyond its weights' shapes; a published head
+# must agree with the target's on them (specdraft builds the layer in the target's shape).
+LAYER_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+)
+
+
+# --- the head as the engines name it ----------------------------------------------------------
+
+
+def reference_state(drafter: EagleDrafter, fmt: str) -> dict[str, torch.Tensor]:
+    """The head's weights under the reference names (layers.0.* for the layer), plain CPU copies
+    in the head's dtype, or ExportError where format `fmt` cannot hold this head."""
+    cfg = drafter.config
+    version = "EAGLE-3" if cfg.version == "eagle3" else "EAGLE-1"
+    if cfg.architecture != "reference":
+        raise ExportError(
+            "this head has the projected architecture (specdraft's first layout, which no "
+            "engine computes) and cannot be exported: retrain it with "
+            "drafter.architecture=reference (the default since heads became exportable)"
+        )
+    wants = "eagle1" if fmt == "eagle" else "eagle3"
+    if cfg.version != wants:
+        able = "eagle" if cfg.version == "eagle1" else "speculators or sglang"
+        raise ExportError(
+            f"format {fmt!r} holds {'EAGLE-1/2' if wants == 'eagle1' else 'EAGLE-3'} heads, not "
+            f"an {version} one: export it with --format {able}"
+        )
+    if cfg.version == "eagle3":
+        last = drafter.target.num_layers
+        if last in cfg.feature_layers:
+            raise ExportError(
+                f"this head fuses target hidden state {last}, the final normed state, which the "
+                "engines never capture (they fuse the pre-norm outputs of decoder layers): "
+                f"retrain with drafter.feature_layers below {last} to serve it"
+            )
+        if fmt == "sglang" and 0 in cfg.feature_layers:
+            raise ExportError(
+                "this head fuses the target's embeddings (feature layer 0), which SGLang's "
+                "eagle_config cannot name (it numbers decoder layer outputs from 0): export with "
+                "--format speculators, or retrain with feature layers >= 1"
+            )
+        if fmt == "sglang" and cfg.norm_before_residual:
+            raise ExportError(
+                "this head was trained with norm_before_residual=true, which SGLang's EAGLE-3 "
+                "layer does not compute: export with --format speculators (vLLM), or retrain "
+                "with drafter.norm_before_residual=false"
+            )
+
+    def plain(t: torch.Tensor) -> torch.Tensor:  # its own storage: safetensors refuses sharing
+        return t.detach().to("cpu").contiguous().clone()
+
+    state = {f"layers.0.{k}": plain(v) for k, v in drafter.layer.state_dict().items()}
+    if cfg.version == "eagle1":
+        state["fc.weight"] = plain(drafter.fc.weight)
+        if drafter.fc.bias is not None:
+            state["fc.bias"] = plain(drafter.fc.bias)
+        return state
+    state["fc.weight"] = plain(drafter.fc_fuse.weight)
+    state["norm.weight"] = plain(drafter.final_norm.weight)
+    state["lm_head.weight"] = plain(drafter.lm_head.weight)
+    return state
+
+
+def engine_maps(d2t: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our d2t (draft id -> target id) as the engines' (d2t offsets int64, t2d bool mask)."""
+    d2t = d2t.long().cpu()
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[d2t] = True
+    return d2t - torch.arange(len(d2t)), t2d
+
+
+def our_d2t(
+    offsets: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int, where
+) -> torch.Tensor:
+    """The engines' d2t offsets (and t2d, when given) as our d2t, checking that they describe
+    distinct target tokens and agree with each other."""
+    if offsets.is_floating_point() or offsets.dim() != 1:
+        raise CheckpointError(f"{where}: d2t must be a 1-D integer tensor; the file is corrupt")
+    d2t = offsets.long() + torch.arange(len(offsets))
+    if len(d2t) and (d2t.min() < 0 or d2t.max() >= vocab_size or len(d2t.unique()) < len(d2t)):
+        raise CheckpointError(
+            f"{where}: d2t does not map the draft vocabulary to distinct target tokens in "
+            f"0..{vocab_size - 1} (target id = i + d2t[i]); the file is corrupt or belongs to "
+            "another target"
+        )
+    if t2d is not None:
+        if t2d.dtype != torch.bool or t2d.shape != (vocab_size,):
+            raise CheckpointError(
+                f"{where}: t2d must be a bool mask over the target's {vocab_size} tokens; got "
+                f"{t2d.dtype} {tuple(t2d.shape)}"
+            )
+        if not torch.equal(d2t.sort().values, t2d.nonzero().flatten()):
+            raise CheckpointError(
+                f"{where}: t2d marks {int(t2d.sum())} target tokens but d2t maps "
+                f"{len(d2t)} others (sorted(i + d2t[i]) must equal t2d's nonzero positions); "
+                "the file is corrupt"
+            )
+    return d2t
+
+
+def draft_vocabulary(drafter: EagleDrafter, state: dict[str, torch.Tensor], fmt: str) -> int:
+    """Add the engines' maps to `state` as `fmt` wants them; the draft vocabulary's size."""
+    V = drafter.target.vocab_size
+    d2t = drafter.d2t.detach().cpu()
+    reduced = len(d2t) < V
+    if not reduced and not torch.equal(d2t, torch.arange(V)):  # the whole vocabulary, reordered
+        state["lm_head.weight"] = state["lm_head.weight"][drafter.t2d.cpu()].contiguous()
+        d2t = torch.arange(V)
+    if reduced or fmt == "sglang":  # vLLM refuses maps for the whole vocabulary
+        state["d2t"], state["t2d"] = engine_maps(d2t, V)
+    return len(d2t)
+
+
+def layer_config_dict(target: Target) -> dict:
+    """The head layer's LlamaConfig as config.json holds it, with the rotary base also under the
+    keys older engines read (rope_theta, rope_scaling)."""
+    config = llama_layer_config(target.config).to_dict()
+    for key in ("_attn_implementation", "transformers_version", "dtype", "torch_dtype"):
+        config.pop(key, None)
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = dict(rope)
+    config["architectures"] = ["LlamaForCausalLM"]
+    return config
+
+
+# --- writers -------------------------------------------------------------------------------------
+
+
+def write_speculators(drafter: EagleDrafter, base_model: str) -> tuple[dict, dict]:
+    """(config.json, the weights) of an EAGLE-3 head in speculators' layout."""
+    state = reference_state(drafter, "speculators")
+    draft_vocab = draft_vocabulary(drafter, state, "speculators")
+    target = drafter.target
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer_config_dict(target),
+        "draft_vocab_size": draft_vocab,
+        "norm_before_residual": drafter.config.norm_before_residual,
+        "target_hidden_size": target.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(drafter.config.feature_layers),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": drafter.decode.gamma,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": base_model,
+                "architectures": list(target.config.architectures or []),
+            },
+        },
+    }
+    return config, state
+
+
+def write_sglang(drafter: EagleDrafter, base_model: str) -> tuple[dict, dict]:
+    """(config.json, the weights) of an EAGLE-3 head in SGLang's (SpecForge's) layout."""
+    state = reference_state(drafter, "sglang")
+    draft_vocab = draft_vocabulary(drafter, state, "sglang")
+    state = {_sglang_name(k): v for k, v in state.items()}
+    config = layer_config_dict(drafter.target)
+    config.update({
+        "architectures": [SGLANG_ARCHITECTURE],
+        "draft_vocab_size": draft_vocab,
+        "tie_word_embeddings": False,
+        "target_hidden_size": drafter.target.hidden_size,
+        # SGLang numbers the output of decoder layer k from 0: our id i (HF hidden_states[i])
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in drafter.config.feature_layers],
+            "use_aux_hidden_state": True,
+        },
+        "base_model_name_or_path": base_model,
+    })  # fmt: skip
+    return config, state
+
+
+def write_eagle(drafter: EagleDrafter, base_model: str) -> tuple[dict, dict]:
+    """(config.json, the weights) of an EAGLE-1 head in SafeAILab/EAGLE's layout."""
+    state = reference_state(drafter, "eagle")
+    config = layer_config_dict(drafter.target)
+    config.update({
+        "architectures": [EAGLE1_ARCHITECTURES[0]],
+        "bias": drafter.fc.bias is not None,  # SafeAILab/EAGLE: fc = Linear(2H, H, bias=bias)
+        "base_model_name_or_path": base_model,
+    })  # fmt: skip
+    return config, state
+
+
+def _sglang_name(name: str) -> str:
+    return "midlayer." + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+
+
+# --- the layouts' rules --------------------------------------------------------------------------
+
+
+def expected_shapes(fmt: str, config: dict, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """The exact weight names and shapes of a `fmt` folder with this config.json (the target's
+    vocabulary size for the maps); names as the format writes them."""
+    layer = config["transformer_layer_config"] if fmt == "speculators" else config
+    H, inter = layer["hidden_size"], layer["intermediate_size"]
+    heads = layer["num_attention_heads"]
+    kv = layer.get("num_key_value_heads") or heads
+    head_dim = layer.get("head_dim") or H // heads
+    width = H if fmt == "eagle" else 2 * H  # EAGLE-3's q/k/v read cat(embedding, feature)
+    prefix = "midlayer." if fmt == "sglang" else "layers.0."
+    shapes = {
+        "self_attn.q_proj.weight": (heads * head_dim, width),
+        "self_attn.k_proj.weight": (kv * head_dim, width),
+        "self_attn.v_proj.weight": (kv * head_dim, width),
+        "self_attn.o_proj.weight": (H, heads * head_dim),
+        "mlp.gate_proj.weight": (inter, H),
+        "mlp.up_proj.weight": (inter, H),
+        "mlp.down_proj.weight": (H, inter),
+        "post_attention_layernorm.weight": (H,),
+    }
+    if fmt != "eagle":
+        shapes["input_layernorm.weight"] = (H,)
+        shapes["hidden_norm.weight"] = (H,)
+    expected = {prefix + k: v for k, v in shapes.items()}
+    if fmt == "eagle":
+        expected["fc.weight"] = (H, 2 * H)
+        if config.get("bias", True):  # SafeAILab/EAGLE's default when the key is absent
+            expected["fc.bias"] = (H,)
+        return expected
+    target_h = config.get("target_hidden_size") or H
+    draft_vocab = config["draft_vocab_size"]
+    expected.update({
+        "fc.weight": (H, 3 * target_h),
+        "norm.weight": (H,),
+        "lm_head.weight": (draft_vocab, H),
+    })  # fmt: skip
+    if fmt == "sglang" or draft_vocab < vocab_size:
+        expected["d2t"] = (draft_vocab,)
+        expected["t2d"] = (vocab_size,)
+    return expected
+
+
+def layout_problems(fmt: str, config: dict, names: set[str] | None = None) -> list[str]:
+    """What the engine's loader would refuse or misread in a `fmt` folder's config.json (and, when
+    given, its weight names), each said in a sentence; [] when it loads. Pure Python: each rule
+    says which loader it mirrors."""
+    problems: list[str] = []
+
+    def need(cond: bool, message: str) -> None:
+        if not cond:
+            problems.append(message)
+
+    def integer(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    if fmt == "speculators":
+        # vllm/transformers_utils/config.py: a config with speculators_config and no model_type
+        # is a speculators checkpoint
+        need("model_type" not in config, "a top-level model_type hides it from vLLM's detection")
+        # vllm/transformers_utils/configs/speculators/base.py and algos.py (update_eagle3)
+        need(config.get("speculators_model_type") == "eagle3", "speculators_model_type != eagle3")
+        layer = config.get("transformer_layer_config")
+        need(
+            isinstance(layer, dict) and layer.get("model_type") in ("llama", "qwen3"),
+            "transformer_layer_config must be a dict with model_type llama (vLLM builds "
+            "Eagle3LlamaForCausalLM from it)",
+        )
+        spec = config.get("speculators_config") or {}
+        methods = spec.get("proposal_methods") or [{}]
+        need(
+            integer(methods[0].get("speculative_tokens")),
+            "speculators_config.proposal_methods[0].speculative_tokens must be an integer >= 1",
+        )
+        verifier = spec.get("verifier") or {}
+        need(
+            isinstance(verifier.get("name_or_path"), str) and verifier["name_or_path"] != "",
+            "speculators_config.verifier.name_or_path must name the target",
+        )
+        # vLLM defaults a missing norm_before_residual to True, speculators to False
+        need(
+            isinstance(config.get("norm_before_residual"), bool),
+            "norm_before_residual must be written (vLLM and speculators default it differently)",
+        )
+        need(integer(config.get("target_hidden_size")), "target_hidden_size must be an integer")
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
+        need(
+            isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) for i in ids),
+            "eagle_aux_hidden_state_layer_ids must list the 3 fused target layers",
+        )
+        for key in ("norm_before_fc", "norm_output"):  # vLLM computes them; our head does not
+            need(not config.get(key), f"{key}=true is a variant specdraft's head does not compute")
+        need(not config.get("fc_norm"), "fc_norm is a variant specdraft's head does not compute")
+    else:
+        # sglang/srt/models/llama_eagle3.py, llama_eagle.py pick the model by architectures
+        archs = config.get("architectures") or []
+        if fmt == "sglang":
+            need(archs == [SGLANG_ARCHITECTURE], f"architectures must be [{SGLANG_ARCHITECTURE}]")
+            need(config.get("tie_word_embeddings") is False, "tie_word_embeddings must be false")
+            eagle = config.get("eagle_config") or {}
+            ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+            need(
+                isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) for i in ids),
+                "eagle_config.eagle_aux_hidden_state_layer_ids must list the 3 fused layers",
+            )
+            # SGLang's layer has no norm_before_residual: it computes False
+            need(
+                not config.get("norm_before_residual"),
+                "SGLang does not compute norm_before_residual=true",
+            )
+        need(config.get("num_hidden_layers") == 1, "num_hidden_layers must be 1")
+        need(config.get("model_type", "llama") == "llama", "model_type must be llama")
+    layer = config.get("transformer_layer_config") if fmt == "speculators" else config
+    if isinstance(layer, dict):
+        for key in ("hidden_size", "intermediate_size", "num_attention_heads"):
+            need(integer(layer.get(key)), f"{key} must be an integer >= 1")
+    if fmt != "eagle":
+        need(integer(config.get("draft_vocab_size")), "draft_vocab_size must be an integer >= 1")
+    if names is not None:
+        # vLLM's llama_eagle3.py load_weights prefixes every name but d2t and lm_head with model.
+        need(
+            fmt != "speculators" or not any(n.startswith("model.") for n in names),
+            "weight names must not start with model. (vLLM adds it)",
+        )
+    return problems
+
+
+# --- readers -------------------------------------------------------------------------------------
+
+
+def read_speculators(
+    folder: Path, config: dict, target: Target, *, strict: bool = True
+) -> EagleDrafter:
+    return _read(folder, config, target, "speculators", strict)
+
+
+def read_sglang(folder: Path, config: dict, target: Target, *, strict: bool = True) -> EagleDrafter:
+    return _read(folder, config, target, "sglang", strict)
+
+
+def read_eagle(folder: Path, config: dict, target: Target, *, strict: bool = True) -> EagleDrafter:
+    return _read(folder, config, target, "eagle", strict)
+
+
+def _read(folder: Path, config: dict, target: Target, fmt: str, strict: bool) -> EagleDrafter:
+    """A published or exported head in layout `fmt`, checked against `target` (sizes, layer shape,
+    verifier, exact names and shapes, maps) before a module is built."""
+    where = folder / CONFIG_NAME
+    problems = layout_problems(fmt, config)
+    if problems:
+        raise CheckpointError(f"{where} is not a loadable {fmt} EAGLE head: {'; '.join(problems)}")
+    layer = config["transformer_layer_config"] if fmt == "speculators" else config
+    _check_layer(layer, target, where)
+    if fmt == "speculators":
+        check_sizes({"hidden_size": config["target_hidden_size"]}, target, folder)
+        if strict:
+            _check_verifier(config["speculators_config"]["verifier"], target, where)
+    elif fmt == "sglang":
+        check_sizes({"hidden_size": config.get("target_hidden_size", layer["hidden_size"])}, target, folder)  # fmt: skip
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
+        if pickles:
+            raise CheckpointError(pickle_message(pickles[0], WEIGHTS))
+        raise CheckpointError(f"{folder} has a {fmt} EAGLE config.json but no .safetensors weights")
+    state = read_weights(files)
+    # what the engines accept beside the names we write: SGLang and vLLM strip a model. prefix
+    # and take midlayer. and layers.0. alike; an embedding equal to the target's is shared
+    state = {_our_name(k.removeprefix("model.")): v for k, v in state.items()}
+    embed = state.pop("embed_tokens.weight", None)
+    if embed is not None and not torch.equal(
+        embed.to(target.dtype), target.model.get_input_embeddings().weight.detach().cpu()
+    ):
+        raise CheckpointError(
+            f"{folder} holds its own embed_tokens.weight, which differs from the target "
+            f"{target.name!r}'s: specdraft's heads read the target's embedding; load the target "
+            "the head was trained for"
+        )
+    expected = {_our_name(k): v for k, v in expected_shapes(fmt, config, target.vocab_size).items()}
+    if fmt == "sglang" and "d2t" not in state and config["draft_vocab_size"] == target.vocab_size:
+        del expected["d2t"], expected["t2d"]  # SGLang itself takes a full vocabulary without maps
+    where_w = folder / ", ".join(f.name for f in files)
+    check_names_and_shapes(state, expected, where_w, target, config)
+    problems = layout_problems(fmt, config, set(state))
+    if problems:
+        raise CheckpointError(f"{where_w}: {'; '.join(problems)}")
+    V = target.vocab_size
+    d2t = None
+    if fmt != "eagle":
+        if "d2t" in state:
+            d2t = our_d2t(state.pop("d2t"), state.pop("t2d", None), V, where_w)
+        elif config["draft_vocab_size"] < V:
+            raise CheckpointError(f"{where_w}: a reduced draft vocabulary needs d2t and t2d")
+    head_config = _head_config(fmt, config, target)
+    drafter = EagleDrafter(head_config, target, d2t)
+    ours = {_module_name(k, head_config.version): v for k, v in state.items()}
+    missing, unexpected = drafter.load_state_dict(ours, strict=False)
+    missing = [k for k in missing if k not in ("d2t", "t2d")]
+    if missing or unexpected:  # the checks above make this an internal error
+        raise CheckpointError(f"{where_w}: missing {few(missing)}, unexpected {few(unexpected)}")
+    if fmt == "speculators":
+        gamma = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+        drafter.decode = type(drafter.decode)(gamma=gamma)
+    return drafter
+
+
+def _head_config(fmt: str, config: dict, target: Target) -> EagleConfig:
+    if fmt == "eagle":
+        return EagleConfig(version="eagle1", fc_bias=bool(config.get("bias", True)))
+    if fmt == "speculators":
+        ids = list(config["eagle_aux_hidden_state_layer_ids"])
+        before = config["norm_before_residual"]
+    else:
+        ids = [i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+        before = False
+    draft_vocab = config["draft_vocab_size"]
+    try:
+        return EagleConfig(
+            version="eagle3",
+            feature_layers=ids,
+            draft_vocab_size=0 if draft_vocab == target.vocab_size else draft_vocab,
+            norm_before_residual=before,
+        )
+    except ValueError as e:
+        raise CheckpointError(f"{fmt} EAGLE config: {e}") from e
+
+
+def _check_layer(layer: dict, target: Target, where: Path) -> None:
+    ours = layer_config_dict(target)
+    differ = [
+        f"{key} {layer.get(key)!r} (the target's {ours.get(key)!r})"
+        for key in LAYER_FIELDS
+        if layer.get(key) is not None and layer.get(key) != ours.get(key)
+    ]
+    theta = (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta"))
+    if theta is not None and theta != ours.get("rope_theta"):
+        differ.append(f"rope_theta {theta!r} (the target's {ours.get('rope_theta')!r})")
+    if differ:
+        raise CheckpointError(
+            f"{where}: the head's layer differs from the target {target.name!r}'s shape in "
+            f"{'; '.join(differ)}: specdraft builds the head's layer in the target's shape; load "
+            "the target the head was trained for"
+        )
+
+
+def _check_verifier(verifier: dict, target: Target, where: Path) -> None:
+    """The verifier a speculators config names against the target given: its architectures
+    must agree, and its name's last part (a hub id or a folder) must be the target's."""
+    archs = verifier.get("architectures") or []
+    ours = list(target.config.architectures or [])
+    if archs and ours and archs != ours:
+        raise CheckpointError(
+            f"{where} names the verifier {verifier.get('name_or_path')!r} ({archs}), but the "
+            f"target {target.name!r} is {ours}: load the verifier it was trained for"
+        )
+    name = str(verifier.get("name_or_path", "")).rstrip("/").rsplit("/", 1)[-1].lower()
+    mine = {
+        str(n).rstrip("/").rsplit("/", 1)[-1].lower()
+        for n in (target.name, getattr(target.config, "_name_or_path", ""))
+        if n
+    }
+    if name and name not in mine:
+        raise CheckpointError(
+            f"{where} names the verifier {verifier['name_or_path']!r}, but the target is "
+            f"{target.name!r}: load that verifier, or, if the target is the same model under "
+            "another name, load the head with load_drafter(..., strict=False)"
+        )
+
+
+def _our_name(name: str) -> str:
+    return "layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
+
+
+def _module_name(name: str, version: str) -> str:
+    """A reference name as our module's state dict names it."""
+    if name.startswith("layers.0."):
+        return "layer." + name.removeprefix("layers.0.")
+    if version == "eagle3":
+        return {"fc.weight": "fc_fuse.weight", "norm.weight": "final_norm.weight"}.get(name, name)
+    return name
+
+
+def _detect_eagle1(config: dict) -> bool:
+    archs = config.get("architectures") or []
+    if any(a in EAGLE1_ARCHITECTURES for a in archs):
+        return True
+    # SafeAILab/EAGLE's own configs: a one-layer Llama config with the `bias` key of its fc
+    return (
+        config.get("model_type") == "llama"
+        and config.get("num_hidden_layers") == 1
+        and ("bias" in config)
+    )
+
+
+EAGLE_FORMATS: dict[str, Format] = {
+    "speculators": Format(
+        help="vllm-project/speculators' Eagle3Speculator config.json + model.safetensors (vLLM)",
+        kinds=("eagle",),
+        weights_file=WEIGHTS,
+        write=write_speculators,
+        read=read_speculators,
+        validate=lambda folder, vocab: validate_folder(folder, "speculators", vocab),
+        detect=lambda c: "speculators_model_type" in c,
+    ),
+    "sglang": Format(
+        help="SGLang's / SpecForge's LlamaForCausalLMEagle3 config.json + model.safetensors",
+        kinds=("eagle",),
+        weights_file=WEIGHTS,
+        write=write_sglang,
+        read=read_sglang,
+        validate=lambda folder, vocab: validate_folder(folder, "sglang", vocab),
+        detect=lambda c: SGLANG_ARCHITECTURE in (c.get("architectures") or []),
+    ),
+    "eagle": Format(
+        help="SafeAILab/EAGLE's EAGLE-1/2 layout (SGLang's LlamaForCausalLMEagle, vLLM's EAGLE)",
+        kinds=("eagle",),
+        weights_file=WEIGHTS,
+        write=write_eagle,
+        read=read_eagle,
+        validate=lambda folder, vocab: validate_folder(folder, "eagle", vocab),
+        detect=_detect_eagle1,
+    ),
+}
+
+
+def validate_folder(folder: str | Path, fmt: str, vocab_size: int) -> list[str]:
+    """Every problem the engine of `fmt` would find in `folder` (config fields, exact weight names
+    and shapes, the maps' invariant), each a sentence; [] when it would load. Reads only the
+    files, never a target: what an engine sees."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    problems = layout_problems(fmt, config)
+    if problems:
+        return problems
+    state = load_file(folder / WEIGHTS)
+    expected = expected_shapes(fmt, config, vocab_size)
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or extra:
+        problems.append(f"weights missing {few(missing)}, unexpected {few(extra)}")
+    problems += [
+        f"{name} has shape {tuple(state[name].shape)}, expected {shape}"
+        for name, shape in expected.items()
+        if name in state and tuple(state[name].shape) != shape
+    ]
+    problems += layout_problems(fmt, config, set(state))
+    if "d2t" in state and not problems:
+        if state["d2t"].dtype != torch.int64:
+            problems.append(f"d2t is {state['d2t'].dtype}; the engines read int64 offsets")
+        try:
+            our_d2t(state["d2t"], state.get("t2d"), vocab_size, folder)
+        except CheckpointError as e:
+            problems.append(str(e))
+    return problems

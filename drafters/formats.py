@@ -1,0 +1,116 @@
+"""What every drafter format (drafters/export.py's FORMATS) shares: the Format record, the error
+for a drafter a format cannot hold, and the strict checks every reader runs before it builds a
+module (sizes, exact weight names and shapes, damaged or pickled files)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from specdraft.drafters.base import Drafter
+from specdraft.drafters.checkpoint import CONFIG_NAME, CheckpointError
+from specdraft.drafters.target import Target
+
+
+class ExportError(ValueError):
+    """A drafter that cannot be written in the asked format, or a destination not to overwrite."""
+
+
+@dataclass(frozen=True)
+class Format:
+    """One layout another tool reads: its writer, its reader, and how its folders are known."""
+
+    help: str
+    kinds: tuple[str, ...]  # the drafter kinds it holds
+    weights_file: str  # the one weights file the writer writes
+    # (drafter, base_model_name_or_path) -> (config.json, the weights file's tensors)
+    write: Callable[[Drafter, str], tuple[dict, dict[str, torch.Tensor]]]
+    # (folder, its config.json, target, strict=) -> the drafter, all checked before it is built;
+    # strict=False accepts a verifier named otherwise than the target
+    read: Callable[..., Drafter]
+    detect: Callable[[dict], bool]  # a config.json of this format (without a specdraft block)
+    # The same tensors also written with torch.save under this name, for readers that only
+    # unpickle (the reference repository's own MedusaModel.from_pretrained reads
+    # medusa_lm_head.pt); we write it, and never read it.
+    pickle_copy: str | None = None
+    # (the written folder, the target's vocabulary size) -> what the engine's loader would refuse
+    # there, each a sentence; run before the folder is renamed into place
+    validate: Callable[[Path, int], list[str]] | None = None
+
+
+def count(config: dict, key: str, folder: Path, also: str | None = None) -> int:
+    value = config.get(key, config.get(also)) if also else config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME}: {key} must be an integer >= 1; got {value!r}"
+        )
+    return value
+
+
+def check_sizes(config: dict, target: Target, folder: Path) -> None:
+    """The config's hidden and vocabulary sizes, where it gives them, against the target's."""
+    for key, ours in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
+        if key in config and config[key] != ours:
+            raise CheckpointError(
+                f"{folder} holds heads for a target with {key}={config[key]}, but the target "
+                f"{target.name!r} has {key}={ours}: load the target they were trained for "
+                f"(base_model_name_or_path: {config.get('base_model_name_or_path', 'not given')})"
+            )
+
+
+def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            part = load_file(file)
+        except Exception as e:  # safetensors raises several types for a damaged file
+            raise CheckpointError(f"{file} cannot be read ({e}): the file is damaged") from e
+        repeated = sorted(set(state) & set(part))
+        if repeated:
+            raise CheckpointError(f"{file} repeats weights of another file there: {repeated[:5]}")
+        state.update(part)
+    return state
+
+
+def check_names_and_shapes(
+    state: dict[str, torch.Tensor],
+    expected: dict[str, tuple[int, ...]],
+    file: Path,
+    target: Target,
+    config: dict,
+) -> None:
+    """Exactly the expected names, each with its shape; else an error naming what differs."""
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    if missing or extra:
+        raise CheckpointError(
+            f"{file} does not fit the heads its config.json describes: missing {few(missing)}, "
+            f"unexpected {few(extra)}; the folder is incomplete, or its config.json (head and "
+            "layer counts) belongs to other weights"
+        )
+    for name, shape in expected.items():
+        if tuple(state[name].shape) != shape:
+            raise CheckpointError(
+                f"{file}: {name} has shape {tuple(state[name].shape)}, expected {shape} for the "
+                f"target {target.name!r} (hidden size {target.hidden_size}, vocabulary "
+                f"{target.vocab_size}): the heads belong to another target (base_model_name_or_"
+                f"path: {config.get('base_model_name_or_path', 'not given')}); load that one"
+            )
+
+
+def few(names: list[str]) -> str:
+    return f"{names[:5]}{f' and {len(names) - 5} more' if len(names) > 5 else ''}"
+
+
+def pickle_message(file: Path, safetensors_name: str) -> str:
+    return (
+        f"{file} is a pickle, which specdraft never loads (unpickling runs code). Convert it "
+        'once, where you trust the file: python -c "import torch; from safetensors.torch import '
+        f"save_file; sd = torch.load('{file}', weights_only=True); "
+        f"save_file({{k: v.contiguous() for k, v in sd.items()}}, "
+        f"'{file.with_name(safetensors_name)}')\""
+    )
