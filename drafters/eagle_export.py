@@ -237,7 +237,7 @@ def write_speculators(drafter: EagleDrafter, base_model: str) -> tuple[dict, dic
             "default_proposal_method": "greedy",
             "verifier": {
                 "name_or_path": base_model,
-                "architectures": list(target.config.architectures or []),
+                "architectures": _architectures(target),
             },
         },
     }
@@ -532,7 +532,7 @@ def _check_verifier(verifier: dict, target: Target, where: Path) -> None:
     """The verifier a speculators config names against the target given: its architectures
     must agree, and its name's last part (a hub id or a folder) must be the target's."""
     archs = verifier.get("architectures") or []
-    ours = list(target.config.architectures or [])
+    ours = _architectures(target)
     if archs and ours and archs != ours:
         raise CheckpointError(
             f"{where} names the verifier {verifier.get('name_or_path')!r} ({archs}), but the "
@@ -550,6 +550,12 @@ def _check_verifier(verifier: dict, target: Target, where: Path) -> None:
             f"{target.name!r}: load that verifier, or, if the target is the same model under "
             "another name, load the head with load_drafter(..., strict=False)"
         )
+
+
+def _architectures(target: Target) -> list[str]:
+    """The target's architectures as its config.json says them (its class for a model built in
+    memory, whose config names none)."""
+    return list(target.config.architectures or [type(target.model).__name__])
 
 
 def _our_name(name: str) -> str:
