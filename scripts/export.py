@@ -3,13 +3,17 @@
     python scripts/export.py --format medusa runs/medusa-demo/final exports/medusa-demo
     python scripts/export.py --format vllm runs/medusa-demo/final exports/medusa-demo-vllm \\
         --base-model meta-llama/Llama-3.1-8B-Instruct
+    python scripts/export.py --format speculators runs/eagle-demo/final exports/eagle-demo-vllm
+    python scripts/export.py --format sglang runs/eagle-demo/final exports/eagle-demo-sglang
+    python scripts/export.py --format eagle runs/eagle1-demo/final exports/eagle1-demo
 
 The drafter is loaded with the target it was trained for (its train_config.yaml's `target`, or
 --target), which it must fit as load_drafter demands. --base-model (default: where the target
 was loaded from) is recorded for engines that load the target themselves. OUT is written
 atomically; an existing OUT is replaced only if it is empty or a previous export, or with
---force. Formats (specdraft.drafters.export.FORMATS, which says what each writes and what is
-exact):
+--force. Every folder is checked against the rules of the engine's own loader before it is
+renamed into place. Formats (specdraft.drafters.export.FORMATS and drafters/eagle_export.py say
+what each writes and what is exact):
 """
 
 from __future__ import annotations

@@ -23,9 +23,7 @@ from specdraft.inference.tree import tree_attention
 from specdraft.inference.verify import verify_greedy, verify_sampling
 
 
-@pytest.fixture(
-    scope="module", params=["eagle3", "eagle1", "eagle3-projected", "eagle1-projected"]
-)
+@pytest.fixture(scope="module", params=["eagle3", "eagle1", "eagle3-projected", "eagle1-projected"])
 def trained_head(request, tiny_target):
     """A head trained for a few dozen steps on the target's own predictions, so it accepts: each
     version in the reference architecture and in the projected one heads trained before had."""

@@ -162,7 +162,11 @@ CASES = {
         dict(tree_top_k=2, gamma=3, tree_budget=6),
         SamplingSettings(temperature=T, top_k=3),
     ),
-    "eagle_projected-chain": ("eagle_projected", dict(tree_top_k=1, gamma=3), SamplingSettings(temperature=T)),  # fmt: skip
+    "eagle_projected-chain": (
+        "eagle_projected",
+        dict(tree_top_k=1, gamma=3),
+        SamplingSettings(temperature=T),
+    ),  # fmt: skip
     "eagle_projected-tree": (
         "eagle_projected",
         dict(tree_top_k=2, gamma=3, tree_budget=6),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdraft.drafters.checkpoint import load_drafter, save_drafter
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.export import FORMATS
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.scripts import export
@@ -30,7 +31,41 @@ def heads_folder(tiny_target, tiny_target_path, tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.fixture(scope="module")
+def eagle_folders(tiny_target, tiny_target_path, tmp_path_factory):
+    """An EAGLE-3 and an EAGLE-1 head (reference architecture) and a projected one, saved as a
+    run saves them; the tiny target has 2 layers, so EAGLE-3 fuses layer 1's output thrice."""
+    folders = {}
+    for name, config in {
+        "eagle3": EagleConfig(feature_layers=[1, 1, 1], draft_vocab_size=100),
+        "eagle1": EagleConfig(version="eagle1"),
+        "projected": EagleConfig(feature_layers=[1, 1, 1], architecture="projected"),
+    }.items():
+        torch.manual_seed(0)
+        head = EagleDrafter.build(config, tiny_target)
+        folders[name] = tmp_path_factory.mktemp("run") / "final"
+        save_drafter(
+            head, folders[name], target_fingerprint=tiny_target.fingerprint,
+            train_config_yaml=f"target: {tiny_target_path}\n",
+        )  # fmt: skip
+    return folders
+
+
+@pytest.mark.parametrize("fmt, kind", [("speculators", "eagle3"), ("sglang", "eagle3"), ("eagle", "eagle1")])  # fmt: skip
+def test_export_writes_eagle_heads_that_load_back(tiny_target, eagle_folders, fmt, kind, tmp_path):
+    out = tmp_path / fmt
+    assert export.main(["--format", fmt, str(eagle_folders[kind]), str(out)]) == 0
+    original, back = load_drafter(eagle_folders[kind], tiny_target), load_drafter(out, tiny_target)
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in original.state_dict().items())
+
+
+def test_a_projected_eagle_head_is_refused_with_the_fix(eagle_folders, tmp_path, capsys):
+    assert export.main(["--format", "sglang", str(eagle_folders["projected"]), str(tmp_path / "o")]) == 2  # fmt: skip
+    assert "drafter.architecture=reference" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("fmt", sorted(f for f, spec in FORMATS.items() if "medusa" in spec.kinds))
 def test_export_writes_heads_that_load_back(tiny_target, heads_folder, fmt, tmp_path, capsys):
     out = tmp_path / fmt
     assert export.main(["--format", fmt, str(heads_folder), str(out), "--base-model", "b/m"]) == 0
