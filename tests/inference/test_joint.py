@@ -166,7 +166,7 @@ CASES = {
         "eagle_projected",
         dict(tree_top_k=1, gamma=3),
         SamplingSettings(temperature=T),
-    ),  # fmt: skip
+    ),
     "eagle_projected-tree": (
         "eagle_projected",
         dict(tree_top_k=2, gamma=3, tree_budget=6),
