@@ -19,7 +19,9 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from specdraft.drafters.eagle import Eagle3Layer, eagle1_reference_layer, llama_layer_config
 from specdraft.drafters.lean import (
     DraftLinear,
     LayerWeights,
@@ -53,6 +55,32 @@ FAMILIES = {
 }
 
 
+def eagle_layer(name: str):
+    """EAGLE's reference layers in a module holding them as a model holds its first layer."""
+    config = llama_layer_config(LlamaConfig(**SMALL, num_key_value_heads=2))
+    if name == "eagle1":
+        layer = eagle1_reference_layer(config)
+    else:
+        layer = Eagle3Layer(config, norm_before_residual=name == "eagle3-norm-before-residual")
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([layer])
+    model.model.rotary_emb = LlamaRotaryEmbedding(config)
+    return model
+
+
+# EAGLE's reference layers: EAGLE-3's reads cat(embedding, feature), 2 x 64 wide
+FAMILIES.update({
+    "eagle3-reference": lambda: eagle_layer("eagle3"),
+    "eagle3-reference-norm-before-residual": lambda: eagle_layer("eagle3-norm-before-residual"),
+    "eagle1-reference-no-input-norm": lambda: eagle_layer("eagle1"),
+})  # fmt: skip
+
+
+def width(family: str) -> int:
+    return 128 if family.startswith("eagle3") else 64
+
+
 def parts(model):
     torch.manual_seed(0)
     for p in model.parameters():  # random biases and norm weights too, so each one matters
@@ -78,7 +106,7 @@ def test_lean_layer_equals_the_module(family):
     layer, rotary = parts(FAMILIES[family]())
     assert lean_supported(layer)
     torch.manual_seed(1)
-    chunks = [torch.randn(1, n, 64) for n in (6, 1, 3, 2)]
+    chunks = [torch.randn(1, n, width(family)) for n in (6, 1, 3, 2)]
     lean = LeanLayer(
         LayerWeights(layer), rotary, capacity=4
     )  # small: the buffers must grow on the way
@@ -98,11 +126,14 @@ def test_lean_layer_with_int8_weights_or_in_bf16_stays_close(family, mode):
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     layer.to(dtype)
     torch.manual_seed(1)
-    chunks = [torch.randn(1, n, 64, dtype=dtype) for n in (6, 1, 3, 2)]
+    chunks = [torch.randn(1, n, width(family), dtype=dtype) for n in (6, 1, 3, 2)]
     lean = LeanLayer(LayerWeights(layer, int8=mode == "int8"), rotary, capacity=4)
     reference = ModuleLayer(layer, rotary)
     for x, a, b in zip(chunks, run(lean, chunks), run(reference, chunks), strict=True):
         assert a.dtype == dtype
+        x = x[..., -64:]  # the residual stream (EAGLE-3's: the feature, the input's second half)
+        if family.endswith("norm-before-residual"):
+            x = layer.hidden_norm(x)
         update, expected = (a - x).float(), (b - x).float()  # the residual would hide errors
         assert (update - expected).norm() / expected.norm() < 0.03
 
