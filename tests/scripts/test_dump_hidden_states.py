@@ -108,7 +108,7 @@ def test_offline_training_equals_online(tiny_target, tmp_path, run_args, capsys,
     assert online_w.keys() == offline_w.keys()
     for k in online_w:
         assert torch.allclose(online_w[k], offline_w[k], atol=1e-5), k
-    moved = (online_w["fc_in.weight"] - online.start["fc_in.weight"]).abs().max()
+    moved = (online_w["fc_fuse.weight"] - online.start["fc_fuse.weight"]).abs().max()
     assert moved > 1e-4  # Adam moves a weight by up to about lr = 3e-3 per step
 
 
