@@ -254,6 +254,9 @@ def llama_layer_config(target_config, attn_implementation: str = TTT_ATTENTION) 
         attention_bias=False,
         mlp_bias=False,
         tie_word_embeddings=False,
+        bos_token_id=getattr(c, "bos_token_id", None),
+        eos_token_id=getattr(c, "eos_token_id", None),
+        pad_token_id=getattr(c, "pad_token_id", None),
     )
     config._attn_implementation = attn_implementation
     return config

@@ -85,6 +85,28 @@ LAYER_FIELDS = (
 )
 
 
+# What every transformers config holds and no engine reads for a draft layer (left out of the
+# written configs to keep them to what the published heads hold)
+GENERIC_KEYS = (
+    "_attn_implementation",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "output_hidden_states",
+    "return_dict",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "pretraining_tp",
+    "initializer_range",
+    "use_cache",
+    "_name_or_path",
+    "output_attentions",
+)
+
+
 # --- the head as the engines name it ----------------------------------------------------------
 
 
@@ -196,7 +218,7 @@ def layer_config_dict(target: Target) -> dict:
     """The head layer's LlamaConfig as config.json holds it, with the rotary base also under the
     keys older engines read (rope_theta, rope_scaling)."""
     config = llama_layer_config(target.config).to_dict()
-    for key in ("_attn_implementation", "transformers_version", "dtype", "torch_dtype"):
+    for key in GENERIC_KEYS:
         config.pop(key, None)
     rope = config.get("rope_parameters") or {}
     if "rope_theta" in rope:
