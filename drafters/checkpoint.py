@@ -267,6 +267,15 @@ def load_drafter(
     if fmt is not None:
         return load_imported(folder, fmt, target, device=device, dtype=dtype, strict=strict)
     meta, hf_config = read_metadata(folder)
+    if meta is None and hf_config is None:
+        from specdraft.drafters.export import FORMATS
+
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME} is in none of the layouts specdraft reads: a specdraft "
+            "checkpoint (a `specdraft` block), a Hugging Face causal-LM folder (`model_type`), "
+            f"or a published drafter in one of the formats {', '.join(FORMATS)} "
+            "(drafters/export.py says how each is recognised)"
+        )
     device = device if device is not None else target.device
     dtype = dtype if dtype is not None else target.dtype
     if meta is not None:

@@ -410,3 +410,10 @@ def test_the_head_of_another_target_is_named(target, tmp_path):
     other = make_target(tiny_llama(V, seed=1, hidden=48, layers=LAYERS))
     with pytest.raises(CheckpointError, match="hidden_size"):
         load_drafter(folder, other)
+
+
+def test_a_folder_in_no_known_layout_is_named(target, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["SomethingElse"]}))
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="in none of the layouts specdraft reads"):
+        load_drafter(tmp_path, target)
