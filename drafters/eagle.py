@@ -8,11 +8,17 @@ the target into the feature (fc_fuse), drops the feature regression, trains with
 test (the head unrolled K steps on its own outputs) and drafts from its own LM head over a reduced
 draft vocabulary (the most frequent target tokens).
 
-Read top to bottom: the config, the module (its draft vocabulary comes from
+The head's layer is the reference architecture the engines compute (EagleConfig.architecture,
+drafters/eagle_export.py writes it for vLLM, SGLang and SafeAILab/EAGLE): a Llama decoder layer
+in the target's shape whatever the target's family; EAGLE-3's (Eagle3Layer) reads
+cat(embedding, feature) 2H wide, norming each half, with the feature as its residual; EAGLE-1's
+has no input norm after fc. Heads trained before that have the projected layout (EAGLE-3
+projects the normed pair to H with fc_in before a stock layer of the target's own class), which
+loads and decodes but no engine computes.
+
+Read top to bottom: the config, the reference layers, the module (its draft vocabulary comes from
 core.build_draft_vocab), the loss (training-time test) and acceptance, and the drafting session
-(chain and EAGLE-2 dynamic tree) the inference loop drives. The decoder layer and rotary
-embedding are the target's own classes, built from a copy of its config, so every Llama-style
-family works without vendored modeling code.
+(chain and EAGLE-2 dynamic tree) the inference loop drives.
 """
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ the HF modules, 1.29-1.51 ms lean in fp32 and 0.84-0.97 ms lean with int8 weight
 "EAGLE").
 
 It covers Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and Mistral without a sliding
-window, with static rotary types: `decode_layer(layer, rotary)` returns a `LeanLayer` for those
+window, and EAGLE's reference layers (drafters/eagle.py: EAGLE-3's, fed cat(embedding, feature)
+and norming each half, and EAGLE-1's without an input norm), with static rotary types; every
+RMSNorm is Llama's exact one, computed in float32, so in fp32 drafting computes what the modules
+compute: `decode_layer(layer, rotary)` returns a `LeanLayer` for those
 (`lean_supported`), else a `ModuleLayer` that calls the layer itself with a DynamicCache behind
 the same interface, so another family is slower, never wrong. int8 weights need a CPU and
 inputs in 16-wide blocks; elsewhere DraftLinear keeps full weights. tests/drafters/test_lean.py
