@@ -11,6 +11,8 @@ import torch
 from specdraft.config import load_config
 from specdraft.drafters.checkpoint import load_drafter
 from specdraft.drafters.eagle import EagleDrafter
+from specdraft.inference import generate
+from specdraft.scripts import export
 from specdraft.train.eagle import DEFAULT_CONFIG, EagleTrainConfig, main
 
 RECIPES = sorted(Path(DEFAULT_CONFIG).parent.glob("*.yaml"))
@@ -47,6 +49,15 @@ def test_training_lowers_the_loss_and_final_loads(tiny_target, tiny_target_path,
     # the simulated tau beside it is the greedy one, as it was measured greedy
     assert served["speedup_vs_ar"] > 0 and served["simulated_tau"] == after["tau_greedy"]
     assert served["torch_threads"] == 1  # as asked, and stated beside the speedup
+    # the trained head goes to the serving engines' layouts and comes back the same head
+    prompt = tiny_target.tokenizer("def add(a, b):")["input_ids"]
+    ours = generate(tiny_target, prompt, head, max_new_tokens=16, decode=head.decode)
+    for fmt in ["speculators", "sglang"] if version == "eagle3" else ["eagle"]:
+        assert export.main(["--format", fmt, str(out / "final"), str(tmp_path / fmt)]) == 0
+        back = load_drafter(tmp_path / fmt, tiny_target)
+        theirs = generate(tiny_target, prompt, back, max_new_tokens=16, decode=head.decode)
+        assert torch.equal(theirs.tokens, ours.tokens) and theirs.stats.drafted > 0
+        assert theirs.stats.accepted == ours.stats.accepted
 
 
 def test_bad_input_is_a_clear_error(tiny_target_path, tmp_path, capsys):
@@ -63,6 +74,7 @@ def test_bad_input_is_a_clear_error(tiny_target_path, tmp_path, capsys):
 def test_recipes_load(recipe):
     cfg = load_config(EagleTrainConfig, recipe)
     assert cfg.drafter.version == "eagle3" and cfg.drafter.ttt_steps >= 3
+    assert cfg.drafter.architecture == "reference"  # what the engines serve
     assert torch.tensor(cfg.drafter.draft_vocab_size) > 0
 
 
