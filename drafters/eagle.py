@@ -160,6 +160,7 @@ def resolve_config(config: EagleConfig, target) -> EagleConfig:
     else:
         config.feature_layers = None
         config.draft_vocab_size = 0  # eagle1 drafts through the target's own LM head
+        config.norm_before_residual = False  # EAGLE-3's layer only
     return config
 
 
