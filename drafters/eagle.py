@@ -148,6 +148,8 @@ def resolve_config(config: EagleConfig, target) -> EagleConfig:
         config.ttt_steps = 7 if config.version == "eagle3" else 1
     if config.feature_noise is None:
         config.feature_noise = 0.0 if config.version == "eagle3" else 0.1
+    if config.architecture == "projected":
+        config.norm_before_residual = False  # the reference EAGLE-3 layer's choice
     if config.version == "eagle3":
         layers = config.feature_layers or default_feature_layers(target.num_layers)
         config.feature_layers = target.check_layer_ids(layers)
