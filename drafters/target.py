@@ -20,8 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.utils import cached_file
 
 from specdraft.core import TargetOutput
 from specdraft.drafters.demo_target import ensure_demo_target
@@ -241,21 +243,32 @@ def load_target(
     device: torch.device | str | None = None,
     trust_remote_code: bool = False,
     adapter: str | Path | None = None,
+    embeddings_only: bool = False,
 ) -> Target:
     """Load a target: "demo" / "demo-tiny" (built and cached on first use), a local folder, or a
     hub id. dtype defaults to the checkpoint's own; `trust_remote_code` stays off unless asked.
     `adapter`: a peft LoRA adapter folder (a Medusa-2 or LayerSkip checkpoint's `adapter/`),
     merged into the weights; the target's fingerprint then names the adapter, so drafters
-    trained with it load and drafters of the plain base do not."""
+    trained with it load and drafters of the plain base do not.
+
+    embeddings_only: read only the input embedding and the LM head (from the weight files that
+    hold them); every other weight stays on the meta device, taking no memory. What training an
+    EAGLE head from a hidden-state cache uses: an 8B target's ~16 GB of decoder layers never
+    reach host memory, on any process. Such a target cannot run a forward."""
     path = target_path(name)
     if isinstance(dtype, str) and dtype != "auto":
         dtype = to_dtype(dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         saved = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).dtype
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype if dtype is not None else "auto", trust_remote_code=trust_remote_code
-        )
+        if embeddings_only:
+            model = _embeddings_only(path, dtype, trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=dtype if dtype is not None else "auto",
+                trust_remote_code=trust_remote_code,
+            )
     except OSError as err:
         raise TargetError(
             f"could not load target {name!r}: {err}. Pass 'demo', a local model folder, or a hub "
@@ -269,6 +282,51 @@ def load_target(
     # the precision the checkpoint was saved in: what decoding "as saved" means
     target.saved_dtype = to_dtype(str(saved).removeprefix("torch.")) if saved else target.dtype
     return target
+
+
+def _embeddings_only(path: str, dtype, trust_remote_code: bool) -> PreTrainedModel:
+    """The model built on the meta device with only its input embedding and LM head read from
+    its safetensors files (a sharded checkpoint's index says which shard holds them)."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if dtype is None or dtype == "auto":
+        dtype = to_dtype(str(config.dtype).removeprefix("torch.")) if config.dtype else None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype or torch.float32, trust_remote_code=trust_remote_code
+        )
+    modules = {id(module): name for name, module in model.named_modules()}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    wanted = {
+        f"{modules[id(m)]}.{p}": (m, p) for m in (embed, head) for p, _ in m.named_parameters()
+    }
+    index = cached_file(path, SHARD_INDEX, _raise_exceptions_for_missing_entries=False)
+    if index is not None:
+        weight_map = json.loads(Path(index).read_text())["weight_map"]
+        files = {weight_map[n] for n in wanted if n in weight_map}
+    else:
+        files = {SAFETENSORS}
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(files):
+        local = cached_file(path, file, _raise_exceptions_for_missing_entries=False)
+        if local is None:
+            raise OSError(f"{path} has no {file} (safetensors) to read the embeddings from")
+        with safe_open(local, framework="pt") as f:
+            found.update({n: f.get_tensor(n) for n in wanted if n in f.keys()})  # noqa: SIM118
+    tied = getattr(config, "tie_word_embeddings", False)
+    for name, (module, param) in wanted.items():
+        if tied and module is head and param == "weight":
+            continue  # the embedding's, tied below
+        tensor = found.get(name)
+        if tensor is None:
+            raise OSError(f"{path}'s safetensors files do not hold {name}")
+        setattr(module, param, nn.Parameter(tensor.to(dtype or tensor.dtype), requires_grad=False))
+    if tied:
+        head.weight = embed.weight
+    return model
+
+
+SHARD_INDEX = "model.safetensors.index.json"
+SAFETENSORS = "model.safetensors"
 
 
 def merge_adapter(model: PreTrainedModel, adapter: str | Path) -> PreTrainedModel:

@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         EagleTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
     )
     try:
-        target = load_target(cfg.target, dtype=cfg.target_dtype())
+        # offline, the target's hidden states come from the cache: only its embedding and LM
+        # head are read, on every process (the decoder layers stay on the meta device)
+        offline = bool(cfg.hidden_cache)
+        target = load_target(cfg.target, dtype=cfg.target_dtype(), embeddings_only=offline)
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # the head's random init; identical on every process
         head = build_head(cfg.drafter, target, train_examples)
@@ -81,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
     )  # fmt: skip
     with plain_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
+        if offline and prompts and result.main_process and not result.stopped_by_signal:
+            target = load_target(cfg.target, dtype=cfg.target_dtype())  # whole, to decode
         report_after_training(target, result, prompts, cfg)
     return 0
 

@@ -71,3 +71,30 @@ def test_fingerprint_differences_name_the_field(tiny_target):
 def test_missing_local_folder_is_a_clear_error(tmp_path):
     with pytest.raises(TargetError, match="does not exist"):
         load_target(str(tmp_path / "nope"))
+
+
+@pytest.mark.parametrize("layout", ["tied, one file", "untied, sharded"])
+def test_embeddings_only_reads_the_embedding_and_lm_head_and_nothing_else(
+    tiny_target, tiny_target_path, tmp_path, layout
+):
+    """What offline EAGLE training loads: the same embedding, LM head and fingerprint as the
+    whole target, and every decoder weight left on the meta device (no memory)."""
+    path = tiny_target_path
+    if layout == "untied, sharded":  # an untied copy saved in shards, as large models are
+        from transformers import LlamaForCausalLM
+
+        config = tiny_target.config.__class__(**{**tiny_target.config.to_dict(), "tie_word_embeddings": False})  # fmt: skip
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        path = str(tmp_path / "sharded")
+        model.save_pretrained(path, max_shard_size="100KB")
+        tiny_target.tokenizer.save_pretrained(path)
+        assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    whole, lite = load_target(path), load_target(path, embeddings_only=True)
+    assert lite.fingerprint == whole.fingerprint
+    ids = torch.tensor([[3, 4, 5]])
+    assert torch.equal(lite.embed(ids), whole.embed(ids))
+    h = torch.randn(2, whole.hidden_size)
+    assert torch.equal(lite.lm_head(h), whole.lm_head(h))
+    layers = [p for n, p in lite.model.named_parameters() if ".layers." in n]
+    assert layers and all(p.is_meta for p in layers)

@@ -50,9 +50,16 @@ def recorded_training(monkeypatch) -> list[SimpleNamespace]:
 
     def recording(cfg, head, features, train_examples, eval_examples, **kwargs):
         start = {k: v.detach().clone() for k, v in head.state_dict().items()}
+        # whether the target's decoder layers exist in memory while training
+        layers = [p for n, p in features.model.named_parameters() if ".layers." in n]
+        materialised = not any(p.is_meta for p in layers)
         result = real(cfg, head, features, train_examples, eval_examples, **kwargs)
         examples = [*train_examples, *eval_examples]
-        calls.append(SimpleNamespace(start=start, examples=examples, result=result))
+        calls.append(
+            SimpleNamespace(
+                start=start, examples=examples, result=result, materialised=materialised
+            )
+        )
         return result
 
     monkeypatch.setattr(script, "train", recording)
@@ -95,6 +102,8 @@ def test_offline_training_equals_online(tiny_target, tmp_path, run_args, capsys,
     monkeypatch.setattr(Target, "__call__", no_forward)
     assert train([*run_args, f"output_dir={tmp_path / 'offline'}", f"hidden_cache={cache}"]) == 0
     offline = runs[-1]
+    # offline, only the embedding and the LM head were read: no decoder layer in memory
+    assert online.materialised and not offline.materialised
     # Both runs read the same examples (token ids and loss masks) and start from the same head;
     # step by step they get the same losses, hence end with the same weights; and training moved
     # the weights, so that equality says something.
@@ -110,6 +119,20 @@ def test_offline_training_equals_online(tiny_target, tmp_path, run_args, capsys,
         assert torch.allclose(online_w[k], offline_w[k], atol=1e-5), k
     moved = (online_w["fc_fuse.weight"] - online.start["fc_fuse.weight"]).abs().max()
     assert moved > 1e-4  # Adam moves a weight by up to about lr = 3e-3 per step
+
+
+def test_offline_training_serves_the_head_with_the_whole_target(tmp_path, run_args):
+    """Training read only the embedding and LM head; measuring the head in the loop afterwards
+    loads the whole target, and decodes its plain greedy output."""
+    cache = tmp_path / "cache"
+    assert dump(["--out", str(cache), *run_args]) == 0
+    loop = ["eval_loop.enabled=true", "eval_loop.prompts=demo", "eval_loop.num_prompts=1",
+            "eval_loop.max_new_tokens=8",
+            "eval_loop.threads=1"]  # fmt: skip
+    out = tmp_path / "offline"
+    assert train([*run_args, *loop, f"output_dir={out}", f"hidden_cache={cache}"]) == 0
+    served = json.loads((out / "eval_loop.json").read_text())
+    assert served["num_prompts"] == 1 and served["matches_ar"] is True
 
 
 def other_target(tiny_target) -> Target:
