@@ -372,6 +372,7 @@ class EagleDrafter(Drafter):
             self.layer = type(target.layers[0])(layer_config, layer_idx=0)
             self.rotary = type(target.model.model.rotary_emb)(config=layer_config)
             norm_class = type(target.norm)
+        self._inv_freq = self.rotary.inv_freq.detach().float().cpu().clone()  # see _apply
         if config.version == "eagle1":
             self.fc = nn.Linear(2 * H, H, bias=config.fc_bias)
         else:
@@ -450,6 +451,16 @@ class EagleDrafter(Drafter):
             return None
         params = [*self.parameters(), self.target.model.get_output_embeddings().weight]
         return self._drafting.get(params, int8, lambda: DraftingWeights(self, int8))
+
+    def _apply(self, fn, recurse: bool = True):
+        """Casts and moves, with the rotary frequencies kept in float32 (as the target keeps its
+        own): a bf16 inv_freq turns position 500's angles ~0.5 rad away from training's and the
+        engines'."""
+        out = super()._apply(fn, recurse)
+        inv = self.rotary.inv_freq
+        if inv.dtype != torch.float32:
+            self.rotary.inv_freq = self._inv_freq.to(inv.device)
+        return out
 
     def train(self, mode: bool = True) -> EagleDrafter:
         self._drafting.clear()  # training changes the weights; drafting rebuilds them

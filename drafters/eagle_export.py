@@ -136,6 +136,12 @@ def reference_state(drafter: EagleDrafter, fmt: str) -> dict[str, torch.Tensor]:
                 "engines never capture (they fuse the pre-norm outputs of decoder layers): "
                 f"retrain with drafter.feature_layers below {last} to serve it"
             )
+        if len(set(cfg.feature_layers)) < 3:
+            raise ExportError(
+                f"this head fuses target layers {cfg.feature_layers}, a layer twice; the engines "
+                "capture each layer once (sorted, duplicates dropped), so their fc would get "
+                "fewer features than it reads: retrain with three distinct drafter.feature_layers"
+            )
         if fmt == "sglang" and 0 in cfg.feature_layers:
             raise ExportError(
                 "this head fuses the target's embeddings (feature layer 0), which SGLang's "
@@ -158,7 +164,12 @@ def reference_state(drafter: EagleDrafter, fmt: str) -> dict[str, torch.Tensor]:
         if drafter.fc.bias is not None:
             state["fc.bias"] = plain(drafter.fc.bias)
         return state
-    state["fc.weight"] = plain(drafter.fc_fuse.weight)
+    # the engines capture the fused layers in ascending order: fc's column blocks follow it
+    order = sorted(range(3), key=lambda j: cfg.feature_layers[j])
+    H = drafter.target.hidden_size
+    state["fc.weight"] = plain(
+        torch.cat([drafter.fc_fuse.weight[:, j * H : (j + 1) * H] for j in order], dim=1)
+    )
     state["norm.weight"] = plain(drafter.final_norm.weight)
     state["lm_head.weight"] = plain(drafter.lm_head.weight)
     return state
@@ -245,7 +256,7 @@ def write_speculators(drafter: EagleDrafter, base_model: str) -> tuple[dict, dic
         "draft_vocab_size": draft_vocab,
         "norm_before_residual": drafter.config.norm_before_residual,
         "target_hidden_size": target.hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(drafter.config.feature_layers),
+        "eagle_aux_hidden_state_layer_ids": sorted(drafter.config.feature_layers),
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [
@@ -279,7 +290,7 @@ def write_sglang(drafter: EagleDrafter, base_model: str) -> tuple[dict, dict]:
         "target_hidden_size": drafter.target.hidden_size,
         # SGLang numbers the output of decoder layer k from 0: our id i (HF hidden_states[i])
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in drafter.config.feature_layers],
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in sorted(drafter.config.feature_layers)],
             "use_aux_hidden_state": True,
         },
         "base_model_name_or_path": base_model,
@@ -389,12 +400,10 @@ def layout_problems(fmt: str, config: dict, names: set[str] | None = None) -> li
             isinstance(config.get("norm_before_residual"), bool),
             "norm_before_residual must be written (vLLM and speculators default it differently)",
         )
-        need(integer(config.get("target_hidden_size")), "target_hidden_size must be an integer")
-        ids = config.get("eagle_aux_hidden_state_layer_ids")
-        need(
-            isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) for i in ids),
-            "eagle_aux_hidden_state_layer_ids must list the 3 fused target layers",
-        )
+        hidden = config.get("target_hidden_size")  # null: the layer's (vLLM's default)
+        need(hidden is None or integer(hidden), "target_hidden_size must be an integer")
+        ids = config.get("eagle_aux_hidden_state_layer_ids")  # null: vLLM's default layers
+        need(ids is None or _three_ids(ids), "eagle_aux_hidden_state_layer_ids must list 3 layers")
         for key in ("norm_before_fc", "norm_output"):  # vLLM computes them; our head does not
             need(not config.get(key), f"{key}=true is a variant specdraft's head does not compute")
         need(not config.get("fc_norm"), "fc_norm is a variant specdraft's head does not compute")
@@ -404,11 +413,11 @@ def layout_problems(fmt: str, config: dict, names: set[str] | None = None) -> li
         if fmt == "sglang":
             need(archs == [SGLANG_ARCHITECTURE], f"architectures must be [{SGLANG_ARCHITECTURE}]")
             need(config.get("tie_word_embeddings") is False, "tie_word_embeddings must be false")
-            eagle = config.get("eagle_config") or {}
+            eagle = config.get("eagle_config") or {}  # absent: SGLang's default layers
             ids = eagle.get("eagle_aux_hidden_state_layer_ids")
             need(
-                isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) for i in ids),
-                "eagle_config.eagle_aux_hidden_state_layer_ids must list the 3 fused layers",
+                ids is None or _three_ids(ids),
+                "eagle_config.eagle_aux_hidden_state_layer_ids must list 3 layers",
             )
             # SGLang's layer has no norm_before_residual: it computes False
             need(
@@ -459,7 +468,8 @@ def _read(folder: Path, config: dict, target: Target, fmt: str, strict: bool) ->
     layer = config["transformer_layer_config"] if fmt == "speculators" else config
     _check_layer(layer, target, where)
     if fmt == "speculators":
-        check_sizes({"hidden_size": config["target_hidden_size"]}, target, folder)
+        hidden = config.get("target_hidden_size") or config["transformer_layer_config"]["hidden_size"]  # fmt: skip
+        check_sizes({"hidden_size": hidden}, target, folder)
         if strict:
             _check_verifier(config["speculators_config"]["verifier"], target, where)
     elif fmt == "sglang":
@@ -475,9 +485,9 @@ def _read(folder: Path, config: dict, target: Target, fmt: str, strict: bool) ->
     # and take midlayer. and layers.0. alike; an embedding equal to the target's is shared
     state = {_our_name(k.removeprefix("model.")): v for k, v in state.items()}
     embed = state.pop("embed_tokens.weight", None)
-    if embed is not None and not torch.equal(
-        embed.to(target.dtype), target.model.get_input_embeddings().weight.detach().cpu()
-    ):
+    mine = target.model.get_input_embeddings().weight.detach().cpu().float()
+    # equal up to the rounding of another 16-bit dtype (a copy saved in fp16 of a bf16 target)
+    if embed is not None and not torch.allclose(embed.float(), mine, rtol=1e-2, atol=1e-4):
         raise CheckpointError(
             f"{folder} holds its own embed_tokens.weight, which differs from the target "
             f"{target.name!r}'s: specdraft's heads read the target's embedding; load the target "
@@ -498,7 +508,7 @@ def _read(folder: Path, config: dict, target: Target, fmt: str, strict: bool) ->
             d2t = our_d2t(state.pop("d2t"), state.pop("t2d", None), V, where_w)
         elif config["draft_vocab_size"] < V:
             raise CheckpointError(f"{where_w}: a reduced draft vocabulary needs d2t and t2d")
-    head_config = _head_config(fmt, config, target)
+    head_config = _head_config(fmt, config, target, where)
     drafter = EagleDrafter(head_config, target, d2t)
     ours = {_module_name(k, head_config.version): v for k, v in state.items()}
     missing, unexpected = drafter.load_state_dict(ours, strict=False)
@@ -511,15 +521,25 @@ def _read(folder: Path, config: dict, target: Target, fmt: str, strict: bool) ->
     return drafter
 
 
-def _head_config(fmt: str, config: dict, target: Target) -> EagleConfig:
+def _head_config(fmt: str, config: dict, target: Target, where: Path) -> EagleConfig:
     if fmt == "eagle":
         return EagleConfig(version="eagle1", fc_bias=bool(config.get("bias", True)))
+    L = target.num_layers
     if fmt == "speculators":
-        ids = list(config["eagle_aux_hidden_state_layer_ids"])
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
         before = config["norm_before_residual"]
     else:
-        ids = [i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        ids = None if ids is None else [i + 1 for i in ids]  # SGLang's k: output of layer k
         before = False
+    # the engines' default without ids (vLLM interfaces.py, SGLang llama.py): HF ids
+    ids = sorted(set([2, L // 2, L - 3] if ids is None else ids))
+    if len(ids) != 3 or ids[0] < 0 or ids[-1] >= L:
+        raise CheckpointError(
+            f"{where}: the head fuses target layers {ids} (as the engine numbers them: the output "
+            f"of decoder layer i as i, the embeddings as 0); an engine captures three distinct "
+            f"layers below the target {target.name!r}'s {L}: the head belongs to another target"
+        )
     draft_vocab = config["draft_vocab_size"]
     try:
         return EagleConfig(
@@ -533,15 +553,27 @@ def _head_config(fmt: str, config: dict, target: Target) -> EagleConfig:
 
 
 def _check_layer(layer: dict, target: Target, where: Path) -> None:
+    """The head's layer config against the target's shape, with the values a Llama config
+    takes where a key is missing (kv heads = heads, head_dim = hidden / heads, the rotary)."""
     ours = layer_config_dict(target)
+    theirs = dict(layer)
+    heads, hidden = theirs.get("num_attention_heads"), theirs.get("hidden_size")
+    theirs.setdefault("num_key_value_heads", heads)
+    theirs["num_key_value_heads"] = theirs["num_key_value_heads"] or heads
+    theirs["head_dim"] = theirs.get("head_dim") or hidden // heads
     differ = [
-        f"{key} {layer.get(key)!r} (the target's {ours.get(key)!r})"
+        f"{key} {theirs.get(key)!r} (the target's {ours.get(key)!r})"
         for key in LAYER_FIELDS
-        if layer.get(key) is not None and layer.get(key) != ours.get(key)
+        if theirs.get(key) is not None and theirs.get(key) != ours.get(key)
     ]
-    theta = (layer.get("rope_parameters") or {}).get("rope_theta", layer.get("rope_theta"))
+    rope = theirs.get("rope_parameters") or theirs.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", theirs.get("rope_theta"))
     if theta is not None and theta != ours.get("rope_theta"):
         differ.append(f"rope_theta {theta!r} (the target's {ours.get('rope_theta')!r})")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    mine = (ours.get("rope_parameters") or {}).get("rope_type", "default")
+    if kind != mine:
+        differ.append(f"rope_type {kind!r} (the target's {mine!r})")
     if differ:
         raise CheckpointError(
             f"{where}: the head's layer differs from the target {target.name!r}'s shape in "
@@ -572,6 +604,10 @@ def _check_verifier(verifier: dict, target: Target, where: Path) -> None:
             f"{target.name!r}: load that verifier, or, if the target is the same model under "
             "another name, load the head with load_drafter(..., strict=False)"
         )
+
+
+def _three_ids(ids) -> bool:
+    return isinstance(ids, list) and len(ids) == 3 and all(type(i) is int for i in ids)
 
 
 def _architectures(target: Target) -> list[str]:

@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     with plain_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
         if offline and prompts and result.main_process and not result.stopped_by_signal:
-            target = load_target(cfg.target, dtype=cfg.target_dtype())  # whole, to decode
+            device = target.device  # where the trainer placed the embedding: the GPU
+            del features, target  # the embeddings-only stand-in
+            target = load_target(cfg.target, dtype=cfg.target_dtype(), device=device)
         report_after_training(target, result, prompts, cfg)
     return 0
 

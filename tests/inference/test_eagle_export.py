@@ -24,7 +24,7 @@ from specdraft.inference import generate
 
 BASE = "org/random-llama"  # the verifier as a hub id: its last part is the target's name
 V = 384
-LAYERS = 6  # deep enough for three fused layers below the final normed state
+LAYERS = 8  # deep enough for the engines' default fused layers (2, L // 2, L - 3)
 
 
 @pytest.fixture(scope="module")
@@ -238,13 +238,22 @@ def ours(head, ids, hidden) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "fmt, draft_vocab, before",
-    [("speculators", 100, False), ("speculators", 0, True), ("sglang", 100, False)],
+    "fmt, draft_vocab, before, layers",
+    [
+        ("speculators", 100, False, [1, 3, 4]),
+        ("speculators", 0, True, [1, 3, 4]),
+        ("sglang", 100, False, [1, 3, 4]),
+        # fused in another order: the engines capture layers ascending, fc's blocks follow
+        ("speculators", 100, False, [4, 1, 3]),
+        ("sglang", 0, False, [5, 2, 4]),
+    ],
 )
 def test_the_files_compute_the_heads_logits_as_the_engines_do(
-    target, fmt, draft_vocab, before, tmp_path
+    target, fmt, draft_vocab, before, layers, tmp_path
 ):
-    head = noisy_head(target, draft_vocab=draft_vocab, norm_before_residual=before)
+    head = noisy_head(
+        target, draft_vocab=draft_vocab, norm_before_residual=before, feature_layers=layers
+    )
     folder = export(head, tmp_path / fmt, fmt)
     ids = torch.randint(3, V, (1, 10))
     hidden = target.forward(ids, capture_layers=head.capture_layers).hidden_states
@@ -322,6 +331,7 @@ EXPORT_ERRORS = {
     "EAGLE-3 to eagle": ({}, "eagle", "--format speculators or sglang"),
     "final normed state": (dict(feature_layers=[1, 3, LAYERS]), "speculators", "final normed"),
     "embeddings to sglang": (dict(feature_layers=[0, 3, 4]), "sglang", "cannot name"),
+    "a layer twice": (dict(feature_layers=[3, 3, 4]), "speculators", "a layer twice"),
     "norm_before_residual to sglang": (dict(norm_before_residual=True), "sglang", "SGLang"),
 }
 
@@ -367,6 +377,10 @@ def corrupt(folder, what: str) -> None:
         config["norm_before_fc"] = True
     elif what == "no norm_before_residual":
         del config["norm_before_residual"]
+    elif what == "layers beyond the target":
+        config["eagle_aux_hidden_state_layer_ids"] = [1, 3, LAYERS]
+    elif what == "other rotary":
+        config["transformer_layer_config"]["rope_parameters"]["rope_theta"] = 500000.0
     elif what == "pickle only":
         (folder / "model.safetensors").unlink()
         torch.save(state, folder / "pytorch_model.bin")
@@ -387,6 +401,8 @@ BAD_FOLDERS = {
     "other layer shape": "num_attention_heads 4",
     "unsupported variant": "norm_before_fc=true",
     "no norm_before_residual": "norm_before_residual must be written",
+    "layers beyond the target": "belongs to another target",
+    "other rotary": "rope_theta 500000.0",
     "pickle only": "is a pickle, which specdraft never loads",
 }
 
@@ -417,3 +433,30 @@ def test_a_folder_in_no_known_layout_is_named(target, tmp_path):
     save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="in none of the layouts specdraft reads"):
         load_drafter(tmp_path, target)
+
+
+def test_a_folder_without_layer_ids_fuses_the_engines_default_layers(target, tmp_path):
+    """SpecForge's and many published configs name no layers; the engines then fuse 2, L // 2
+    and L - 3 (HF hidden-state ids), and so does the reader."""
+    head = noisy_head(target, feature_layers=[2, LAYERS // 2, LAYERS - 3])
+    for fmt in ("sglang", "speculators"):
+        folder = export(head, tmp_path / fmt, fmt)
+        config = config_of(folder)
+        config.pop("eagle_config", None)
+        config["eagle_aux_hidden_state_layer_ids"] = None if fmt == "speculators" else []
+        if fmt == "sglang":
+            del config["eagle_aux_hidden_state_layer_ids"]
+        (folder / "config.json").write_text(json.dumps(config))
+        assert load_drafter(folder, target).config.feature_layers == [2, 4, 5]
+
+
+def test_a_bf16_head_keeps_float32_rotary_angles(target):
+    """Cast to bf16 for decoding, the head's rotary frequencies stay float32, as the target's
+    do: rounded to bf16 they put position 500's angles ~0.5 rad off."""
+    head = noisy_head(target)
+    positions = torch.tensor([[500]])
+    before = head.rotary(torch.zeros(1), positions)[0]
+    head.to(torch.bfloat16)
+    assert head.rotary.inv_freq.dtype == torch.float32
+    after = head.rotary(torch.zeros(1, dtype=torch.bfloat16), positions)[0]
+    assert (after.float() - before).abs().max() < 0.01

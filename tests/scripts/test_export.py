@@ -7,11 +7,13 @@ import json
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from specdraft.drafters.checkpoint import load_drafter, save_drafter
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.export import FORMATS
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+from specdraft.drafters.target import load_target
 from specdraft.scripts import export
 
 
@@ -32,30 +34,45 @@ def heads_folder(tiny_target, tiny_target_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def eagle_folders(tiny_target, tiny_target_path, tmp_path_factory):
+def deep_target(tiny_target, tmp_path_factory):
+    """(path, Target): a random 6-layer target with the tiny demo target's tokenizer, saved as a
+    model folder: deep enough for three distinct fused layers below its final normed state."""
+    config = tiny_target.config.__class__(
+        **{**tiny_target.config.to_dict(), "num_hidden_layers": 6}
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("deep") / "target"
+    LlamaForCausalLM(config).save_pretrained(path)
+    tiny_target.tokenizer.save_pretrained(path)
+    return str(path), load_target(str(path))
+
+
+@pytest.fixture(scope="module")
+def eagle_folders(deep_target, tmp_path_factory):
     """An EAGLE-3 and an EAGLE-1 head (reference architecture) and a projected one, saved as a
-    run saves them; the tiny target has 2 layers, so EAGLE-3 fuses layer 1's output thrice."""
+    run saves them."""
+    path, target = deep_target
     folders = {}
     for name, config in {
-        "eagle3": EagleConfig(feature_layers=[1, 1, 1], draft_vocab_size=100),
+        "eagle3": EagleConfig(feature_layers=[1, 2, 3], draft_vocab_size=100),
         "eagle1": EagleConfig(version="eagle1"),
-        "projected": EagleConfig(feature_layers=[1, 1, 1], architecture="projected"),
+        "projected": EagleConfig(feature_layers=[1, 2, 3], architecture="projected"),
     }.items():
         torch.manual_seed(0)
-        head = EagleDrafter.build(config, tiny_target)
+        head = EagleDrafter.build(config, target)
         folders[name] = tmp_path_factory.mktemp("run") / "final"
         save_drafter(
-            head, folders[name], target_fingerprint=tiny_target.fingerprint,
-            train_config_yaml=f"target: {tiny_target_path}\n",
+            head, folders[name], target_fingerprint=target.fingerprint,
+            train_config_yaml=f"target: {path}\n",
         )  # fmt: skip
     return folders
 
 
 @pytest.mark.parametrize("fmt, kind", [("speculators", "eagle3"), ("sglang", "eagle3"), ("eagle", "eagle1")])  # fmt: skip
-def test_export_writes_eagle_heads_that_load_back(tiny_target, eagle_folders, fmt, kind, tmp_path):
-    out = tmp_path / fmt
+def test_export_writes_eagle_heads_that_load_back(deep_target, eagle_folders, fmt, kind, tmp_path):
+    out, target = tmp_path / fmt, deep_target[1]
     assert export.main(["--format", fmt, str(eagle_folders[kind]), str(out)]) == 0
-    original, back = load_drafter(eagle_folders[kind], tiny_target), load_drafter(out, tiny_target)
+    original, back = load_drafter(eagle_folders[kind], target), load_drafter(out, target)
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in original.state_dict().items())
 
 

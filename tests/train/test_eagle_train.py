@@ -52,10 +52,12 @@ def test_training_lowers_the_loss_and_final_loads(tiny_target, tiny_target_path,
     # the trained head goes to the serving engines' layouts and comes back the same head
     prompt = tiny_target.tokenizer("def add(a, b):")["input_ids"]
     ours = generate(tiny_target, prompt, head, max_new_tokens=16, decode=head.decode)
-    if version == "eagle3":  # the demo head's normed residual is not SGLang's maths: refused
-        assert head.config.norm_before_residual
-        assert export.main(["--format", "sglang", str(out / "final"), str(tmp_path / "s")]) == 2
-    for fmt in ["speculators"] if version == "eagle3" else ["eagle"]:
+    if version == "eagle3":
+        # the tiny target has 2 layers: its head fuses layer 1 thrice, which no engine can
+        # capture (tests/scripts/test_export.py exports EAGLE-3 heads of a deeper target)
+        assert export.main(["--format", "speculators", str(out / "final"), str(tmp_path / "s")]) == 2  # fmt: skip
+        return
+    for fmt in ["eagle"]:
         assert export.main(["--format", fmt, str(out / "final"), str(tmp_path / fmt)]) == 0
         back = load_drafter(tmp_path / fmt, tiny_target)
         theirs = generate(tiny_target, prompt, back, max_new_tokens=16, decode=head.decode)
