@@ -276,7 +276,10 @@ def load_target(
         ) from err
     if adapter is not None:
         model = merge_adapter(model, adapter)
-    if device is not None:
+    if device is not None and embeddings_only:  # the rest is on the meta device
+        model.get_input_embeddings().to(device)
+        model.get_output_embeddings().to(device)
+    elif device is not None:
         model.to(device)
     target = Target(model, tokenizer, name=name)
     # the precision the checkpoint was saved in: what decoding "as saved" means
