@@ -51,9 +51,11 @@ What is lost on export: the decoding defaults except the chain length (speculati
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from specdraft.drafters.checkpoint import CONFIG_NAME, CheckpointError
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, llama_layer_config
@@ -444,21 +446,9 @@ def layout_problems(fmt: str, config: dict, names: set[str] | None = None) -> li
 # --- readers -------------------------------------------------------------------------------------
 
 
-def read_speculators(
-    folder: Path, config: dict, target: Target, *, strict: bool = True
+def read_head(
+    folder: Path, config: dict, target: Target, *, fmt: str, strict: bool = True
 ) -> EagleDrafter:
-    return _read(folder, config, target, "speculators", strict)
-
-
-def read_sglang(folder: Path, config: dict, target: Target, *, strict: bool = True) -> EagleDrafter:
-    return _read(folder, config, target, "sglang", strict)
-
-
-def read_eagle(folder: Path, config: dict, target: Target, *, strict: bool = True) -> EagleDrafter:
-    return _read(folder, config, target, "eagle", strict)
-
-
-def _read(folder: Path, config: dict, target: Target, fmt: str, strict: bool) -> EagleDrafter:
     """A published or exported head in layout `fmt`, checked against `target` (sizes, layer shape,
     verifier, exact names and shapes, maps) before a module is built."""
     where = folder / CONFIG_NAME
@@ -641,33 +631,38 @@ def _detect_eagle1(config: dict) -> bool:
     )
 
 
+def _format(fmt: str, help: str, write, detect) -> Format:
+    """An EAGLE layout's FORMATS entry: its writer, and the shared reader and engine-rule check
+    run with its name."""
+    return Format(
+        help=help,
+        kinds=("eagle",),
+        weights_file=WEIGHTS,
+        write=write,
+        read=partial(read_head, fmt=fmt),
+        validate=lambda folder, vocab: validate_folder(folder, fmt, vocab),
+        detect=detect,
+    )
+
+
 EAGLE_FORMATS: dict[str, Format] = {
-    "speculators": Format(
-        help="vllm-project/speculators' Eagle3Speculator config.json + model.safetensors (vLLM)",
-        kinds=("eagle",),
-        weights_file=WEIGHTS,
-        write=write_speculators,
-        read=read_speculators,
-        validate=lambda folder, vocab: validate_folder(folder, "speculators", vocab),
-        detect=lambda c: "speculators_model_type" in c,
+    "speculators": _format(
+        "speculators",
+        "vllm-project/speculators' Eagle3Speculator config.json + model.safetensors (vLLM)",
+        write_speculators,
+        lambda c: "speculators_model_type" in c,
     ),
-    "sglang": Format(
-        help="SGLang's / SpecForge's LlamaForCausalLMEagle3 config.json + model.safetensors",
-        kinds=("eagle",),
-        weights_file=WEIGHTS,
-        write=write_sglang,
-        read=read_sglang,
-        validate=lambda folder, vocab: validate_folder(folder, "sglang", vocab),
-        detect=lambda c: SGLANG_ARCHITECTURE in (c.get("architectures") or []),
+    "sglang": _format(
+        "sglang",
+        "SGLang's / SpecForge's LlamaForCausalLMEagle3 config.json + model.safetensors",
+        write_sglang,
+        lambda c: SGLANG_ARCHITECTURE in (c.get("architectures") or []),
     ),
-    "eagle": Format(
-        help="SafeAILab/EAGLE's EAGLE-1/2 layout (SGLang's LlamaForCausalLMEagle, vLLM's EAGLE)",
-        kinds=("eagle",),
-        weights_file=WEIGHTS,
-        write=write_eagle,
-        read=read_eagle,
-        validate=lambda folder, vocab: validate_folder(folder, "eagle", vocab),
-        detect=_detect_eagle1,
+    "eagle": _format(
+        "eagle",
+        "SafeAILab/EAGLE's EAGLE-1/2 layout (SGLang's LlamaForCausalLMEagle, vLLM's EAGLE)",
+        write_eagle,
+        _detect_eagle1,
     ),
 }
 
@@ -676,8 +671,6 @@ def validate_folder(folder: str | Path, fmt: str, vocab_size: int) -> list[str]:
     """Every problem the engine of `fmt` would find in `folder` (config fields, exact weight names
     and shapes, the maps' invariant), each a sentence; [] when it would load. Reads only the
     files, never a target: what an engine sees."""
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     config = json.loads((folder / CONFIG_NAME).read_text())
     problems = layout_problems(fmt, config)
