@@ -9,6 +9,13 @@ A drafter is an `nn.Module` holding weights only. Generation state lives in a pe
 `accept` lets a session keep its own KV cache on the accepted path without recomputing it. A chain
 is a tree with one child per node, so both go through the same code. The shared types (DraftTree,
 DraftContext, DecodeConfig, SamplingSettings) and drafting pieces live in specdraft/core.py.
+
+A trainable kind is called as `drafter(batch, target_out) -> (loss_sum, metrics)`: the sum over
+the micro-batch's scored tokens of each token's loss, and per logged figure a (sum, count) pair.
+The count the sum is over comes from `drafter.loss_tokens(batch)`, from the batch alone, because
+the trainer must know the global batch's count before its first backward: it all-reduces the
+counts of every micro-batch on every process and divides, so the step's loss is exactly the mean
+over the global batch's scored tokens, however it is split (as transformers' num_items_in_batch).
 """
 
 from __future__ import annotations
@@ -79,6 +86,13 @@ class Drafter(nn.Module):
     ) -> DraftSession:
         raise NotImplementedError
 
+    def loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """How many tokens the micro-batch's loss sum is over (a float scalar): by default every
+        token the loss mask scores, each predicted from the position before it. A kind whose
+        first prediction is further ahead (EAGLE and Medusa score token t + 2 from position t)
+        counts its own; a token it counts but cannot score adds 0 to the sum."""
+        return batch["loss_mask"][:, 1:].sum().float()
+
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         """What in `decode` this kind cannot honour, each said in a sentence (the loop warns
         once per sentence and drafts without it). Nothing by default."""
@@ -145,6 +159,19 @@ def adapter_hash(state: Mapping[str, torch.Tensor]) -> str:
         digest.update(key.encode())
         digest.update(state[key].detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+# A loss's logged figures: name -> (sum, count) over the micro-batch.
+Metrics = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def figure(values: torch.Tensor, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """(sum, count) of `values` where the bool `keep` is set (all when None), detached, for a
+    loss's metrics."""
+    values = values.detach().float()
+    if keep is None:
+        return values.sum(), values.new_tensor(float(values.numel()))
+    return values.where(keep, 0).sum(), keep.float().sum()
 
 
 def warn_once(message: str) -> None:

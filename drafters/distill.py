@@ -30,7 +30,7 @@ from specdraft.core import (
     float_mask,
     kv_bytes,
 )
-from specdraft.drafters.base import Drafter, vocab_mismatch_error, warn_once
+from specdraft.drafters.base import Drafter, Metrics, figure, vocab_mismatch_error, warn_once
 from specdraft.drafters.lean import (
     LeanModel,
     ModelWeights,
@@ -246,33 +246,35 @@ class DistillDrafter(Drafter):
             _check_vocab(hf_model, target, "checkpoint")
         return cls(hf_model, config)
 
-    def forward(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, dict]:
+    def forward(
+        self, batch: Mapping[str, torch.Tensor], target_out
+    ) -> tuple[torch.Tensor, Metrics]:
         """The training loss (the trainer calls the module, so DDP sees the forward)."""
         return self.loss(batch, target_out)
 
     # --- loss ----------------------------------------------------------------------------------
 
-    def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, dict]:
-        """Mean over the batch's loss tokens of the divergence (+ ce_weight * cross-entropy).
-
-        Position t's logits predict token t + 1, so the loss at t counts where loss_mask[t + 1].
+    def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, Metrics]:
+        """Sum over the batch's loss tokens of the divergence (+ ce_weight * cross-entropy), over
+        `loss_tokens(batch)` tokens. Position t's logits predict token t + 1, so the loss at t
+        counts where loss_mask[t + 1].
         """
         cfg = self.config
         student_logits, target_logits, labels = self._aligned(batch, target_out)
-        metrics: dict[str, torch.Tensor] = {}
-        loss = student_logits.new_zeros(())
+        metrics: Metrics = {}
+        loss = student_logits.new_zeros((), dtype=torch.float32)
         if cfg.divergence != "none":
             div = divergence(
                 target_logits, student_logits, cfg.divergence, cfg.temperature, cfg.jsd_beta
-            ).mean()
-            metrics[f"loss_{cfg.divergence}"] = div.detach()
-            loss = loss + div
-        ce = F.cross_entropy(student_logits.float(), labels)
-        metrics["loss_ce"] = ce.detach()
+            )
+            metrics[f"loss_{cfg.divergence}"] = figure(div)
+            loss = loss + div.sum()
+        ce = F.cross_entropy(student_logits.float(), labels, reduction="none")
+        metrics["loss_ce"] = figure(ce)
         if cfg.ce_weight > 0:
-            loss = loss + cfg.ce_weight * ce
+            loss = loss + cfg.ce_weight * ce.sum()
         agree = student_logits.argmax(-1) == target_logits.argmax(-1)
-        metrics["top1_agreement"] = agree.float().mean().detach()
+        metrics["top1_agreement"] = figure(agree)
         return loss, metrics
 
     @torch.no_grad()

@@ -52,7 +52,7 @@ from specdraft.core import (
     draft_tree,
     float_mask,
 )
-from specdraft.drafters.base import Drafter, warn_once
+from specdraft.drafters.base import Drafter, Metrics, figure, warn_once
 from specdraft.drafters.lean import (
     DraftLinear,
     LayerWeights,
@@ -511,7 +511,9 @@ class EagleDrafter(Drafter):
             return self.target.lm_head(h.to(self.target.dtype)).to(h.dtype)
         return self.lm_head(self.final_norm(h))
 
-    def forward(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, dict]:
+    def forward(
+        self, batch: Mapping[str, torch.Tensor], target_out
+    ) -> tuple[torch.Tensor, Metrics]:
         """The training loss (the trainer calls the module, so DDP sees the forward)."""
         return self.loss(batch, target_out)
 
@@ -568,29 +570,32 @@ class EagleDrafter(Drafter):
             feature = h
         return out
 
-    def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, dict]:
-        """sum_k ttt_decay^k * (mean over step k's valid positions of its loss).
+    def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, Metrics]:
+        """Sum over positions t of sum_k ttt_decay^k * (step k's loss at t, where valid): each
+        scored token's loss, over `loss_tokens(batch)` tokens (step 0 scores token t + 2 from
+        position t; a later step's last positions and invalid tokens add 0).
 
         eagle3: soft cross-entropy to the target distribution restricted (and renormalised) to
-        the draft vocabulary; positions whose target argmax is outside it are masked.
+        the draft vocabulary; positions whose target argmax is outside it add 0.
         eagle1: reg_weight * smooth-L1(h, next feature) + cls_weight * soft cross-entropy to p.
         """
         cfg = self.config
         total = None
-        metrics: dict[str, torch.Tensor] = {}
+        metrics: Metrics = {}
         for k, s in enumerate(self.unroll(batch, target_out, cfg.ttt_steps)):
-            step_loss, acc = self._step_loss(s)
-            total = (
-                step_loss * cfg.ttt_decay**k
-                if total is None
-                else total + step_loss * cfg.ttt_decay**k
-            )
-            metrics[f"loss_{k}"] = step_loss.detach()
-            metrics[f"top1_{k}"] = acc.detach()
+            per_token, agree, valid = self._step_loss(s)
+            step_sum = per_token.where(valid, 0).sum() * cfg.ttt_decay**k
+            total = step_sum if total is None else total + step_sum
+            metrics[f"loss_{k}"] = figure(per_token, valid)
+            metrics[f"top1_{k}"] = figure(agree, valid)
         return total, metrics
 
-    def _step_loss(self, s: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean loss, top-1 agreement) of one unrolled step over its valid positions."""
+    def loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Step 0 scores token t + 2 from position t: the loss tokens from the third on."""
+        return batch["loss_mask"][:, 2:].sum().float()
+
+    def _step_loss(self, s: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """(loss, top-1 agreement, valid) per position of one unrolled step, each (B, S)."""
         cfg = self.config
         p_logits = s["p_logits"].float()  # (B, S, V)
         valid = s["valid"]
@@ -601,13 +606,11 @@ class EagleDrafter(Drafter):
         log_q = F.log_softmax(s["logits"].float(), dim=-1)
         p = F.softmax(p_logits, dim=-1)
         ce = -(p * log_q).sum(-1)  # (B, S)
-        n = valid.sum().clamp(min=1)
-        w = valid.float()
-        agree = ((log_q.argmax(-1) == p_logits.argmax(-1)).float() * w).sum() / n
+        agree = log_q.argmax(-1) == p_logits.argmax(-1)
         if cfg.version == "eagle3":
-            return (ce * w).sum() / n, agree
+            return ce, agree, valid
         reg = F.smooth_l1_loss(s["h"].float(), s["next_feature"].float(), reduction="none").mean(-1)
-        return ((cfg.reg_weight * reg + cfg.cls_weight * ce) * w).sum() / n, agree
+        return cfg.reg_weight * reg + cfg.cls_weight * ce, agree, valid
 
     @torch.no_grad()
     def acceptance(

@@ -40,7 +40,7 @@ from specdraft.core import (
     draft_chain,
     float_mask,
 )
-from specdraft.drafters.base import Drafter, LoraConfig, attach_lora
+from specdraft.drafters.base import Drafter, LoraConfig, Metrics, attach_lora, figure
 from specdraft.drafters.distill import simulated_alpha
 from specdraft.drafters.target import ADAPTER_ATTRIBUTE, TargetError, llama_parts
 
@@ -372,7 +372,9 @@ class LayerSkipDrafter(Drafter):
 
     # --- loss --------------------------------------------------------------------------------
 
-    def forward(self, batch: Mapping[str, torch.Tensor], target_out=None):
+    def forward(
+        self, batch: Mapping[str, torch.Tensor], target_out=None
+    ) -> tuple[torch.Tensor, Metrics]:
         return self.loss(batch, target_out)
 
     def exit_states(
@@ -403,9 +405,11 @@ class LayerSkipDrafter(Drafter):
         )  # fmt: skip
         return {e: norm(states[e - 1]) for e in exits}
 
-    def loss(self, batch: Mapping[str, torch.Tensor], target_out=None) -> tuple[torch.Tensor, dict]:
-        """The weighted early-exit cross-entropy over the loss tokens (position t predicts t + 1
-        where loss_mask[t + 1])."""
+    def loss(
+        self, batch: Mapping[str, torch.Tensor], target_out=None
+    ) -> tuple[torch.Tensor, Metrics]:
+        """The weighted early-exit cross-entropy summed over the loss tokens (position t
+        predicts t + 1 where loss_mask[t + 1])."""
         if self.training:
             exits = active_exits(self.config, self.num_layers, self._step, self._max_steps)
         else:
@@ -418,12 +422,12 @@ class LayerSkipDrafter(Drafter):
         labels = batch["input_ids"][:, 1:][keep]
         lm_head = self.hf_model.get_output_embeddings()
         loss = states[exits[-1]].new_zeros((), dtype=torch.float32)
-        metrics: dict[str, torch.Tensor] = {}
+        metrics: Metrics = {}
         for e in exits:
             logits = lm_head(states[e][:, :-1][keep])
-            ce = F.cross_entropy(logits.float(), labels) if len(labels) else loss * 0
-            metrics[f"loss_exit{e}"] = ce.detach()
-            loss = loss + weights[e] * ce
+            ce = F.cross_entropy(logits.float(), labels, reduction="none")
+            metrics[f"loss_exit{e}"] = figure(ce)
+            loss = loss + weights[e] * ce.sum()
         return loss, metrics
 
     @torch.no_grad()

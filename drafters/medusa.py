@@ -36,7 +36,15 @@ from specdraft.core import (
     draft_chain,
     process_logits,
 )
-from specdraft.drafters.base import Drafter, LoraConfig, adapter_hash, attach_lora, warn_once
+from specdraft.drafters.base import (
+    Drafter,
+    LoraConfig,
+    Metrics,
+    adapter_hash,
+    attach_lora,
+    figure,
+    warn_once,
+)
 from specdraft.drafters.lean import DraftLinear, SharedWeights, use_int8
 
 # --- config ------------------------------------------------------------------------------------
@@ -304,11 +312,12 @@ class MedusaDrafter(Drafter):
 
     def forward(
         self, batch: Mapping[str, torch.Tensor], target_out=None
-    ) -> tuple[torch.Tensor, dict]:
-        """The training loss (the trainer calls the module, so DDP sees the forward). Medusa-1:
-        the heads' loss on the frozen target's output. Medusa-2: target_loss + heads_weight *
-        the heads' loss, on the fine-tuned target's output: its own forward, with gradients into
-        the adapters, when target_out is None (training), else the one given (evaluation)."""
+    ) -> tuple[torch.Tensor, Metrics]:
+        """The training loss as a sum over `loss_tokens(batch)` tokens (the trainer calls the
+        module, so DDP sees the forward). Medusa-1: the heads' loss on the frozen target's
+        output. Medusa-2: target_loss + heads_weight * the heads' loss, on the fine-tuned
+        target's output: its own forward, with gradients into the adapters, when target_out is
+        None (training), else the one given (evaluation)."""
         if self.peft is None:
             return self.loss(batch, target_out)
         out = target_out
@@ -317,17 +326,22 @@ class MedusaDrafter(Drafter):
                 batch["input_ids"], attention_mask=batch["attention_mask"],
                 capture_layers=self.capture_layers,
             )  # fmt: skip
-        heads_loss, metrics = self.loss(batch, out)
-        target_term = self._target_term(batch, out.logits)
-        metrics["loss_heads"] = heads_loss.detach()
-        metrics["loss_target"] = target_term.detach()
-        return target_term + self.config.heads_weight * heads_loss, metrics
+        heads_sum, metrics = self.loss(batch, out)
+        target_sum = self._target_term(batch, out.logits)
+        metrics["loss_heads"] = (heads_sum.detach(), batch["loss_mask"][:, 2:].sum().float())
+        metrics["loss_target"] = (target_sum.detach(), batch["loss_mask"][:, 1:].sum().float())
+        return target_sum + self.config.heads_weight * heads_sum, metrics
+
+    def loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Medusa-1: head 0 scores token t + 2 from position t, so the loss tokens from the
+        third on; Medusa-2: its target term scores every loss token."""
+        return batch["loss_mask"][:, 1 if self.peft is not None else 2 :].sum().float()
 
     def _target_term(self, batch: Mapping[str, torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
-        """Medusa-2's term for the fine-tuned target's own next-token predictions, mean over the
-        loss tokens: cross-entropy on the data (lm) or KL from the frozen base (kl)."""
+        """Medusa-2's term for the fine-tuned target's own next-token predictions, summed over
+        the loss tokens: cross-entropy on the data (lm) or KL from the frozen base (kl)."""
         log_q = F.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T - 1, V)
-        w = batch["loss_mask"][:, 1:].float()
+        keep = batch["loss_mask"][:, 1:].bool()
         if self.config.target_loss == "lm":
             per_token = -log_q.gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
         else:
@@ -337,7 +351,7 @@ class MedusaDrafter(Drafter):
                 )
             log_p = F.log_softmax(base.logits[:, :-1].float(), dim=-1)
             per_token = (log_p.exp() * (log_p - log_q)).sum(-1)
-        return (per_token * w).sum() / w.sum().clamp(min=1)
+        return per_token.where(keep, 0).sum()
 
     def _target_out(self, batch: Mapping[str, torch.Tensor], target_out):
         """The target's output for measuring: the one given, or (Medusa-2) the fine-tuned
@@ -378,25 +392,27 @@ class MedusaDrafter(Drafter):
             })  # fmt: skip
         return out
 
-    def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, dict]:
-        """sum_k loss_decay^k * (mean over head k's valid positions of its loss).
+    def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, Metrics]:
+        """Sum over positions t of sum_k loss_decay^k * (head k's loss at t, where valid): each
+        scored token's loss (head 0 scores token t + 2; a position a later head cannot score
+        adds 0).
 
         ce: cross-entropy against the data's token (positions whose token is outside the draft
-        vocabulary are masked); kl: KL(p || q) to the target's distribution, restricted and
+        vocabulary add 0); kl: KL(p || q) to the target's distribution, restricted and
         renormalised to the draft vocabulary as EAGLE-3 does.
         Logged per head: loss_k, top1_k and top5_k (the data's token, or the target's argmax for
         kl, among the head's best 1 / 5).
         """
         cfg = self.config
         total = None
-        metrics: dict[str, torch.Tensor] = {}
+        metrics: Metrics = {}
         for k, s in enumerate(self.per_head(batch, target_out)):
-            head_loss, top1, top5 = self._head_loss(s)
-            weighted = head_loss * cfg.loss_decay**k
+            per_token, top1, top5, valid = self._head_loss(s)
+            weighted = per_token.where(valid, 0).sum() * cfg.loss_decay**k
             total = weighted if total is None else total + weighted
-            metrics[f"loss_{k}"] = head_loss.detach()
-            metrics[f"top1_{k}"] = top1.detach()
-            metrics[f"top5_{k}"] = top5.detach()
+            metrics[f"loss_{k}"] = figure(per_token, valid)
+            metrics[f"top1_{k}"] = figure(top1, valid)
+            metrics[f"top5_{k}"] = figure(top5, valid)
         if total is None:
             raise ValueError(
                 f"the batch's sequences ({batch['input_ids'].shape[1]} tokens) are too short for "
@@ -405,7 +421,7 @@ class MedusaDrafter(Drafter):
         return total, metrics
 
     def _head_loss(self, s: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """(mean loss, top-1 accuracy, top-5 accuracy) of one head over its valid positions."""
+        """(loss, top-1 hit, top-5 hit, valid) per position of one head, each (B, S)."""
         log_q = F.log_softmax(s["logits"].float(), dim=-1)  # (B, S, Vd)
         valid = s["valid"]
         if self.config.loss == "ce":
@@ -419,13 +435,9 @@ class MedusaDrafter(Drafter):
             valid = valid & (label >= 0)
             log_p = F.log_softmax(p_logits.index_select(-1, self.d2t), dim=-1)
             per_token = (log_p.exp() * (log_p - log_q)).sum(-1)  # KL(p || q), (B, S)
-        w = valid.float()
-        n = w.sum().clamp(min=1)
         top5 = log_q.topk(min(5, log_q.shape[-1]), dim=-1).indices  # (B, S, 5)
         hit = top5 == label.clamp(min=0)[..., None]
-        top1 = (hit[..., 0].float() * w).sum() / n
-        top5 = (hit.any(-1).float() * w).sum() / n
-        return (per_token * w).sum() / n, top1, top5
+        return per_token, hit[..., 0], hit.any(-1), valid
 
     # --- what evaluation measures -----------------------------------------------------------------
 

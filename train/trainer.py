@@ -3,8 +3,11 @@
 `train(cfg, drafter, target, train_examples, eval_examples)` runs it. The loop knows a drafter
 only through this small interface (`TrainableDrafter`):
 
-    drafter(batch, target_out) -> (loss, metrics)    its forward is its loss: the mean over the
-                                                     batch's loss tokens (DDP needs the forward)
+    drafter(batch, target_out) -> (loss, metrics)    its forward is its loss: the sum over the
+                                                     batch's scored tokens (DDP needs the
+                                                     forward); metrics: name -> (sum, count)
+    drafter.loss_tokens(batch)                       how many tokens that sum is over, from the
+                                                     batch alone (known before any backward)
     drafter.acceptance(batch, target_out)            (alpha summed, greedy agreement summed,
                                                      count) per draft depth, for the simulated
                                                      tau (sampled and greedy) of evaluation
@@ -33,7 +36,8 @@ Reproducibility rests on one rule: everything random or scheduled is a pure func
 The learning rate is `lr_at(step)`, the examples of a step are a seeded permutation indexed by
 the step, and torch's generators are reseeded from (seed, step, rank) before each step. Resuming
 therefore needs only the weights, the optimizer state and the step, and a run split over N
-processes sees the same global batch, weighted by the same token count, as one process.
+processes sees the same global batch as one process; its loss is the sum over the global batch's
+scored tokens divided by their all-reduced count, so it is the same exact token mean too.
 """
 
 from __future__ import annotations
@@ -84,7 +88,9 @@ class TrainableDrafter(Protocol):
 
     def __call__(
         self, batch: dict[str, torch.Tensor], target_out: Any
-    ) -> tuple[torch.Tensor, dict]: ...
+    ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]: ...
+
+    def loss_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
 
     def acceptance(
         self, batch: dict[str, torch.Tensor], target_out: Any
@@ -410,7 +416,7 @@ class _Run:
         )  # fmt: skip
 
     def _step(self, step: int) -> dict[str, float]:
-        """One optimizer step: grad_accum micro-batches, weighted by their share of loss tokens."""
+        """One optimizer step: grad_accum micro-batches, their loss sums over the global token count."""
         cfg, acc = self.cfg, self.acc
         t_start = time.perf_counter()
         torch.manual_seed(step_seed(cfg.seed, step, self.rank))
@@ -433,16 +439,17 @@ class _Run:
             if hasattr(unwrapped, "prepare_batch"):
                 batch = unwrapped.prepare_batch(batch, self.target, generator, shared)
             batches.append(batch)
-        # The step's loss is the mean over every loss token of the global batch, whatever the
-        # split into processes and micro-batches: each micro-batch's mean is weighted by its
-        # token count over the global count (x world, because DDP averages gradients).
-        counts = [b["loss_mask"][:, 1:].sum().float() for b in batches]
+        # The step's loss is the mean over every scored token of the global batch, whatever the
+        # split into processes and micro-batches: each micro-batch's loss sum is divided by the
+        # global count (x world, because DDP averages gradients), known before the first
+        # backward because the drafter counts its tokens from the batch alone.
+        counts = [unwrapped.loss_tokens(b) for b in batches]
         global_tokens = acc.reduce(torch.stack(counts).sum(), reduction="sum").clamp(min=1)
 
         loss_sum = torch.zeros((), device=acc.device)
-        metric_sums: dict[str, torch.Tensor] = {}
+        metric_sums: dict[str, torch.Tensor] = {}  # name -> stacked (sum, count)
         target_time = 0.0
-        for batch, count in zip(batches, counts, strict=True):
+        for batch in batches:
             t0 = time.perf_counter()
             target_out = self._target_out(unwrapped, batch)
             _sync(acc.device)
@@ -452,10 +459,10 @@ class _Run:
             with acc.accumulate(self.model):
                 with acc.autocast():
                     loss, metrics = self.model(batch, target_out)
-                acc.backward(loss * (count / global_tokens * self.world * cfg.grad_accum))
-            loss_sum += loss.detach().float() * count
-            for k, v in metrics.items():
-                metric_sums[k] = metric_sums.get(k, 0) + v.detach().float() * count
+                acc.backward(loss * (self.world * cfg.grad_accum / global_tokens))
+            loss_sum += loss.detach().float()
+            for k, (total, n) in metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0) + torch.stack([total, n]).float()
 
         total = acc.reduce(loss_sum, reduction="sum") / global_tokens
         if not math.isfinite(float(total)):
@@ -508,7 +515,8 @@ class _Run:
             "peak_memory_mb": _peak_memory_mb(acc.device),
         }
         for k, v in metric_sums.items():
-            logs[k] = float(acc.reduce(v, reduction="sum") / global_tokens)
+            total, n = acc.reduce(v, reduction="sum")
+            logs[k] = float(total / n.clamp(min=1))
         return logs
 
     def _target_out(self, drafter, batch: dict[str, torch.Tensor], training: bool = True):
@@ -552,9 +560,8 @@ class _Run:
                 if extra:
                     for key, v in model.eval_statistics(batch, target_out).items():
                         extra_sums[key] = extra_sums.get(key, 0) + v.float() * weight
-            k = batch["loss_mask"][:, 1:].sum().float() * weight
-            loss_sum += loss.float() * k
-            tokens += k
+            loss_sum += loss.float() * weight
+            tokens += model.loss_tokens(batch) * weight
             alpha_sum = alpha_sum + a.float() * weight
             greedy_sum = greedy_sum + g.float() * weight
             count = count + c.float() * weight

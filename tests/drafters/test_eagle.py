@@ -51,7 +51,7 @@ def _d2t(target, cfg):
 
 
 def naive_reference(head: EagleDrafter, batch, target_out, steps: int):
-    """Loss and alpha per step, one (row, position, step) at a time.
+    """Loss sum, scored tokens, and alpha per step, one (row, position, step) at a time.
 
     Step k at position t sees exactly the causal sequence [step-0 inputs at 0..t, the inputs of
     steps 1..k at t] at positions 0..t+k, so the layer is re-run from scratch on that sequence.
@@ -62,6 +62,7 @@ def naive_reference(head: EagleDrafter, batch, target_out, steps: int):
     feats = head.fuse(target_out.hidden_states)
     d2t = head.d2t.tolist() if cfg.version == "eagle3" else list(range(head.target.vocab_size))
     terms = [[] for _ in range(steps)]  # (loss term, alpha) of valid positions
+    scored = 0  # tokens the loss is over: those step 0 predicts, whether it can score them or not
     for b in range(B):
         for t in range(T - 1):
             seq = [
@@ -88,6 +89,7 @@ def naive_reference(head: EagleDrafter, batch, target_out, steps: int):
                 q_full = torch.zeros_like(p_full)
                 q_full[d2t] = q_logits.softmax(-1)
                 valid = t + 2 + k < T and bool(loss_mask[b, t + 2 + k])
+                scored += valid and k == 0
                 if cfg.version == "eagle3":
                     in_draft = int(p_logits.argmax()) in d2t
                     p = p_logits[d2t].softmax(-1)
@@ -112,12 +114,12 @@ def naive_reference(head: EagleDrafter, batch, target_out, steps: int):
         alphas = [v for name, v in terms[k] if name == "alpha"]
         greedy_sums.append(float(sum(v for name, v in terms[k] if name == "greedy")))
         if losses:  # a step with no valid position adds nothing
-            loss = loss + cfg.ttt_decay**k * torch.stack(losses).mean()
+            loss = loss + cfg.ttt_decay**k * torch.stack(losses).sum()
         alpha_sums.append(float(torch.stack(alphas).sum()))
         counts.append(len(alphas))
     n_losses = [sum(name == "loss" for name, _ in terms[k]) for k in range(steps)]
     assert sum(n_losses) > 0, "the reference compares nothing"
-    return loss, alpha_sums, greedy_sums, counts
+    return loss, scored, alpha_sums, greedy_sums, counts
 
 
 @pytest.mark.parametrize(
@@ -147,15 +149,18 @@ def test_ttt_loss_and_acceptance_equal_naive_step_by_step_reference(tiny_target,
     )
     with torch.no_grad():
         loss, metrics = head(batch, target_out)
-        ref_loss, ref_alpha, ref_greedy, ref_count = naive_reference(
+        ref_loss, ref_scored, ref_alpha, ref_greedy, ref_count = naive_reference(
             head, batch, target_out, cfg["ttt_steps"]
         )
         alpha, greedy, count = head.acceptance(batch, target_out)
-    assert torch.allclose(loss, ref_loss, atol=1e-5, rtol=1e-5), (loss, ref_loss)
+    assert torch.allclose(loss, ref_loss, atol=1e-4, rtol=1e-5), (loss, ref_loss)
+    assert head.loss_tokens(batch).item() == ref_scored
     assert count.tolist() == ref_count and min(ref_count) > 0
     assert torch.allclose(alpha, torch.tensor(ref_alpha), atol=1e-4)
     assert greedy.tolist() == ref_greedy
     assert set(metrics) >= {"loss_0", "loss_2", "top1_0"}
+    top1_sum, top1_count = metrics["top1_0"]
+    assert top1_count.item() <= ref_count[0] and 0 <= top1_sum.item() <= top1_count.item()
 
 
 def test_eagle3_masks_positions_whose_target_argmax_is_not_draftable(tiny_target):

@@ -73,7 +73,7 @@ def test_fresh_heads_are_the_target_lm_head(random_target, output):
 
 
 def naive_loss(heads: MedusaDrafter, batch, out) -> torch.Tensor:
-    """Medusa-1 written out position by position, head by head."""
+    """Medusa-1 written out position by position, head by head: the sum over scored tokens."""
     cfg = heads.config
     ids, mask = batch["input_ids"], batch["loss_mask"]
     B, T = ids.shape
@@ -100,7 +100,7 @@ def naive_loss(heads: MedusaDrafter, batch, out) -> torch.Tensor:
                 log_p = F.log_softmax(p_full[heads.d2t], -1)
                 terms.append((log_p.exp() * (log_p - log_q)).sum())
         if terms:
-            total = total + cfg.loss_decay**k * torch.stack(terms).mean()
+            total = total + cfg.loss_decay**k * torch.stack(terms).sum()
     return total
 
 
@@ -124,14 +124,17 @@ def test_the_loss_equals_a_naive_per_head_loop(random_target, config):
             p.add_(torch.randn_like(p) * 0.1)
     batch, out = batch_and_target_out(random_target)
     loss, metrics = heads(batch, out)
-    torch.testing.assert_close(loss, naive_loss(heads, batch, out), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss, naive_loss(heads, batch, out), rtol=1e-4, atol=1e-4)
+    # head 0 predicts token t + 2 from position t: the loss tokens from the third on
+    assert heads.loss_tokens(batch).item() == batch["loss_mask"][:, 2:].sum().item()
     assert set(metrics) == {
         f"{m}_{k}" for m in ("loss", "top1", "top5") for k in range(config["num_heads"])
     }
     assert all(
-        0 <= float(metrics[f"top1_{k}"]) <= float(metrics[f"top5_{k}"]) <= 1
+        0 <= float(metrics[f"top1_{k}"][0]) <= float(metrics[f"top5_{k}"][0])
+        <= float(metrics[f"top5_{k}"][1])
         for k in range(config["num_heads"])
-    )
+    )  # fmt: skip
     loss.backward()  # every head's blocks are trained
     assert all(b.linear.weight.grad is not None for head in heads.heads for b in head.blocks)
 

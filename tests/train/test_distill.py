@@ -82,7 +82,8 @@ def test_loss_counts_only_loss_tokens_and_adds_cross_entropy(tiny_target):
         for b in range(2)
         for i in range(5, 9)
     ]
-    assert loss.item() == pytest.approx(sum(per_pos) / len(per_pos), rel=1e-5)
+    assert loss.item() == pytest.approx(sum(per_pos), rel=1e-5)
+    assert drafter.loss_tokens(batch).item() == len(per_pos)
     # changing the target outside the loss positions changes nothing
     t_other = t_logits.clone()
     t_other[:, :5] = torch.randn_like(t_other[:, :5])

@@ -1,0 +1,94 @@
+"""A step's loss is exactly the mean over the global batch's scored tokens, for every kind: each
+kind's loss is a sum over its tokens, counted from the batch alone, and the trainer divides the
+micro-batches' sums by the global count. Checked against a naive mean, example by example, over
+micro-batches of very different lengths (where weighting per-micro-batch means is wrong)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.core import DecodeConfig
+from specdraft.data.formats import Example
+from specdraft.drafters.base import LoraConfig
+from specdraft.drafters.distill import DistillConfig, DistillDrafter
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
+from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+from specdraft.drafters.target import load_target
+from specdraft.train.distill import DistillTrainConfig
+from specdraft.train.eagle import EagleTrainConfig
+from specdraft.train.layerskip import LayerSkipTrainConfig
+from specdraft.train.medusa import MedusaTrainConfig
+from specdraft.train.trainer import collate, examples_for, train
+
+
+def _uneven(vocab: int) -> list[Example]:
+    """Four conversations of very different lengths and loss shares (two micro-batches of two)."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for length, prompt in ((40, 3), (6, 2), (28, 20), (9, 1)):
+        ids = torch.randint(3, vocab, (length,), generator=g).tolist()
+        out.append(Example(input_ids=ids, loss_mask=[0] * prompt + [1] * (length - prompt)))
+    return out
+
+
+# kind -> (train config class, drafter class, drafter config, how the kind counts its tokens:
+# the first loss-mask position a token can be scored from)
+MEDUSA = dict(num_heads=3, loss="kl", loss_decay=0.8)
+KINDS = {
+    "distill": (DistillTrainConfig, DistillDrafter, DistillConfig(init="random", num_layers=1), 1),
+    "eagle3": (EagleTrainConfig, EagleDrafter,
+               EagleConfig(version="eagle3", ttt_steps=3, ttt_decay=0.8, draft_vocab_size=128), 2),
+    "eagle1": (EagleTrainConfig, EagleDrafter,
+               EagleConfig(version="eagle1", ttt_steps=2, feature_noise=0.0), 2),
+    "medusa1": (MedusaTrainConfig, MedusaDrafter, MedusaConfig(**MEDUSA), 2),
+    "medusa2": (MedusaTrainConfig, MedusaDrafter,
+                MedusaConfig(**MEDUSA, lora=LoraConfig(rank=4, dropout=0.0), target_loss="lm"), 1),
+    "layerskip": (LayerSkipTrainConfig, LayerSkipDrafter, LayerSkipConfig(layer_dropout=0.0), 1),
+}  # fmt: skip
+
+
+def _build(cls, config, target):
+    torch.manual_seed(0)
+    if cls is EagleDrafter and config.draft_vocab_size:
+        d2t = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(1))
+        return cls.build(config, target, d2t[: config.draft_vocab_size].sort().values)
+    return cls.build(config, target)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_the_step_loss_is_the_token_mean_over_uneven_micro_batches(
+    tiny_target_path, tmp_path, kind
+):
+    config_cls, drafter_cls, drafter_cfg, first = KINDS[kind]
+    target = load_target(tiny_target_path)  # Medusa-2 and LayerSkip change it in place
+    drafter = _build(drafter_cls, drafter_cfg, target)
+    examples = _uneven(target.vocab_size)
+    cfg = config_cls(
+        target="tiny", output_dir=str(tmp_path / "run"), max_steps=1, micro_batch_size=2,
+        grad_accum=2, lr=1e-3, warmup_steps=0, eval_every=0, eval_batches=1, save_every=0,
+        log_every=1, seed=0, drafter=drafter_cfg, decode=DecodeConfig(gamma=2),
+    )  # fmt: skip
+
+    # The naive mean: every example alone (no padding), its loss sum and its scored tokens.
+    drafter.train()
+    sums, counts = [], []
+    with torch.no_grad():
+        for e in examples:
+            batch = collate([e], "cpu")
+            out = (
+                None
+                if getattr(drafter, "runs_target", False)
+                else target.forward(batch["input_ids"], capture_layers=drafter.capture_layers)
+            )
+            loss, _ = drafter(batch, out)
+            sums.append(float(loss))
+            counts.append(sum(e.loss_mask[first:]))
+        naive = sum(sums) / sum(counts)
+    # the two micro-batches' shares of the scored tokens are far from equal
+    share = sum(counts[i] for i in examples_for(0, 0, 0, len(examples), cfg, 1)) / sum(counts)
+    assert abs(share - 0.5) > 0.1
+
+    result = train(cfg, drafter, target, examples, examples[:2], tokenizer=target.tokenizer)
+    assert result.losses[0] == pytest.approx(naive, rel=1e-5)
