@@ -73,6 +73,16 @@ def test_bad_input_is_a_clear_error(tiny_target_path, tmp_path, capsys):
     assert "layer id 9 is out of range" in capsys.readouterr().err
     assert main([*common, "drafter.draft_vocab_size=5000"]) == 2
     assert "larger than the target" in capsys.readouterr().err
+    # a sharded target is for online training: offline, no target forward runs
+    with pytest.raises(SystemExit) as stop:
+        main([*common, "target_sharding=zero3", f"hidden_cache={tmp_path}"])
+    assert stop.value.code == 2 and "drop one of them" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*common, "target_sharding=fsdp"])
+    assert "not one of: none | zero3" in capsys.readouterr().err
+    assert main([*common, "target_sharding=zero3", f"target={tmp_path / 'none'}"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing was written
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
