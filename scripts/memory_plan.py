@@ -1,0 +1,141 @@
+"""Memory per GPU of training an EAGLE head online, from the target's config alone: what the
+target, the head's copy of its embedding, the head's weights, gradients and AdamW state and the
+activations of one micro-batch take, for the target whole on every GPU or sharded by ZeRO-3
+(`target_sharding=zero3`) and the head under DDP or ZeRO-2.
+
+    python scripts/memory_plan.py configs/shapes/llama-3.3-70b --gpus 8
+    python scripts/memory_plan.py FOLDER_OR_HUB_ID --gpus 8 --seq 2048 --ttt-steps 7 \\
+        --draft-vocab 32000 --activations-gib-per-1k 3.1
+
+Parameter counts are exact: the target and the head are built on the meta device from the
+config (no weights read). Activations are not computed: they depend on kernels and allocator,
+so they are an input, measured (--activations-gib-per-1k: per 1,024 tokens of a micro-batch,
+linear in S because the training-time test's attention builds no S x S mask; BENCHMARKS.md,
+"EAGLE"); left at 0, each total is what the GPU must hold before any activation, and the rest
+of its memory is the room they have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+GIB = 2**30
+
+
+class _Vocab:
+    """A tokenizer stand-in: the fingerprint hashes a vocabulary, and there is none to read."""
+
+    def __init__(self, n: int) -> None:
+        self.vocab = {str(i): i for i in range(n)}
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+
+def build_on_meta(target: str, draft_vocab: int, ttt_steps: int):
+    """(the target, the EAGLE-3 head) built on the meta device from `target`'s config."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
+    from specdraft.drafters.target import Target, target_path
+
+    config = AutoConfig.from_pretrained(target_path(target))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    wrapped = Target(model, _Vocab(2), name=target)
+    cfg = resolve_config(
+        EagleConfig(version="eagle3", ttt_steps=ttt_steps, draft_vocab_size=draft_vocab), wrapped
+    )
+    d2t = torch.arange(draft_vocab) if 0 < draft_vocab < wrapped.vocab_size else None
+    with init_empty_weights(include_buffers=False):  # weights on meta; rotary buffers real
+        head = EagleDrafter.build(cfg, wrapped, d2t)
+    return wrapped, head
+
+
+def plan(
+    target: str,
+    *,
+    gpus: int,
+    draft_vocab: int,
+    ttt_steps: int,
+    seq: int,
+    micro_batch: int,
+    activations_gib_per_1k: float,
+    bytes_per_weight: int = 2,
+) -> dict:
+    """Each term in GiB per GPU, with the counts it was computed from."""
+    wrapped, head = build_on_meta(target, draft_vocab, ttt_steps)
+    model = wrapped.model
+    target_params = sum(p.numel() for p in model.parameters())
+    layer = max(sum(p.numel() for p in m.parameters()) for m in wrapped.layers)
+    embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    embeddings = embed.numel() + (0 if lm_head is embed else lm_head.numel())
+    trained = sum(p.numel() for p in head.parameters() if p.requires_grad)
+    b = bytes_per_weight
+    # DeepSpeed's defaults: a gathered layer plus the next prefetch bucket (5e7 elements)
+    gather = (layer + 5e7) * b
+    activations = activations_gib_per_1k * GIB * seq * micro_batch / 1024
+    terms = {
+        "target_whole": target_params * b,
+        "target_zero3": target_params * b / gpus + gather,
+        "head_embedding_copy": embeddings * b,
+        # bf16 mixed precision: the weights in fp32 (4 bytes), fp32 gradients (4), AdamW's two
+        # fp32 moments (8). DDP: all on every GPU. ZeRO-2: bf16 weights (2) on every GPU, and
+        # the fp32 master weights, moments and gradients (16) split over the GPUs.
+        "head_ddp": trained * 16,
+        "head_zero2": trained * 2 + trained * 16 / gpus,
+        "activations": activations,
+    }
+    result = {k: v / GIB for k, v in terms.items()}
+    result.update({
+        "target_parameters": target_params, "largest_layer_parameters": layer,
+        "embedding_parameters": embeddings, "head_trained_parameters": trained,
+        "gpus": gpus, "seq": seq, "micro_batch": micro_batch, "ttt_steps": head.config.ttt_steps,
+        "draft_vocab": head.draft_vocab_size,
+    })  # fmt: skip
+    for name, target_term, head_term in (
+        ("whole target, DDP head", "target_whole", "head_ddp"),
+        ("whole target, ZeRO-2 head", "target_whole", "head_zero2"),
+        ("ZeRO-3 target, ZeRO-2 head", "target_zero3", "head_zero2"),
+    ):
+        result[name] = (
+            result[target_term] + result["head_embedding_copy"] + result[head_term]
+            + result["activations"]
+        )  # fmt: skip
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("target", help="a model folder or hub id (only its config is read)")
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--ttt-steps", type=int, default=7)
+    parser.add_argument("--draft-vocab", type=int, default=32000)
+    parser.add_argument("--activations-gib-per-1k", type=float, default=0.0,
+                        help="measured activations per 1,024 tokens of a micro-batch (0: left out)")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.gpus < 1 or args.seq < 1 or args.micro_batch < 1:
+        parser.error("--gpus, --seq and --micro-batch must be at least 1")
+    try:
+        result = plan(
+            args.target, gpus=args.gpus, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps,
+            seq=args.seq, micro_batch=args.micro_batch,
+            activations_gib_per_1k=args.activations_gib_per_1k,
+        )  # fmt: skip
+    except (OSError, ValueError) as err:
+        print(f"memory_plan.py: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""scripts/memory_plan.py counts what a real run holds: its parameter counts equal those of the
+target and head built with weights, and its totals are the sums of its terms."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
+from specdraft.drafters.target import load_target
+from specdraft.scripts import memory_plan
+
+
+def test_counts_equal_a_head_built_with_weights(tiny_target_path, capsys):
+    assert memory_plan.main([tiny_target_path, "--gpus", "4", "--draft-vocab", "128",
+                             "--ttt-steps", "3", "--activations-gib-per-1k", "0.5",
+                             "--seq", "512", "--micro-batch", "2"]) == 0  # fmt: skip
+    plan = json.loads(capsys.readouterr().out)
+    target = load_target(tiny_target_path)
+    cfg = resolve_config(EagleConfig(version="eagle3", draft_vocab_size=128), target)
+    head = EagleDrafter.build(cfg, target, torch.arange(128))
+    assert plan["target_parameters"] == sum(p.numel() for p in target.model.parameters())
+    assert plan["head_trained_parameters"] == sum(
+        p.numel() for p in head.parameters() if p.requires_grad
+    )
+    layer = max(sum(p.numel() for p in m.parameters()) for m in target.layers)
+    assert plan["largest_layer_parameters"] == layer
+    gib = 2**30
+    assert plan["target_zero3"] == pytest.approx(
+        (plan["target_parameters"] * 2 / 4 + (layer + 5e7) * 2) / gib
+    )
+    assert plan["activations"] == pytest.approx(0.5 * 512 * 2 / 1024)
+    total = plan["head_embedding_copy"] + plan["head_zero2"] + plan["activations"]
+    assert plan["ZeRO-3 target, ZeRO-2 head"] == pytest.approx(plan["target_zero3"] + total)
+
+
+def test_bad_input_is_a_clear_error(tmp_path, capsys):
+    assert memory_plan.main([str(tmp_path / "none")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        memory_plan.main([str(tmp_path), "--gpus", "0"])
+    assert "at least 1" in capsys.readouterr().err
