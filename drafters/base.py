@@ -89,8 +89,8 @@ class Drafter(nn.Module):
     def loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """How many tokens the micro-batch's loss sum is over (a float scalar): by default every
         token the loss mask scores, each predicted from the position before it. A kind whose
-        first prediction is further ahead (EAGLE and Medusa score token t + 2 from position t)
-        counts its own; a token it counts but cannot score adds 0 to the sum."""
+        first prediction is further ahead (EAGLE and Medusa-1 score token t + 2 from position
+        t) counts its own; a token it counts but cannot score adds 0 to the sum."""
         return batch["loss_mask"][:, 1:].sum().float()
 
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:

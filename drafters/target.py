@@ -335,8 +335,8 @@ def _embeddings_only(path: str, dtype, trust_remote_code: bool) -> PreTrainedMod
 
 class ShardedTarget(Target):
     """A target partitioned over the processes by DeepSpeed ZeRO-3 (`load_sharded_target`): each
-    process holds 1/N of every weight and all-gathers a module's weights only for the length of
-    its forward, so a target too big for one device runs on N of them while each process trains
+    process holds 1/N of every weight (but the smallest, the norms, which stay whole) and
+    all-gathers a module's weights only for the length of its forward, so a target too big for one device runs on N of them while each process trains
     on its own batch. The gathers are collectives: every process must run the same forwards (the
     trainer keeps them in step, evaluation included). Outside a forward its weights are not
     whole, so a drafter takes the embedding and LM head from an embeddings-only copy
@@ -391,7 +391,9 @@ def load_sharded_target(
 
     Every process of the job must call it (the partitioning is a collective). Started with
     `accelerate launch` or `torchrun`; the process group is created here if nobody has yet (gloo
-    without a GPU, as DeepSpeed's CPU accelerator runs on)."""
+    without a GPU, as DeepSpeed's CPU accelerator runs on). Run directly, without a launcher, it
+    makes a group of one and sets LOCAL_RANK=0 for the rest of the process, since ZeRO-3 reads
+    it in every forward; accelerate then runs that process as a distributed job of one."""
     try:
         import deepspeed
     except ImportError as err:
@@ -413,7 +415,7 @@ def load_sharded_target(
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not torch.distributed.is_initialized():
         backend = "nccl" if cuda else "gloo"
-        if "RANK" in os.environ:  # a launcher's process: its rendezvous
+        if "RANK" in os.environ or "WORLD_SIZE" in os.environ:  # a launcher's: its rendezvous
             deepspeed.init_distributed(dist_backend=backend)
         else:  # run directly: a group of one (DeepSpeed would otherwise look for MPI), whose
             # LOCAL_RANK ZeRO-3 reads in every forward (accelerate then runs one process as a

@@ -20,8 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 GIB = 2**30
+ZERO2_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "deepspeed" / "zero2.json"
+ZERO3_PREFETCH = 5e7  # DeepSpeed's stage3_prefetch_bucket_size, which load_sharded_target keeps
 
 
 class _Vocab:
@@ -71,41 +74,42 @@ def plan(
     wrapped, head = build_on_meta(target, draft_vocab, ttt_steps)
     model = wrapped.model
     target_params = sum(p.numel() for p in model.parameters())
-    layer = max(sum(p.numel() for p in m.parameters()) for m in wrapped.layers)
+    # ZeRO-3 gathers a module's own weights for its forward (not a decoder layer's at once): the
+    # largest is the embedding or the LM head, both gathered in every forward
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     embeddings = embed.numel() + (0 if lm_head is embed else lm_head.numel())
     trained = sum(p.numel() for p in head.parameters() if p.requires_grad)
     b = bytes_per_weight
-    # DeepSpeed's defaults: a gathered layer plus the next prefetch bucket (5e7 elements)
-    gather = (layer + 5e7) * b
+    zero2 = json.loads(ZERO2_CONFIG.read_text())["zero_optimization"]
     activations = activations_gib_per_1k * GIB * seq * micro_batch / 1024
     terms = {
         "target_whole": target_params * b,
-        "target_zero3": target_params * b / gpus + gather,
+        # its share, plus the largest gathered module and DeepSpeed's prefetch bucket
+        "target_zero3": target_params * b / gpus + (largest + ZERO3_PREFETCH) * b,
+        # the sharded run's head reads an embeddings-only copy (the whole target serves itself)
         "head_embedding_copy": embeddings * b,
-        # bf16 mixed precision: the weights in fp32 (4 bytes), fp32 gradients (4), AdamW's two
-        # fp32 moments (8). DDP: all on every GPU. ZeRO-2: bf16 weights (2) on every GPU, and
-        # the fp32 master weights, moments and gradients (16) split over the GPUs.
-        "head_ddp": trained * 16,
-        "head_zero2": trained * 2 + trained * 16 / gpus,
+        # bf16 mixed precision: fp32 weights (4 bytes), fp32 gradients (4), AdamW's two fp32
+        # moments (8); DDP also keeps its gradient buckets (4), all on every GPU. ZeRO-2: bf16
+        # weights (2) on every GPU, fp32 weights, gradients and moments (16) split over the
+        # GPUs, and two reduce buckets of configs/deepspeed/zero2.json's size.
+        "head_ddp": trained * 20,
+        "head_zero2": trained * 2 + trained * 16 / gpus + 2 * zero2["reduce_bucket_size"] * b,
         "activations": activations,
     }
     result = {k: v / GIB for k, v in terms.items()}
     result.update({
-        "target_parameters": target_params, "largest_layer_parameters": layer,
+        "target_parameters": target_params, "largest_module_parameters": largest,
         "embedding_parameters": embeddings, "head_trained_parameters": trained,
         "gpus": gpus, "seq": seq, "micro_batch": micro_batch, "ttt_steps": head.config.ttt_steps,
         "draft_vocab": head.draft_vocab_size,
     })  # fmt: skip
-    for name, target_term, head_term in (
-        ("whole target, DDP head", "target_whole", "head_ddp"),
-        ("whole target, ZeRO-2 head", "target_whole", "head_zero2"),
-        ("ZeRO-3 target, ZeRO-2 head", "target_zero3", "head_zero2"),
-    ):
-        result[name] = (
-            result[target_term] + result["head_embedding_copy"] + result[head_term]
-            + result["activations"]
-        )  # fmt: skip
+    act = result["activations"]
+    result["whole target, DDP head"] = result["target_whole"] + result["head_ddp"] + act
+    result["whole target, ZeRO-2 head"] = result["target_whole"] + result["head_zero2"] + act
+    result["ZeRO-3 target, ZeRO-2 head"] = (
+        result["target_zero3"] + result["head_embedding_copy"] + result["head_zero2"] + act
+    )
     return result
 
 

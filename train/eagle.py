@@ -97,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         if features is None:
             features = target
         prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
+        if sharded and prompts:
+            print(
+                "[specdraft] eval_loop is on: after training the main process loads the whole "
+                "target on its device to decode with the head; for a target that does not fit "
+                "one device set eval_loop.enabled=false (training and its checkpoints are "
+                "unaffected)",
+                file=sys.stderr,
+            )
     except (ValueError, OSError) as e:  # missing data, bad target, bad layer ids or vocab size
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

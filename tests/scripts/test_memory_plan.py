@@ -25,11 +25,13 @@ def test_counts_equal_a_head_built_with_weights(tiny_target_path, capsys):
     assert plan["head_trained_parameters"] == sum(
         p.numel() for p in head.parameters() if p.requires_grad
     )
-    layer = max(sum(p.numel() for p in m.parameters()) for m in target.layers)
-    assert plan["largest_layer_parameters"] == layer
+    largest = max(
+        sum(p.numel() for p in m.parameters(recurse=False)) for m in target.model.modules()
+    )
+    assert plan["largest_module_parameters"] == largest == target.vocab_size * target.hidden_size
     gib = 2**30
     assert plan["target_zero3"] == pytest.approx(
-        (plan["target_parameters"] * 2 / 4 + (layer + 5e7) * 2) / gib
+        (plan["target_parameters"] * 2 / 4 + (largest + 5e7) * 2) / gib
     )
     assert plan["activations"] == pytest.approx(0.5 * 512 * 2 / 1024)
     total = plan["head_embedding_copy"] + plan["head_zero2"] + plan["activations"]

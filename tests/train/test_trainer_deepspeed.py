@@ -172,6 +172,7 @@ def test_an_eagle_head_trains_online_against_a_target_sharded_by_zero3(tiny_targ
     held = re.findall(r"sharded by ZeRO-3 over 2 process\(es\): this one holds ([\d.]+)M of its "
                       r"([\d.]+)M", proc.stderr)  # fmt: skip
     assert len(held) == 2 and all(float(h) < 0.6 * float(n) for h, n in held)
+    assert "set eval_loop.enabled=false" in proc.stderr  # said before training: loads it whole
     served = json.loads((tmp_path / "ds" / "eval_loop.json").read_text())
     assert served["matches_ar"] is True and served["drafted"] > 0
 
