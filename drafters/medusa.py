@@ -418,6 +418,10 @@ class MedusaDrafter(Drafter):
                 f"the batch's sequences ({batch['input_ids'].shape[1]} tokens) are too short for "
                 "any Medusa head: head 0 needs at least 3 tokens"
             )
+        zero = total.detach().new_zeros(())
+        for k in range(cfg.num_heads):  # a head the batch is too short for: every process
+            for name in ("loss", "top1", "top5"):  # reduces the same figures, so none waits
+                metrics.setdefault(f"{name}_{k}", (zero, zero))
         return total, metrics
 
     def _head_loss(self, s: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -247,6 +247,14 @@ def test_bad_settings_are_clear_errors(random_target):
                        {random_target.num_layers: torch.zeros(1, 2, random_target.hidden_size)})  # fmt: skip
     with pytest.raises(ValueError, match="too short for any Medusa head"):
         heads(short, out)
+    # a batch long enough for head 0 only still reports every head's figures, as (0, 0) for
+    # the others: processes whose batches differ in length reduce the same keys
+    three = {k: torch.ones(1, 3, dtype=v.dtype) for k, v in short.items()}
+    out = TargetOutput(torch.zeros(1, 3, random_target.vocab_size),
+                       {random_target.num_layers: torch.zeros(1, 3, random_target.hidden_size)})  # fmt: skip
+    _, metrics = heads(three, out)
+    assert set(metrics) == {f"{m}_{k}" for m in ("loss", "top1", "top5") for k in range(2)}
+    assert metrics["loss_1"][1].item() == 0 and metrics["loss_0"][1].item() == 1
 
 
 def test_an_adapter_of_another_model_is_a_clear_error(tmp_path):
