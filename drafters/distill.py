@@ -145,12 +145,17 @@ def _copy_from_target(student: PreTrainedModel, target, cfg: DistillConfig) -> N
             f"drafter.init_layers={layers} must name {cfg.num_layers} target layers in "
             f"0..{target.num_layers - 1}"
         )
+    # a sharded target gathers each piece for the copy (target.whole), one at a time
+    pieces = [
+        (student.get_input_embeddings(), target.model.get_input_embeddings()),
+        (student.get_output_embeddings(), target.model.get_output_embeddings()),
+        (student.model.norm, target.norm),
+        *((mine, target.layers[i]) for mine, i in zip(student.model.layers, layers, strict=True)),
+    ]
     with torch.no_grad():
-        student.get_input_embeddings().weight.copy_(target.model.get_input_embeddings().weight)
-        student.get_output_embeddings().weight.copy_(target.model.get_output_embeddings().weight)
-        student.model.norm.load_state_dict(target.norm.state_dict())
-        for mine, theirs in zip(student.model.layers, layers, strict=True):
-            mine.load_state_dict(target.layers[theirs].state_dict())
+        for mine, theirs in pieces:
+            with target.whole(theirs):
+                mine.load_state_dict(theirs.state_dict())
 
 
 def _check_vocab(student: PreTrainedModel, target, where: str) -> None:

@@ -13,6 +13,7 @@ state that feeds the LM head (L = number of layers).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -64,6 +65,15 @@ class Target:
         """Move the whole model to `device` (the trainer places what it trains against so)."""
         self.model.to(device)
         return self
+
+    def num_parameters(self) -> int:
+        """Elements of the target's weights (all of them, also where ZeRO-3 holds a part)."""
+        return sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters())
+
+    def whole(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        """A context in which `module`'s weights are whole: they always are here (a sharded
+        target gathers them, on every process at once)."""
+        return contextlib.nullcontext()
 
     # -- pieces drafters reuse ------------------------------------------------------------------
 
@@ -353,6 +363,13 @@ class ShardedTarget(Target):
     def to(self, device: torch.device | str) -> ShardedTarget:
         """ZeRO-3 placed each process's part on its own device already."""
         return self
+
+    def whole(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        """`module`'s weights gathered whole for the context (read-only; a collective: every
+        process must enter it, as when all build the same drafter)."""
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
 
     def parameters_held(self) -> tuple[int, int]:
         """(elements of the target's weights this process holds, elements in all)."""

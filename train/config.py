@@ -118,6 +118,12 @@ class TrainConfig:
     # dtype the frozen target is loaded in; auto follows mixed_precision (bf16 -> bfloat16,
     # fp16 -> float16, no -> float32) so CPU runs stay fp32 and GPU runs need one key.
     dtype: str = choice("auto", "float32", "bfloat16", "float16")
+    # A frozen target too big for one device: zero3 partitions it over the processes (DeepSpeed
+    # ZeRO-3 inference: each holds 1/N of it and gathers a module's weights for its forward) so
+    # that the drafter trains online against it; none loads it whole on every process. For the
+    # kinds whose target stays frozen (eagle, medusa without LoRA, distill); the drafter's own
+    # optimizer and data parallelism are the launcher's business as always.
+    target_sharding: str = choice("none", "zero3")
     # Training data: source, conversation format, lengths and the held-out split.
     data: DataConfig = field(default_factory=DataConfig)
     # Where checkpoint-<step>/, best/, final/ and train_config.yaml go; None: runs/<kind>-demo.
@@ -242,6 +248,19 @@ class TrainConfig:
                 if "exit_layer" in self.eval_loop.tune
                 else "decode.exit_layer",
             )
+        if self.target_sharding != "none":
+            why = {
+                "layerskip": "LayerSkip fine-tunes the target itself: shard the whole run with "
+                "DeepSpeed ZeRO-3 instead (configs/accelerate/deepspeed_zero3.yaml)",
+                "medusa": "Medusa-2 (drafter.lora.rank > 0) trains adapters inside the target: "
+                "shard the whole run with DeepSpeed ZeRO-3 instead, or train Medusa-1",
+            }.get(self.kind)
+            lora = getattr(getattr(self.drafter, "lora", None), "rank", 0)
+            if self.kind == "layerskip" or (self.kind == "medusa" and lora > 0):
+                raise ConfigError(
+                    f"target_sharding={self.target_sharding} is for a frozen target; {why}",
+                    key="target_sharding",
+                )
         if self.mixed_precision == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
             bf16 = resolve_precision("auto", device, "training") == "bf16"

@@ -17,9 +17,9 @@ import torch
 from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.distill import DistillConfig, DistillDrafter
-from specdraft.drafters.target import load_target
 from specdraft.inference.measure import loop_prompts, report_after_training
 from specdraft.train.config import TrainConfig
+from specdraft.train.targets import decoding_target, frozen_targets, say_the_loop_loads_it_whole
 from specdraft.train.trainer import plain_loading, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "distill" / "demo.yaml"
@@ -37,11 +37,14 @@ def main(argv: list[str] | None = None) -> int:
         DistillTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
     )
     try:
-        target = load_target(cfg.target, dtype=cfg.target_dtype())
+        # the student reads only the target's logits; sharded, the weights it is seeded with
+        # (drafter.init=target) are gathered for it
+        target, _ = frozen_targets(cfg, reads_weights=False)
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # the student's random init; identical on every process
         drafter = DistillDrafter.build(cfg.drafter, target)
         prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
+        say_the_loop_loads_it_whole(cfg, prompts)
     except (ValueError, OSError) as e:  # missing data, bad target, a student of another vocab
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in drafter.parameters())
     print(
         f"[specdraft] student: {cfg.drafter.num_layers} layers, {n_params / 1e6:.2f}M parameters "
-        f"(target {sum(p.numel() for p in target.model.parameters()) / 1e6:.2f}M)",
+        f"(target {target.num_parameters() / 1e6:.2f}M)",
         file=sys.stderr,
     )
     result = train(
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
     )  # fmt: skip
     with plain_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
-        report_after_training(target, result, prompts, cfg)
+        report_after_training(decoding_target(cfg, target, result, prompts), result, prompts, cfg)
     return 0
 
 

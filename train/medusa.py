@@ -19,10 +19,10 @@ from specdraft.config import parse_cli
 from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
-from specdraft.drafters.target import load_target
 from specdraft.inference.measure import loop_prompts, report_after_training
 from specdraft.train.config import TrainConfig
 from specdraft.train.fine_tuned import finish_fine_tuning
+from specdraft.train.targets import decoding_target, frozen_targets, say_the_loop_loads_it_whole
 from specdraft.train.trainer import plain_loading, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "medusa" / "demo.yaml"
@@ -54,11 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         MedusaTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
     )
     try:
-        target = load_target(cfg.target, dtype=cfg.target_dtype())
+        # sharded (Medusa-1 only), the heads read an embeddings-only copy of the target
+        target, frozen = frozen_targets(cfg, reads_weights=True)
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # identical heads on every process
         heads = build_heads(cfg.drafter, target, train_examples)
         prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
+        say_the_loop_loads_it_whole(cfg, prompts)
     except (ValueError, OSError) as e:  # missing data, bad target, bad sizes
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -67,18 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"[specdraft] {hc.num_heads} Medusa heads x {hc.num_layers} block(s), output {hc.output}: "
         f"{heads.num_extra_parameters(target) / 1e6:.2f}M parameters (target "
-        f"{sum(p.numel() for p in target.model.parameters()) / 1e6:.2f}M), draft vocab "
+        f"{target.num_parameters() / 1e6:.2f}M), draft vocab "
         f"{heads.draft_vocab_size}, loss {hc.loss} weighted {hc.loss_decay}^k",
         file=sys.stderr,
     )
     result = train(
-        cfg, heads, target, train_examples, eval_examples, tokenizer=target.tokenizer,
+        cfg, heads, frozen, train_examples, eval_examples, tokenizer=target.tokenizer,
         provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
     )  # fmt: skip
     if heads.peft is not None and result.main_process and not result.stopped_by_signal:
         target = finish_fine_tuning(heads.peft, target, eval_examples, cfg, "Medusa-2")
     with plain_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
-        report_after_training(target, result, prompts, cfg)
+        frozen = None  # a sharded target's memory goes before the whole one
+        report_after_training(decoding_target(cfg, target, result, prompts), result, prompts, cfg)
     return 0
 
 

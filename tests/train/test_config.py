@@ -486,3 +486,20 @@ def test_override_errors_name_the_key_and_source(item, key, says):
     assert str(err.value).startswith("--drafter runs/x") and says in str(err.value)
     if key is not None:
         assert f"--drafter runs/x ({item}): " in str(err.value) and err.value.key == key
+
+
+def test_target_sharding_is_for_a_frozen_target():
+    """LayerSkip and Medusa-2 train the target itself: sharding it as a frozen one is an error
+    naming what to do instead; Medusa-1, EAGLE and distillation take it."""
+    from specdraft.drafters.base import LoraConfig
+    from specdraft.drafters.medusa import MedusaConfig
+    from specdraft.train.eagle import EagleTrainConfig
+    from specdraft.train.layerskip import LayerSkipTrainConfig
+    from specdraft.train.medusa import MedusaTrainConfig
+
+    with pytest.raises(ConfigError, match=r"LayerSkip fine-tunes the target itself.*ZeRO-3"):
+        LayerSkipTrainConfig(target_sharding="zero3")
+    with pytest.raises(ConfigError, match=r"Medusa-2.*train Medusa-1"):
+        MedusaTrainConfig(target_sharding="zero3", drafter=MedusaConfig(lora=LoraConfig(rank=4)))
+    assert MedusaTrainConfig(target_sharding="zero3").target_sharding == "zero3"
+    assert EagleTrainConfig(target_sharding="zero3").target_sharding == "zero3"
