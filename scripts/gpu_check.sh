@@ -57,4 +57,13 @@ if [ "$PRECISION" != no ]; then
     python -c "import json, sys; s = json.load(open(sys.argv[1])); print('fp16 run: skipped steps', s['skipped_steps'])" \
         "$OUT/fp16/checkpoint-30/trainer_state.json" | tee -a "$OUT/fp16.log"
 fi
-echo "gpu_check.sh: figures in $OUT (train.log, eagle/eval_loop.json, eval/report.md, fp16.log)"
+# 4. A target sharded by ZeRO-3 (GPU only): the CUDA path of target_sharding=zero3, in one
+# process (which then holds the whole target; the two-process split is tested on CPUs), with the
+# head's embeddings-only copy on the GPU and the whole target reloaded there for the loop.
+if [ "$PRECISION" != no ]; then
+    python train/eagle.py target_sharding=zero3 mixed_precision=bf16 max_steps=40 \
+        micro_batch_size=16 eval_every=20 save_every=0 eval_loop.num_prompts=4 \
+        eval_loop.max_new_tokens=64 output_dir="$OUT/sharded" 2>&1 | tr '\r' '\n' \
+        | grep -v "it/s" | tee "$OUT/sharded.log"
+fi
+echo "gpu_check.sh: figures in $OUT (train.log, eagle/eval_loop.json, eval/report.md, fp16.log, sharded.log)"

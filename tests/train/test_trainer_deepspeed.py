@@ -208,3 +208,23 @@ def test_a_drafter_trains_online_against_a_target_sharded_by_zero3(
     assert a.keys() == b.keys()
     for k in a:
         assert (a[k] - b[k]).abs().max().item() < 1e-5, k
+
+
+def test_a_sharded_target_without_a_launcher_is_a_group_of_one(tiny_target_path, tmp_path):
+    """Run directly (no accelerate launch, no torchrun), target_sharding=zero3 makes a process
+    group of one, which holds the whole target, and trains."""
+    args = [
+        sys.executable, str(ROOT / "train" / "eagle.py"), f"target={tiny_target_path}",
+        "target_sharding=zero3", "max_steps=2", "eval_every=0", "save_every=0",
+        "eval_loop.enabled=false", "data.max_samples=8", "data.max_length=32",
+        "micro_batch_size=4", "drafter.ttt_steps=2", "drafter.draft_vocab_size=256",
+        f"output_dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    held = re.findall(
+        r"over 1 process\(es\): this one holds ([\d.]+)M of its ([\d.]+)M", proc.stderr
+    )
+    assert len(held) == 1 and held[0][0] == held[0][1]
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
