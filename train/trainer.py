@@ -43,6 +43,7 @@ scored tokens divided by their all-reduced count, so it is the same exact token 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import json
@@ -737,26 +738,27 @@ class _Run:
             state: dict[str, torch.Tensor] = {}
             for weights in sorted(path.glob("*.safetensors")):
                 state.update(load_file(weights, device=str(self.acc.device)))
-            missing, unexpected = hf_model.load_state_dict(state, strict=False)
+            try:
+                missing, unexpected = hf_model.load_state_dict(state, strict=False)
+            except RuntimeError as err:  # a weight of another shape
+                raise ResumeError(_misfit(path, meta, drafter, err)) from None
             # a tied weight (the LM head of tied embeddings) is saved once, under one name
             ptrs = {k: v.data_ptr() for k, v in hf_model.state_dict(keep_vars=True).items()}
             loaded = {ptrs[k] for k in state if k in ptrs}
             missing = [k for k in missing if ptrs.get(k) not in loaded]
             if missing or unexpected:
-                raise ResumeError(
-                    f"{path} does not fit the student this config builds: missing {missing[:5]}, "
-                    f"unexpected {unexpected[:5]}; resume with the config it was trained with"
-                )
+                why = f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+                raise ResumeError(_misfit(path, meta, drafter, why))
             return
         state = load_file(path / checkpoint.WEIGHTS_NAME, device=str(self.acc.device))
-        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = drafter.load_state_dict(state, strict=False)
+        except RuntimeError as err:  # a weight of another shape
+            raise ResumeError(_misfit(path, meta, drafter, err)) from None
         missing = [k for k in missing if k not in set(meta.get("shared_with_target", ()))]
         if missing or unexpected:
-            raise ResumeError(
-                f"{path / checkpoint.WEIGHTS_NAME} does not fit the drafter this config builds: "
-                f"missing {missing[:5]}, unexpected {unexpected[:5]}; resume with the config it "
-                "was trained with"
-            )
+            why = f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+            raise ResumeError(_misfit(path, meta, drafter, why))
 
     def _load_state(self, optimizer, path: Path) -> int:
         state = json.loads((path / STATE_NAME).read_text())
@@ -801,6 +803,31 @@ class _Run:
             self.signal = self.signal or "SIGTERM"
             return self.signal
         return None
+
+
+def _misfit(path: Path, meta: dict, drafter, why) -> str:
+    """Why a checkpoint's weights do not fit the drafter this run builds: the drafter settings
+    that differ between the two (a saved config's missing keys read as legacy_defaults say),
+    and what to do. Nothing is changed on disk."""
+    saved = {**getattr(type(drafter), "legacy_defaults", {}), **(meta.get("config") or {})}
+    now = dataclasses.asdict(drafter.config) if dataclasses.is_dataclass(drafter.config) else {}
+    differ = [
+        f"drafter.{k}: {saved[k]!r} there, {v!r} here"
+        for k, v in now.items()
+        if k in saved and saved[k] != v
+    ]
+    said = "; ".join(str(why).splitlines()[:2])
+    if differ:
+        return (
+            f"{path} does not fit the drafter this config builds ({said}). Its drafter settings "
+            f"differ: {', '.join(differ)}. Resume with the settings it was trained with (e.g. "
+            f"{differ[0].split(':')[0]}={saved[differ[0].split(':')[0][8:]]}), or start afresh "
+            "in a new output_dir; the checkpoint is untouched."
+        )
+    return (
+        f"{path} does not fit the drafter this config builds ({said}); resume with the config "
+        "it was trained with, or start afresh in a new output_dir; the checkpoint is untouched."
+    )
 
 
 def _resume_problem(path: Path) -> str | None:
