@@ -25,9 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
+
 from specdraft.config import load_config
 from specdraft.core import DecodeConfig
-from specdraft.drafters.checkpoint import load_drafter, read_metadata, set_decode
+from specdraft.drafters.checkpoint import WEIGHTS_NAME, load_drafter, read_metadata, set_decode
+from specdraft.drafters.medusa import expected_length, tree_paths
 from specdraft.drafters.target import load_target, target_path
 from specdraft.inference.evaluate import build_runs, fine_tuned_target, make_report
 from specdraft.inference.measure import Run, load_prompts, measure
@@ -193,8 +197,13 @@ def served_simulated_tau(found: Family, decode: dict) -> float | None:
     decode's gamma, at decode's exit layer for LayerSkip): from the last evaluation's greedy
     agreement per depth, or for another LayerSkip exit from the per-exit agreement measured at
     the end of training; past the deepest depth training measured, that depth's agreement
-    carries on. A tree gets the chain's figure too (training predicts no tree tau; a tree
-    accepts more than its chain): family_rows marks it. None where training measured nothing."""
+    carries on. A Medusa tree's is its own: 1 + the expected accepted length of the very tree it
+    is served with, under the per-rank accuracies its training measured (what the tree is built
+    from). Another kind's tree gets the chain's figure (training predicts no tree tau for it; a
+    tree accepts more than its chain): family_rows marks it. None where training measured
+    nothing."""
+    if found.name == "medusa" and decode.get("tree_top_k", 1) > 1 and found.folder:
+        return medusa_tree_tau(found.folder, decode)
     alphas = found.alpha_greedy
     exit_layer = decode.get("exit_layer", 0)
     if found.name == "layerskip" and exit_layer and found.quality:
@@ -206,6 +215,19 @@ def served_simulated_tau(found: Family, decode: dict) -> float | None:
     # deeper than training measured: its deepest agreement carried on
     alphas = [*alphas, *[alphas[-1]] * (decode["gamma"] - len(alphas))]
     return simulated_tau(alphas[: decode["gamma"]])
+
+
+def medusa_tree_tau(folder: Path, decode: dict) -> float | None:
+    """1 + the expected accepted length of the tree a Medusa folder is served with, under the
+    greedy per-rank accuracies saved in it; None for heads that carry none."""
+    with safe_open(str(Path(folder) / WEIGHTS_NAME), framework="pt") as f:
+        if "accuracy_greedy" not in f.keys():  # noqa: SIM118 (safe_open has no __contains__)
+            return None
+        accuracy = f.get_tensor("accuracy_greedy").float()
+    if torch.isnan(accuracy).any():
+        return None
+    paths = tree_paths(accuracy, decode["tree_budget"], decode["gamma"], decode["tree_top_k"])
+    return 1 + expected_length(accuracy, paths)
 
 
 def family_rows(families: Sequence[Family], greedy: dict, sampled: dict | None) -> list[dict]:
@@ -238,7 +260,8 @@ def family_rows(families: Sequence[Family], greedy: dict, sampled: dict | None) 
             train_tokens_per_s=found.train_tokens_per_s,
             train_peak_memory_mb=found.train_peak_memory_mb, quality_cost_nats=quality,
             tau_alone=alone["tau"], simulated_tau=simulated,
-            simulated_basis="chain, served as a tree" if g["decode"]["tree_top_k"] > 1 else "served",
+            simulated_basis="chain, served as a tree"
+            if g["decode"]["tree_top_k"] > 1 and found.name != "medusa" else "served",
             tau_gap=(simulated / alone["tau"] - 1) if simulated and alone["tau"] else None,
             simulated_over_training=found.simulated, tuned=found.tuned,
         )  # fmt: skip

@@ -104,3 +104,24 @@ def test_bad_prompts_are_named_before_any_training(tmp_path, capsys, content, ex
     assert code == 2
     assert message in capsys.readouterr().err
     assert not out.exists()  # nothing trained, nothing written
+
+
+def test_a_medusa_tree_gets_its_own_simulated_tau(tmp_path):
+    """Served as a tree, Medusa's simulated tau is 1 + the expected accepted length of that tree
+    under the saved greedy accuracies, worked out here by hand; a chain keeps the per-depth
+    figure, and heads without measured accuracies give none."""
+    import torch
+    from safetensors.torch import save_file
+
+    from specdraft.train.compare import Family, served_simulated_tau
+
+    accuracy = torch.tensor([[0.5, 0.2], [0.4, 0.1]])  # (head, rank)
+    save_file({"accuracy_greedy": accuracy}, str(tmp_path / "model.safetensors"))
+    found = Family("medusa", folder=tmp_path, alpha_greedy=[0.5, 0.4])
+    tree = {"tree_top_k": 2, "tree_budget": 4, "gamma": 2}
+    # the 4 likeliest nodes: (0) 0.5, (0, 0) 0.2, (1) 0.2, (1, 0) 0.08 (over (0, 1)'s 0.05)
+    assert served_simulated_tau(found, tree) == pytest.approx(1 + 0.5 + 0.2 + 0.2 + 0.08)
+    chain = {"tree_top_k": 1, "tree_budget": 4, "gamma": 2}
+    assert served_simulated_tau(found, chain) == pytest.approx(1 + 0.5 + 0.5 * 0.4)
+    save_file({"accuracy_greedy": accuracy * float("nan")}, str(tmp_path / "model.safetensors"))
+    assert served_simulated_tau(found, tree) is None
