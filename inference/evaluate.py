@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -131,16 +132,29 @@ def _ours(target, args, drafter, decode: DecodeConfig | None = None):
     )  # fmt: skip
 
 
-def _hf(target, args, **options):
-    """A decode through transformers' generate, new tokens cut after the first EOS as ours are."""
+def _hf(target, args, model_settings: dict | None = None, **options):
+    """A decode through transformers' generate, new tokens cut after the first EOS as ours are.
+    `model_settings`: generation-config values transformers reads from the model itself rather
+    than from the call (an assistant's num_assistant_tokens), set for each call and put back,
+    so runs sharing one model each decode with their own."""
     sample = dict(do_sample=args.temperature > 0)
     if args.temperature > 0:
         sample.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     eos = eos_ids(target.model)
+    config = target.model.generation_config
 
     def decode(ids):
         torch.manual_seed(args.seed)  # transformers samples from the global generator
-        out = target.model.generate(ids, max_new_tokens=args.max_new_tokens, **sample, **options)
+        saved = {k: getattr(config, k, None) for k in model_settings or {}}
+        for k, v in (model_settings or {}).items():
+            setattr(config, k, v)
+        try:
+            out = target.model.generate(
+                ids, max_new_tokens=args.max_new_tokens, **sample, **options
+            )
+        finally:
+            for k, v in saved.items():
+                setattr(config, k, v)
         return _until_eos(out[0, ids.shape[1] :].tolist(), eos), None
 
     return decode
@@ -187,13 +201,12 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
         # the target drafting with its own first layers: transformers' early-exit assisted
         # generation, with the same exit and a constant gamma (it recomputes the early layers)
         if "hf_early_exit" in args.baselines.split(","):
-            config = target.model.generation_config
-            config.num_assistant_tokens, config.num_assistant_tokens_schedule = (
-                decode.gamma,
-                "constant",
-            )
-            config.assistant_confidence_threshold = 0.0
-            early = _hf(target, args, assistant_early_exit=drafter.draft_exit(decode))
+            # set per call: another spec of the same folder (another gamma) shares the model
+            settings = dict(
+                num_assistant_tokens=decode.gamma, num_assistant_tokens_schedule="constant",
+                assistant_confidence_threshold=0.0,
+            )  # fmt: skip
+            early = _hf(target, args, settings, assistant_early_exit=drafter.draft_exit(decode))
             runs.append(Run(f"hf_early_exit[{name}]", "hf_early_exit", early, params))
     elif "hf_assisted" in args.baselines.split(",") and hf_model is not None:
         # transformers reads gamma and its schedule from the assistant's own generation
@@ -222,7 +235,8 @@ def fine_tuned_target(path: str, base, args):
         own = meta.get("target_fingerprint", {}).get("adapter")
         if base.fingerprint.get("adapter") == own:
             return None
-        return load_target(path, dtype=base.dtype, device=base.device)
+        key = (str(Path(path).resolve()), own, str(base.dtype), str(base.device))
+        return _load_once(key, lambda: load_target(path, dtype=base.dtype, device=base.device))
     if not (meta or {}).get("target_fingerprint", {}).get("adapter"):
         return None
     adapter = Path(path) / "adapter"
@@ -233,7 +247,25 @@ def fine_tuned_target(path: str, base, args):
         )
     if base.fingerprint.get("adapter"):  # --target is already a fine-tuned target
         return None
-    return load_target(args.target, dtype=base.dtype, device=base.device, adapter=adapter)
+    own = meta["target_fingerprint"]["adapter"]
+    key = (args.target, own, str(base.dtype), str(base.device))
+    return _load_once(
+        key, lambda: load_target(args.target, dtype=base.dtype, device=base.device, adapter=adapter)
+    )
+
+
+# The fine-tuned targets loaded in this process, by (folder or base, adapter hash, dtype,
+# device), for as long as a run holds them: several settings of one LayerSkip or Medusa-2 folder,
+# and compare.py's passes over them, share one copy instead of loading the model per spec.
+_LOADED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _load_once(key: tuple, load):
+    target = _LOADED.get(key)
+    if target is None:
+        target = load()
+        _LOADED[key] = target
+    return target
 
 
 def split_drafter_spec(spec: str) -> tuple[str, list[str]]:

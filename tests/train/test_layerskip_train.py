@@ -150,7 +150,9 @@ def test_bad_input_to_the_entry_script(tiny_target_path, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
-def test_evaluate_measures_it_beside_transformers_early_exit(tiny_target_path, tmp_path):
+def test_evaluate_measures_it_beside_transformers_early_exit(
+    tiny_target_path, tmp_path, monkeypatch
+):
     from specdraft.scripts.evaluate import main as evaluate
 
     out = tmp_path / "run"
@@ -183,6 +185,24 @@ def test_evaluate_measures_it_beside_transformers_early_exit(tiny_target_path, t
     assert runs[2]["method"] == "layerskip" and runs[2]["matches_ar"] is True
     # transformers' early exit too is checked against the fine-tuned model's own output
     assert runs[3]["method"] == "hf_early_exit" and runs[3]["matches_ar"] is True
+
+    # two settings of the folder share one load of its model, and transformers' early exit of
+    # each decodes with its own gamma, leaving the shared model's generation config as it was
+    import specdraft.inference.evaluate as ev
+
+    loads = []
+    real = ev.load_target
+    monkeypatch.setattr(ev, "load_target", lambda *a, **k: loads.append(a) or real(*a, **k))
+    code = evaluate([
+        "--target", tiny_target_path, "--drafter", final, "--drafter", f"{final}:gamma=2",
+        "--baselines", "ar,hf_early_exit", "--num-prompts", "2", "--max-new-tokens", "12",
+        "--output", str(tmp_path / "two"),
+    ])  # fmt: skip
+    assert code == 0
+    assert [a for a in loads if str(a[0]) == final] == [(final,)]
+    runs = json.loads((tmp_path / "two" / "report.json").read_text())["runs"]
+    early = [r for r in runs if r["method"] == "hf_early_exit"]
+    assert len(early) == 2 and all(r["matches_ar"] for r in early)
 
 
 def test_the_loss_equals_a_per_sample_reference_loop(tiny_target):
