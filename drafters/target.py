@@ -399,6 +399,7 @@ def load_sharded_target(
     dtype: torch.dtype | str | None = None,
     trust_remote_code: bool = False,
     persistence_threshold: int = 10_000,
+    zero_options: dict | None = None,
 ) -> ShardedTarget:
     """The target partitioned over this job's processes by DeepSpeed ZeRO-3 inference (no
     optimizer): transformers builds it under deepspeed.zero.Init, so no process ever holds the
@@ -446,6 +447,12 @@ def load_sharded_target(
         "zero_optimization": {
             "stage": 3,
             "stage3_param_persistence_threshold": persistence_threshold,
+            # a frozen target's module runs once per forward (no backward through it): release
+            # its gathered weights right after, rather than keeping those due again within
+            # DeepSpeed's default reuse distance (1e9 elements: a whole small model stays
+            # gathered)
+            "stage3_max_reuse_distance": 0,
+            **(zero_options or {}),
         },
         "bf16": {"enabled": dtype == torch.bfloat16},
         "fp16": {"enabled": dtype == torch.float16},

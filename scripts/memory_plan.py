@@ -24,7 +24,10 @@ from pathlib import Path
 
 GIB = 2**30
 ZERO2_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "deepspeed" / "zero2.json"
-ZERO3_PREFETCH = 5e7  # DeepSpeed's stage3_prefetch_bucket_size, which load_sharded_target keeps
+# DeepSpeed's stage3_prefetch_bucket_size and stage3_max_live_parameters (elements), which
+# load_sharded_target keeps
+ZERO3_PREFETCH = 5e7
+ZERO3_MAX_LIVE = 1e9
 
 
 class _Vocab:
@@ -85,8 +88,11 @@ def plan(
     activations = activations_gib_per_1k * GIB * seq * micro_batch / 1024
     terms = {
         "target_whole": target_params * b,
-        # its share, plus the largest gathered module and DeepSpeed's prefetch bucket
-        "target_zero3": target_params * b / gpus + (largest + ZERO3_PREFETCH) * b,
+        # its share, plus what ZeRO-3 keeps gathered: up to stage3_max_live_parameters, but a
+        # module is gathered whole (the largest may be more), never more than the target; plus
+        # the prefetch bucket
+        "target_zero3": target_params * b / gpus
+        + (min(target_params, max(largest, ZERO3_MAX_LIVE)) + ZERO3_PREFETCH) * b,
         # the sharded run's head reads an embeddings-only copy (the whole target serves itself)
         "head_embedding_copy": embeddings * b,
         # bf16 mixed precision: fp32 weights (4 bytes), fp32 gradients (4), AdamW's two fp32

@@ -30,12 +30,12 @@ def test_counts_equal_a_head_built_with_weights(tiny_target_path, capsys):
     )
     assert plan["largest_module_parameters"] == largest == target.vocab_size * target.hidden_size
     gib = 2**30
-    assert plan["target_zero3"] == pytest.approx(
-        (plan["target_parameters"] * 2 / 4 + (largest + 5e7) * 2) / gib
-    )
+    # ZeRO-3 keeps up to 1e9 elements gathered: all of a target this small
+    total = plan["target_parameters"]
+    assert plan["target_zero3"] == pytest.approx((total * 2 / 4 + (total + 5e7) * 2) / gib)
     assert plan["activations"] == pytest.approx(0.5 * 512 * 2 / 1024)
-    total = plan["head_embedding_copy"] + plan["head_zero2"] + plan["activations"]
-    assert plan["ZeRO-3 target, ZeRO-2 head"] == pytest.approx(plan["target_zero3"] + total)
+    rest = plan["head_embedding_copy"] + plan["head_zero2"] + plan["activations"]
+    assert plan["ZeRO-3 target, ZeRO-2 head"] == pytest.approx(plan["target_zero3"] + rest)
 
 
 def test_bad_input_is_a_clear_error(tmp_path, capsys):
