@@ -480,9 +480,10 @@ def compare(args: Namespace) -> dict:
         )
         + "τ counts copied drafts too; τ without copying is the drafter alone with the same "
         "settings. Simulated τ: training's prediction (greedy agreement per depth at the last "
-        "evaluation, teacher-forced) for the served chain; the gap is to τ without copying, "
-        f"(!) where it exceeds {GAP_FLAG:.0%}; (chain): the drafter is served as a tree, and "
-        "training predicts its chain's τ only. Best per column in bold."
+        "evaluation, teacher-forced) for the served chain, and for a Medusa tree 1 + its "
+        "expected accepted length under the heads' measured accuracies; the gap is to τ without "
+        f"copying, (!) where it exceeds {GAP_FLAG:.0%}; (chain): another drafter served as a "
+        "tree, for which training predicts its chain's τ only. Best per column in bold."
     )
     report = {
         "target": greedy["target"],

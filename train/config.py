@@ -255,7 +255,7 @@ class TrainConfig:
                 "medusa": "Medusa-2 (drafter.lora.rank > 0) trains adapters inside the target: "
                 "shard the whole run with DeepSpeed ZeRO-3 instead, or train Medusa-1",
             }.get(self.kind)
-            lora = getattr(getattr(self.drafter, "lora", None), "rank", 0)
+            lora = getattr(getattr(getattr(self, "drafter", None), "lora", None), "rank", 0)
             if self.kind == "layerskip" or (self.kind == "medusa" and lora > 0):
                 raise ConfigError(
                     f"target_sharding={self.target_sharding} is for a frozen target; {why}",

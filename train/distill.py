@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
     )  # fmt: skip
     with plain_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
-        report_after_training(decoding_target(cfg, target, result, prompts), result, prompts, cfg)
+        decoder = decoding_target(cfg, target, result, prompts)
+        del target  # a sharded target's memory goes before the measurement
+        report_after_training(decoder, result, prompts, cfg)
     return 0
 
 

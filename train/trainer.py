@@ -51,6 +51,7 @@ import math
 import os
 import re
 import resource
+import shlex
 import shutil
 import signal
 import sys
@@ -517,7 +518,8 @@ class _Run:
         }
         for k, v in metric_sums.items():
             total, n = acc.reduce(v, reduction="sum")
-            logs[k] = float(total / n.clamp(min=1))
+            if n > 0:  # a figure nothing in the step scored (a head too deep for it) is left out
+                logs[k] = float(total / n)
         return logs
 
     def _target_out(self, drafter, batch: dict[str, torch.Tensor], training: bool = True):
@@ -740,8 +742,10 @@ class _Run:
                 state.update(load_file(weights, device=str(self.acc.device)))
             try:
                 missing, unexpected = hf_model.load_state_dict(state, strict=False)
-            except RuntimeError as err:  # a weight of another shape
-                raise ResumeError(_misfit(path, meta, drafter, err)) from None
+            except RuntimeError as err:
+                if "size mismatch" not in str(err):
+                    raise
+                raise ResumeError(_misfit(path, meta, drafter, err)) from err
             # a tied weight (the LM head of tied embeddings) is saved once, under one name
             ptrs = {k: v.data_ptr() for k, v in hf_model.state_dict(keep_vars=True).items()}
             loaded = {ptrs[k] for k in state if k in ptrs}
@@ -753,8 +757,10 @@ class _Run:
         state = load_file(path / checkpoint.WEIGHTS_NAME, device=str(self.acc.device))
         try:
             missing, unexpected = drafter.load_state_dict(state, strict=False)
-        except RuntimeError as err:  # a weight of another shape
-            raise ResumeError(_misfit(path, meta, drafter, err)) from None
+        except RuntimeError as err:
+            if "size mismatch" not in str(err):
+                raise
+            raise ResumeError(_misfit(path, meta, drafter, err)) from err
         missing = [k for k in missing if k not in set(meta.get("shared_with_target", ()))]
         if missing or unexpected:
             why = f"missing {missing[:5]}, unexpected {unexpected[:5]}"
@@ -808,26 +814,43 @@ class _Run:
 def _misfit(path: Path, meta: dict, drafter, why) -> str:
     """Why a checkpoint's weights do not fit the drafter this run builds: the drafter settings
     that differ between the two (a saved config's missing keys read as legacy_defaults say),
-    and what to do. Nothing is changed on disk."""
+    each as the command-line override that resumes it, and what to do. Nothing is changed on
+    disk."""
     saved = {**getattr(type(drafter), "legacy_defaults", {}), **(meta.get("config") or {})}
     now = dataclasses.asdict(drafter.config) if dataclasses.is_dataclass(drafter.config) else {}
-    differ = [
-        f"drafter.{k}: {saved[k]!r} there, {v!r} here"
-        for k, v in now.items()
-        if k in saved and saved[k] != v
-    ]
+    differ = _differences(saved, now, "drafter")
     said = "; ".join(str(why).splitlines()[:2])
     if differ:
+        listed = ", ".join(f"{key}: {old!r} there, {new!r} here" for key, old, new in differ)
+        override = " ".join(
+            shlex.quote(
+                f"{key}={old if isinstance(old, str) else json.dumps(old, separators=(',', ':'))}"
+            )
+            for key, old, _ in differ
+        )  # YAML on the command line: null, true, [1,2], strings bare
         return (
             f"{path} does not fit the drafter this config builds ({said}). Its drafter settings "
-            f"differ: {', '.join(differ)}. Resume with the settings it was trained with (e.g. "
-            f"{differ[0].split(':')[0]}={saved[differ[0].split(':')[0][8:]]}), or start afresh "
-            "in a new output_dir; the checkpoint is untouched."
+            f"differ: {listed}. Resume with the settings it was trained with ({override}), or "
+            "start afresh in a new output_dir; the checkpoint is untouched."
         )
     return (
         f"{path} does not fit the drafter this config builds ({said}); resume with the config "
         "it was trained with, or start afresh in a new output_dir; the checkpoint is untouched."
     )
+
+
+def _differences(saved: dict, now: dict, prefix: str) -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, current value) of every leaf setting that differs; keys only
+    one side has are skipped (a newer section's field, an older one's)."""
+    out = []
+    for key, value in now.items():
+        if key not in saved:
+            continue
+        if isinstance(value, dict) and isinstance(saved[key], dict):
+            out += _differences(saved[key], value, f"{prefix}.{key}")
+        elif saved[key] != value:
+            out.append((f"{prefix}.{key}", saved[key], value))
+    return out
 
 
 def _resume_problem(path: Path) -> str | None:

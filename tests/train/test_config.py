@@ -503,3 +503,4 @@ def test_target_sharding_is_for_a_frozen_target():
         MedusaTrainConfig(target_sharding="zero3", drafter=MedusaConfig(lora=LoraConfig(rank=4)))
     assert MedusaTrainConfig(target_sharding="zero3").target_sharding == "zero3"
     assert EagleTrainConfig(target_sharding="zero3").target_sharding == "zero3"
+    assert TrainConfig(target_sharding="zero3").target_sharding == "zero3"  # no drafter section

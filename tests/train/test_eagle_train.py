@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -143,6 +145,6 @@ def test_resuming_with_other_drafter_settings_names_them(tiny_target_path, tmp_p
     assert "drafter.architecture: 'projected' there, 'reference' here" in said
     assert "drafter.architecture=projected" in said and "untouched" in said
     assert (tmp_path / "checkpoint-2" / "model.safetensors").read_bytes() == saved
-    assert (
-        main([*common, "max_steps=4", "resume_from=latest", "drafter.architecture=projected"]) == 0
-    )
+    # the overrides it names, as given, resume the run
+    override = re.search(r"trained with \((.*?)\), or start", said).group(1)
+    assert main([*common, "max_steps=4", "resume_from=latest", *shlex.split(override)]) == 0

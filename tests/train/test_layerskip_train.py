@@ -188,11 +188,21 @@ def test_evaluate_measures_it_beside_transformers_early_exit(
 
     # two settings of the folder share one load of its model, and transformers' early exit of
     # each decodes with its own gamma, leaving the shared model's generation config as it was
+    from transformers.generation.utils import GenerationMixin
+
     import specdraft.inference.evaluate as ev
 
-    loads = []
-    real = ev.load_target
+    ev._LOADED.clear()  # nothing left over from the evaluations above
+    loads, gammas = [], []
+    real, generate = ev.load_target, GenerationMixin.generate
     monkeypatch.setattr(ev, "load_target", lambda *a, **k: loads.append(a) or real(*a, **k))
+
+    def spy(model, *args, **kwargs):
+        if kwargs.get("assistant_early_exit"):
+            gammas.append(model.generation_config.num_assistant_tokens)
+        return generate(model, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy)
     code = evaluate([
         "--target", tiny_target_path, "--drafter", final, "--drafter", f"{final}:gamma=2",
         "--baselines", "ar,hf_early_exit", "--num-prompts", "2", "--max-new-tokens", "12",
@@ -203,6 +213,7 @@ def test_evaluate_measures_it_beside_transformers_early_exit(
     runs = json.loads((tmp_path / "two" / "report.json").read_text())["runs"]
     early = [r for r in runs if r["method"] == "hf_early_exit"]
     assert len(early) == 2 and all(r["matches_ar"] for r in early)
+    assert set(gammas) == {4, 2}  # the folder's own gamma (the demo config's 4), then 2
 
 
 def test_the_loss_equals_a_per_sample_reference_loop(tiny_target):
