@@ -740,12 +740,7 @@ class _Run:
             state: dict[str, torch.Tensor] = {}
             for weights in sorted(path.glob("*.safetensors")):
                 state.update(load_file(weights, device=str(self.acc.device)))
-            try:
-                missing, unexpected = hf_model.load_state_dict(state, strict=False)
-            except RuntimeError as err:
-                if "size mismatch" not in str(err):
-                    raise
-                raise ResumeError(_misfit(path, meta, drafter, err)) from err
+            missing, unexpected = _load_fitting(hf_model, state, path, meta, drafter)
             # a tied weight (the LM head of tied embeddings) is saved once, under one name
             ptrs = {k: v.data_ptr() for k, v in hf_model.state_dict(keep_vars=True).items()}
             loaded = {ptrs[k] for k in state if k in ptrs}
@@ -755,12 +750,7 @@ class _Run:
                 raise ResumeError(_misfit(path, meta, drafter, why))
             return
         state = load_file(path / checkpoint.WEIGHTS_NAME, device=str(self.acc.device))
-        try:
-            missing, unexpected = drafter.load_state_dict(state, strict=False)
-        except RuntimeError as err:
-            if "size mismatch" not in str(err):
-                raise
-            raise ResumeError(_misfit(path, meta, drafter, err)) from err
+        missing, unexpected = _load_fitting(drafter, state, path, meta, drafter)
         missing = [k for k in missing if k not in set(meta.get("shared_with_target", ()))]
         if missing or unexpected:
             why = f"missing {missing[:5]}, unexpected {unexpected[:5]}"
@@ -809,6 +799,17 @@ class _Run:
             self.signal = self.signal or "SIGTERM"
             return self.signal
         return None
+
+
+def _load_fitting(module, state: dict, path: Path, meta: dict, drafter) -> tuple[list, list]:
+    """module.load_state_dict(state, strict=False)'s (missing, unexpected), with a weight of
+    another shape a ResumeError naming the settings that differ."""
+    try:
+        return module.load_state_dict(state, strict=False)
+    except RuntimeError as err:
+        if "size mismatch" not in str(err):
+            raise
+        raise ResumeError(_misfit(path, meta, drafter, err)) from err
 
 
 def _misfit(path: Path, meta: dict, drafter, why) -> str:

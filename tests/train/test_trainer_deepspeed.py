@@ -22,6 +22,20 @@ pytest.importorskip("deepspeed")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def assert_two_processes_equal_one(tmp_path: Path, checkpoint: str) -> None:
+    """The two-process run in tmp_path/ds trained what the plain one in tmp_path/plain did: the
+    same losses up to `checkpoint` and the same final weights (within float reordering)."""
+    ds, plain = (
+        json.loads((tmp_path / d / checkpoint / "trainer_state.json").read_text())
+        for d in ("ds", "plain")
+    )
+    assert ds["world_size"] == 2 and ds["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("plain", "ds"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] - b[k]).abs().max().item() < 1e-5, k
+
+
 def test_zero2_run_and_resume_equal_a_plain_run(tiny_target_path, tmp_path):
     common = [
         f"target={tiny_target_path}", "max_steps=4", "eval_every=0", "save_every=2",
@@ -95,15 +109,7 @@ def test_two_deepspeed_processes_on_cpu_equal_one_plain_process(tiny_target_path
     assert all(torch.equal(a[k], b[k]) for k in a)
 
     assert main([*common, "micro_batch_size=4", f"output_dir={tmp_path / 'plain'}"]) == 0
-    ds, plain = (
-        json.loads((tmp_path / d / "checkpoint-2" / "trainer_state.json").read_text())
-        for d in ("ds", "plain")
-    )
-    assert ds["world_size"] == 2 and ds["losses"] == pytest.approx(plain["losses"], rel=1e-5)
-    a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("plain", "ds"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert (a[k] - b[k]).abs().max().item() < 1e-5, k
+    assert_two_processes_equal_one(tmp_path, "checkpoint-2")
 
 
 def test_layerskip_under_zero3_on_two_processes(tiny_target_path, tmp_path):
@@ -135,15 +141,7 @@ def test_layerskip_under_zero3_on_two_processes(tiny_target_path, tmp_path):
 
     plain = [*common, "micro_batch_size=4", "eval_loop.enabled=false"]
     assert layerskip([*plain, f"output_dir={tmp_path / 'plain'}"]) == 0
-    ds, one = (
-        json.loads((tmp_path / d / "checkpoint-4" / "trainer_state.json").read_text())
-        for d in ("ds", "plain")
-    )
-    assert ds["world_size"] == 2 and ds["losses"] == pytest.approx(one["losses"], rel=1e-5)
-    a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("plain", "ds"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert (a[k] - b[k]).abs().max().item() < 1e-5, k
+    assert_two_processes_equal_one(tmp_path, "checkpoint-4")
 
 
 # kind -> (its settings, the launch: DeepSpeed ZeRO-2 for the drafter as the 70B recipe has it,
@@ -199,15 +197,7 @@ def test_a_drafter_trains_online_against_a_target_sharded_by_zero3(
     main = importlib.import_module(f"specdraft.train.{kind}").main
     plain = [*common, "micro_batch_size=4", "eval_loop.enabled=false"]
     assert main([*plain, f"output_dir={tmp_path / 'plain'}"]) == 0
-    ds, one = (
-        json.loads((tmp_path / d / "checkpoint-4" / "trainer_state.json").read_text())
-        for d in ("ds", "plain")
-    )
-    assert ds["world_size"] == 2 and ds["losses"] == pytest.approx(one["losses"], rel=1e-5)
-    a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("plain", "ds"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert (a[k] - b[k]).abs().max().item() < 1e-5, k
+    assert_two_processes_equal_one(tmp_path, "checkpoint-4")
 
 
 def test_a_sharded_target_without_a_launcher_is_a_group_of_one(tiny_target_path, tmp_path):
