@@ -75,6 +75,18 @@ class Target:
         target gathers them, on every process at once)."""
         return contextlib.nullcontext()
 
+    def release_lm_head(self) -> None:
+        """Put the LM head's weight back on the meta device, freeing it, unless it is the input
+        embedding's (tied): for an embeddings-only copy whose drafter read what it needed of
+        the LM head when it was built (an EAGLE-3 head's draft vocabulary rows). The target
+        cannot produce logits afterwards."""
+        head = self.model.get_output_embeddings()
+        if head.weight is self.model.get_input_embeddings().weight:
+            return
+        head.weight = nn.Parameter(
+            torch.empty_like(head.weight, device="meta"), requires_grad=False
+        )
+
     # -- pieces drafters reuse ------------------------------------------------------------------
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -80,8 +80,8 @@ def plan(
     # ZeRO-3 gathers a module's own weights for its forward (not a decoder layer's at once): the
     # largest is the embedding or the LM head, both gathered in every forward
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    embeddings = embed.numel() + (0 if lm_head is embed else lm_head.numel())
+    # the sharded run's head keeps a copy of the embedding; the LM head's it releases once built
+    embeddings = model.get_input_embeddings().weight.numel()
     trained = sum(p.numel() for p in head.parameters() if p.requires_grad)
     b = bytes_per_weight
     zero2 = json.loads(ZERO2_CONFIG.read_text())["zero_optimization"]
@@ -93,7 +93,7 @@ def plan(
         # the prefetch bucket
         "target_zero3": target_params * b / gpus
         + (min(target_params, max(largest, ZERO3_MAX_LIVE)) + ZERO3_PREFETCH) * b,
-        # the sharded run's head reads an embeddings-only copy (the whole target serves itself)
+        # the sharded run's head reads a copy of the embedding (the whole target serves itself)
         "head_embedding_copy": embeddings * b,
         # bf16 mixed precision: fp32 weights (4 bytes), fp32 gradients (4), AdamW's two fp32
         # moments (8); DDP also keeps its gradient buckets (4), all on every GPU. ZeRO-2: bf16

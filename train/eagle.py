@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # the head's random init; identical on every process
         head = build_head(cfg.drafter, target, train_examples)
+        if cfg.target_sharding != "none" and head.config.version == "eagle3":
+            # the sharded target computes the logits; the head copied its draft vocabulary's
+            # rows of the LM head when it was built and never reads the copy's again
+            target.release_lm_head()
         if cfg.hidden_cache:  # offline: hidden states and p come from the cache
             cache = HiddenStateCache(
                 cfg.hidden_cache, target, [*train_examples, *eval_examples], head.capture_layers

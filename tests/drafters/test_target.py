@@ -98,3 +98,21 @@ def test_embeddings_only_reads_the_embedding_and_lm_head_and_nothing_else(
     assert torch.equal(lite.lm_head(h), whole.lm_head(h))
     layers = [p for n, p in lite.model.named_parameters() if ".layers." in n]
     assert layers and all(p.is_meta for p in layers)
+    # an EAGLE-3 head built from the copy keeps what it read of the LM head; the copy's own LM
+    # head can then go (a sharded run's), unless it is the embedding itself
+    from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
+
+    cfg = resolve_config(EagleConfig(version="eagle3", draft_vocab_size=64), lite)
+    torch.manual_seed(0)
+    head = EagleDrafter.build(cfg, lite, torch.arange(64))
+    rows = whole.model.get_output_embeddings().weight[:64].float()
+    lite.release_lm_head()
+    tied = layout.startswith("tied")
+    assert lite.model.get_output_embeddings().weight.is_meta is not tied
+    assert not lite.model.get_input_embeddings().weight.is_meta
+    assert torch.equal(head.lm_head.weight, rows)
+    batch = {"input_ids": torch.tensor([[3, 4, 5, 6, 7]])}
+    batch |= {"attention_mask": torch.ones_like(batch["input_ids"]), "loss_mask": torch.ones_like(batch["input_ids"])}  # fmt: skip
+    out = whole.forward(batch["input_ids"], capture_layers=head.capture_layers)
+    loss, _ = head(batch, out)
+    assert torch.isfinite(loss)
