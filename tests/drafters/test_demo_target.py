@@ -122,3 +122,34 @@ def test_muon_takes_the_layer_matrices_and_adamw_the_rest():
     assert all(p is not embed for g in muon.param_groups for p in g["params"])
     with pytest.raises(ValueError, match="optimizer 'sgd'"):
         resolve_spec("tiny", overrides={"optimizer": "sgd"})
+
+
+def test_our_muon_is_torchs_in_bf16_and_close_in_fp32():
+    """The build's Muon with bf16 Newton-Schulz makes torch.optim.Muon's updates bit for bit (so
+    bf16 builds are what they were); in fp32 (CPUs without native bf16) it is the same update up
+    to bf16 rounding."""
+    import torch
+
+    from specdraft.drafters.demo_target import Muon
+
+    torch.manual_seed(0)
+    start = [torch.randn(24, 40), torch.randn(40, 16)]  # wide and tall: both orientations
+
+    def run(make) -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(w.clone()) for w in start]
+        opt = make(params)
+        for step in range(3):
+            for i, p in enumerate(params):
+                p.grad = torch.sin(p.detach() * (step + 2) + i)
+            opt.step()
+        return [p.detach() for p in params]
+
+    theirs = run(lambda ps: torch.optim.Muon(
+        ps, lr=3e-3, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"))  # fmt: skip
+    ours_bf16 = run(lambda ps: Muon(ps, lr=3e-3, weight_decay=0.1, ns_dtype=torch.bfloat16))
+    ours_fp32 = run(lambda ps: Muon(ps, lr=3e-3, weight_decay=0.1, ns_dtype=torch.float32))
+    assert all(torch.equal(a, b) for a, b in zip(theirs, ours_bf16, strict=True))
+    moved = [(a - w).abs().max().item() for a, w in zip(theirs, start, strict=True)]
+    assert all(m > 1e-3 for m in moved)  # the steps did move the weights
+    for a, b, m in zip(theirs, ours_fp32, moved, strict=True):
+        assert not torch.equal(a, b) and (a - b).abs().max().item() < 0.05 * m
