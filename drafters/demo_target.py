@@ -62,6 +62,15 @@ class DemoSpec:
     # AdamW for embeddings and norms; at the same tokens it learns far faster here (BENCHMARKS.md,
     # "Demo target"). adamw: AdamW for everything (the tiny variant, and the v1 target).
     optimizer: str = "muon"
+    # The pseudo-repetition penalty (DITTO, Xu et al. 2022, "Learning to Break the Loop"): after
+    # the likelihood steps, `repeat_steps` more steps at a constant `repeat_lr` (fresh optimizers)
+    # each add `batch_size` rows that repeat a short span of a training block. At every token of a
+    # repetition the model is trained toward `repeat_decay` times its probability of that token
+    # one repetition earlier, so a repeated line grows less likely instead of more. Without it a
+    # small model's greedy output falls into loops (BENCHMARKS.md, "Demo target").
+    repeat_steps: int = 0
+    repeat_lr: float = 4e-4
+    repeat_decay: float = 0.5
 
 
 SPECS = {
@@ -98,6 +107,12 @@ def resolve_spec(
     spec = replace(spec, **(overrides or {}))
     if spec.optimizer not in ("muon", "adamw"):
         raise ValueError(f"demo build optimizer {spec.optimizer!r}: choose muon or adamw")
+    if spec.repeat_steps < 0 or not 0 < spec.repeat_decay < 1 or spec.repeat_lr <= 0:
+        raise ValueError(
+            f"demo build repetition settings repeat_steps={spec.repeat_steps}, repeat_decay="
+            f"{spec.repeat_decay}, repeat_lr={spec.repeat_lr}: need repeat_steps >= 0, "
+            "0 < repeat_decay < 1 and repeat_lr > 0"
+        )
     if spec.precision not in ("auto", "bf16", "fp32"):
         raise ValueError(f"demo build precision {spec.precision!r}: choose auto, bf16 or fp32")
     return replace(spec, precision=resolve_precision(spec.precision, "cpu", "the demo build"))
@@ -281,6 +296,8 @@ def build(spec: DemoSpec, out: Path) -> dict:
                 f"({time.time() - start:.0f}s)",
                 file=sys.stderr,
             )
+    if spec.repeat_steps:
+        _penalize_repetition(model, spec, train_blocks, order, start)
     model.eval()
     heldout_loss = evaluate_loss(model, eval_blocks)
     model.generation_config = GenerationConfig(
@@ -303,6 +320,86 @@ def build(spec: DemoSpec, out: Path) -> dict:
     }
     (out / COMPLETE_MARKER).write_text(json.dumps(info, indent=2) + "\n")
     return info
+
+
+MAX_REPEATED_SPAN = 24  # tokens: the loop detector's longest period
+
+
+def repetition_rows(
+    blocks: torch.Tensor, n: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`n` pseudo-repetitive rows shaped like `blocks`' rows: a random block's first `start`
+    tokens (0 to half a row), then a span of 2 to MAX_REPEATED_SPAN tokens that follows them
+    in the block, repeated to the row's end. Returns (rows, starts, span lengths)."""
+    length = blocks.shape[1]
+    picks = torch.randint(len(blocks), (n,), generator=generator)
+    starts = torch.randint(0, length // 2 + 1, (n,), generator=generator)
+    spans = torch.randint(2, MAX_REPEATED_SPAN + 1, (n,), generator=generator)
+    position = torch.arange(length)
+    # Up to `start` the block itself; after it the span, cycled.
+    source = torch.where(
+        position < starts[:, None],
+        position,
+        starts[:, None] + (position - starts[:, None]) % spans[:, None],
+    )
+    return blocks[picks].gather(1, source), starts, spans
+
+
+def repetition_penalty(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    spans: torch.Tensor,
+    decay: float,
+) -> tuple[torch.Tensor, int]:
+    """DITTO's loss, summed, and the number of tokens it scored. `logits` are the model's over
+    `rows[:, :-1]`. A token of the span's k-th repetition (k >= 1) with probability p, whose copy
+    one repetition earlier had probability q, costs -log(1 - |p - decay * q|), q held fixed: the
+    optimum makes each repetition `decay` times as likely as the one before it."""
+    probs = torch.log_softmax(logits.float(), -1).gather(-1, rows[:, 1:, None]).squeeze(-1).exp()
+    position = torch.arange(rows.shape[1])[None, :]  # a token's index in its row
+    earlier = position - spans[:, None]  # the same token one repetition before
+    scored = (position >= (starts + spans)[:, None]) & (earlier >= 1)
+    # probs[:, i] is the probability of rows[:, i + 1]: the token at index t is probs[:, t - 1].
+    now = probs.gather(1, (position - 1).clamp(min=0).expand_as(scored))
+    before = probs.gather(1, (earlier - 1).clamp(min=0)).detach()
+    cost = -torch.log((1 - (now - decay * before).abs()).clamp(min=1e-6))
+    return (cost * scored).sum(), int(scored.sum())
+
+
+def _penalize_repetition(
+    model: LlamaForCausalLM, spec: DemoSpec, blocks: torch.Tensor, order: torch.Tensor, start: float
+) -> None:
+    """The build's DITTO phase (see DemoSpec.repeat_steps): each step the next batch of the
+    likelihood order plus as many pseudo-repetitive rows, one forward, the two mean losses
+    added."""
+    optimizers = _optimizers(model, replace(spec, lr=spec.repeat_lr))
+    generator = torch.Generator().manual_seed(spec.seed + 1)
+    model.train()
+    for i in range(spec.repeat_steps):
+        step = spec.steps + i
+        batch = blocks[order[(torch.arange(spec.batch_size) + step * spec.batch_size) % len(order)]]
+        rows, starts, spans = repetition_rows(blocks, spec.batch_size, generator)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.precision == "bf16"):
+            logits = model(input_ids=torch.cat([batch, rows])[:, :-1]).logits
+        likelihood = torch.nn.functional.cross_entropy(
+            logits[: spec.batch_size].float().flatten(0, 1), batch[:, 1:].flatten()
+        )
+        penalty, scored = repetition_penalty(
+            logits[spec.batch_size :], rows, starts, spans, spec.repeat_decay
+        )
+        (likelihood + penalty / max(scored, 1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if i % max(1, spec.repeat_steps // 10) == 0 or i == spec.repeat_steps - 1:
+            print(
+                f"[specdraft] demo target repetition step {i + 1}/{spec.repeat_steps} loss "
+                f"{likelihood.item():.3f} penalty {penalty.item() / max(scored, 1):.4f} "
+                f"({time.time() - start:.0f}s)",
+                file=sys.stderr,
+            )
 
 
 @torch.no_grad()

@@ -153,3 +153,64 @@ def test_our_muon_is_torchs_in_bf16_and_close_in_fp32():
     assert all(m > 1e-3 for m in moved)  # the steps did move the weights
     for a, b, m in zip(theirs, ours_fp32, moved, strict=True):
         assert not torch.equal(a, b) and (a - b).abs().max().item() < 0.05 * m
+
+
+def test_repetition_rows_repeat_a_span_that_follows_a_block_prefix():
+    import torch
+
+    blocks = torch.arange(10 * 65).view(10, 65)  # every token distinct: positions are legible
+    rows, starts, spans = bdt.repetition_rows(blocks, 16, torch.Generator().manual_seed(0))
+    assert rows.shape == (16, 65) and len(set(spans.tolist())) > 1
+    assert spans.min() >= 2 and spans.max() <= bdt.MAX_REPEATED_SPAN and starts.max() <= 32
+    for row, start, span in zip(rows.tolist(), starts.tolist(), spans.tolist(), strict=True):
+        block = blocks[row[0] // 65].tolist() if start else None
+        if block is not None:
+            assert row[:start] == block[:start]
+        first = row[start : start + span]
+        assert first == list(range(first[0], first[0] + span))  # a contiguous span of a block
+        assert all(row[t] == row[t - span] for t in range(start + span, 65))
+
+
+def test_repetition_penalty_equals_a_per_token_reference():
+    """DITTO's loss against a plain loop: at each token of a repetition after the first copy,
+    -log(1 - |p - decay * q|) with p its probability and q its copy's one repetition earlier."""
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 11, (5, 40), generator=gen)
+    rows, starts, spans = bdt.repetition_rows(blocks, 6, gen)
+    logits = torch.randn(6, 39, 11, generator=gen, requires_grad=True)
+    total, count = bdt.repetition_penalty(logits, rows, starts, spans, 0.5)
+    want, n = 0.0, 0
+    for r in range(6):
+        s, span = starts[r].item(), spans[r].item()
+        for t in range(s + span, 40):
+            if t - span < 1:
+                continue
+            p = torch.softmax(logits[r, t - 1], -1)[rows[r, t]]
+            q = torch.softmax(logits[r, t - span - 1], -1)[rows[r, t - span]].item()
+            want = want - torch.log(1 - (p - 0.5 * q).abs())
+            n += 1
+    assert count == n > 0
+    torch.testing.assert_close(total, want)
+    grad = torch.autograd.grad(total, logits)[0]
+    torch.testing.assert_close(grad, torch.autograd.grad(want, logits)[0])  # q held fixed
+
+
+def test_the_repetition_phase_is_deterministic_and_changes_the_weights(tmp_path, tiny_target_path):
+    spec = bdt.resolve_spec("tiny", overrides={"repeat_steps": 3})
+    for out in (tmp_path / "a", tmp_path / "b"):
+        bdt.build(spec, out)
+    a, b = (load_file(tmp_path / x / "model.safetensors") for x in "ab")
+    assert all(a[k].equal(b[k]) for k in a)
+    plain = load_file(bdt.Path(tiny_target_path) / "model.safetensors")
+    assert not all(a[k].equal(plain[k]) for k in a)
+    assert bdt.demo_target_dir(spec, "tiny") != bdt.Path(tiny_target_path)
+
+
+@pytest.mark.parametrize(
+    "bad", [{"repeat_steps": -1}, {"repeat_decay": 1.0}, {"repeat_decay": 0}, {"repeat_lr": 0}]
+)
+def test_bad_repetition_settings_are_named(bad):
+    with pytest.raises(ValueError, match="need repeat_steps >= 0, 0 < repeat_decay < 1"):
+        bdt.resolve_spec("tiny", overrides=bad)
