@@ -58,7 +58,7 @@ class DemoSpec:
     # Training autocast: bf16 where the CPU has it natively (resolve_spec turns "auto" into what
     # this machine runs, so the cache folder's hash names the precision actually used), else fp32.
     precision: str = "auto"
-    # muon: Muon (torch.optim.Muon, RMS matched to AdamW's) for the decoder layers' matrices and
+    # muon: Muon (torch.optim.Muon's update, RMS matched to AdamW's) for the decoder layers' matrices and
     # AdamW for embeddings and norms; at the same tokens it learns far faster here (BENCHMARKS.md,
     # "Demo target"). adamw: AdamW for everything (the tiny variant, and the v1 target).
     optimizer: str = "muon"
@@ -312,7 +312,8 @@ def build(spec: DemoSpec, out: Path) -> dict:
         "python": platform.python_version(),
         "build_version": BUILD_VERSION,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "train_tokens_seen": spec.steps * spec.batch_size * spec.seq_len,
+        "train_tokens_seen": (spec.steps + spec.repeat_steps) * spec.batch_size * spec.seq_len,
+        "repetition_rows_seen": spec.repeat_steps * spec.batch_size,
         "train_tokens_available": int(train_blocks.numel()),
         "heldout_loss": heldout_loss,
         "build_seconds": round(time.time() - start, 1),
@@ -368,7 +369,7 @@ def repetition_penalty(
 
 
 def _penalize_repetition(
-    model: LlamaForCausalLM, spec: DemoSpec, blocks: torch.Tensor, order: torch.Tensor, start: float
+    model: LlamaForCausalLM, spec: DemoSpec, blocks: torch.Tensor, order: torch.Tensor, began: float
 ) -> None:
     """The build's DITTO phase (see DemoSpec.repeat_steps): each step the next batch of the
     likelihood order plus as many pseudo-repetitive rows, one forward, the two mean losses
@@ -397,7 +398,7 @@ def _penalize_repetition(
             print(
                 f"[specdraft] demo target repetition step {i + 1}/{spec.repeat_steps} loss "
                 f"{likelihood.item():.3f} penalty {penalty.item() / max(scored, 1):.4f} "
-                f"({time.time() - start:.0f}s)",
+                f"({time.time() - began:.0f}s)",
                 file=sys.stderr,
             )
 

@@ -105,16 +105,20 @@ def test_muon_takes_the_layer_matrices_and_adamw_the_rest():
     decoder-layer weights (Muon orthogonalizes matrices; embeddings and norms stay AdamW)."""
     from dataclasses import replace
 
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specdraft.drafters.demo_target import _optimizers, resolve_spec
 
-    spec = replace(resolve_spec("tiny"), optimizer="muon")
+    spec = replace(resolve_spec("tiny", overrides={"precision": "fp32"}), optimizer="muon")
     config = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                          intermediate_size=64, tie_word_embeddings=True)  # fmt: skip
     model = LlamaForCausalLM(config)
     muon, adamw = _optimizers(model, spec)
     assert type(muon).__name__ == "Muon" and type(adamw).__name__ == "AdamW"
+    assert muon.ns_dtype == torch.float32  # this spec resolved to fp32...
+    bf16 = _optimizers(model, replace(spec, precision="bf16"))[0]
+    assert bf16.ns_dtype == torch.bfloat16  # ...and a bf16 build orthogonalizes as torch does
     held = [id(p) for opt in (muon, adamw) for g in opt.param_groups for p in g["params"]]
     assert sorted(held) == sorted(id(p) for p in model.parameters())  # each once
     assert all(p.dim() == 2 for g in muon.param_groups for p in g["params"])
@@ -160,13 +164,14 @@ def test_repetition_rows_repeat_a_span_that_follows_a_block_prefix():
 
     blocks = torch.arange(10 * 65).view(10, 65)  # every token distinct: positions are legible
     rows, starts, spans = bdt.repetition_rows(blocks, 16, torch.Generator().manual_seed(0))
-    assert rows.shape == (16, 65) and len(set(spans.tolist())) > 1
+    assert rows.shape == (16, 65) and len(set(spans.tolist())) > 1 and len(set(starts.tolist())) > 1
     assert spans.min() >= 2 and spans.max() <= bdt.MAX_REPEATED_SPAN and starts.max() <= 32
     for row, start, span in zip(rows.tolist(), starts.tolist(), spans.tolist(), strict=True):
         block = blocks[row[0] // 65].tolist() if start else None
         if block is not None:
             assert row[:start] == block[:start]
         first = row[start : start + span]
+        assert first[0] % 65 == start  # the span is what follows the prefix in its block
         assert first == list(range(first[0], first[0] + span))  # a contiguous span of a block
         assert all(row[t] == row[t - span] for t in range(start + span, 65))
 
@@ -197,15 +202,21 @@ def test_repetition_penalty_equals_a_per_token_reference():
     torch.testing.assert_close(grad, torch.autograd.grad(want, logits)[0])  # q held fixed
 
 
-def test_the_repetition_phase_is_deterministic_and_changes_the_weights(tmp_path, tiny_target_path):
-    spec = bdt.resolve_spec("tiny", overrides={"repeat_steps": 3})
-    for out in (tmp_path / "a", tmp_path / "b"):
-        bdt.build(spec, out)
-    a, b = (load_file(tmp_path / x / "model.safetensors") for x in "ab")
+def test_the_repetition_phase_is_deterministic_and_its_penalty_moves_the_weights(tmp_path):
+    """Two builds with the phase are bit-identical; the penalty itself changes the result (not
+    only the phase's likelihood steps): another decay gives other weights, in a Muon build."""
+    specs = {
+        name: bdt.resolve_spec(
+            "tiny", overrides={"repeat_steps": 3, "optimizer": "muon", "repeat_decay": decay}
+        )
+        for name, decay in (("a", 0.5), ("b", 0.5), ("c", 0.9))
+    }
+    for name, spec in specs.items():
+        bdt.build(spec, tmp_path / name)
+    a, b, c = (load_file(tmp_path / x / "model.safetensors") for x in "abc")
     assert all(a[k].equal(b[k]) for k in a)
-    plain = load_file(bdt.Path(tiny_target_path) / "model.safetensors")
-    assert not all(a[k].equal(plain[k]) for k in a)
-    assert bdt.demo_target_dir(spec, "tiny") != bdt.Path(tiny_target_path)
+    assert not all(a[k].equal(c[k]) for k in a)
+    assert bdt.demo_target_dir(specs["a"], "tiny") != bdt.demo_target_dir(specs["c"], "tiny")
 
 
 @pytest.mark.parametrize(
