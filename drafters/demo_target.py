@@ -71,6 +71,7 @@ class DemoSpec:
     repeat_steps: int = 0
     repeat_lr: float = 4e-4
     repeat_decay: float = 0.5
+    repeat_unit: str = "tokens"  # tokens: spans of 2-24 tokens; lines: whole lines where they fit
 
 
 SPECS = {
@@ -113,6 +114,8 @@ def resolve_spec(
             f"{spec.repeat_decay}, repeat_lr={spec.repeat_lr}: need repeat_steps >= 0, "
             "0 < repeat_decay < 1 and repeat_lr > 0"
         )
+    if spec.repeat_unit not in ("tokens", "lines"):
+        raise ValueError(f"demo build repeat_unit {spec.repeat_unit!r}: choose tokens or lines")
     if spec.precision not in ("auto", "bf16", "fp32"):
         raise ValueError(f"demo build precision {spec.precision!r}: choose auto, bf16 or fp32")
     return replace(spec, precision=resolve_precision(spec.precision, "cpu", "the demo build"))
@@ -297,7 +300,7 @@ def build(spec: DemoSpec, out: Path) -> dict:
                 file=sys.stderr,
             )
     if spec.repeat_steps:
-        _penalize_repetition(model, spec, train_blocks, order, start)
+        _penalize_repetition(model, tokenizer, spec, train_blocks, order, start)
     model.eval()
     heldout_loss = evaluate_loss(model, eval_blocks)
     model.generation_config = GenerationConfig(
@@ -327,15 +330,28 @@ MAX_REPEATED_SPAN = 24  # tokens: the loop detector's longest period
 
 
 def repetition_rows(
-    blocks: torch.Tensor, n: int, generator: torch.Generator
+    blocks: torch.Tensor,
+    n: int,
+    generator: torch.Generator,
+    line_ends: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`n` pseudo-repetitive rows shaped like `blocks`' rows: a random block's first `start`
     tokens (0 to half a row), then a span of 2 to MAX_REPEATED_SPAN tokens that follows them
-    in the block, repeated to the row's end. Returns (rows, starts, span lengths)."""
+    in the block, repeated to the row's end. Returns (rows, starts, span lengths).
+
+    With `line_ends` (a bool per token id: the token holds a newline) the span is a whole line
+    where one fits: it starts after the first line end at or past the drawn start and runs
+    through the next line end, the unit that a looping model repeats in code."""
     length = blocks.shape[1]
     picks = torch.randint(len(blocks), (n,), generator=generator)
     starts = torch.randint(0, length // 2 + 1, (n,), generator=generator)
     spans = torch.randint(2, MAX_REPEATED_SPAN + 1, (n,), generator=generator)
+    if line_ends is not None:
+        for i, block in enumerate(blocks[picks]):
+            ends = torch.nonzero(line_ends[block]).squeeze(-1).tolist()
+            after = [e for e in ends if e >= starts[i] - 1]  # a line starts at e + 1
+            if len(after) >= 2 and 2 <= after[1] - after[0] <= MAX_REPEATED_SPAN:
+                starts[i], spans[i] = after[0] + 1, after[1] - after[0]
     position = torch.arange(length)
     # Up to `start` the block itself; after it the span, cycled.
     source = torch.where(
@@ -369,18 +385,26 @@ def repetition_penalty(
 
 
 def _penalize_repetition(
-    model: LlamaForCausalLM, spec: DemoSpec, blocks: torch.Tensor, order: torch.Tensor, began: float
+    model: LlamaForCausalLM,
+    tokenizer,
+    spec: DemoSpec,
+    blocks: torch.Tensor,
+    order: torch.Tensor,
+    began: float,
 ) -> None:
     """The build's DITTO phase (see DemoSpec.repeat_steps): each step the next batch of the
     likelihood order plus as many pseudo-repetitive rows, one forward, the two mean losses
     added."""
     optimizers = _optimizers(model, replace(spec, lr=spec.repeat_lr))
     generator = torch.Generator().manual_seed(spec.seed + 1)
+    line_ends = None
+    if spec.repeat_unit == "lines":
+        line_ends = torch.tensor(["\n" in tokenizer.decode([i]) for i in range(len(tokenizer))])
     model.train()
     for i in range(spec.repeat_steps):
         step = spec.steps + i
         batch = blocks[order[(torch.arange(spec.batch_size) + step * spec.batch_size) % len(order)]]
-        rows, starts, spans = repetition_rows(blocks, spec.batch_size, generator)
+        rows, starts, spans = repetition_rows(blocks, spec.batch_size, generator, line_ends)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.precision == "bf16"):
             logits = model(input_ids=torch.cat([batch, rows])[:, :-1]).logits
         likelihood = torch.nn.functional.cross_entropy(

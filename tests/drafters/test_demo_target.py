@@ -225,3 +225,19 @@ def test_the_repetition_phase_is_deterministic_and_its_penalty_moves_the_weights
 def test_bad_repetition_settings_are_named(bad):
     with pytest.raises(ValueError, match="need repeat_steps >= 0, 0 < repeat_decay < 1"):
         bdt.resolve_spec("tiny", overrides=bad)
+
+
+def test_repetition_rows_by_lines_repeat_whole_lines():
+    """With line ends given, a span starts after a line end and runs through the next one."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    blocks = torch.randint(1, 50, (6, 80), generator=gen)
+    blocks[:, 3::7] = 0  # token 0 ends a line: lines of 7 tokens
+    line_ends = torch.zeros(50, dtype=torch.bool)
+    line_ends[0] = True
+    rows, starts, spans = bdt.repetition_rows(blocks, 12, gen, line_ends)
+    for row, start, span in zip(rows.tolist(), starts.tolist(), spans.tolist(), strict=True):
+        assert span == 7 and row[start - 1] == 0 and row[start + span - 1] == 0
+        assert 0 not in row[start : start + span - 1]
+        assert all(row[t] == row[t - span] for t in range(start + span, 80))
