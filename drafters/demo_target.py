@@ -69,15 +69,16 @@ class DemoSpec:
     # one repetition earlier, so a repeated line grows less likely instead of more. Without it a
     # small model's greedy output falls into loops (BENCHMARKS.md, "Demo target").
     repeat_steps: int = 0
-    repeat_lr: float = 4e-4
+    repeat_lr: float = 8e-4
     repeat_decay: float = 0.5
-    repeat_unit: str = "tokens"  # tokens: spans of 2-24 tokens; lines: whole lines where they fit
+    repeat_unit: str = "lines"  # lines: whole lines where they fit; tokens: spans of 2-24 tokens
 
 
 SPECS = {
     "default": DemoSpec(
         vocab_size=4096, hidden_size=256, num_layers=8, num_heads=4, intermediate_size=688,
         seq_len=512, batch_size=8, steps=500, lr=4e-3, warmup_steps=20, corpus_files=0,
+        repeat_steps=120,
     ),
     "tiny": DemoSpec(
         vocab_size=384, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
