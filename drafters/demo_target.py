@@ -37,7 +37,7 @@ from specdraft.data.demo import END, build_demo_tokenizer, demo_corpus_texts, de
 from specdraft.precision import resolve_precision
 
 # Bump when a change to this file changes what a build produces for the same settings.
-BUILD_VERSION = 3  # 3: fp32 builds orthogonalize Muon's updates in fp32
+BUILD_VERSION = 3  # 3: fp32 builds orthogonalize Muon's updates in fp32; the repetition phase
 COMPLETE_MARKER = "build_info.json"
 
 
@@ -58,16 +58,16 @@ class DemoSpec:
     # Training autocast: bf16 where the CPU has it natively (resolve_spec turns "auto" into what
     # this machine runs, so the cache folder's hash names the precision actually used), else fp32.
     precision: str = "auto"
-    # muon: Muon (torch.optim.Muon's update, RMS matched to AdamW's) for the decoder layers' matrices and
-    # AdamW for embeddings and norms; at the same tokens it learns far faster here (BENCHMARKS.md,
-    # "Demo target"). adamw: AdamW for everything (the tiny variant, and the v1 target).
+    # muon: Muon (torch.optim.Muon's update, RMS matched to AdamW's) for the decoder layers'
+    # matrices and AdamW for embeddings and norms; at the same tokens it learns far faster here
+    # (BENCHMARKS.md, "Demo target"). adamw: AdamW for everything (the tiny variant, v1).
     optimizer: str = "muon"
     # The pseudo-repetition penalty (DITTO, Xu et al. 2022, "Learning to Break the Loop"): after
     # the likelihood steps, `repeat_steps` more steps at a constant `repeat_lr` (fresh optimizers)
-    # each add `batch_size` rows that repeat a short span of a training block. At every token of a
-    # repetition the model is trained toward `repeat_decay` times its probability of that token
-    # one repetition earlier, so a repeated line grows less likely instead of more. Without it a
-    # small model's greedy output falls into loops (BENCHMARKS.md, "Demo target").
+    # each add `batch_size` rows that repeat a line (`repeat_unit`) of a training block. At every
+    # token of a repetition the model is trained toward `repeat_decay` times its probability of
+    # that token one repetition earlier, so a repeated line grows less likely instead of more.
+    # Without it a small model's greedy output falls into loops (BENCHMARKS.md, "Demo target").
     repeat_steps: int = 0
     repeat_lr: float = 8e-4
     repeat_decay: float = 0.5
