@@ -250,13 +250,15 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
             )  # fmt: skip
             best = final.parent / "best"
             tuned = [f for f in (final, best) if f.is_dir()]
-            for key in dict.fromkeys(r["round"] for r in tuning):
+            for number, key in dict.fromkeys((r["pass"], r["round"]) for r in tuning):
+                rows = [r for r in tuning if (r["pass"], r["round"]) == (number, key)]
+                kept = next((r[key] for r in rows if r["kept"]), getattr(decode, key))
                 print(
-                    f"[specdraft] {key} by measured tokens/s: "
-                    + ", ".join(
-                        f"{r[key]}: {r['tokens_per_s']:.1f}" for r in tuning if r["round"] == key
-                    )
-                    + f" -> {getattr(decode, key)}"
+                    f"[specdraft] {key} by measured tokens/s"
+                    + (f" (pass {number})" if number > 1 else "")
+                    + ": "
+                    + ", ".join(f"{r[key]}: {r['tokens_per_s']:.1f}" for r in rows)
+                    + f" -> {kept}"
                 )
             print(
                 f"[specdraft] (on the first {cfg.eval_loop.tune_prompts} of the prompts measured "

@@ -151,19 +151,37 @@ def search_decode(
     *,
     max_new_tokens: int,
     require_equal: bool = True,
+    passes: int = 2,
     log: Callable[[str], None] | None = None,
     **options,
 ) -> tuple[DecodeConfig, list[dict]]:
     """The drafter's decoding settings after a search over `space` (DecodeConfig key -> values,
     searched in SEARCH_ORDER, starting from drafter.decode), and one row per candidate measured:
-    {"round": key, key: value, "tokens_per_s", "speedup" (vs plain decoding in the same round),
-    "tau", "matches_plain" (None when sampling), "kept"}."""
+    {"pass", "round": key, key: value, "tokens_per_s", "speedup" (vs plain decoding in the same
+    round), "tau", "matches_plain" (None when sampling), "kept"}.
+
+    Settings interact (LayerSkip's best depth depends on its exit layer: a shallow exit drafts
+    cheaply and wrongly, so it wants short chains), and one pass tunes each setting only at the
+    values the earlier rounds left. So the search passes over SEARCH_ORDER again while the last
+    pass changed anything, `passes` times at most.
+    """
+    if passes < 1:
+        raise ValueError(f"passes must be at least 1; got {passes}")
     greedy = options.get("temperature", 0.0) == 0
     best, rows = drafter.decode, []
     if "exit_layer" in space:  # 0 means the trained exit: name it, so it is raced once
         best = best.replace(exit_layer=drafter.draft_exit(best))
-    for key in SEARCH_ORDER:
-        if key not in space or (key == "tree_budget" and best.chain):
+    keys = [key for key in SEARCH_ORDER if key in space]
+    if len(keys) == 1:  # nothing for a second pass to move the key against
+        passes = 1
+    rounds = [(p, key) for p in range(1, passes + 1) for key in keys]
+    start_of_pass = best
+    for number, key in rounds:
+        if key == keys[0] and number > 1:  # a new pass: only if the last one moved
+            if best == start_of_pass:
+                break
+            start_of_pass = best
+        if key == "tree_budget" and best.chain:
             continue
         candidates = [best]
         for value in space[key]:
@@ -180,7 +198,7 @@ def search_decode(
         for trial in measured:
             same = trial.outputs == plain.outputs if greedy else None
             round_rows.append({
-                "round": key, key: getattr(trial.decode, key),
+                "pass": number, "round": key, key: getattr(trial.decode, key),
                 "tokens_per_s": trial.tokens_per_s,
                 "speedup": trial.tokens_per_s / plain.tokens_per_s,
                 "tau": trial.stats.tau, "matches_plain": same, "kept": False,
@@ -196,7 +214,8 @@ def search_decode(
         rows.extend(round_rows)
         if log is not None:
             log(
-                f"{key}: "
+                (f"pass {number}, " if number > 1 else "")
+                + f"{key}: "
                 + ", ".join(
                     f"{r[key]} {r['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x"
                     + (", differs from plain" if r["matches_plain"] is False else "")

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     saved = drafter.decode
     best, rows = search_decode(
         target, drafter, prompts, space, max_new_tokens=args.max_new_tokens,
-        require_equal=not args.allow_mismatch, log=say, **sampling,
+        require_equal=not args.allow_mismatch, passes=args.passes, log=say, **sampling,
     )  # fmt: skip
     if (
         args.temperature == 0
@@ -160,6 +160,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--passes",
+        type=int,
+        default=2,
+        help="search every setting again while the last pass changed one, this many times at "
+        "most (settings interact: a shallow LayerSkip exit wants a short draft)",
+    )
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: as saved)")
     parser.add_argument("--device", default=None)
     parser.add_argument(
@@ -170,8 +177,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="measure, but leave the folder")
     parser.add_argument("--output", default=None, help="write every measurement to this JSON")
     args = parser.parse_args(argv)
-    if args.num_prompts < 1 or args.max_new_tokens < 1:
-        parser.error("--num-prompts and --max-new-tokens must be >= 1")
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.passes < 1:
+        parser.error("--num-prompts, --max-new-tokens and --passes must be >= 1")
     if args.temperature < 0:
         parser.error("--temperature must be >= 0")
     return args

@@ -46,12 +46,15 @@ def test_tune_saves_the_fastest_settings_with_equal_output(layerskip_folder, tmp
     result = json.loads(report.read_text())
     rows = result["search"]
     # LayerSkip drafts chains: no tree round; each round raced the settings so far with its values
-    assert [r["round"] for r in rows] == ["gamma"] * 3 + ["lookup_ngram"] * 2
-    assert sorted(r["gamma"] for r in rows if r["round"] == "gamma") == [1, 2, 4]
-    for key in ("gamma", "lookup_ngram"):
-        kept = [r for r in rows if r["round"] == key and r["kept"]]
+    first = [r for r in rows if r["pass"] == 1]
+    assert [r["round"] for r in first] == ["gamma"] * 3 + ["lookup_ngram"] * 2
+    assert sorted(r["gamma"] for r in first if r["round"] == "gamma") == [1, 2, 4]
+    for key in ("gamma", "lookup_ngram"):  # the key's last round decided it
+        last = max(r["pass"] for r in rows if r["round"] == key)
+        raced = [r for r in rows if r["round"] == key and r["pass"] == last]
+        kept = [r for r in raced if r["kept"]]
         assert len(kept) == 1 and kept[0]["matches_plain"] is True
-        fastest = max((r for r in rows if r["round"] == key), key=lambda r: r["tokens_per_s"])
+        fastest = max(raced, key=lambda r: r["tokens_per_s"])
         assert kept[0] is fastest or fastest["matches_plain"] is False
         if not result["measured"]["kept_saved"]:  # (else the saved settings won the last race)
             assert result["decode"][key] == kept[0][key]
@@ -125,6 +128,54 @@ def test_a_faster_setting_that_changes_greedy_output_is_not_kept(monkeypatch):
         None, Drafter(), [], {"gamma": [2, 3]}, max_new_tokens=4, require_equal=False
     )
     assert best.gamma == 3
+
+
+class _Chains:
+    """A chain drafter whose decode settings the fake races below price."""
+
+    decode = DecodeConfig(gamma=4, exit_layer=2)
+
+    def ignored_settings(self, decode):
+        return []
+
+    def draft_exit(self, decode):
+        return decode.exit_layer
+
+
+def _priced_race(seconds):
+    """A race whose candidates take seconds(decode) each, all with plain decoding's output."""
+
+    def fake_race(target, drafter, prompts, decodes, **_):
+        trials = [tune.Trial(None, 1.0, Stats(new_tokens=10), [[1]])]
+        trials += [tune.Trial(d, seconds(d), Stats(new_tokens=10), [[1]]) for d in decodes]
+        return trials
+
+    return fake_race
+
+
+def test_a_second_pass_finds_settings_that_only_pay_together(monkeypatch):
+    """Exit 1 is slow at the trained depth 4 and fastest at depth 2: one pass (exit, then
+    depth) stops at exit 2; the second pass, at depth 2, moves to exit 1 and stops there."""
+    table = {(1, 4): 0.9, (2, 4): 0.8, (1, 2): 0.5, (2, 2): 0.7, (1, 1): 0.6, (2, 1): 0.75}
+    monkeypatch.setattr(tune, "race", _priced_race(lambda d: table[d.exit_layer, d.gamma]))
+    space = {"exit_layer": [1, 2], "gamma": [1, 2, 4]}
+    one, _ = tune.search_decode(None, _Chains(), [], space, max_new_tokens=4, passes=1)
+    assert (one.exit_layer, one.gamma) == (2, 2)
+    best, rows = tune.search_decode(None, _Chains(), [], space, max_new_tokens=4)
+    assert (best.exit_layer, best.gamma) == (1, 2)
+    kept = [(r["pass"], r["round"]) for r in rows if r["kept"]]
+    assert kept == [(1, "exit_layer"), (1, "gamma"), (2, "exit_layer"), (2, "gamma")]
+    with pytest.raises(ValueError, match="passes must be at least 1"):
+        tune.search_decode(None, _Chains(), [], space, max_new_tokens=4, passes=0)
+
+
+def test_no_second_pass_when_the_first_changed_nothing(monkeypatch):
+    monkeypatch.setattr(tune, "race", _priced_race(lambda d: d.gamma + d.exit_layer))
+    space = {"exit_layer": [1, 2], "gamma": [4, 6]}
+    drafter = _Chains()
+    drafter.decode = DecodeConfig(gamma=4, exit_layer=1)  # already the cheapest
+    best, rows = tune.search_decode(None, drafter, [], space, max_new_tokens=4, passes=3)
+    assert best == drafter.decode and {r["pass"] for r in rows} == {1}
 
 
 def test_the_saved_settings_stay_when_they_win_the_final_race(layerskip_folder, monkeypatch):
