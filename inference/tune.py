@@ -5,7 +5,8 @@ depend on the machine as much as on the drafter: how much a wider verification o
 drafting call costs is a property of the hardware. So they are measured where the drafter will
 run. The search goes one setting at a time (SEARCH_ORDER), each round racing the best settings
 so far against every candidate value of one setting, with plain decoding in the same round; the
-candidates take turns on each prompt, so a machine whose load drifts slows them alike. At
+candidates take turns on each prompt, so a machine whose load drifts slows them alike; and
+since settings interact, the search passes over them again while a pass changed one. At
 temperature 0 a candidate whose output differs from plain decoding's is not kept (unless the
 caller allows it: in bf16, near ties can flip a token). scripts/tune.py saves the result into
 the checkpoint as its decoding defaults; training scripts tune the tree budget with it.

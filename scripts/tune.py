@@ -6,7 +6,8 @@
 Searches the drafter's decoding settings one at a time (the exit layer for LayerSkip, tree width
 and budget, draft depth gamma, the stop rule, int8 draft weights on a CPU, copying from the
 context), racing each round's candidates against plain decoding on the same prompts, keeps the
-fastest whose greedy output equals plain decoding's, then measures the saved defaults against
+fastest whose greedy output equals plain decoding's, searches again while a pass changed
+something (--passes at most), then measures the saved defaults against
 the result once more. Unless --dry-run, the folder's decoding defaults become the result, with
 the hardware, dtype and figures they were measured with (`decode_measured` in config.json);
 evaluate.py and the training scripts decode with them unless told otherwise. --output writes
