@@ -33,6 +33,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
+from specdraft.core import loops
 from specdraft.data.demo import END, build_demo_tokenizer, demo_corpus_texts, demo_prompts
 from specdraft.precision import resolve_precision
 
@@ -433,18 +434,6 @@ def evaluate_loss(model: LlamaForCausalLM, blocks: torch.Tensor, batch_size: int
     """Mean next-token cross-entropy (nats) over held-out blocks."""
     losses = [model(input_ids=b, labels=b).loss.item() for b in blocks.split(batch_size)]
     return round(sum(losses) / len(losses), 4)
-
-
-def loops(tokens: list[int], tail: int = 48, max_period: int = 24) -> bool:
-    """True when the last `tail` tokens repeat with a period of at most `max_period`."""
-    if len(tokens) < tail + max_period:
-        return False
-    end = tokens[-tail:]
-    full = tokens[-tail - max_period :]
-    return any(
-        all(end[i] == full[max_period + i - p] for i in range(tail))
-        for p in range(1, max_period + 1)
-    )
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@ drafting call costs is a property of the hardware. So they are measured where th
 run. The search goes one setting at a time (SEARCH_ORDER), each round racing the best settings
 so far against every candidate value of one setting, with plain decoding in the same round; the
 candidates take turns on each prompt, so a machine whose load drifts slows them alike; and
-since settings interact, the search passes over them again while a pass changed one. At
+since settings interact, a second pass races a setting again where another one changed. At
 temperature 0 a candidate whose output differs from plain decoding's is not kept (unless the
 caller allows it: in bf16, near ties can flip a token). scripts/tune.py saves the result into
 the checkpoint as its decoding defaults; training scripts tune the tree budget with it.
@@ -163,8 +163,8 @@ def search_decode(
 
     Settings interact (LayerSkip's best depth depends on its exit layer: a shallow exit drafts
     cheaply and wrongly, so it wants short chains), and one pass tunes each setting only at the
-    values the earlier rounds left. So the search passes over SEARCH_ORDER again while the last
-    pass changed anything, `passes` times at most.
+    values the earlier rounds left. So the search passes over SEARCH_ORDER again, `passes` times
+    at most, racing a setting again only where another one changed since its last round.
     """
     if passes < 1:
         raise ValueError(f"passes must be at least 1; got {passes}")
@@ -172,18 +172,15 @@ def search_decode(
     best, rows = drafter.decode, []
     if "exit_layer" in space:  # 0 means the trained exit: name it, so it is raced once
         best = best.replace(exit_layer=drafter.draft_exit(best))
-    keys = [key for key in SEARCH_ORDER if key in space]
-    if len(keys) == 1:  # nothing for a second pass to move the key against
-        passes = 1
-    rounds = [(p, key) for p in range(1, passes + 1) for key in keys]
-    start_of_pass = best
+    defaults = DecodeConfig()
+    # per setting, the other settings it was last raced with
+    raced_with: dict[str, DecodeConfig] = {}
+    rounds = [(p, key) for p in range(1, passes + 1) for key in SEARCH_ORDER if key in space]
     for number, key in rounds:
-        if key == keys[0] and number > 1:  # a new pass: only if the last one moved
-            if best == start_of_pass:
-                break
-            start_of_pass = best
-        if key == "tree_budget" and best.chain:
+        others = best.replace(**{key: getattr(defaults, key)})
+        if raced_with.get(key) == others or (key == "tree_budget" and best.chain):
             continue
+        raced_with[key] = others
         candidates = [best]
         for value in space[key]:
             decode = _fit(drafter, best.replace(**{key: value}), key, best)

@@ -11,7 +11,7 @@ all build on these, so each exists once.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -517,3 +517,23 @@ def check_fingerprint(
     diffs = fingerprint_differences(expected, actual)
     if diffs:
         raise error(f"{what} was made for another target ({'; '.join(diffs)}); {fix}")
+
+
+# --- what a greedy continuation looks like ------------------------------------------------
+
+
+def loops(tokens: Sequence[int], tail: int = 48, max_period: int = 24) -> bool:
+    """True when the last `tail` tokens repeat with a period of at most `max_period`."""
+    if len(tokens) < tail + max_period:
+        return False
+    end = list(tokens[-tail:])
+    full = list(tokens[-tail - max_period :])
+    return any(
+        all(end[i] == full[max_period + i - p] for i in range(tail))
+        for p in range(1, max_period + 1)
+    )
+
+
+def looping_share(outputs: Sequence[Sequence[int]]) -> float:
+    """The fraction of `outputs` (token lists) that end in a loop (`loops`); 0 for none."""
+    return sum(map(loops, outputs)) / len(outputs) if outputs else 0.0

@@ -11,15 +11,20 @@ from pathlib import Path
 
 import torch
 
+from specdraft.core import looping_share
 from specdraft.drafters.base import adapter_hash
 from specdraft.drafters.checkpoint import save_target_folder
 from specdraft.drafters.target import Target, merge_adapter
+from specdraft.inference.generate import generate
 from specdraft.train.trainer import collate
 
 
-def finish_fine_tuning(peft_model, target: Target, eval_examples, cfg, what: str) -> Target:
-    """Report the held-out loss of the base (adapters off) and of the fine-tuned target in
-    output_dir/target_quality.json, then return the fine-tuned target, merged from the run's
+def finish_fine_tuning(
+    peft_model, target: Target, eval_examples, cfg, what: str, prompts=()
+) -> Target:
+    """Report the held-out loss of the base (adapters off) and of the fine-tuned target, and
+    how often their greedy continuations of `prompts` loop, in output_dir/target_quality.json,
+    then return the fine-tuned target, merged from the run's
     saved final/adapter as load_target(base, adapter=...) merges it (so the target measured
     after training is the one a user loads, also after a bf16 run), and save it to
     output_dir/target when cfg.save_merged_target. `peft_model` is `target`'s model with the
@@ -28,10 +33,15 @@ def finish_fine_tuning(peft_model, target: Target, eval_examples, cfg, what: str
 
     digest = adapter_hash(get_peft_model_state_dict(peft_model))
     peft_model.eval()
+    tokens = cfg.eval_loop.max_new_tokens
     with peft_model.disable_adapter():
         base = heldout_loss(target, eval_examples, cfg.micro_batch_size, cfg.eval_batches)
+        base_looping = greedy_looping(target, prompts, tokens)
     tuned = heldout_loss(target, eval_examples, cfg.micro_batch_size, cfg.eval_batches)
-    write_quality(cfg.output_dir, base, tuned, digest, what)
+    looping = looping_figures(
+        base_looping, greedy_looping(target, prompts, tokens), prompts, tokens
+    )
+    write_quality(cfg.output_dir, base, tuned, digest, what, looping)
     out = Path(cfg.output_dir)
     plain = peft_model.unload()  # the adapters taken out, unmerged
     merged = merge_adapter(plain, out / "final" / "adapter")
@@ -57,6 +67,33 @@ def write_quality(
         f"{tuned:.4f} (fine-tuned, {digest})",
         file=sys.stderr,
     )
+
+
+@torch.no_grad()
+def greedy_looping(target: Target, prompts, max_new_tokens: int) -> float | None:
+    """The share of `prompts` ((1, L) ids) whose plain greedy continuation of `max_new_tokens`
+    tokens ends in a loop (specdraft.core.loops); None without prompts."""
+    if not prompts:
+        return None
+    outputs = [
+        generate(target, ids, None, max_new_tokens=max_new_tokens).tokens[0].tolist()
+        for ids in prompts
+    ]
+    return looping_share(outputs)
+
+
+def looping_figures(base: float | None, tuned: float | None, prompts, max_new_tokens: int) -> dict:
+    """target_quality.json's "greedy_looping" entry (empty without prompts), and one line saying
+    what fine-tuning did to it: a loss that falls can hide generations that got worse."""
+    if base is None or tuned is None:
+        return {}
+    print(
+        f"[specdraft] greedy continuations that loop: {base:.0%} (base) -> {tuned:.0%} "
+        f"(fine-tuned), {len(prompts)} prompts x {max_new_tokens} tokens",
+        file=sys.stderr,
+    )
+    figures = {"base": base, "fine_tuned": tuned, "prompts": len(prompts)}
+    return {"greedy_looping": {**figures, "max_new_tokens": max_new_tokens}}
 
 
 @torch.no_grad()

@@ -20,7 +20,13 @@ from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
 from specdraft.drafters.target import load_target
 from specdraft.inference.measure import loop_prompts, report_after_training
 from specdraft.train.config import TrainConfig
-from specdraft.train.fine_tuned import exit_agreement, heldout_loss, write_quality
+from specdraft.train.fine_tuned import (
+    exit_agreement,
+    greedy_looping,
+    heldout_loss,
+    looping_figures,
+    write_quality,
+)
 from specdraft.train.trainer import plain_loading, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "layerskip" / "demo.yaml"
@@ -75,17 +81,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def finish(cfg, result, as_saved: dict, held_out, base_loss: float, before: dict, prompts) -> None:
     """The end of a run on the main process: the fine-tuned model, as a user loads it, is both
-    target and drafter from here on; report its quality, its exits, and its speed."""
+    target and drafter from here on; report its quality (held-out loss, and how often greedy
+    continuations loop, against the base), its exits, and its speed."""
     tuned = load_target(result.output_dir / "final", **as_saved)
     # "as saved" is the base's precision (a DeepSpeed bf16 run saves bf16 weights)
     tuned.saved_dtype = as_saved["dtype"]
     loss = heldout_loss(tuned, *held_out)
     after = exit_agreement(LayerSkipDrafter(cfg.drafter, tuned.model), *held_out)
     print(exit_table(before, after, cfg.drafter.exit_layer), file=sys.stderr)
-    agreement = {"exit_agreement": {"before": before, "after": after}}
-    write_quality(
-        cfg.output_dir, base_loss, loss, tuned.fingerprint["adapter"], "LayerSkip", agreement
-    )
+    extra = {"exit_agreement": {"before": before, "after": after}}
+    if prompts:  # the base as a user loads it, beside the fine-tuned model, one at a time
+        tokens = cfg.eval_loop.max_new_tokens
+        base_looping = greedy_looping(load_target(cfg.target, **as_saved), prompts, tokens)
+        tuned_looping = greedy_looping(tuned, prompts, tokens)
+        extra |= looping_figures(base_looping, tuned_looping, prompts, tokens)
+    write_quality(cfg.output_dir, base_loss, loss, tuned.fingerprint["adapter"], "LayerSkip", extra)
     report_after_training(tuned, result, prompts, cfg)
 
 

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
     )  # fmt: skip
     if heads.peft is not None and result.main_process and not result.stopped_by_signal:
-        target = finish_fine_tuning(heads.peft, target, eval_examples, cfg, "Medusa-2")
+        target = finish_fine_tuning(heads.peft, target, eval_examples, cfg, "Medusa-2", prompts)
     with plain_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
         frozen = None  # a sharded target's memory goes before the whole one
         report_after_training(decoding_target(cfg, target, result, prompts), result, prompts, cfg)

@@ -169,13 +169,20 @@ def test_a_second_pass_finds_settings_that_only_pay_together(monkeypatch):
         tune.search_decode(None, _Chains(), [], space, max_new_tokens=4, passes=0)
 
 
-def test_no_second_pass_when_the_first_changed_nothing(monkeypatch):
+def test_a_setting_is_raced_again_only_where_another_changed(monkeypatch):
     monkeypatch.setattr(tune, "race", _priced_race(lambda d: d.gamma + d.exit_layer))
     space = {"exit_layer": [1, 2], "gamma": [4, 6]}
     drafter = _Chains()
     drafter.decode = DecodeConfig(gamma=4, exit_layer=1)  # already the cheapest
     best, rows = tune.search_decode(None, drafter, [], space, max_new_tokens=4, passes=3)
     assert best == drafter.decode and {r["pass"] for r in rows} == {1}
+    # gamma moves in pass 1, so pass 2 races the exit again at the new gamma; gamma itself is
+    # not raced again (the exit stayed), and pass 3 has nothing left to race
+    drafter.decode = DecodeConfig(gamma=6, exit_layer=1)
+    best, rows = tune.search_decode(None, drafter, [], space, max_new_tokens=4, passes=3)
+    assert (best.exit_layer, best.gamma) == (1, 4)
+    rounds = [(r["pass"], r["round"]) for r in rows]
+    assert rounds == [(1, "exit_layer")] * 2 + [(1, "gamma")] * 2 + [(2, "exit_layer")] * 2
 
 
 def test_the_saved_settings_stay_when_they_win_the_final_race(layerskip_folder, monkeypatch):
