@@ -6,8 +6,8 @@
 Searches the drafter's decoding settings one at a time (the exit layer for LayerSkip, tree width
 and budget, draft depth gamma, the stop rule, int8 draft weights on a CPU, copying from the
 context), racing each round's candidates against plain decoding on the same prompts, keeps the
-fastest whose greedy output equals plain decoding's, searches again while a pass changed
-something (--passes at most), then measures the saved defaults against
+fastest whose greedy output equals plain decoding's, races a setting again (up to --passes
+passes) where another one changed since its round, then measures the saved defaults against
 the result once more. Unless --dry-run, the folder's decoding defaults become the result, with
 the hardware, dtype and figures they were measured with (`decode_measured` in config.json);
 evaluate.py and the training scripts decode with them unless told otherwise. --output writes
@@ -165,8 +165,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--passes",
         type=int,
         default=2,
-        help="search every setting again while the last pass changed one, this many times at "
-        "most (settings interact: a shallow LayerSkip exit wants a short draft)",
+        help="passes over the settings; a later pass races a setting again where another one "
+        "changed since its round (they interact: a shallow LayerSkip exit wants a short draft)",
     )
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: as saved)")
     parser.add_argument("--device", default=None)
