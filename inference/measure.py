@@ -245,14 +245,15 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
             # the best settings depend on the hardware as much as on the drafter
             decode, tuning = search_decode(
                 target, drafter, prompts[: cfg.eval_loop.tune_prompts], space,
-                max_new_tokens=cfg.eval_loop.max_new_tokens,
+                max_new_tokens=cfg.eval_loop.max_new_tokens, passes=cfg.eval_loop.tune_passes,
                 temperature=cfg.eval_loop.temperature, seed=cfg.seed,
             )  # fmt: skip
             best = final.parent / "best"
             tuned = [f for f in (final, best) if f.is_dir()]
             for number, key in dict.fromkeys((r["pass"], r["round"]) for r in tuning):
                 rows = [r for r in tuning if (r["pass"], r["round"]) == (number, key)]
-                kept = next((r[key] for r in rows if r["kept"]), getattr(decode, key))
+                # nothing kept (every candidate changed the output): the incumbent, row 0, stays
+                kept = next((r[key] for r in rows if r["kept"]), rows[0][key])
                 print(
                     f"[specdraft] {key} by measured tokens/s"
                     + (f" (pass {number})" if number > 1 else "")

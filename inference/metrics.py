@@ -15,9 +15,10 @@
   recorded when greedy (p is a point mass there).
 - lossy: the output did not follow the target's distribution (typical acceptance at T > 0).
 - looping share: the fraction of greedy continuations whose tail repeats with a short period
-  (`specdraft.core.loops`), the degeneration a small or over-fitted model falls into. It says what fine-tuning
-  a target (LayerSkip, Medusa-2) did to its generations, which the held-out loss does not, and
-  how much copying from the context can flatter a drafter on that target.
+  (`specdraft.core.loops`; continuations need LOOP_TOKENS tokens for it to tell), the
+  degeneration a small or over-fitted model falls into. It says what fine-tuning a target
+  (LayerSkip, Medusa-2) did to its generations, which the held-out loss does not, and how much
+  copying from the context can flatter a drafter on that target.
 """
 
 from __future__ import annotations

@@ -173,20 +173,21 @@ def search_decode(
     if "exit_layer" in space:  # 0 means the trained exit: name it, so it is raced once
         best = best.replace(exit_layer=drafter.draft_exit(best))
     defaults = DecodeConfig()
-    # per setting, the other settings it was last raced with
+    others = lambda d, key: d.replace(**{key: getattr(defaults, key)})  # noqa: E731
+    # per setting, the other settings as its last round left them (a round's winner may have
+    # reset some, `_fit`): it races again only once another round has moved one of them
     raced_with: dict[str, DecodeConfig] = {}
     rounds = [(p, key) for p in range(1, passes + 1) for key in SEARCH_ORDER if key in space]
     for number, key in rounds:
-        others = best.replace(**{key: getattr(defaults, key)})
-        if raced_with.get(key) == others or (key == "tree_budget" and best.chain):
+        if raced_with.get(key) == others(best, key) or (key == "tree_budget" and best.chain):
             continue
-        raced_with[key] = others
         candidates = [best]
         for value in space[key]:
             decode = _fit(drafter, best.replace(**{key: value}), key, best)
             if decode is not None and decode not in candidates:
                 candidates.append(decode)
         if len(candidates) == 1:
+            raced_with[key] = others(best, key)
             continue
         trials = race(
             target, drafter, prompts, candidates, max_new_tokens=max_new_tokens, **options
@@ -209,6 +210,7 @@ def search_decode(
         if eligible:
             winner, row = max(eligible, key=lambda tr: tr[0].tokens_per_s)
             best, row["kept"] = winner.decode, True
+        raced_with[key] = others(best, key)
         rows.extend(round_rows)
         if log is not None:
             log(

@@ -522,6 +522,9 @@ def check_fingerprint(
 # --- what a greedy continuation looks like ------------------------------------------------
 
 
+LOOP_TOKENS = 72  # the fewest tokens `loops` can call a loop with its default tail and period
+
+
 def loops(tokens: Sequence[int], tail: int = 48, max_period: int = 24) -> bool:
     """True when the last `tail` tokens repeat with a period of at most `max_period`."""
     if len(tokens) < tail + max_period:

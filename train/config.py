@@ -49,6 +49,9 @@ class LoopEvalConfig:
     tune: list[str] = field(default_factory=list)
     # Prompts each budget or setting is measured on.
     tune_prompts: int = 6
+    # Passes of the search over `tune`: a later pass races a setting again where another one
+    # changed since its round (they interact: a shallow LayerSkip exit wants a short draft).
+    tune_passes: int = 2
     # The target's precision in the measurement. auto: as its checkpoint was saved (how
     # evaluate.py and a user decode it by default), whatever training loaded it in: the demo
     # target trains in bf16 on a CPU with native bf16 but decodes fastest in fp32 (one-token
@@ -77,7 +80,7 @@ class LoopEvalConfig:
                 f"eval_loop.tune {unknown}: each must be one of {', '.join(TUNABLE)}",
                 key="eval_loop.tune",
             )
-        for key in ("num_prompts", "max_new_tokens", "tune_prompts"):
+        for key in ("num_prompts", "max_new_tokens", "tune_prompts", "tune_passes"):
             if getattr(self, key) < 1:
                 raise ConfigError(
                     f"eval_loop.{key} must be >= 1; got {getattr(self, key)}",

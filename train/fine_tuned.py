@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.core import looping_share
+from specdraft.core import LOOP_TOKENS, looping_share
 from specdraft.drafters.base import adapter_hash
 from specdraft.drafters.checkpoint import save_target_folder
 from specdraft.drafters.target import Target, merge_adapter
@@ -23,11 +23,11 @@ def finish_fine_tuning(
     peft_model, target: Target, eval_examples, cfg, what: str, prompts=()
 ) -> Target:
     """Report the held-out loss of the base (adapters off) and of the fine-tuned target, and
-    how often their greedy continuations of `prompts` loop, in output_dir/target_quality.json,
-    then return the fine-tuned target, merged from the run's
-    saved final/adapter as load_target(base, adapter=...) merges it (so the target measured
-    after training is the one a user loads, also after a bf16 run), and save it to
-    output_dir/target when cfg.save_merged_target. `peft_model` is `target`'s model with the
+    how often their greedy continuations of `prompts` loop, in output_dir/target_quality.json.
+    Then return the fine-tuned target, merged from the run's saved final/adapter as
+    load_target(base, adapter=...) merges it (so the target measured after training is the one
+    a user loads, also after a bf16 run), and save it to output_dir/target when
+    cfg.save_merged_target. `peft_model` is `target`'s model with the
     adapters in; after this the base is gone from memory."""
     from peft.utils import get_peft_model_state_dict
 
@@ -72,8 +72,9 @@ def write_quality(
 @torch.no_grad()
 def greedy_looping(target: Target, prompts, max_new_tokens: int) -> float | None:
     """The share of `prompts` ((1, L) ids) whose plain greedy continuation of `max_new_tokens`
-    tokens ends in a loop (specdraft.core.loops); None without prompts."""
-    if not prompts:
+    tokens ends in a loop (specdraft.core.loops); None without prompts, or with continuations
+    too short for the loop test to tell (LOOP_TOKENS)."""
+    if not prompts or max_new_tokens < LOOP_TOKENS:
         return None
     outputs = [
         generate(target, ids, None, max_new_tokens=max_new_tokens).tokens[0].tolist()

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from specdraft.config import parse_cli
+from specdraft.core import LOOP_TOKENS
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
 from specdraft.drafters.target import load_target
@@ -83,6 +84,10 @@ def finish(cfg, result, as_saved: dict, held_out, base_loss: float, before: dict
     """The end of a run on the main process: the fine-tuned model, as a user loads it, is both
     target and drafter from here on; report its quality (held-out loss, and how often greedy
     continuations loop, against the base), its exits, and its speed."""
+    tokens = cfg.eval_loop.max_new_tokens
+    base_looping = None  # the base as a user loads it, let go before the fine-tuned model loads
+    if prompts and tokens >= LOOP_TOKENS:
+        base_looping = greedy_looping(load_target(cfg.target, **as_saved), prompts, tokens)
     tuned = load_target(result.output_dir / "final", **as_saved)
     # "as saved" is the base's precision (a DeepSpeed bf16 run saves bf16 weights)
     tuned.saved_dtype = as_saved["dtype"]
@@ -90,11 +95,8 @@ def finish(cfg, result, as_saved: dict, held_out, base_loss: float, before: dict
     after = exit_agreement(LayerSkipDrafter(cfg.drafter, tuned.model), *held_out)
     print(exit_table(before, after, cfg.drafter.exit_layer), file=sys.stderr)
     extra = {"exit_agreement": {"before": before, "after": after}}
-    if prompts:  # the base as a user loads it, beside the fine-tuned model, one at a time
-        tokens = cfg.eval_loop.max_new_tokens
-        base_looping = greedy_looping(load_target(cfg.target, **as_saved), prompts, tokens)
-        tuned_looping = greedy_looping(tuned, prompts, tokens)
-        extra |= looping_figures(base_looping, tuned_looping, prompts, tokens)
+    tuned_looping = greedy_looping(tuned, prompts, tokens)
+    extra |= looping_figures(base_looping, tuned_looping, prompts, tokens)
     write_quality(cfg.output_dir, base_loss, loss, tuned.fingerprint["adapter"], "LayerSkip", extra)
     report_after_training(tuned, result, prompts, cfg)
 

@@ -185,6 +185,23 @@ def test_a_setting_is_raced_again_only_where_another_changed(monkeypatch):
     assert rounds == [(1, "exit_layer")] * 2 + [(1, "gamma")] * 2 + [(2, "exit_layer")] * 2
 
 
+def test_a_setting_reset_by_another_rounds_winner_is_not_raced_again(monkeypatch):
+    """A tree drops stop_below (which ends chains) when it wins: that reset is the tree round's
+    own outcome, not a change under it, so neither round runs again."""
+
+    class Trees:
+        decode = DecodeConfig(tree_top_k=1, stop_below=0.2)
+
+        def ignored_settings(self, decode):
+            return ["stop_below ends chains"] if not decode.chain and decode.stop_below else []
+
+    monkeypatch.setattr(tune, "race", _priced_race(lambda d: 0.5 if d.tree_top_k == 2 else 1.0))
+    space = {"tree_top_k": [1, 2], "stop_below": [0.0, 0.2]}
+    best, rows = tune.search_decode(None, Trees(), [], space, max_new_tokens=4)
+    assert (best.tree_top_k, best.stop_below) == (2, 0.0)
+    assert {r["pass"] for r in rows} == {1}
+
+
 def test_the_saved_settings_stay_when_they_win_the_final_race(layerskip_folder, monkeypatch):
     """The search's pick must beat the saved settings once more, side by side, to replace them:
     a pick that only won a noisy round is not written."""

@@ -99,8 +99,17 @@ def test_the_loss_without_dropout_is_the_models_own(tiny_target):
             assert torch.allclose(dropped[row], model.model.norm(h)[0], atol=1e-5)
 
 
-def test_train_then_decode_as_its_own_target(tiny_target_path, tmp_path, capsys):
+def test_train_then_decode_as_its_own_target(tiny_target_path, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
+    decoded = []  # the targets whose greedy looping the run measured, in order
+
+    def looping(target, prompts, max_new_tokens):
+        decoded.append(target.name)
+        return 0.25 if len(decoded) == 1 else 0.75
+
+    # the loop test needs 72 tokens; this run decodes 12, so the test stands in for it
+    monkeypatch.setattr("specdraft.train.layerskip.LOOP_TOKENS", 1)
+    monkeypatch.setattr("specdraft.train.layerskip.greedy_looping", looping)
     code = main([
         f"target={tiny_target_path}", f"output_dir={out}", "max_steps=4", "micro_batch_size=4",
         "eval_every=2", "eval_batches=2", "save_every=2", "data.max_samples=20",
@@ -124,11 +133,12 @@ def test_train_then_decode_as_its_own_target(tiny_target_path, tmp_path, capsys)
     assert 0 < agreement["after"]["1"]["agreement"] <= 1 and agreement["after"]["1"]["alpha"] > 0
     err = capsys.readouterr().err
     assert "exit  1: agreement" in err
-    # what fine-tuning did to greedy continuations of the measured prompts, base beside it
+    # what fine-tuning did to greedy continuations of the measured prompts: the base as a user
+    # loads it first, then the fine-tuned folder
+    assert [str(name) for name in decoded] == [tiny_target_path, str(out / "final")]
     looping = quality["greedy_looping"]
-    assert looping["prompts"] == 2 and looping["max_new_tokens"] == 12
-    assert 0 <= looping["base"] <= 1 and 0 <= looping["fine_tuned"] <= 1
-    assert "greedy continuations that loop:" in err
+    assert looping == {"base": 0.25, "fine_tuned": 0.75, "prompts": 2, "max_new_tokens": 12}
+    assert "greedy continuations that loop: 25% (base) -> 75% (fine-tuned)" in err
     # a plain HF folder, which transformers' own early-exit assisted generation runs exactly
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     base = load_target(tiny_target_path)

@@ -124,10 +124,8 @@ def test_medusa2_fine_tunes_the_target_and_the_heads_belong_to_it(
     assert (out / "final" / "adapter" / "adapter_config.json").is_file()
     quality = json.loads((out / "target_quality.json").read_text())
     assert quality["fine_tuned_loss"] != quality["base_loss"]
-    # and what it did to greedy continuations, base (adapters off) against fine-tuned
-    looping = quality["greedy_looping"]
-    assert looping["prompts"] == 2 and looping["max_new_tokens"] == 12
-    assert 0 <= looping["base"] <= 1 and 0 <= looping["fine_tuned"] <= 1
+    # 12 new tokens are too few for the loop test to tell: no looping figures, rather than 0%
+    assert "greedy_looping" not in quality
     # against the plain base the heads are refused, naming the difference and the fix
     with pytest.raises(CheckpointError, match="adapter: expected"):
         load_drafter(out / "final", tiny_target)
