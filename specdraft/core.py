@@ -522,10 +522,11 @@ def check_fingerprint(
 # --- what a greedy continuation looks like ------------------------------------------------
 
 
-LOOP_TOKENS = 72  # the fewest tokens `loops` can call a loop with its default tail and period
+LOOP_TAIL, LOOP_PERIOD = 48, 24  # `loops`' defaults
+LOOP_TOKENS = LOOP_TAIL + LOOP_PERIOD  # the fewest tokens in which they can find a loop
 
 
-def loops(tokens: Sequence[int], tail: int = 48, max_period: int = 24) -> bool:
+def loops(tokens: Sequence[int], tail: int = LOOP_TAIL, max_period: int = LOOP_PERIOD) -> bool:
     """True when the last `tail` tokens repeat with a period of at most `max_period`."""
     if len(tokens) < tail + max_period:
         return False

@@ -1,6 +1,8 @@
-"""After training a drafter that fine-tunes its target through LoRA adapters (Medusa-2; LayerSkip
-next): say what the fine-tuning cost the target, and build the fine-tuned target the drafter
-decodes with, as a user would load it.
+"""After training a drafter that fine-tunes its target (Medusa-2 through LoRA adapters,
+`finish_fine_tuning`; LayerSkip, fully or through LoRA, `finish_layerskip`): say what the
+fine-tuning cost the target (held-out loss, how often greedy continuations loop, LayerSkip's
+per-exit agreement), and build or load the fine-tuned target the drafter decodes with, as a user
+would load it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import torch
 from specdraft.core import LOOP_TOKENS, looping_share
 from specdraft.drafters.base import adapter_hash
 from specdraft.drafters.checkpoint import save_target_folder
-from specdraft.drafters.target import Target, merge_adapter
+from specdraft.drafters.layerskip import LayerSkipDrafter
+from specdraft.drafters.target import Target, load_target, merge_adapter
 from specdraft.inference.generate import generate
+from specdraft.inference.measure import report_after_training
 from specdraft.train.trainer import collate
 
 
@@ -130,3 +134,42 @@ def exit_agreement(drafter, examples, batch_size: int, batches: int) -> dict[int
         e: {"agreement": float(s[0] / max(s[2], 1)), "alpha": float(s[1] / max(s[2], 1))}
         for e, s in sums.items()
     }
+
+
+def finish_layerskip(
+    cfg, result, as_saved: dict, held_out, base_loss: float, before: dict, prompts
+) -> None:
+    """The end of a LayerSkip run (train/layerskip.py) on the main process: the fine-tuned model, as a user loads it, is both
+    target and drafter from here on; report its quality (held-out loss, and how often greedy
+    continuations loop, against the base), its exits, and its speed."""
+    tokens = cfg.eval_loop.max_new_tokens
+    base_looping = None  # the base as a user loads it, let go before the fine-tuned model loads
+    if prompts and tokens >= LOOP_TOKENS:
+        base_looping = greedy_looping(load_target(cfg.target, **as_saved), prompts, tokens)
+    tuned = load_target(result.output_dir / "final", **as_saved)
+    # "as saved" is the base's precision (a DeepSpeed bf16 run saves bf16 weights)
+    tuned.saved_dtype = as_saved["dtype"]
+    loss = heldout_loss(tuned, *held_out)
+    after = exit_agreement(LayerSkipDrafter(cfg.drafter, tuned.model), *held_out)
+    print(exit_table(before, after, cfg.drafter.exit_layer), file=sys.stderr)
+    extra = {"exit_agreement": {"before": before, "after": after}}
+    tuned_looping = greedy_looping(tuned, prompts, tokens)
+    extra |= looping_figures(base_looping, tuned_looping, prompts, tokens)
+    write_quality(cfg.output_dir, base_loss, loss, tuned.fingerprint["adapter"], "LayerSkip", extra)
+    report_after_training(tuned, result, prompts, cfg)
+
+
+def exit_table(before: dict, after: dict, chosen: int) -> str:
+    """The per-exit figures before and after training, one line per candidate exit layer."""
+    lines = [
+        "[specdraft] each exit layer against the final one, held-out "
+        "(top-1 agreement, sampled acceptance alpha), before -> after training:"
+    ]
+    for e in sorted(after):
+        b, a = before[e], after[e]
+        mark = "  <- trained exit" if e == chosen else ""
+        lines.append(
+            f"  exit {e:>2}: agreement {b['agreement']:.3f} -> {a['agreement']:.3f}, "
+            f"alpha {b['alpha']:.3f} -> {a['alpha']:.3f}{mark}"
+        )
+    return "\n".join(lines)

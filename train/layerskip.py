@@ -15,19 +15,12 @@ from pathlib import Path
 from typing import ClassVar
 
 from specdraft.config import parse_cli
-from specdraft.core import LOOP_TOKENS
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
 from specdraft.drafters.target import load_target
-from specdraft.inference.measure import loop_prompts, report_after_training
+from specdraft.inference.measure import loop_prompts
 from specdraft.train.config import TrainConfig
-from specdraft.train.fine_tuned import (
-    exit_agreement,
-    greedy_looping,
-    heldout_loss,
-    looping_figures,
-    write_quality,
-)
+from specdraft.train.fine_tuned import exit_agreement, finish_layerskip, heldout_loss
 from specdraft.train.trainer import plain_loading, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "layerskip" / "demo.yaml"
@@ -76,45 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     as_saved = {"dtype": target.saved_dtype, "device": target.device}
     del target, drafter  # the trained model: the saved one is loaded as a user loads it
     with plain_loading():  # whole, also after a ZeRO-3 run
-        finish(cfg, result, as_saved, held_out, base_loss, before, prompts)
+        finish_layerskip(cfg, result, as_saved, held_out, base_loss, before, prompts)
     return 0
-
-
-def finish(cfg, result, as_saved: dict, held_out, base_loss: float, before: dict, prompts) -> None:
-    """The end of a run on the main process: the fine-tuned model, as a user loads it, is both
-    target and drafter from here on; report its quality (held-out loss, and how often greedy
-    continuations loop, against the base), its exits, and its speed."""
-    tokens = cfg.eval_loop.max_new_tokens
-    base_looping = None  # the base as a user loads it, let go before the fine-tuned model loads
-    if prompts and tokens >= LOOP_TOKENS:
-        base_looping = greedy_looping(load_target(cfg.target, **as_saved), prompts, tokens)
-    tuned = load_target(result.output_dir / "final", **as_saved)
-    # "as saved" is the base's precision (a DeepSpeed bf16 run saves bf16 weights)
-    tuned.saved_dtype = as_saved["dtype"]
-    loss = heldout_loss(tuned, *held_out)
-    after = exit_agreement(LayerSkipDrafter(cfg.drafter, tuned.model), *held_out)
-    print(exit_table(before, after, cfg.drafter.exit_layer), file=sys.stderr)
-    extra = {"exit_agreement": {"before": before, "after": after}}
-    tuned_looping = greedy_looping(tuned, prompts, tokens)
-    extra |= looping_figures(base_looping, tuned_looping, prompts, tokens)
-    write_quality(cfg.output_dir, base_loss, loss, tuned.fingerprint["adapter"], "LayerSkip", extra)
-    report_after_training(tuned, result, prompts, cfg)
-
-
-def exit_table(before: dict, after: dict, chosen: int) -> str:
-    """The per-exit figures before and after training, one line per candidate exit layer."""
-    lines = [
-        "[specdraft] each exit layer against the final one, held-out "
-        "(top-1 agreement, sampled acceptance alpha), before -> after training:"
-    ]
-    for e in sorted(after):
-        b, a = before[e], after[e]
-        mark = "  <- trained exit" if e == chosen else ""
-        lines.append(
-            f"  exit {e:>2}: agreement {b['agreement']:.3f} -> {a['agreement']:.3f}, "
-            f"alpha {b['alpha']:.3f} -> {a['alpha']:.3f}{mark}"
-        )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

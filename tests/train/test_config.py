@@ -504,3 +504,11 @@ def test_target_sharding_is_for_a_frozen_target():
     assert MedusaTrainConfig(target_sharding="zero3").target_sharding == "zero3"
     assert EagleTrainConfig(target_sharding="zero3").target_sharding == "zero3"
     assert TrainConfig(target_sharding="zero3").target_sharding == "zero3"  # no drafter section
+
+
+@pytest.mark.parametrize("key", ["tune_prompts", "tune_passes"])
+def test_tuning_needs_a_prompt_and_a_pass(key):
+    from specdraft.train.config import LoopEvalConfig
+
+    with pytest.raises(ConfigError, match=rf"eval_loop\.{key} must be >= 1; got 0"):
+        LoopEvalConfig(**{key: 0})

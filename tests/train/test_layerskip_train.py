@@ -21,6 +21,7 @@ from specdraft.drafters.layerskip import (
     exit_weights,
 )
 from specdraft.drafters.target import Target, load_target
+from specdraft.inference import measure
 from specdraft.train.layerskip import LayerSkipTrainConfig, main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,16 +109,21 @@ def test_train_then_decode_as_its_own_target(tiny_target_path, tmp_path, capsys,
         return 0.25 if len(decoded) == 1 else 0.75
 
     # the loop test needs 72 tokens; this run decodes 12, so the test stands in for it
-    monkeypatch.setattr("specdraft.train.layerskip.LOOP_TOKENS", 1)
-    monkeypatch.setattr("specdraft.train.layerskip.greedy_looping", looping)
+    monkeypatch.setattr("specdraft.train.fine_tuned.LOOP_TOKENS", 1)
+    monkeypatch.setattr("specdraft.train.fine_tuned.greedy_looping", looping)
+    searches = []  # the passes the tuning search was given (eval_loop.tune_passes)
+    search = measure.search_decode
+    monkeypatch.setattr(
+        measure, "search_decode", lambda *a, **k: searches.append(k["passes"]) or search(*a, **k)
+    )
     code = main([
         f"target={tiny_target_path}", f"output_dir={out}", "max_steps=4", "micro_batch_size=4",
         "eval_every=2", "eval_batches=2", "save_every=2", "data.max_samples=20",
         "data.max_length=32", "warmup_steps=1", "eval_loop.num_prompts=2",
         "eval_loop.max_new_tokens=12", "drafter.exit_layer=1", "drafter.layer_dropout=0.2",
-        "eval_loop.tune=[exit_layer,gamma]", "decode.gamma=3",
+        "eval_loop.tune=[exit_layer,gamma]", "eval_loop.tune_passes=3", "decode.gamma=3",
     ])  # fmt: skip
-    assert code == 0
+    assert code == 0 and searches == [3]
     served = json.loads((out / "eval_loop.json").read_text())
     assert served["matches_ar"] is True and served["drafted"] > 0
     # gamma chosen by measured tokens/s before the measurement (one exit: nothing to choose)
