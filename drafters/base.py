@@ -95,7 +95,12 @@ class Drafter(nn.Module):
 
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         """What in `decode` this kind cannot honour, each said in a sentence (the loop warns
-        once per sentence and drafts without it). Nothing by default."""
+        once per sentence and drafts without it). Here what no kind honours; kinds add theirs."""
+        if decode.lookup_gamma and not decode.lookup_ngram:
+            return [
+                f"lookup_gamma={decode.lookup_gamma} is ignored without copying: it caps copied "
+                "drafts, and lookup_ngram=0 copies nothing (set lookup_ngram, e.g. 3)"
+            ]
         return []
 
     def num_extra_parameters(self, target) -> int:

@@ -199,9 +199,9 @@ class DistillDrafter(Drafter):
         return super().train(mode)
 
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
+        ignored = super().ignored_settings(decode)
         if decode.chain:
-            return []
-        ignored = []
+            return ignored
         if decode.draft_weights == "int8":
             ignored.append(
                 "draft_weights=int8 is ignored by two-model trees (tree_top_k > 1): they draft "

@@ -431,7 +431,7 @@ class EagleDrafter(Drafter):
         return EagleSession(self, target, sampling=sampling, decode=decode, generator=generator)
 
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
-        ignored = []
+        ignored = super().ignored_settings(decode)
         if decode.dynamic_gamma:
             ignored.append(
                 "dynamic_gamma is ignored by EAGLE heads: a chain ends early by the head's "

@@ -361,7 +361,7 @@ class LayerSkipDrafter(Drafter):
         return exit_layer
 
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
-        ignored = []
+        ignored = super().ignored_settings(decode)
         if not decode.chain:
             ignored.append("LayerSkip drafts chains: tree_top_k > 1 is ignored")
         if decode.draft_weights == "int8":

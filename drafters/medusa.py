@@ -280,7 +280,7 @@ class MedusaDrafter(Drafter):
         return MedusaSession(self, target, sampling=sampling, decode=decode, generator=generator)
 
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
-        ignored = []
+        ignored = super().ignored_settings(decode)
         if decode.dynamic_gamma:
             ignored.append("dynamic_gamma is ignored by Medusa heads: their depth is gamma")
         if decode.gamma > self.config.num_heads:

@@ -33,7 +33,7 @@ class PromptLookupDrafter(Drafter):
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         default = DecodeConfig(gamma=decode.gamma)
         changed = [k for k in ("tree_top_k", "stop_below", "draft_weights", "lookup_ngram",
-                               "dynamic_gamma") if getattr(decode, k) != getattr(default, k)]  # fmt: skip
+                               "lookup_gamma", "dynamic_gamma") if getattr(decode, k) != getattr(default, k)]  # fmt: skip
         if not changed:
             return []
         return [f"prompt lookup drafts a chain of up to gamma copied tokens; {', '.join(changed)} "
@@ -82,7 +82,8 @@ class PromptLookupSession:
 
 class CopyingSession:
     """Any drafter's session with prompt lookup in front: where the context's last `ngram` or
-    more tokens occurred before, the draft is copied from what followed them (no drafter pass);
+    more tokens occurred before, the draft is copied from what followed them (no drafter pass),
+    up to `gamma` tokens (the loop passes DecodeConfig.lookup_gamma, else the drafter's gamma);
     elsewhere `inner` drafts. The inner session still sees every verification (`accept` with the
     copied tree), so a drafter fed by the target's features (EAGLE) gets the verified tokens'
     features, and one with a KV cache feeds them at its next proposal."""

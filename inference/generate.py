@@ -269,6 +269,6 @@ def _start_session(target, drafter, sampling, generator, decode, settings):
         drafting = SamplingSettings()
     session = drafter.new_session(target, sampling=drafting, decode=decode, generator=generator)
     if decode.lookup_ngram > 0 and not isinstance(drafter, PromptLookupDrafter):
-        session = CopyingSession(session, decode.lookup_ngram, decode.gamma)
+        session = CopyingSession(session, decode.lookup_ngram, decode.lookup_gamma or decode.gamma)
     stats.drafter_params = drafter.num_extra_parameters(target)
     return session, stats, decode

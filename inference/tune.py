@@ -37,6 +37,7 @@ SEARCH_ORDER = (
     "stop_below",
     "draft_weights",
     "lookup_ngram",
+    "lookup_gamma",
 )
 
 
@@ -52,6 +53,8 @@ def default_space(drafter, target) -> dict[str, list]:
         "stop_below": [0.0, 0.2, 0.4],
         "draft_weights": ["full", "int8"] if cpu else ["full"],
         "lookup_ngram": [0, 3],
+        # 0: copies as long as the drafter's chains; tried only where lookup_ngram copies
+        "lookup_gamma": [0, 4, 8, 16],
     }
     if hasattr(drafter, "draft_exit"):  # LayerSkip: every exit the target's depth allows
         space["exit_layer"] = list(range(1, drafter.num_layers))

@@ -29,6 +29,7 @@ from specdraft.drafters.target import load_target
 from specdraft.inference.evaluate import dtype_name, fine_tuned_target
 from specdraft.inference.measure import load_prompts
 from specdraft.inference.tune import (
+    SEARCH_ORDER,
     changed,
     check_space,
     default_space,
@@ -154,7 +155,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         metavar="KEY=V1,V2",
         help="values to try for a setting instead of the defaults (KEY= leaves it out): "
-        "exit_layer, tree_top_k, tree_budget, gamma, stop_below, draft_weights, lookup_ngram",
+        + ", ".join(SEARCH_ORDER),
     )
     parser.add_argument("--prompts", default="demo", help="demo, or a .txt/.json/.jsonl file")
     parser.add_argument("--num-prompts", type=int, default=8)

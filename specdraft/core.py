@@ -63,6 +63,11 @@ class DecodeConfig:
     # them (prompt lookup, up to gamma tokens, no drafter pass) instead of running the drafter;
     # 0: always the drafter. Repetitive text is drafted for free and exactly.
     lookup_ngram: int = 0
+    # With lookup_ngram: a copy drafts up to this many tokens (0: gamma, as the drafter). A copy
+    # costs no drafting pass, and on a CPU a pass verifying 8 tokens costs about what one
+    # verifying 3 does (BENCHMARKS.md, "Copies longer than the drafter's chains"), so a drafter
+    # tuned to short chains (LayerSkip's γ 2-3) still wants long copies.
+    lookup_gamma: int = 0
     # Two-model drafts: grow gamma after a draft accepted to its full depth, shrink it otherwise.
     dynamic_gamma: bool = False
     # How drafts are accepted at temperature > 0. exact: lossless rejection sampling, output
@@ -84,7 +89,13 @@ class DecodeConfig:
     exit_layer: int = 0
 
     def __post_init__(self) -> None:
-        integers = (("gamma", 1), ("tree_top_k", 1), ("tree_budget", 1), ("lookup_ngram", 0))
+        integers = (
+            ("gamma", 1),
+            ("tree_top_k", 1),
+            ("tree_budget", 1),
+            ("lookup_ngram", 0),
+            ("lookup_gamma", 0),
+        )
         for key, low in (*integers, ("exit_layer", 0)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -44,8 +44,8 @@ class LoopEvalConfig:
     tune_budgets: list[int] = field(default_factory=list)
     # Decoding settings chosen by measured tokens/s before the measurement, searched over
     # scripts/tune.py's values and saved as the drafter's defaults: any of exit_layer,
-    # tree_top_k, tree_budget, gamma, stop_below, draft_weights, lookup_ngram (e.g. LayerSkip's
-    # [exit_layer, gamma]); empty: keep the decode section's.
+    # tree_top_k, tree_budget, gamma, stop_below, draft_weights, lookup_ngram, lookup_gamma
+    # (e.g. LayerSkip's [exit_layer, gamma]); empty: keep the decode section's.
     tune: list[str] = field(default_factory=list)
     # Prompts each budget or setting is measured on.
     tune_prompts: int = 6

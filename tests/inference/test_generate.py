@@ -14,6 +14,7 @@ from spec_helpers import chi_square_p_value, make_target, perturbed, tiny_llama
 from specdraft.core import DraftContext
 from specdraft.drafters.distill import DistillDrafter
 from specdraft.inference import generate
+from specdraft.inference.metrics import Stats
 
 PROMPT = [5, 17, 42, 99, 7, 230]
 
@@ -116,6 +117,32 @@ def test_copying_before_a_two_model_draft_is_exact(random_target, drafts, topk):
         assert out.tokens[0].tolist() == ref
         assert s.copies and 0 < s.copied_passes < s.target_passes
         assert s.drafted > 0 and s.accepted > 0
+
+
+def test_copies_run_to_lookup_gamma_while_the_drafter_drafts_gamma(random_target, drafts):
+    """lookup_gamma caps copied drafts apart from the drafter's own chains: with gamma 2 the
+    student drafts 2 tokens, while a copy of the repeating context runs up to 7; without it a
+    copy stops at gamma like the student. Output stays the target's either way."""
+    prompt = PROMPT * 3
+    ref = hf_greedy(random_target, prompt, 30)
+    depths = {}
+    for lookup_gamma in (0, 7):
+        steps = []
+        record = Stats.record_step
+
+        def spy(stats, drafted, depth, *args, _steps=steps, _record=record):
+            _steps.append(depth)
+            return _record(stats, drafted, depth, *args)
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(Stats, "record_step", spy)
+            out = generate(
+                random_target, prompt, drafts["partial"], max_new_tokens=30, gamma=2,
+                lookup_ngram=2, lookup_gamma=lookup_gamma,
+            )  # fmt: skip
+        assert out.tokens[0].tolist() == ref and out.stats.copied_passes > 0
+        depths[lookup_gamma] = max(steps)
+    assert depths[0] == 2 and 2 < depths[7] <= 7
 
 
 def test_prompt_lookup_is_exact_and_drafts_from_the_context(tiny_target):
@@ -320,6 +347,8 @@ def test_bad_input_is_a_clear_error(random_target, drafts):
         (dict(stop_below=1.5), r"stop_below must be a number in \[0, 1\)"),
         (dict(draft_weights="int4"), "draft_weights='int4' is not one of: full | int8"),
         (dict(lookup_ngram=-1), "lookup_ngram must be"),
+        (dict(lookup_ngram=2, lookup_gamma=-1), "lookup_gamma must be an integer >= 0"),
+        (dict(lookup_ngram=2, lookup_gamma=True), "lookup_gamma must be an integer >= 0"),
         (dict(topk=2), "unknown decoding setting.*topk"),
         (dict(drafter=None, gamma=3), "without a drafter"),
         (dict(dynamic_gamma="no"), "dynamic_gamma must be true or false"),

@@ -27,10 +27,12 @@ def deep_target():
 def test_greedy_equals_plain_greedy(deep_target, exit_layer, lookup):
     drafter = self_drafter(deep_target, exit_layer)
     plain = generate(deep_target, [5, 6, 7, 8, 5, 6], None, max_new_tokens=40)
-    for gamma, stop in ((1, 0.0), (4, 0.0), (6, 0.2)):
+    # copies longer than the chains: copies verified by the full forward between own drafts
+    long_copies = [(2, 0.0, 8)] if lookup else []
+    for gamma, stop, lookup_gamma in ((1, 0.0, 0), (4, 0.0, 0), (6, 0.2, 0), *long_copies):
         out = generate(
             deep_target, [5, 6, 7, 8, 5, 6], drafter, max_new_tokens=40, gamma=gamma,
-            stop_below=stop, lookup_ngram=lookup,
+            stop_below=stop, lookup_ngram=lookup, lookup_gamma=lookup_gamma,
         )  # fmt: skip
         assert out.tokens.tolist() == plain.tokens.tolist()
         assert out.stats.drafted > 0

@@ -246,3 +246,34 @@ def test_a_tree_is_raced_with_the_chain_only_settings_reset():
         tune._fit(Chains(), Drafter.decode.replace(tree_top_k=4), "tree_top_k", Drafter.decode)
         is None
     )
+
+
+def test_copy_length_is_raced_only_while_copying(monkeypatch):
+    """lookup_gamma means nothing without lookup_ngram (every kind says so): the search does not
+    race it there, and a round that turns copying off drops it with the copying."""
+    from specdraft.drafters.base import Drafter
+
+    class Copying(Drafter):
+        decode = DecodeConfig(gamma=2, lookup_ngram=3)
+
+    drafter = Copying()
+    assert drafter.ignored_settings(DecodeConfig(lookup_gamma=8)) == [
+        "lookup_gamma=8 is ignored without copying: it caps copied drafts, and lookup_ngram=0 "
+        "copies nothing (set lookup_ngram, e.g. 3)"
+    ]
+    assert drafter.ignored_settings(DecodeConfig(lookup_ngram=3, lookup_gamma=8)) == []
+    off = DecodeConfig(gamma=2)
+    assert tune._fit(drafter, off.replace(lookup_gamma=8), "lookup_gamma", off) is None
+    long = DecodeConfig(gamma=2, lookup_ngram=3, lookup_gamma=8)
+    assert tune._fit(drafter, long.replace(lookup_ngram=0), "lookup_ngram", long) == off
+    # copies of 8 are fastest, and only while copying: both rounds keep theirs
+    price = lambda d: 0.5 if d.lookup_ngram and d.lookup_gamma == 8 else 1.0  # noqa: E731
+    monkeypatch.setattr(tune, "race", _priced_race(price))
+    space = {"lookup_ngram": [0, 3], "lookup_gamma": [0, 8, 16]}
+    best, rows = tune.search_decode(None, drafter, [], space, max_new_tokens=4)
+    assert best == long
+    assert [(r["round"], r.get("lookup_gamma")) for r in rows if r["round"] == "lookup_gamma"] == [
+        ("lookup_gamma", 0),
+        ("lookup_gamma", 8),
+        ("lookup_gamma", 16),
+    ]
