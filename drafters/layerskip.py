@@ -82,6 +82,12 @@ class LayerSkipConfig:
     # exits, normalised to sum to 1 over the exits trained at a step.
     early_exit_scale: str = "l"
     e_scale: float = 1.0
+    # The share of each non-final exit's loss taken against the model's own final-layer
+    # distribution at the same position (a soft target, no gradient through it) rather than the
+    # next token: 0 is LayerSkip's labels only. A draft is judged by agreeing with the final
+    # layer, not with the data, so self-distilled exits spend their few layers on what the
+    # model itself will predict; the final layer always trains on the labels.
+    exit_distill: float = 0.0
     # none: every exit at every step; rotational: the non-final exits take turns, one group of
     # every `rotation_period`-th exit per step; gradual: exits join from the deepest to the
     # shallowest, evenly over the first `gradual_fraction` of training.
@@ -111,6 +117,11 @@ class LayerSkipConfig:
             )
         if self.e_scale <= 0 or not 0 <= self.gradual_fraction <= 1:
             raise ValueError("drafter.e_scale must be > 0 and gradual_fraction in [0, 1]")
+        if not 0 <= self.exit_distill <= 1:
+            raise ValueError(
+                f"drafter.exit_distill must be in [0, 1] (0: the labels only, 1: the final "
+                f"layer's distribution only); got {self.exit_distill}"
+            )
 
     def resolve(self, num_layers: int) -> LayerSkipConfig:
         """Check the layer counts against a target of `num_layers` layers and fill exit_layer."""
@@ -409,7 +420,8 @@ class LayerSkipDrafter(Drafter):
         self, batch: Mapping[str, torch.Tensor], target_out=None
     ) -> tuple[torch.Tensor, Metrics]:
         """The weighted early-exit cross-entropy summed over the loss tokens (position t
-        predicts t + 1 where loss_mask[t + 1])."""
+        predicts t + 1 where loss_mask[t + 1]); with exit_distill d, a non-final exit's is
+        (1 - d) * CE(labels) + d * CE(the final layer's distribution, detached)."""
         if self.training:
             exits = active_exits(self.config, self.num_layers, self._step, self._max_steps)
         else:
@@ -423,10 +435,17 @@ class LayerSkipDrafter(Drafter):
         lm_head = self.hf_model.get_output_embeddings()
         loss = states[exits[-1]].new_zeros((), dtype=torch.float32)
         metrics: Metrics = {}
+        last, distill = exits[-1], self.config.exit_distill
+        final = lm_head(states[last][:, :-1][keep]).float()
+        soft_target = F.softmax(final.detach(), dim=-1) if distill > 0 else None
         for e in exits:
-            logits = lm_head(states[e][:, :-1][keep])
-            ce = F.cross_entropy(logits.float(), labels, reduction="none")
+            logits = final if e == last else lm_head(states[e][:, :-1][keep]).float()
+            ce = F.cross_entropy(logits, labels, reduction="none")
             metrics[f"loss_exit{e}"] = figure(ce)
+            if e != last and soft_target is not None:
+                soft = -(soft_target * F.log_softmax(logits, dim=-1)).sum(-1)
+                metrics[f"distill_exit{e}"] = figure(soft)
+                ce = (1 - distill) * ce + distill * soft
             loss = loss + weights[e] * ce.sum()
         return loss, metrics
 

@@ -54,6 +54,7 @@ def test_scales_and_curricula():
         (dict(dropout_scale="cubic"), "dropout_scale"),
         (dict(curriculum="random"), "curriculum"),
         (dict(layer_dropout=1.0), "layer_dropout"),
+        (dict(exit_distill=1.5), r"exit_distill must be in \[0, 1\]"),
     ],
 )
 def test_bad_settings_are_named(values, message):
@@ -239,12 +240,18 @@ def test_evaluate_measures_it_beside_transformers_early_exit(
     assert set(gammas) == {4, 2}  # the folder's own gamma (the demo config's 4), then 2
 
 
-def test_the_loss_equals_a_per_sample_reference_loop(tiny_target):
+@pytest.mark.parametrize("distill", [0.0, 0.6])
+def test_the_loss_equals_a_per_sample_reference_loop(tiny_target, distill):
     """The batched loss, layer dropout and padding included, equals a naive loop: each sample
     alone through the layers it does not skip, the final norm and LM head after each exit, the
-    cross-entropy over all loss tokens of the batch per exit, weighted by the exit's scale."""
+    cross-entropy over all loss tokens of the batch per exit, weighted by the exit's scale; with
+    exit_distill, the early exit's mixes in the cross-entropy against the final layer's
+    distribution at the same position."""
     model = AutoModelForCausalLM.from_pretrained(tiny_target.model.name_or_path)
-    cfg = LayerSkipConfig(exit_layer=1, layer_dropout=0.5, early_exit_scale="sum_l", e_scale=0.7)
+    cfg = LayerSkipConfig(
+        exit_layer=1, layer_dropout=0.5, early_exit_scale="sum_l", e_scale=0.7,
+        exit_distill=distill,
+    )  # fmt: skip
     drafter = LayerSkipDrafter(cfg, model).train()
     lengths = [12, 9, 12, 7]
     ids = torch.zeros(4, 12, dtype=torch.long)
@@ -260,20 +267,27 @@ def test_the_loss_equals_a_per_sample_reference_loop(tiny_target):
 
     norm, head = model.model.norm, model.get_output_embeddings()
     per_exit = {1: [], 2: []}  # (nll, ) of every loss token, per exit
+    soft = []  # exit 1's cross-entropy against exit 2's distribution, per loss token
     with torch.no_grad():
         for row, n in enumerate(lengths):
             h = model.get_input_embeddings()(ids[row : row + 1, :n])
             pos = torch.arange(n)[None]
             rotary = model.model.rotary_emb(h, pos)
+            scored = loss_mask[row, 1:n].bool()
+            exit_logits = []
             for layer in range(2):
                 if not skip[layer, row]:
                     h = model.model.layers[layer](h, position_ids=pos, position_embeddings=rotary)
                 logits = head(norm(h))[0, :-1].float()
                 nll = F.cross_entropy(logits, ids[row, 1:n], reduction="none")
-                per_exit[layer + 1].append(nll[loss_mask[row, 1:n].bool()])
+                per_exit[layer + 1].append(nll[scored])
+                exit_logits.append(logits[scored])
+            for early, final in zip(*exit_logits, strict=True):
+                soft.append(-(final.softmax(-1) * early.log_softmax(-1)).sum())
     ce = {e: torch.cat(v).sum() for e, v in per_exit.items()}  # the loss is a sum over tokens
     weights = exit_weights([1, 2], 2, "sum_l", 0.7)
-    expected = sum(weights[e] * ce[e] for e in (1, 2))
+    early = (1 - distill) * ce[1] + distill * torch.stack(soft).sum()
+    expected = weights[1] * early + weights[2] * ce[2]
     assert torch.allclose(loss.detach(), expected, rtol=1e-5)
     n = sum(len(v) for v in per_exit[1])
     assert drafter.loss_tokens(batch).item() == n
