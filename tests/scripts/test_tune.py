@@ -40,7 +40,8 @@ def test_tune_saves_the_fastest_settings_with_equal_output(layerskip_folder, tmp
     report = tmp_path / "tune.json"
     code = main([
         str(layerskip_folder), "--num-prompts", "2", "--max-new-tokens", "12",
-        "--search", "gamma=1,2", "stop_below=", "lookup_ngram=0,2", "--output", str(report),
+        "--search", "gamma=1,2", "stop_below=", "lookup_ngram=0,2", "lookup_gamma=",
+        "--output", str(report),
     ])  # fmt: skip
     assert code == 0
     result = json.loads(report.read_text())
