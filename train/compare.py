@@ -160,6 +160,10 @@ def tune_family(found: Family, target, prompts, max_new_tokens: int, log=None) -
     }
 
 
+# The settings a copying drafter's run without copying adds to its folder (its name's suffix).
+ALONE = ":lookup_ngram=0,lookup_gamma=0"
+
+
 def measure_all(
     families: Sequence[Family], args: Namespace, target, prompts, temperature: float
 ) -> tuple[dict, list[Run]]:
@@ -176,7 +180,7 @@ def measure_all(
     runs = build_runs(run_args, target)
     copying = [f for f in folders if load_drafter_decode(f).lookup_ngram > 0]
     if temperature == 0 and copying:
-        alone = [f"{f}:lookup_ngram=0" for f in copying]
+        alone = [f"{f}{ALONE}" for f in copying]
         names = {r.name for r in runs}  # the plain decodings already there
         extra = build_runs(
             Namespace(**{**vars(run_args), "drafter": alone, "baselines": ""}), target
@@ -246,7 +250,7 @@ def family_rows(families: Sequence[Family], greedy: dict, sampled: dict | None) 
             continue
         g = row_of(greedy, found)
         s = row_of(sampled, found) if sampled else None
-        alone = row_of(greedy, found, ":lookup_ngram=0") or g  # the drafter without copying
+        alone = row_of(greedy, found, ALONE) or g  # the drafter without copying
         simulated = served_simulated_tau(found, g["decode"])
         quality = (
             found.quality["fine_tuned_loss"] - found.quality["base_loss"] if found.quality else None
