@@ -86,7 +86,8 @@ class LayerSkipConfig:
     # distribution at the same position (a soft target, no gradient through it) rather than the
     # next token: 0 is LayerSkip's labels only. A draft is judged by agreeing with the final
     # layer, not with the data, so self-distilled exits spend their few layers on what the
-    # model itself will predict; the final layer always trains on the labels.
+    # model itself will predict; the final layer always trains on the labels. The target is
+    # the final layer of the forward that trains, so a sample's layer dropout shortens it too.
     exit_distill: float = 0.0
     # none: every exit at every step; rotational: the non-final exits take turns, one group of
     # every `rotation_period`-th exit per step; gradual: exits join from the deepest to the
@@ -437,13 +438,16 @@ class LayerSkipDrafter(Drafter):
         metrics: Metrics = {}
         last, distill = exits[-1], self.config.exit_distill
         final = lm_head(states[last][:, :-1][keep]).float()
-        soft_target = F.softmax(final.detach(), dim=-1) if distill > 0 else None
+        soft_target = None
+        if distill > 0 and len(exits) > 1:
+            soft_target = F.softmax(final.detach(), dim=-1)
         for e in exits:
             logits = final if e == last else lm_head(states[e][:, :-1][keep]).float()
-            ce = F.cross_entropy(logits, labels, reduction="none")
+            log_q = F.log_softmax(logits, dim=-1)  # once per exit: (tokens, vocab) is large
+            ce = F.nll_loss(log_q, labels, reduction="none")
             metrics[f"loss_exit{e}"] = figure(ce)
             if e != last and soft_target is not None:
-                soft = -(soft_target * F.log_softmax(logits, dim=-1)).sum(-1)
+                soft = -(soft_target * log_q).sum(-1)
                 metrics[f"distill_exit{e}"] = figure(soft)
                 ce = (1 - distill) * ce + distill * soft
             loss = loss + weights[e] * ce.sum()

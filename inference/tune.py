@@ -186,9 +186,10 @@ def search_decode(
             continue
         candidates = [best]
         for value in space[key]:
-            decode = _fit(drafter, best.replace(**{key: value}), key, best)
-            if decode is not None and decode not in candidates:
-                candidates.append(decode)
+            for variant in _variants(best, key, value, space):
+                decode = _fit(drafter, variant, key, best)
+                if decode is not None and _behaviour(decode) not in map(_behaviour, candidates):
+                    candidates.append(decode)
         if len(candidates) == 1:
             raced_with[key] = others(best, key)
             continue
@@ -199,8 +200,9 @@ def search_decode(
         round_rows = []
         for trial in measured:
             same = trial.outputs == plain.outputs if greedy else None
+            copies = {"lookup_gamma": trial.decode.lookup_gamma} if key == "lookup_ngram" else {}
             round_rows.append({
-                "pass": number, "round": key, key: getattr(trial.decode, key),
+                "pass": number, "round": key, key: getattr(trial.decode, key), **copies,
                 "tokens_per_s": trial.tokens_per_s,
                 "speedup": trial.tokens_per_s / plain.tokens_per_s,
                 "tau": trial.stats.tau, "matches_plain": same, "kept": False,
@@ -220,7 +222,9 @@ def search_decode(
                 (f"pass {number}, " if number > 1 else "")
                 + f"{key}: "
                 + ", ".join(
-                    f"{r[key]} {r['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x"
+                    f"{r[key]}"
+                    + (f" (copies of {r['lookup_gamma']})" if r.get("lookup_gamma") else "")
+                    + f" {r['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x"
                     + (", differs from plain" if r["matches_plain"] is False else "")
                     + ")"
                     for r in round_rows
@@ -230,19 +234,36 @@ def search_decode(
     return best, rows
 
 
+def _variants(best: DecodeConfig, key: str, value, space: Mapping[str, Sequence]):
+    """The candidates a round tries for `value` of `key`: best with it, and where the value turns
+    copying on while the copies' length is also searched, one per length: copying that only
+    pays in long copies must not be dropped for losing in copies of gamma."""
+    if key == "lookup_ngram" and value and not best.lookup_ngram and space.get("lookup_gamma"):
+        return [best.replace(lookup_ngram=value, lookup_gamma=g) for g in space["lookup_gamma"]]
+    return [best.replace(**{key: value})]
+
+
+def _behaviour(decode: DecodeConfig) -> DecodeConfig:
+    """`decode` with copies' length spelled out (0 means gamma): two settings that decode alike
+    are raced once."""
+    return decode.replace(lookup_gamma=decode.lookup_gamma or decode.gamma)
+
+
 def _fit(drafter, decode: DecodeConfig, key: str, best: DecodeConfig) -> DecodeConfig | None:
     """`decode` (best with one setting, `key`, changed) made consistent: the other settings the
     change leaves meaningless back at their defaults (a tree drops stop_below, which ends
-    chains). None when the drafter still cannot honour something in it."""
-    ignored = lambda d: len(drafter.ignored_settings(d))  # noqa: E731
-    allowed, defaults = ignored(best), DecodeConfig()
+    chains). None when the drafter still cannot honour something in it. What best already
+    could not honour is allowed; only what the change adds must go."""
+    allowed = set(drafter.ignored_settings(best))
+    new = lambda d: set(drafter.ignored_settings(d)) - allowed  # noqa: E731
+    defaults = DecodeConfig()
     for f in dataclasses.fields(DecodeConfig):
-        if ignored(decode) <= allowed:
+        if not new(decode):
             break
         reset = decode.replace(**{f.name: getattr(defaults, f.name)})
-        if f.name != key and ignored(reset) < ignored(decode):
+        if f.name != key and len(new(reset)) < len(new(decode)):
             decode = reset
-    return decode if ignored(decode) <= allowed else None
+    return None if new(decode) else decode
 
 
 def hardware(device: torch.device) -> str:

@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     trained = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     print(
         f"[specdraft] LayerSkip: draft with layers 1-{dc.exit_layer} of {layers}, early-exit "
-        f"loss after {dc.exits(layers)} ({dc.early_exit_scale}, curriculum {dc.curriculum}), "
+        f"loss after {dc.exits(layers)} ({dc.early_exit_scale}, curriculum {dc.curriculum}"
+        + (f", {dc.exit_distill:g} against the final layer" if dc.exit_distill else "")
+        + "), "
         f"layer dropout up to {dc.layer_dropout} ({dc.dropout_scale}); training "
         f"{trained / 1e6:.2f}M parameters ({'LoRA' if dc.lora.rank else 'full fine-tuning'})",
         file=sys.stderr,

@@ -27,16 +27,40 @@ def deep_target():
 def test_greedy_equals_plain_greedy(deep_target, exit_layer, lookup):
     drafter = self_drafter(deep_target, exit_layer)
     plain = generate(deep_target, [5, 6, 7, 8, 5, 6], None, max_new_tokens=40)
-    # copies longer than the chains: copies verified by the full forward between own drafts
-    long_copies = [(2, 0.0, 8)] if lookup else []
-    for gamma, stop, lookup_gamma in ((1, 0.0, 0), (4, 0.0, 0), (6, 0.2, 0), *long_copies):
+    for gamma, stop in ((1, 0.0), (4, 0.0), (6, 0.2)):
         out = generate(
             deep_target, [5, 6, 7, 8, 5, 6], drafter, max_new_tokens=40, gamma=gamma,
-            stop_below=stop, lookup_ngram=lookup, lookup_gamma=lookup_gamma,
+            stop_below=stop, lookup_ngram=lookup,
         )  # fmt: skip
         assert out.tokens.tolist() == plain.tokens.tolist()
         assert out.stats.drafted > 0
         assert out.stats.drafter_kv_bytes == 0  # the draft's cache entries are the target's
+
+
+@pytest.mark.parametrize("exit_layer", [1, 3])
+def test_long_copies_between_own_drafts_stay_exact(deep_target, exit_layer, monkeypatch):
+    """Copies of up to 8 tokens (lookup_gamma) verified by the full forward, between chains of 2
+    drafted on the shared cache: output stays plain greedy."""
+    from specdraft.inference.metrics import Stats
+
+    prompt = [5, 17, 42, 99, 7, 230, 11, 12] * 3
+    plain = generate(deep_target, prompt, None, max_new_tokens=40)
+    depths = []
+    record = Stats.record_step
+
+    def spy(stats, drafted, depth, *args):
+        depths.append(depth)
+        return record(stats, drafted, depth, *args)
+
+    monkeypatch.setattr(Stats, "record_step", spy)
+    drafter = self_drafter(deep_target, exit_layer)
+    out = generate(
+        deep_target, prompt, drafter, max_new_tokens=40, gamma=2, lookup_ngram=2, lookup_gamma=8
+    )
+    assert out.tokens.tolist() == plain.tokens.tolist()
+    s = out.stats
+    assert 0 < s.copied_passes < s.target_passes - 1  # copies, and drafts of its own
+    assert max(depths) > 2
 
 
 def test_the_early_layers_run_once_per_token(deep_target, monkeypatch):

@@ -273,8 +273,42 @@ def test_copy_length_is_raced_only_while_copying(monkeypatch):
     space = {"lookup_ngram": [0, 3], "lookup_gamma": [0, 8, 16]}
     best, rows = tune.search_decode(None, drafter, [], space, max_new_tokens=4)
     assert best == long
-    assert [(r["round"], r.get("lookup_gamma")) for r in rows if r["round"] == "lookup_gamma"] == [
-        ("lookup_gamma", 0),
-        ("lookup_gamma", 8),
-        ("lookup_gamma", 16),
-    ]
+    # copies of 2 spelled as 0 or as gamma decode alike: raced once
+    raced = [(r["round"], r["lookup_gamma"]) for r in rows if r["round"] == "lookup_gamma"]
+    assert sorted(raced) == [("lookup_gamma", 0), ("lookup_gamma", 8), ("lookup_gamma", 16)]
+    space["lookup_gamma"] = [0, 2, 8]
+    _, rows = tune.search_decode(None, drafter, [], space, max_new_tokens=4)
+    assert sorted(r["lookup_gamma"] for r in rows if r["round"] == "lookup_gamma") == [0, 8]
+
+
+def test_copying_that_pays_only_in_long_copies_is_found(monkeypatch):
+    """Copying off at first, copies of gamma slower than no copying, copies of 8 fastest: the
+    copying round races turning it on at each copy length, so it is not dropped for losing in
+    copies of gamma (after which the length round would have nothing to race)."""
+    from specdraft.drafters.base import Drafter
+
+    class Copying(Drafter):
+        decode = DecodeConfig(gamma=2)
+
+    def price(d):
+        if not d.lookup_ngram:
+            return 1.0
+        return 0.5 if d.lookup_gamma == 8 else 1.2
+
+    monkeypatch.setattr(tune, "race", _priced_race(price))
+    space = {"lookup_ngram": [0, 3], "lookup_gamma": [0, 8]}
+    best, rows = tune.search_decode(None, Copying(), [], space, max_new_tokens=4)
+    assert (best.lookup_ngram, best.lookup_gamma) == (3, 8)
+    first = [r for r in rows if r["round"] == "lookup_ngram"]
+    assert sorted((r["lookup_ngram"], r["lookup_gamma"]) for r in first) == [(0, 0), (3, 0), (3, 8)]
+
+    # an incumbent that already names an ignored setting keeps it; turning copying off drops
+    # the copies' length, not that setting
+    class Int8(Copying):
+        def ignored_settings(self, decode):
+            fixed = ["draft_weights=int8 is ignored"] if decode.draft_weights == "int8" else []
+            return super().ignored_settings(decode) + fixed
+
+    long = DecodeConfig(gamma=2, draft_weights="int8", lookup_ngram=3, lookup_gamma=8)
+    fit = tune._fit(Int8(), long.replace(lookup_ngram=0), "lookup_ngram", long)
+    assert fit == DecodeConfig(gamma=2, draft_weights="int8")

@@ -301,6 +301,31 @@ def test_the_loss_equals_a_per_sample_reference_loop(tiny_target, distill):
     assert q is not None and torch.count_nonzero(q) == 0
 
 
+def test_self_distilled_exits_leave_the_final_layers_gradient_alone(tiny_target):
+    """The final layer's distribution is a target, not a path for gradients: with exit_distill,
+    the last layer (which only the final exit reads) gets the gradient of the final exit's
+    label loss alone, as without it, while the first layer's changes."""
+    ids = torch.randint(3, 300, (2, 10), generator=torch.Generator().manual_seed(3))
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.ones_like(ids),
+    }
+
+    def grads(distill):
+        model = AutoModelForCausalLM.from_pretrained(tiny_target.model.name_or_path)
+        cfg = LayerSkipConfig(exit_layer=1, layer_dropout=0.0, exit_distill=distill)
+        drafter = LayerSkipDrafter(cfg, model).train()
+        drafter.loss(batch)[0].backward()
+        return [p.grad.clone() for p in model.model.layers[1].parameters()], [
+            p.grad.clone() for p in model.model.layers[0].parameters()
+        ]
+
+    (last0, first0), (last1, first1) = grads(0.0), grads(1.0)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(last0, last1, strict=True))
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(first0, first1, strict=True))
+
+
 def test_a_resumed_run_with_layer_dropout_equals_an_uninterrupted_one(tiny_target_path, tmp_path):
     import shutil
 
