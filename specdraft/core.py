@@ -60,8 +60,9 @@ class DecodeConfig:
     # change slightly; output does not.
     draft_weights: str = choice("full", "int8")
     # Where the context's last lookup_ngram or more tokens occurred before, draft what followed
-    # them (prompt lookup, up to gamma tokens, no drafter pass) instead of running the drafter;
-    # 0: always the drafter. Repetitive text is drafted for free and exactly.
+    # them (prompt lookup, up to lookup_gamma tokens, else gamma; no drafter pass) instead of
+    # running the drafter; 0: always the drafter. Repetitive text is drafted for free and
+    # exactly.
     lookup_ngram: int = 0
     # With lookup_ngram: a copy drafts up to this many tokens (0: gamma, as the drafter). A copy
     # costs no drafting pass, and on a CPU a pass verifying 8 tokens costs about what one
