@@ -251,6 +251,14 @@ class TrainConfig:
                 if "exit_layer" in self.eval_loop.tune
                 else "decode.exit_layer",
             )
+        tune = self.eval_loop.tune
+        if "lookup_gamma" in tune and "lookup_ngram" not in tune and not self.decode.lookup_ngram:
+            raise ConfigError(
+                "eval_loop.tune has lookup_gamma, the length of copies, but nothing copies: "
+                "decode.lookup_ngram is 0 and not tuned. Add lookup_ngram to eval_loop.tune, or "
+                "set decode.lookup_ngram (e.g. 3)",
+                key="eval_loop.tune",
+            )
         if self.target_sharding != "none":
             why = {
                 "layerskip": "LayerSkip fine-tunes the target itself: shard the whole run with "

@@ -95,6 +95,9 @@ def test_bad_input_is_a_clear_error(tiny_target_path, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*common, "eval_loop.tune=[gamma,exit_layer]"])
     assert "LayerSkip's setting" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*common, "eval_loop.tune=[gamma,lookup_gamma]"])
+    assert "lookup_gamma, the length of copies, but nothing copies" in capsys.readouterr().err
 
 
 def medusa2_args(target_path, out) -> list[str]:
