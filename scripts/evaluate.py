@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a trained drafter (repeat; the same folder may come back with other settings): "
         "after a colon, decoding settings for this drafter only, over its saved defaults "
         "(gamma, tree_top_k, tree_budget, stop_below, draft_weights, lookup_ngram, "
-        "lookup_gamma, dynamic_gamma, exit_layer, acceptance, typical_epsilon, typical_delta: specdraft.core.DecodeConfig; "
+        "lookup_gamma, dynamic_gamma, exit_layer, acceptance, typical_epsilon, typical_delta: "
+        "specdraft.core.DecodeConfig; "
         "acceptance=typical, Medusa only, is lossy at temperature > 0 and marked so)",
     )
     parser.add_argument("--baselines", default=",".join(BASELINES))
