@@ -73,6 +73,16 @@ class DemoSpec:
     repeat_lr: float = 8e-4
     repeat_decay: float = 0.5
     repeat_unit: str = "lines"  # lines: whole lines where they fit; tokens: spans of 2-24 tokens
+    # 0: the phase above, after the likelihood steps (build 3). r > 0: no extra steps; instead r of
+    # the batch_size rows of each of the last `repeat_steps` likelihood steps are pseudo-repetitive,
+    # trained at the schedule's lr by the same optimizers (repeat_lr unused). A cheaper build that
+    # sees r * repeat_steps fewer training blocks (BENCHMARKS.md, "Demo target").
+    repeat_rows: int = 0
+
+
+# Settings added after build 3 enter the cache folder's hash only when they differ from these
+# values, so that adding a setting does not orphan the targets (and drafters) already built.
+LATER_SETTINGS = {"repeat_rows": 0}
 
 
 SPECS = {
@@ -116,6 +126,15 @@ def resolve_spec(
             f"{spec.repeat_decay}, repeat_lr={spec.repeat_lr}: need repeat_steps >= 0, "
             "0 < repeat_decay < 1 and repeat_lr > 0"
         )
+    if not 0 <= spec.repeat_rows < spec.batch_size or (
+        spec.repeat_rows and spec.repeat_steps > spec.steps
+    ):
+        raise ValueError(
+            f"demo build repeat_rows={spec.repeat_rows} with batch_size={spec.batch_size}, "
+            f"repeat_steps={spec.repeat_steps} and steps={spec.steps}: need 0 <= repeat_rows < "
+            "batch_size, and repeat_steps <= steps when repeat_rows > 0 (the rows go into the "
+            "last repeat_steps likelihood steps)"
+        )
     if spec.repeat_unit not in ("tokens", "lines"):
         raise ValueError(f"demo build repeat_unit {spec.repeat_unit!r}: choose tokens or lines")
     if spec.precision not in ("auto", "bf16", "fp32"):
@@ -124,8 +143,12 @@ def resolve_spec(
 
 
 def demo_target_dir(spec: DemoSpec, variant: str) -> Path:
+    settings = asdict(spec)
+    for name, value in LATER_SETTINGS.items():
+        if settings[name] == value:
+            del settings[name]
     key = json.dumps(
-        {"spec": asdict(spec), "python": platform.python_version(), "build": BUILD_VERSION},
+        {"spec": settings, "python": platform.python_version(), "build": BUILD_VERSION},
         sort_keys=True,
     )
     return (
@@ -283,13 +306,19 @@ def build(spec: DemoSpec, out: Path) -> dict:
     order = torch.randperm(len(train_blocks), generator=torch.Generator().manual_seed(spec.seed))
     model.train()
     log_every = max(1, spec.steps // 20)
+    repetition = _Repetition(tokenizer, spec, train_blocks)
+    in_place_from = spec.steps - spec.repeat_steps if spec.repeat_rows else spec.steps
     for step in range(spec.steps):
         for group in (g for opt in optimizers for g in opt.param_groups):
             group["lr"] = _lr_at(step, spec)
-        idx = order[(torch.arange(spec.batch_size) + step * spec.batch_size) % len(order)]
+        rows = spec.batch_size - (spec.repeat_rows if step >= in_place_from else 0)
+        idx = order[(torch.arange(rows) + step * spec.batch_size) % len(order)]
         batch = train_blocks[idx]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.precision == "bf16"):
-            loss = model(input_ids=batch, labels=batch).loss  # HF shifts the labels itself
+        if rows < spec.batch_size:
+            loss, _ = repetition.loss(model, batch, spec.repeat_rows)
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.precision == "bf16"):
+                loss = model(input_ids=batch, labels=batch).loss  # HF shifts the labels itself
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for opt in optimizers:
@@ -301,8 +330,8 @@ def build(spec: DemoSpec, out: Path) -> dict:
                 f"({time.time() - start:.0f}s)",
                 file=sys.stderr,
             )
-    if spec.repeat_steps:
-        _penalize_repetition(model, tokenizer, spec, train_blocks, order, start)
+    if spec.repeat_steps and not spec.repeat_rows:
+        _penalize_repetition(model, repetition, spec, train_blocks, order, start)
     model.eval()
     heldout_loss = evaluate_loss(model, eval_blocks)
     model.generation_config = GenerationConfig(
@@ -312,13 +341,14 @@ def build(spec: DemoSpec, out: Path) -> dict:
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    extra_steps = 0 if spec.repeat_rows else spec.repeat_steps
     info = {
         "spec": asdict(spec),
         "python": platform.python_version(),
         "build_version": BUILD_VERSION,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "train_tokens_seen": (spec.steps + spec.repeat_steps) * spec.batch_size * spec.seq_len,
-        "repetition_rows_seen": spec.repeat_steps * spec.batch_size,
+        "train_tokens_seen": (spec.steps + extra_steps) * spec.batch_size * spec.seq_len,
+        "repetition_rows_seen": spec.repeat_steps * (spec.repeat_rows or spec.batch_size),
         "train_tokens_available": int(train_blocks.numel()),
         "heldout_loss": heldout_loss,
         "build_seconds": round(time.time() - start, 1),
@@ -386,36 +416,55 @@ def repetition_penalty(
     return (cost * scored).sum(), int(scored.sum())
 
 
+class _Repetition:
+    """The pseudo-repetitive rows of a build (see DemoSpec.repeat_steps) and the loss of a step
+    that carries them: its likelihood rows' mean cross-entropy plus the rows' mean penalty."""
+
+    def __init__(self, tokenizer, spec: DemoSpec, blocks: torch.Tensor) -> None:
+        self.spec, self.blocks = spec, blocks
+        self.generator = torch.Generator().manual_seed(spec.seed + 1)
+        self.line_ends = None
+        if spec.repeat_unit == "lines":
+            self.line_ends = torch.tensor(
+                ["\n" in tokenizer.decode([i]) for i in range(len(tokenizer))]
+            )
+
+    def loss(
+        self, model: LlamaForCausalLM, batch: torch.Tensor, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(likelihood + mean penalty, mean penalty) of `batch` plus `n` new repetitive rows, in
+        one forward."""
+        rows, starts, spans = repetition_rows(self.blocks, n, self.generator, self.line_ends)
+        bf16 = self.spec.precision == "bf16"
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=torch.cat([batch, rows])[:, :-1]).logits
+        likelihood = torch.nn.functional.cross_entropy(
+            logits[: len(batch)].float().flatten(0, 1), batch[:, 1:].flatten()
+        )
+        penalty, scored = repetition_penalty(
+            logits[len(batch) :], rows, starts, spans, self.spec.repeat_decay
+        )
+        penalty = penalty / max(scored, 1)
+        return likelihood + penalty, penalty
+
+
 def _penalize_repetition(
     model: LlamaForCausalLM,
-    tokenizer,
+    repetition: _Repetition,
     spec: DemoSpec,
     blocks: torch.Tensor,
     order: torch.Tensor,
     began: float,
 ) -> None:
-    """The build's DITTO phase (see DemoSpec.repeat_steps): each step the next batch of the
-    likelihood order plus as many pseudo-repetitive rows, one forward, the two mean losses
-    added."""
+    """The build's DITTO phase after the likelihood steps (see DemoSpec.repeat_steps): each step
+    the next batch of the likelihood order plus as many pseudo-repetitive rows, one forward."""
     optimizers = _optimizers(model, replace(spec, lr=spec.repeat_lr))
-    generator = torch.Generator().manual_seed(spec.seed + 1)
-    line_ends = None
-    if spec.repeat_unit == "lines":
-        line_ends = torch.tensor(["\n" in tokenizer.decode([i]) for i in range(len(tokenizer))])
     model.train()
     for i in range(spec.repeat_steps):
         step = spec.steps + i
         batch = blocks[order[(torch.arange(spec.batch_size) + step * spec.batch_size) % len(order)]]
-        rows, starts, spans = repetition_rows(blocks, spec.batch_size, generator, line_ends)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.precision == "bf16"):
-            logits = model(input_ids=torch.cat([batch, rows])[:, :-1]).logits
-        likelihood = torch.nn.functional.cross_entropy(
-            logits[: spec.batch_size].float().flatten(0, 1), batch[:, 1:].flatten()
-        )
-        penalty, scored = repetition_penalty(
-            logits[spec.batch_size :], rows, starts, spans, spec.repeat_decay
-        )
-        (likelihood + penalty / max(scored, 1)).backward()
+        loss, penalty = repetition.loss(model, batch, spec.batch_size)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for opt in optimizers:
             opt.step()
@@ -423,7 +472,7 @@ def _penalize_repetition(
         if i % max(1, spec.repeat_steps // 10) == 0 or i == spec.repeat_steps - 1:
             print(
                 f"[specdraft] demo target repetition step {i + 1}/{spec.repeat_steps} loss "
-                f"{likelihood.item():.3f} penalty {penalty.item() / max(scored, 1):.4f} "
+                f"{(loss - penalty).item():.3f} penalty {penalty.item():.4f} "
                 f"({time.time() - began:.0f}s)",
                 file=sys.stderr,
             )

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import hashlib
 import json
+import platform
+from dataclasses import asdict
 
 import pytest
 from safetensors.torch import load_file
@@ -217,6 +220,57 @@ def test_the_repetition_phase_is_deterministic_and_its_penalty_moves_the_weights
     assert all(a[k].equal(b[k]) for k in a)
     assert not all(a[k].equal(c[k]) for k in a)
     assert bdt.demo_target_dir(specs["a"], "tiny") != bdt.demo_target_dir(specs["c"], "tiny")
+
+
+def test_in_place_repetition_rows_cost_no_extra_steps_and_their_penalty_counts(tmp_path):
+    """repeat_rows > 0 puts the pseudo-repetitive rows into the last likelihood steps: the build
+    runs `steps` steps of batch_size rows, is deterministic, and the penalty changes it."""
+    specs = {
+        name: bdt.resolve_spec(
+            "tiny",
+            overrides={"repeat_steps": 3, "repeat_rows": 2, "optimizer": "muon", "repeat_decay": d},
+        )
+        for name, d in (("a", 0.5), ("b", 0.5), ("c", 0.9))
+    }
+    infos = {name: bdt.build(spec, tmp_path / name) for name, spec in specs.items()}
+    a, b, c = (load_file(tmp_path / x / "model.safetensors") for x in "abc")
+    assert all(a[k].equal(b[k]) for k in a)
+    assert not all(a[k].equal(c[k]) for k in a)
+    spec = specs["a"]
+    assert infos["a"]["train_tokens_seen"] == spec.steps * spec.batch_size * spec.seq_len
+    assert infos["a"]["repetition_rows_seen"] == 3 * 2
+
+
+def test_settings_added_later_keep_the_cache_folder_of_builds_made_before_them():
+    """A setting at its LATER_SETTINGS value leaves the folder's hash as it was before the
+    setting existed (the cached default target and its drafters stay valid); set, it moves."""
+    spec = bdt.resolve_spec("tiny")
+    before = asdict(spec)
+    for name in bdt.LATER_SETTINGS:
+        del before[name]
+    key = json.dumps(
+        {"spec": before, "python": platform.python_version(), "build": bdt.BUILD_VERSION},
+        sort_keys=True,
+    )
+    want = f"tiny-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    assert bdt.demo_target_dir(spec, "tiny").name == want
+    moved = bdt.resolve_spec("tiny", overrides={"repeat_steps": 2, "repeat_rows": 1})
+    assert bdt.demo_target_dir(moved, "tiny") != bdt.demo_target_dir(
+        bdt.resolve_spec("tiny", overrides={"repeat_steps": 2}), "tiny"
+    )
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"repeat_rows": -1},
+        {"repeat_rows": 4},  # the tiny batch: no likelihood row would be left
+        {"repeat_rows": 1, "repeat_steps": 26},  # more in-place steps than the build has
+    ],
+)
+def test_bad_in_place_repetition_rows_are_named(bad):
+    with pytest.raises(ValueError, match="need 0 <= repeat_rows < batch_size"):
+        bdt.resolve_spec("tiny", overrides=bad)
 
 
 @pytest.mark.parametrize(
