@@ -306,7 +306,7 @@ def build(spec: DemoSpec, out: Path) -> dict:
     order = torch.randperm(len(train_blocks), generator=torch.Generator().manual_seed(spec.seed))
     model.train()
     log_every = max(1, spec.steps // 20)
-    repetition = _Repetition(tokenizer, spec, train_blocks)
+    repetition = _Repetition(tokenizer, spec, train_blocks) if spec.repeat_steps else None
     in_place_from = spec.steps - spec.repeat_steps if spec.repeat_rows else spec.steps
     for step in range(spec.steps):
         for group in (g for opt in optimizers for g in opt.param_groups):
@@ -314,7 +314,7 @@ def build(spec: DemoSpec, out: Path) -> dict:
         rows = spec.batch_size - (spec.repeat_rows if step >= in_place_from else 0)
         idx = order[(torch.arange(rows) + step * spec.batch_size) % len(order)]
         batch = train_blocks[idx]
-        if rows < spec.batch_size:
+        if repetition is not None and rows < spec.batch_size:
             loss, _ = repetition.loss(model, batch, spec.repeat_rows)
         else:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.precision == "bf16"):
@@ -330,7 +330,7 @@ def build(spec: DemoSpec, out: Path) -> dict:
                 f"({time.time() - start:.0f}s)",
                 file=sys.stderr,
             )
-    if spec.repeat_steps and not spec.repeat_rows:
+    if repetition is not None and not spec.repeat_rows:
         _penalize_repetition(model, repetition, spec, train_blocks, order, start)
     model.eval()
     heldout_loss = evaluate_loss(model, eval_blocks)
