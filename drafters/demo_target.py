@@ -127,13 +127,13 @@ def resolve_spec(
             "0 < repeat_decay < 1 and repeat_lr > 0"
         )
     if not 0 <= spec.repeat_rows < spec.batch_size or (
-        spec.repeat_rows and spec.repeat_steps > spec.steps
+        spec.repeat_rows and not 0 < spec.repeat_steps <= spec.steps
     ):
         raise ValueError(
             f"demo build repeat_rows={spec.repeat_rows} with batch_size={spec.batch_size}, "
             f"repeat_steps={spec.repeat_steps} and steps={spec.steps}: need 0 <= repeat_rows < "
-            "batch_size, and repeat_steps <= steps when repeat_rows > 0 (the rows go into the "
-            "last repeat_steps likelihood steps)"
+            "batch_size, and 0 < repeat_steps <= steps when repeat_rows > 0 (the rows go into "
+            "the last repeat_steps likelihood steps)"
         )
     if spec.repeat_unit not in ("tokens", "lines"):
         raise ValueError(f"demo build repeat_unit {spec.repeat_unit!r}: choose tokens or lines")
@@ -314,8 +314,9 @@ def build(spec: DemoSpec, out: Path) -> dict:
         rows = spec.batch_size - (spec.repeat_rows if step >= in_place_from else 0)
         idx = order[(torch.arange(rows) + step * spec.batch_size) % len(order)]
         batch = train_blocks[idx]
+        penalty = None
         if repetition is not None and rows < spec.batch_size:
-            loss, _ = repetition.loss(model, batch, spec.repeat_rows)
+            loss, penalty = repetition.loss(model, batch, spec.repeat_rows)
         else:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.precision == "bf16"):
                 loss = model(input_ids=batch, labels=batch).loss  # HF shifts the labels itself
@@ -325,9 +326,11 @@ def build(spec: DemoSpec, out: Path) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
         if step % log_every == 0 or step == spec.steps - 1:
+            likelihood = loss if penalty is None else loss - penalty
+            extra = "" if penalty is None else f" penalty {penalty.item():.4f}"
             print(
-                f"[specdraft] demo target step {step + 1}/{spec.steps} loss {loss.item():.3f} "
-                f"({time.time() - start:.0f}s)",
+                f"[specdraft] demo target step {step + 1}/{spec.steps} loss "
+                f"{likelihood.item():.3f}{extra} ({time.time() - start:.0f}s)",
                 file=sys.stderr,
             )
     if repetition is not None and not spec.repeat_rows:

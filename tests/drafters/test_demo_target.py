@@ -6,6 +6,7 @@ import platform
 from dataclasses import asdict
 
 import pytest
+import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -222,9 +223,20 @@ def test_the_repetition_phase_is_deterministic_and_its_penalty_moves_the_weights
     assert bdt.demo_target_dir(specs["a"], "tiny") != bdt.demo_target_dir(specs["c"], "tiny")
 
 
-def test_in_place_repetition_rows_cost_no_extra_steps_and_their_penalty_counts(tmp_path):
+def test_in_place_repetition_rows_cost_no_extra_steps_and_their_penalty_counts(
+    tmp_path, monkeypatch
+):
     """repeat_rows > 0 puts the pseudo-repetitive rows into the last likelihood steps: the build
-    runs `steps` steps of batch_size rows, is deterministic, and the penalty changes it."""
+    runs `steps` forwards of batch_size rows, is deterministic, and the penalty changes it."""
+    forwards = []
+    real_forward = bdt.LlamaForCausalLM.forward
+
+    def counted(self, input_ids=None, **kwargs):
+        if torch.is_grad_enabled():  # a training step's forward, not the held-out loss's
+            forwards.append(len(input_ids))
+        return real_forward(self, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(bdt.LlamaForCausalLM, "forward", counted)
     specs = {
         name: bdt.resolve_spec(
             "tiny",
@@ -232,7 +244,11 @@ def test_in_place_repetition_rows_cost_no_extra_steps_and_their_penalty_counts(t
         )
         for name, d in (("a", 0.5), ("b", 0.5), ("c", 0.9))
     }
-    infos = {name: bdt.build(spec, tmp_path / name) for name, spec in specs.items()}
+    infos = {}
+    for name, spec in specs.items():
+        forwards.clear()
+        infos[name] = bdt.build(spec, tmp_path / name)
+        assert forwards == [spec.batch_size] * spec.steps  # no step after the schedule
     a, b, c = (load_file(tmp_path / x / "model.safetensors") for x in "abc")
     assert all(a[k].equal(b[k]) for k in a)
     assert not all(a[k].equal(c[k]) for k in a)
@@ -266,6 +282,7 @@ def test_settings_added_later_keep_the_cache_folder_of_builds_made_before_them()
         {"repeat_rows": -1},
         {"repeat_rows": 4},  # the tiny batch: no likelihood row would be left
         {"repeat_rows": 1, "repeat_steps": 26},  # more in-place steps than the build has
+        {"repeat_rows": 1},  # no repeat_steps: the rows would go nowhere
     ],
 )
 def test_bad_in_place_repetition_rows_are_named(bad):
