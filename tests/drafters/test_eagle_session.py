@@ -22,6 +22,9 @@ from specdraft.inference import generate
 from specdraft.inference.tree import tree_attention
 from specdraft.inference.verify import verify_greedy, verify_sampling
 
+# Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
+pytestmark = pytest.mark.exact
+
 
 @pytest.fixture(scope="module", params=["eagle3", "eagle1", "eagle3-projected", "eagle1-projected"])
 def trained_head(request, tiny_target):

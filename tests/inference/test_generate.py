@@ -16,6 +16,9 @@ from specdraft.drafters.distill import DistillDrafter
 from specdraft.inference import generate
 from specdraft.inference.metrics import Stats
 
+# Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
+pytestmark = pytest.mark.exact
+
 PROMPT = [5, 17, 42, 99, 7, 230]
 
 

@@ -26,6 +26,9 @@ from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaSession
 from specdraft.inference import generate
 from specdraft.inference.verify import verify_sampling
 
+# Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
+pytestmark = pytest.mark.exact
+
 V = 6
 SAMPLES = 500
 FALSE_ALARM = 1e-3  # the chance that a correct sampler fails one case, as in test_generate.py

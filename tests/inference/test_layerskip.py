@@ -11,6 +11,9 @@ from spec_helpers import chi_square_p_value, make_target, tiny_llama
 from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
 from specdraft.inference import generate
 
+# Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
+pytestmark = pytest.mark.exact
+
 
 def self_drafter(target, exit_layer: int) -> LayerSkipDrafter:
     return LayerSkipDrafter(LayerSkipConfig(exit_layer=exit_layer), target.model).eval()

@@ -11,6 +11,9 @@ from transformers import DynamicCache
 from specdraft.core import DraftTree, ancestors, compact, path_to
 from specdraft.inference.tree import tree_attention
 
+# Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
+pytestmark = pytest.mark.exact
+
 #        root
 #       /    \
 #      0      1

@@ -13,6 +13,9 @@ from spec_helpers import chi_square_p_value
 from specdraft.core import DraftTree, SamplingSettings, path_to, process_logits
 from specdraft.inference.verify import verify_greedy, verify_sampling
 
+# Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
+pytestmark = pytest.mark.exact
+
 # -- greedy ------------------------------------------------------------------------------------
 
 

@@ -36,6 +36,9 @@ from specdraft.train.trainer import (
     train,
 )
 
+# Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
+pytestmark = pytest.mark.exact
+
 
 def _examples(n: int, length: int, vocab: int, seed: int) -> list[Example]:
     g = torch.Generator().manual_seed(seed)

@@ -41,7 +41,7 @@ def test_zero2_run_and_resume_equal_a_plain_run(tiny_target_path, tmp_path):
         f"target={tiny_target_path}", "max_steps=4", "eval_every=0", "save_every=2",
         "eval_loop.enabled=false",  # the weights are compared; serving them is tested elsewhere
         "data.max_samples=20", "data.max_length=32", "grad_accum=2", "warmup_steps=1", "seed=1",
-        "micro_batch_size=4",
+        "micro_batch_size=4", "mixed_precision=no",  # compared in fp32 on every CPU
     ]  # fmt: skip
     launch = [
         str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
@@ -80,7 +80,7 @@ def test_two_deepspeed_processes_on_cpu_equal_one_plain_process(tiny_target_path
     common = [
         f"target={tiny_target_path}", "max_steps=4", "eval_every=2", "eval_batches=2",
         "save_every=2", "eval_loop.enabled=false", "data.max_samples=20", "data.max_length=32",
-        "grad_accum=2", "warmup_steps=1", "seed=1",
+        "grad_accum=2", "warmup_steps=1", "seed=1", "mixed_precision=no",  # fp32 on every CPU
     ]  # fmt: skip
     launch = [
         str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
@@ -174,7 +174,7 @@ def test_a_drafter_trains_online_against_a_target_sharded_by_zero3(
     common = [
         f"target={tiny_target_path}", "max_steps=4", "eval_every=2", "eval_batches=2",
         "save_every=0", "data.max_samples=20", "data.max_length=32", "grad_accum=2",
-        "warmup_steps=1", "seed=1", *settings,
+        "warmup_steps=1", "seed=1", "mixed_precision=no", *settings,  # fp32 on every CPU
     ]  # fmt: skip
     loop = ["eval_loop.num_prompts=2", "eval_loop.max_new_tokens=12"] if decodes else [
         "eval_loop.enabled=false"]  # fmt: skip

@@ -48,6 +48,7 @@ def test_two_processes_equal_one_with_the_same_global_batch(tiny_target_path, tm
         "eval_loop.enabled=false",  # the weights are compared; serving them is tested elsewhere
         "eval_every=2", "eval_batches=2", "save_every=0", "data.max_samples=20",
         "data.max_length=32", "warmup_steps=1", "grad_accum=2", "seed=1",
+        "mixed_precision=no",  # two equal one in fp32: bf16 rounds 2+2 rows unlike 4, any CPU
     ]  # fmt: skip
     accelerate = str(Path(sys.executable).parent / "accelerate")
     _run(
