@@ -1,9 +1,10 @@
 """The demo corpus and tokenizer: the standard library's own Python source.
 
-Every Python installation carries its standard library, so the demo target (DESIGN.md, "The
-embedded default") can be trained and evaluated with no network. Files are split into train and
-held-out by a hash of their path relative to the stdlib root, so the split is the same on every
-machine with the same Python version and never depends on file order or a random seed.
+Every Python installation carries its standard library, so the demo target
+(docs/architecture.md, "The embedded default") can be trained and evaluated with no network.
+Files are split into train and held-out by a hash of their path relative to the stdlib root, so
+the split is the same on every machine with the same Python version and never depends on file
+order or a random seed.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import hashlib
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -32,15 +32,19 @@ from torch import nn
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
 
 
-@runtime_checkable
-class DraftSession(Protocol):
-    """Per-call drafting state (caches, adaptive gamma); built by `Drafter.new_session`."""
+class DraftSession:
+    """Per-call drafting state (caches, adaptive gamma); built by `Drafter.new_session`. Every
+    method the loop calls is declared here with its default, so a kind overrides only what it
+    uses."""
 
     # The target hidden-state ids `accept` needs (a drafter fed by the target's features, like
     # EAGLE); empty for the others. The loop captures them in every verification forward.
-    capture_layers: Sequence[int]
+    capture_layers: Sequence[int] = ()
+    # Verification passes of a tree copied from the context instead of drafted (copying).
+    copied_passes: int = 0
 
-    def propose(self, context: DraftContext) -> DraftTree: ...
+    def propose(self, context: DraftContext) -> DraftTree:
+        raise NotImplementedError
 
     def accept(
         self,
@@ -56,25 +60,165 @@ class DraftSession(Protocol):
         each (batch, pending + n, hidden), the pending tokens first, then the tree's n nodes in
         node order.
         """
-        ...
+
+    def bind_cache(self, cache) -> None:
+        """Given the target's KV cache before the first step, for a session that drafts on it
+        (LayerSkip); the others keep their own."""
+
+    def verify(self, tree: DraftTree, logits_to_keep: int):
+        """The verification forward of `tree`, for a session that verifies its own drafts more
+        cheaply than the target's full forward (LayerSkip: the late layers only); None: the loop
+        runs the full forward."""
+        return None
 
     def extra_memory_bytes(self) -> int:
         """Bytes of drafting state beyond the weights (the drafter's KV cache), now."""
-        ...
+        return 0
+
+
+# kind -> class, filled as each kind's class is defined (Drafter.__init_subclass__).
+_KINDS: dict[str, type[Drafter]] = {}
+_BUILTIN_IMPORTED: list[bool] = []
+
+
+class DecodeSettingError(ValueError):
+    """A decoding setting that the drafter's kind can never honour; `key` names it."""
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class Drafter(nn.Module):
-    """Base of every trained drafter kind: weights on the module, state in sessions."""
+    """Base of every trained drafter kind: weights on the module, state in sessions.
 
-    kind: str = ""
+    A kind is one class in one file: it sets `kind` (which registers it), `config_class` and the
+    hooks below that it needs; every hook the trainer, checkpoint, loop, tuner and evaluation
+    call is declared here with its default, so no library code asks whether a drafter has one.
+    """
+
+    kind: ClassVar[str] = ""
+    # The kind's config dataclass (saved in its checkpoint; read back by load_drafter).
+    config_class: ClassVar[type | None] = None
+    # A display name for messages ("Medusa", "LayerSkip"); the kind itself when empty.
+    title: ClassVar[str] = ""
     # The decoding settings the drafter is served with unless a caller overrides them: saved in
     # its checkpoint (`decode` section of its training config) and read back by load_drafter.
     decode: DecodeConfig = DecodeConfig()
+    # The fingerprint of the target a loaded drafter was trained against (None: unknown).
+    target_fingerprint: dict | None = None
+    # Target hidden-state ids the loss needs (the trainer captures them in the target forward).
+    capture_layers: Sequence[int] = ()
+    # True when the loss runs the target itself (Medusa-2's adapters, LayerSkip): the trainer
+    # then hands it no target forward while training.
+    runs_target: bool = False
+    # The drafter is the target itself (LayerSkip): load_drafter builds it on the target given,
+    # whose fingerprint must be the folder's, and a folder of it is its own target.
+    uses_target_weights: ClassVar[bool] = False
+    # The kind a plain Hugging Face causal LM drafts as (a two-model draft): load_drafter reads a
+    # plain HF folder as it, and generate wraps a PreTrainedModel in it.
+    wraps_hf_models: ClassVar[bool] = False
+    # DecodeConfig keys only this kind honours: key -> (the value that leaves it off, what it
+    # does, said to the user of another kind). Any other kind given it on is an error.
+    owned_settings: ClassVar[dict[str, tuple[object, str]]] = {}
+    # State-dict names copied from the target: recorded in the checkpoint, not stored.
+    shared_with_target: tuple[str, ...] = ()
     # Prefixes of saved weight names that only training uses (none by default; see Medusa).
-    training_only_prefixes: tuple[str, ...] = ()
+    training_only_prefixes: ClassVar[tuple[str, ...]] = ()
     # Config values of keys added since a checkpoint was written, by their meaning then:
     # load_drafter fills them in where a saved config lacks them.
     legacy_defaults: ClassVar[dict] = {}
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("kind")
+        if not kind:
+            return
+        known = _KINDS.get(kind)
+        if known is not None and (known.__module__, known.__qualname__) != (
+            cls.__module__,
+            cls.__qualname__,
+        ):
+            raise TypeError(
+                f"drafter kind {kind!r} is already {known.__module__}.{known.__qualname__}; "
+                f"give {cls.__qualname__} a kind of its own"
+            )
+        _KINDS[kind] = cls
+
+    # -- building and saving ------------------------------------------------------------------
+
+    @classmethod
+    def from_checkpoint(cls, config, target, hf_model) -> Drafter:
+        """Rebuild the module from its saved config (load_drafter then loads the weights);
+        hf_model is the loaded HF model for a kind saved as one (`as_hf_model`), else None."""
+        raise NotImplementedError(f"the {cls.kind} drafter cannot be loaded from a checkpoint")
+
+    def as_hf_model(self):
+        """The plain Hugging Face causal LM this drafter is (a two-model draft), or None. Its
+        checkpoint is then that model's own folder, and transformers' assisted generation can
+        run it as `assistant_model`."""
+        return None
+
+    def model_to_save(self):
+        """The HF model written as the checkpoint folder (default: `as_hf_model`); None: the
+        drafter's own tensors go to model.safetensors."""
+        return self.as_hf_model()
+
+    def write_extra(self, folder) -> None:
+        """Write the kind's own files into a checkpoint folder being saved (Medusa-2's
+        adapter); nothing by default."""
+
+    def trained_fingerprint(self, target) -> dict:
+        """The fingerprint saved with the drafter: the target's, or the fine-tuned target's
+        for a kind that fine-tunes it (its adapter named)."""
+        return target.fingerprint
+
+    # -- training -----------------------------------------------------------------------------
+
+    def forward(self, batch: Mapping[str, torch.Tensor], target_out):
+        """The loss (DDP needs the forward to be it)."""
+        return self.loss(batch, target_out)
+
+    def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, Metrics]:
+        """(the sum over the micro-batch's scored tokens of each token's loss, metrics: name
+        -> (sum, count)); `target_out` is the target's forward with `capture_layers`, or None
+        when `runs_target`."""
+        raise NotImplementedError(f"the {self.kind} drafter does not train")
+
+    def loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """How many tokens the micro-batch's loss sum is over (a float scalar): by default every
+        token the loss mask scores, each predicted from the position before it. A kind whose
+        first prediction is further ahead (EAGLE and Medusa-1 score token t + 2 from position
+        t) counts its own; a token it counts but cannot score adds 0 to the sum."""
+        return batch["loss_mask"][:, 1:].sum().float()
+
+    def acceptance(
+        self, batch: Mapping[str, torch.Tensor], target_out, gamma: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per draft depth 1..gamma: (acceptance alpha summed, greedy agreement summed, count),
+        on held-out data, for the simulated tau of training's evaluation."""
+        raise NotImplementedError(f"the {self.kind} drafter has no simulated acceptance")
+
+    def prepare_batch(self, batch: dict, target, generator, shared) -> dict:
+        """A training batch before its loss: swap data (on-policy) or draw per-sample randomness
+        (`batch["example_index"]` holds each row's index in the training set); as it is here."""
+        return batch
+
+    def begin_step(self, step: int, max_steps: int) -> None:
+        """Told the step before each one (a schedule inside the loss); nothing by default."""
+
+    def param_groups(self) -> list[dict]:
+        """The optimizer's groups, each may carry an lr_scale and a start_step."""
+        return [{"params": list(self.parameters())}]
+
+    def eval_statistics(self, batch: Mapping[str, torch.Tensor], target_out) -> dict:
+        """Held-out sums (name -> tensor) the kind keeps from evaluation; none by default."""
+        return {}
+
+    def finish_evaluation(self, sums: Mapping[str, torch.Tensor]) -> None:
+        """The reduced `eval_statistics` of one evaluation, before best/ is saved."""
+
+    # -- decoding -----------------------------------------------------------------------------
 
     def new_session(
         self,
@@ -86,12 +230,26 @@ class Drafter(nn.Module):
     ) -> DraftSession:
         raise NotImplementedError
 
-    def loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """How many tokens the micro-batch's loss sum is over (a float scalar): by default every
-        token the loss mask scores, each predicted from the position before it. A kind whose
-        first prediction is further ahead (EAGLE and Medusa-1 score token t + 2 from position
-        t) counts its own; a token it counts but cannot score adds 0 to the sum."""
-        return batch["loss_mask"][:, 1:].sum().float()
+    @classmethod
+    def decode_problem(cls, decode: DecodeConfig) -> DecodeSettingError | None:
+        """The error for a setting of another kind's that `decode` turns on, or None."""
+        for key, (off, owner, meaning) in settings_owned_by_kinds().items():
+            value = getattr(decode, key)
+            if key in cls.owned_settings or value == off:
+                continue
+            return DecodeSettingError(
+                f"{key}={value!r} {meaning}, and this is a {cls.kind} drafter: use "
+                f"{key}={off!r} with it, or a {owner} drafter",
+                key,
+            )
+        return None
+
+    def check_decode(self, decode: DecodeConfig) -> None:
+        """Raise ValueError for a decoding setting this drafter can never honour (another kind's
+        setting; a kind adds its own limits). Settings it only ignores are `ignored_settings`'."""
+        problem = self.decode_problem(decode)
+        if problem is not None:
+            raise problem
 
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         """What in `decode` this kind cannot honour, each said in a sentence (the loop warns
@@ -103,10 +261,67 @@ class Drafter(nn.Module):
             ]
         return []
 
+    def transformers_baseline(self, decode: DecodeConfig) -> tuple[str, dict, dict] | None:
+        """transformers' assisted generation doing what this drafter does with `decode`, for
+        evaluation to measure beside it: (the baseline's name, generation-config values set on
+        the target for each call, generate() keyword arguments), or None where it has none."""
+        return None
+
+    def search_space(self, target) -> dict[str, list]:
+        """Values of this kind's own settings that tuning tries (LayerSkip: every exit)."""
+        return {}
+
+    @classmethod
+    def sharding_problem(cls, config) -> str | None:
+        """Why this kind cannot train with the target sharded (target_sharding) under `config`
+        (its drafter config), or None when it can: the target must be frozen."""
+        return None
+
     def num_extra_parameters(self, target) -> int:
         """Parameters this drafter adds on top of the target (shared tensors not counted)."""
         target_params = {p.data_ptr() for p in target.model.parameters()}
         return sum(p.numel() for p in self.parameters() if p.data_ptr() not in target_params)
+
+
+def drafter_kinds() -> dict[str, type[Drafter]]:
+    """Every registered kind, the built-in ones imported first (each registers itself when its
+    module is imported, so a kind defined anywhere else counts once it is imported)."""
+    if not _BUILTIN_IMPORTED:
+        import importlib
+        import pkgutil
+
+        import specdraft.drafters as package
+
+        for module in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{package.__name__}.{module.name}")
+        _BUILTIN_IMPORTED.append(True)
+    return dict(_KINDS)
+
+
+def drafter_class(kind: str) -> type[Drafter]:
+    """The class of a registered drafter kind; KeyError naming the known ones otherwise."""
+    kinds = drafter_kinds()
+    if kind not in kinds:
+        raise KeyError(f"unknown drafter kind {kind!r}; known kinds: {', '.join(sorted(kinds))}")
+    return kinds[kind]
+
+
+def hf_model_kind() -> type[Drafter]:
+    """The kind a plain Hugging Face causal LM drafts as (`wraps_hf_models`)."""
+    found = [cls for cls in drafter_kinds().values() if cls.wraps_hf_models]
+    if len(found) != 1:
+        raise RuntimeError(f"exactly one drafter kind must wrap HF models; found {found}")
+    return found[0]
+
+
+def settings_owned_by_kinds() -> dict[str, tuple[object, str, str]]:
+    """key -> (its off value, the owning kind's title, what it does) of every DecodeConfig key
+    some kind owns (`owned_settings`)."""
+    owned = {}
+    for cls in drafter_kinds().values():
+        for key, (off, meaning) in cls.owned_settings.items():
+            owned[key] = (off, cls.title or cls.kind, meaning)
+    return owned
 
 
 @dataclass

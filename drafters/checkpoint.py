@@ -1,4 +1,4 @@
-"""The one writer and the one reader of drafter weights (DESIGN.md, "Checkpoint").
+"""The one writer and the one reader of drafter weights (docs/architecture.md, "Checkpoint").
 
 A drafter folder holds:
 
@@ -17,16 +17,16 @@ Folders are written to a temporary sibling and renamed into place, so a crash le
 folder or the new one, never half of one. Loading is strict: a drafter loaded for a target whose
 fingerprint differs is an error naming every difference. Only safetensors are read: no pickle.
 
-A drafter kind takes part with `kind`, `config` (its dataclass), `config_class`, and a classmethod
-`from_checkpoint(config, target, hf_model)` that rebuilds the module (hf_model is the loaded HF
-model for kinds whose drafter *is* one, exposed as `drafter.hf_model`, else None).
+A drafter kind takes part through the hooks `Drafter` declares (drafters/base.py): `kind` (its
+class registers itself), `config` (its dataclass), `config_class`, and `from_checkpoint(config,
+target, hf_model)`, which rebuilds the module (hf_model: the loaded HF model for a kind saved as
+one, `model_to_save`, else None).
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import importlib
 import json
 import os
 import shutil
@@ -40,7 +40,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from specdraft.core import DecodeConfig, check_fingerprint
-from specdraft.drafters.base import Drafter, vocab_mismatch_error
+from specdraft.drafters.base import Drafter, hf_model_kind, vocab_mismatch_error
+from specdraft.drafters.base import drafter_class as registered_class
 from specdraft.drafters.target import Target
 
 # 2: decoding settings moved from the kind's config into their own `decode` block.
@@ -48,14 +49,6 @@ FORMAT_VERSION = 2
 COMPLETE_MARKER = "COMPLETE"
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-
-# kind -> "module:Class", imported on load so reading a distilled draft never imports EAGLE code.
-KINDS: dict[str, str] = {
-    "distill": "specdraft.drafters.distill:DistillDrafter",
-    "eagle": "specdraft.drafters.eagle:EagleDrafter",
-    "medusa": "specdraft.drafters.medusa:MedusaDrafter",
-    "layerskip": "specdraft.drafters.layerskip:LayerSkipDrafter",
-}
 
 
 class CheckpointError(ValueError):
@@ -74,17 +67,19 @@ def save_drafter(
     folder: str | Path,
     *,
     target_fingerprint: dict,
+    decode: DecodeConfig | None = None,
     train_config_yaml: str | None = None,
     provenance: dict | None = None,
     tokenizer: Any = None,
     extra_files: dict[str, bytes | Path] | None = None,
 ) -> Path:
     """Write `drafter` as a complete checkpoint folder at `folder`, atomically, and return it.
+    `decode`: the decoding defaults saved with it (None: those it was loaded with).
 
-    `extra_files` (name -> bytes, or a file on the same file system, moved in) go inside the
-    folder before it is marked complete: the trainer puts its resume state there, so a checkpoint
-    is complete as a whole or not at all. An existing
-    `folder` is replaced only once the new one is fully written.
+        `extra_files` (name -> bytes, or a file on the same file system, moved in) go inside the
+        folder before it is marked complete: the trainer puts its resume state there, so a checkpoint
+        is complete as a whole or not at all. An existing
+        `folder` is replaced only once the new one is fully written.
     """
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -95,13 +90,12 @@ def save_drafter(
             "kind": drafter.kind,
             "format_version": FORMAT_VERSION,
             "config": dataclasses.asdict(drafter.config),
-            "decode": dataclasses.asdict(drafter.decode),
+            "decode": dataclasses.asdict(decode if decode is not None else drafter.decode),
             "target_fingerprint": target_fingerprint,
             "provenance": {"git_commit": git_commit(), **(provenance or {})},
         }
         # a kind may save another model than the one it trains (LayerSkip's LoRA: merged)
-        saved = getattr(drafter, "model_to_save", None)
-        hf_model = saved() if saved is not None else getattr(drafter, "hf_model", None)
+        hf_model = drafter.model_to_save()
         if hf_model is not None:
             # A plain HF folder: transformers writes the config and (tie-aware) safetensors.
             hf_model.save_pretrained(tmp, safe_serialization=True)
@@ -109,7 +103,7 @@ def save_drafter(
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
         else:
-            shared = set(getattr(drafter, "shared_with_target", ()))
+            shared = set(drafter.shared_with_target)
             state = {
                 k: v.detach().contiguous().cpu()
                 for k, v in drafter.state_dict().items()
@@ -122,8 +116,7 @@ def save_drafter(
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         if train_config_yaml is not None:
             (tmp / "train_config.yaml").write_text(train_config_yaml)
-        if hasattr(drafter, "write_extra"):  # a kind's own files (Medusa-2's peft adapter)
-            drafter.write_extra(tmp)
+        drafter.write_extra(tmp)  # a kind's own files (Medusa-2's peft adapter)
         for name, data in (extra_files or {}).items():
             if isinstance(data, Path):
                 os.replace(data, tmp / name)  # written by another process: never held here
@@ -252,7 +245,8 @@ def load_drafter(
 ) -> Drafter:
     """Load the drafter in `path` for `target`, on the target's device and dtype unless given.
 
-    A plain HF causal-LM folder (no `specdraft` block) loads as a two-model (`distill`) drafter;
+    A plain HF causal-LM folder (no `specdraft` block) loads as a two-model drafter (the kind
+    that `wraps_hf_models`);
     its vocabulary must be the target's. A folder written by specdraft must have been trained
     against this target: strict (the default) compares the whole fingerprint, strict=False only
     the vocabulary size. Published Medusa heads (FasterDecoding/Medusa's or vLLM's layout, no
@@ -278,11 +272,12 @@ def load_drafter(
         )
     device = device if device is not None else target.device
     dtype = dtype if dtype is not None else target.dtype
+    cls = drafter_class(meta["kind"]) if meta is not None else hf_model_kind()
     if meta is not None:
         expected = meta.get("target_fingerprint") or {}
         fix = "load the target it was made for, or train one for this target"
-        if meta.get("kind") == "layerskip":
-            fix = f"a LayerSkip drafter is its own target: load_target('{folder}')"
+        if cls.uses_target_weights:
+            fix = f"a {cls.title or cls.kind} drafter is its own target: load_target('{folder}')"
         elif expected.get("adapter"):  # trained with the target fine-tuned (Medusa-2)
             fix = (
                 f"it decodes with the target fine-tuned beside it: load_target(BASE, "
@@ -296,8 +291,7 @@ def load_drafter(
             error=CheckpointError,
             fix=fix,
         )
-    kind = meta["kind"] if meta is not None else "distill"
-    cls = drafter_class(kind)
+    kind = cls.kind
     config, decode = None, DecodeConfig()
     if meta is not None:
         config_values, decode_values = _split_decode(meta)
@@ -305,7 +299,7 @@ def load_drafter(
         config_values = {**cls.legacy_defaults, **config_values}
         config = _config_from_dict(cls.config_class, config_values, folder)
         decode = _config_from_dict(DecodeConfig, decode_values, folder)
-    if getattr(cls, "uses_target_weights", False):
+    if cls.uses_target_weights:
         # the drafter is the target itself (LayerSkip): the fingerprint check above made sure the
         # target is this folder's model, so no second copy is loaded
         drafter = cls.from_checkpoint(config, target, None)
@@ -381,16 +375,15 @@ def check_complete(folder: str | Path) -> None:
             raise CheckpointError(f"{weights} cannot be read ({e}): the file is damaged") from e
 
 
-def drafter_class(kind: str) -> type:
-    if kind not in KINDS:
-        raise CheckpointError(f"unknown drafter kind {kind!r}; known kinds: {', '.join(KINDS)}")
-    module, name = KINDS[kind].split(":")
+def drafter_class(kind: str) -> type[Drafter]:
+    """The registered class of `kind`; a CheckpointError naming the known kinds otherwise (a
+    kind defined outside specdraft registers once its module is imported)."""
     try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
+        return registered_class(kind)
+    except KeyError as e:
         raise CheckpointError(
-            f"drafter kind {kind!r} is not available in this specdraft ({e})"
-        ) from e
+            f"{e.args[0]}: import the module that defines it before loading"
+        ) from None
 
 
 # Format 1 kept the decoding settings in the kind's config, under these names.

@@ -30,7 +30,14 @@ from specdraft.core import (
     float_mask,
     kv_bytes,
 )
-from specdraft.drafters.base import Drafter, Metrics, figure, vocab_mismatch_error, warn_once
+from specdraft.drafters.base import (
+    Drafter,
+    DraftSession,
+    Metrics,
+    figure,
+    vocab_mismatch_error,
+    warn_once,
+)
 from specdraft.drafters.lean import (
     LeanModel,
     ModelWeights,
@@ -173,18 +180,30 @@ class DistillDrafter(Drafter):
     """The student wrapped as a drafter. `hf_model` is the plain HF causal LM that is saved."""
 
     kind = "distill"
+    title = "two-model"
     config_class = DistillConfig
+    # A plain HF causal LM (a folder without a specdraft block, or a model passed to generate)
+    # drafts as this kind. The loss needs only the target's logits, no hidden states.
+    wraps_hf_models = True
 
     def __init__(self, hf_model: PreTrainedModel, config: DistillConfig | None = None) -> None:
         super().__init__()
         self.hf_model = hf_model
         # A plain HF folder loaded for inference has no training config: the defaults describe it.
         self.config = config if config is not None else DistillConfig()
-        # The loss needs only the target's logits, no hidden states.
-        self.capture_layers: tuple[int, ...] = ()
-        # The fingerprint of the target it was trained for (set by load_drafter), None if unknown.
-        self.target_fingerprint: dict | None = None
         self._drafting = SharedWeights()  # drafting_weights' cache
+
+    def as_hf_model(self) -> PreTrainedModel:
+        return self.hf_model
+
+    def transformers_baseline(self, decode: DecodeConfig):
+        # transformers reads gamma and its schedule from the assistant's own generation config;
+        # a zero confidence threshold turns off its early stop, so gamma is constant
+        config = self.hf_model.generation_config
+        config.num_assistant_tokens = decode.gamma
+        config.num_assistant_tokens_schedule = "constant"
+        config.assistant_confidence_threshold = 0.0
+        return "hf_assisted", {}, {"assistant_model": self.hf_model}
 
     def drafting_weights(self, int8: bool) -> ModelWeights | None:
         """The student's weights as lean drafting runs them (drafters/lean.py), or None where it
@@ -251,12 +270,6 @@ class DistillDrafter(Drafter):
             _check_vocab(hf_model, target, "checkpoint")
         return cls(hf_model, config)
 
-    def forward(
-        self, batch: Mapping[str, torch.Tensor], target_out
-    ) -> tuple[torch.Tensor, Metrics]:
-        """The training loss (the trainer calls the module, so DDP sees the forward)."""
-        return self.loss(batch, target_out)
-
     # --- loss ----------------------------------------------------------------------------------
 
     def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, Metrics]:
@@ -283,7 +296,9 @@ class DistillDrafter(Drafter):
         return loss, metrics
 
     @torch.no_grad()
-    def acceptance(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, ...]:
+    def acceptance(
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
+    ) -> tuple[torch.Tensor, ...]:
         """(alpha summed over loss tokens, greedy agreement summed, token count), one entry per
         draft depth 1..gamma.
 
@@ -297,7 +312,7 @@ class DistillDrafter(Drafter):
         alpha = simulated_alpha(target_logits, student_logits).sum()
         agree = (student_logits.argmax(-1) == target_logits.argmax(-1)).sum().float()
         count = torch.tensor(float(student_logits.shape[0]), device=alpha.device)
-        gamma = self.decode.gamma
+        gamma = decode.gamma
         return alpha.repeat(gamma), agree.repeat(gamma), count.repeat(gamma)
 
     def _aligned(self, batch, target_out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -417,7 +432,7 @@ def sample(
 DYNAMIC_GAMMA_CEILING = 16
 
 
-class DistillSession:
+class DistillSession(DraftSession):
     """One generate call's drafting state: the draft model's KV cache and the current gamma.
 
     Drafting runs the small model autoregressively with its own KV cache, as

@@ -52,7 +52,7 @@ from specdraft.core import (
     draft_tree,
     float_mask,
 )
-from specdraft.drafters.base import Drafter, Metrics, figure, warn_once
+from specdraft.drafters.base import Drafter, DraftSession, Metrics, figure, warn_once
 from specdraft.drafters.lean import (
     DraftLinear,
     LayerWeights,
@@ -338,16 +338,15 @@ class EagleDrafter(Drafter):
     `self.target` is a plain attribute, so they are neither trained nor saved."""
 
     kind = "eagle"
+    title = "EAGLE"
     config_class = EagleConfig
     legacy_defaults = LEGACY_DEFAULTS
-    shared_with_target: tuple[str, ...] = ()
 
     def __init__(self, config: EagleConfig, target, d2t: torch.Tensor | None = None) -> None:
         super().__init__()
         config = resolve_config(config, target)
         self.config = config
         self.target = target  # not an nn.Module: not registered, not saved
-        self.target_fingerprint: dict | None = None
         self._drafting = SharedWeights()  # drafting_weights' cache
         H, V = target.hidden_size, target.vocab_size
         self.capture_layers: list[int] = self.capture_layers_for(config, target)
@@ -511,12 +510,6 @@ class EagleDrafter(Drafter):
             return self.target.lm_head(h.to(self.target.dtype)).to(h.dtype)
         return self.lm_head(self.final_norm(h))
 
-    def forward(
-        self, batch: Mapping[str, torch.Tensor], target_out
-    ) -> tuple[torch.Tensor, Metrics]:
-        """The training loss (the trainer calls the module, so DDP sees the forward)."""
-        return self.loss(batch, target_out)
-
     # --- loss: training-time test ----------------------------------------------------------------
 
     def unroll(
@@ -614,7 +607,7 @@ class EagleDrafter(Drafter):
 
     @torch.no_grad()
     def acceptance(
-        self, batch: Mapping[str, torch.Tensor], target_out
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(alpha summed, greedy agreement summed, count) per draft depth 1..gamma (the depth the
         head is served with, `decode.gamma`), unrolled on the head's own outputs.
@@ -625,7 +618,7 @@ class EagleDrafter(Drafter):
         target's, what greedy verification accepts.
         """
         sums, greedy, counts = [], [], []
-        for s in self.unroll(batch, target_out, self.decode.gamma):
+        for s in self.unroll(batch, target_out, decode.gamma):
             p = F.softmax(s["p_logits"].float(), dim=-1)  # (B, S, V)
             q_draft = F.softmax(s["logits"].float(), dim=-1)
             if self.config.version == "eagle3":
@@ -679,7 +672,7 @@ class DraftingWeights:
         return self.layer.memory_bytes() + sum(lin.memory_bytes() for lin in linears)
 
 
-class EagleSession:
+class EagleSession(DraftSession):
     """One generate call's drafting state: the head's KV cache and the target features it needs.
 
     Contract with the inference loop (beyond `DraftSession`):

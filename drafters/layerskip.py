@@ -26,6 +26,7 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,14 @@ from specdraft.core import (
     draft_chain,
     float_mask,
 )
-from specdraft.drafters.base import Drafter, LoraConfig, Metrics, attach_lora, figure
+from specdraft.drafters.base import (
+    Drafter,
+    DraftSession,
+    LoraConfig,
+    Metrics,
+    attach_lora,
+    figure,
+)
 from specdraft.drafters.distill import simulated_alpha
 from specdraft.drafters.target import ADAPTER_ATTRIBUTE, TargetError, llama_parts
 
@@ -276,19 +284,21 @@ class LayerSkipDrafter(Drafter):
     HF folder); with LoRA, `peft` is its peft wrapper while training."""
 
     kind = "layerskip"
+    title = "LayerSkip"
     config_class = LayerSkipConfig
     # the loss runs the model itself (the trainer hands it no target output)
     runs_target = True
     # decoding uses the target's own weights: load_drafter loads no second copy
     uses_target_weights = True
+    owned_settings: ClassVar[dict] = {
+        "exit_layer": (0, "chooses where a LayerSkip drafter's draft exits the target")
+    }
 
     def __init__(self, config: LayerSkipConfig, hf_model) -> None:
         super().__init__()
         self.hf_model = hf_model
         self.config = config.resolve(hf_model.config.num_hidden_layers)
         self.num_layers = hf_model.config.num_hidden_layers
-        self.capture_layers: tuple[int, ...] = ()
-        self.target_fingerprint: dict | None = None
         self.peft = None
         self._step, self._max_steps = 0, 1
 
@@ -309,6 +319,16 @@ class LayerSkipDrafter(Drafter):
     @classmethod
     def from_checkpoint(cls, config: LayerSkipConfig, target, hf_model) -> LayerSkipDrafter:
         return cls(config, target.model if hf_model is None else hf_model)
+
+    @classmethod
+    def sharding_problem(cls, config: LayerSkipConfig) -> str | None:
+        return (
+            "LayerSkip fine-tunes the target itself: shard the whole run with DeepSpeed ZeRO-3 "
+            "instead (configs/accelerate/deepspeed_zero3.yaml)"
+        )
+
+    def as_hf_model(self):
+        return self.hf_model
 
     def prepare_batch(self, batch: dict, target, generator, shared: torch.Generator) -> dict:
         """The trainer's hook before each micro-batch: each sample's layer-dropout decisions
@@ -372,6 +392,23 @@ class LayerSkipDrafter(Drafter):
             )
         return exit_layer
 
+    def check_decode(self, decode: DecodeConfig) -> None:
+        super().check_decode(decode)
+        self.draft_exit(decode)
+
+    def search_space(self, target) -> dict[str, list]:
+        return {"exit_layer": list(range(1, self.num_layers))}  # every exit the depth allows
+
+    def transformers_baseline(self, decode: DecodeConfig):
+        # the target drafting with its own first layers: transformers' early-exit assisted
+        # generation, with the same exit and a constant gamma (it recomputes the early layers);
+        # set per call, since another spec of the same folder (another gamma) shares the model
+        settings = dict(
+            num_assistant_tokens=decode.gamma, num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0,
+        )  # fmt: skip
+        return "hf_early_exit", settings, {"assistant_early_exit": self.draft_exit(decode)}
+
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = super().ignored_settings(decode)
         if not decode.chain:
@@ -383,11 +420,6 @@ class LayerSkipDrafter(Drafter):
         return ignored
 
     # --- loss --------------------------------------------------------------------------------
-
-    def forward(
-        self, batch: Mapping[str, torch.Tensor], target_out=None
-    ) -> tuple[torch.Tensor, Metrics]:
-        return self.loss(batch, target_out)
 
     def exit_states(
         self, batch: Mapping[str, torch.Tensor], exits: list[int]
@@ -455,12 +487,12 @@ class LayerSkipDrafter(Drafter):
 
     @torch.no_grad()
     def acceptance(
-        self, batch: Mapping[str, torch.Tensor], target_out=None
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
     ) -> tuple[torch.Tensor, ...]:
         """(alpha summed, greedy agreement summed, count) per draft depth 1..gamma: the exit
         layer's distribution q against the model's own final p at each loss position; a chain
         drafter's depths get the same estimate (as the distilled draft's)."""
-        e, last = self.draft_exit(self.decode), self.num_layers
+        e, last = self.draft_exit(decode), self.num_layers
         states = self.exit_states(batch, [e, last])
         keep = batch["loss_mask"][:, 1:].bool()
         lm_head = self.hf_model.get_output_embeddings()
@@ -469,7 +501,7 @@ class LayerSkipDrafter(Drafter):
         alpha = simulated_alpha(p_logits, q_logits).sum()
         agree = (q_logits.argmax(-1) == p_logits.argmax(-1)).sum().float()
         count = torch.tensor(float(q_logits.shape[0]), device=alpha.device)
-        gamma = self.decode.gamma
+        gamma = decode.gamma
         return alpha.repeat(gamma), agree.repeat(gamma), count.repeat(gamma)
 
     @torch.no_grad()
@@ -513,7 +545,7 @@ class LayerSkipDrafter(Drafter):
         return LayerSkipSession(target.model, exit_layer, decode, sampling, generator)
 
 
-class LayerSkipSession:
+class LayerSkipSession(DraftSession):
     """One generate call's self-speculative drafting, on the loop's own KV cache (`bind_cache`).
 
     A proposal feeds the pending tokens and each drafted token but the last through layers

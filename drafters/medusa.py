@@ -20,6 +20,7 @@ import heapq
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ from specdraft.core import (
 )
 from specdraft.drafters.base import (
     Drafter,
+    DraftSession,
     LoraConfig,
     Metrics,
     adapter_hash,
@@ -153,17 +155,17 @@ class MedusaDrafter(Drafter):
     a plain attribute, so it is neither trained nor saved."""
 
     kind = "medusa"
+    title = "Medusa"
     config_class = MedusaConfig
-    shared_with_target: tuple[str, ...] = ()
     # Keys of model.safetensors a drafter loaded for decoding ignores: Medusa-2's adapter
     # weights, which decoding gets merged into the target (load_target(..., adapter=...)).
-    training_only_prefixes: tuple[str, ...] = ("lora.",)
+    training_only_prefixes = ("lora.",)
+    owned_settings: ClassVar[dict] = {"acceptance": ("exact", "is Medusa's typical acceptance")}
 
     def __init__(self, config: MedusaConfig, target, d2t: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = config
         self.target = target  # not an nn.Module: not registered, not saved
-        self.target_fingerprint: dict | None = None
         self._drafting = SharedWeights()
         H, V = target.hidden_size, target.vocab_size
         # the final normed hidden state, the one the target's LM head reads
@@ -218,6 +220,15 @@ class MedusaDrafter(Drafter):
                     })  # fmt: skip
             drafter.lora = nn.ModuleDict(adapters)
         return drafter
+
+    @classmethod
+    def sharding_problem(cls, config: MedusaConfig) -> str | None:
+        if config.lora.rank > 0:
+            return (
+                "Medusa-2 (drafter.lora.rank > 0) trains adapters inside the target: shard the "
+                "whole run with DeepSpeed ZeRO-3 instead, or train Medusa-1"
+            )
+        return None
 
     @property
     def runs_target(self) -> bool:
@@ -447,13 +458,13 @@ class MedusaDrafter(Drafter):
 
     @torch.no_grad()
     def acceptance(
-        self, batch: Mapping[str, torch.Tensor], target_out
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(alpha summed, greedy agreement summed, count) per draft depth 1..min(gamma, K) of a
         chain (head d - 1 at depth d). alpha = sum_x min(p(x), q(x)), q mapped to the target's
         vocabulary through d2t; greedy agreement: the head's argmax is the target's."""
         sums, greedy, counts = [], [], []
-        depth = min(self.decode.gamma, self.config.num_heads)
+        depth = min(decode.gamma, self.config.num_heads)
         for s in self.per_head(batch, target_out)[:depth]:
             p = F.softmax(s["p_logits"].float(), dim=-1)  # (B, S, V)
             q = torch.zeros_like(p).index_copy_(-1, self.d2t, F.softmax(s["logits"].float(), -1))
@@ -616,7 +627,7 @@ class DraftingWeights:
         return sum(lin.memory_bytes() for lin in linears)
 
 
-class MedusaSession:
+class MedusaSession(DraftSession):
     """One generate call's drafting state: the target's hidden state at the last verified token.
 
     The first `propose` returns an empty tree (no hidden state before the prompt's forward).

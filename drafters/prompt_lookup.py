@@ -51,9 +51,7 @@ class PromptLookupDrafter(Drafter):
         return PromptLookupSession(self.max_ngram, self.min_ngram, gamma)
 
 
-class PromptLookupSession:
-    capture_layers: Sequence[int] = ()
-
+class PromptLookupSession(DraftSession):
     def __init__(self, max_ngram: int, min_ngram: int, gamma: int) -> None:
         self.max_ngram, self.min_ngram, self.gamma = max_ngram, min_ngram, gamma
 
@@ -73,14 +71,8 @@ class PromptLookupSession:
                 return DraftTree.chain(draft[None].clone())
         return DraftTree.empty(1, seq.device)
 
-    def accept(self, tree: DraftTree, path: list[int], hidden_states=None) -> None:
-        pass  # no state to keep
 
-    def extra_memory_bytes(self) -> int:
-        return 0
-
-
-class CopyingSession:
+class CopyingSession(DraftSession):
     """Any drafter's session with prompt lookup in front: where the context's last `ngram` or
     more tokens occurred before, the draft is copied from what followed them (no drafter pass),
     up to `gamma` tokens (the loop passes DecodeConfig.lookup_gamma, else the drafter's gamma);
@@ -91,7 +83,7 @@ class CopyingSession:
     def __init__(self, inner: DraftSession, ngram: int, gamma: int) -> None:
         self.inner = inner
         self.lookup = PromptLookupSession(max(3, ngram), ngram, gamma)
-        self.capture_layers: Sequence[int] = getattr(inner, "capture_layers", ())
+        self.capture_layers: Sequence[int] = inner.capture_layers
         self.copied_passes = 0  # proposals copied rather than drafted
 
     def propose(self, context: DraftContext) -> DraftTree:
@@ -102,14 +94,12 @@ class CopyingSession:
         return self.inner.propose(context)
 
     def bind_cache(self, cache) -> None:
-        if hasattr(self.inner, "bind_cache"):
-            self.inner.bind_cache(cache)
+        self.inner.bind_cache(cache)
 
     def verify(self, tree: DraftTree, logits_to_keep: int):
         """The inner session's own verification of its draft, if it has one; else None (the
         loop's full forward, which also verifies every copy)."""
-        verify = getattr(self.inner, "verify", None)
-        return None if verify is None else verify(tree, logits_to_keep)
+        return self.inner.verify(tree, logits_to_keep)
 
     def accept(
         self,

@@ -23,7 +23,7 @@ import torch
 
 from specdraft.config import override
 from specdraft.core import DecodeConfig, eos_ids
-from specdraft.drafters.checkpoint import load_drafter, read_metadata
+from specdraft.drafters.checkpoint import drafter_class, load_drafter, read_metadata
 from specdraft.drafters.target import load_target
 from specdraft.inference.measure import Run, loop_decoder, summarize
 from specdraft.precision import resolve_precision, to_dtype
@@ -196,26 +196,12 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
     params = drafter.num_extra_parameters(target)
     decoding = _ours(target, args, drafter, decode)
     runs.append(Run(name, drafter.kind, decoding, params, settings=dataclasses.asdict(decode)))
-    hf_model = getattr(drafter, "hf_model", None)
-    if drafter.kind == "layerskip":
-        # the target drafting with its own first layers: transformers' early-exit assisted
-        # generation, with the same exit and a constant gamma (it recomputes the early layers)
-        if "hf_early_exit" in args.baselines.split(","):
-            # set per call: another spec of the same folder (another gamma) shares the model
-            settings = dict(
-                num_assistant_tokens=decode.gamma, num_assistant_tokens_schedule="constant",
-                assistant_confidence_threshold=0.0,
-            )  # fmt: skip
-            early = _hf(target, args, settings, assistant_early_exit=drafter.draft_exit(decode))
-            runs.append(Run(f"hf_early_exit[{name}]", "hf_early_exit", early, params))
-    elif "hf_assisted" in args.baselines.split(",") and hf_model is not None:
-        # transformers reads gamma and its schedule from the assistant's own generation
-        # config; a zero confidence threshold turns off its early stop, so gamma is constant
-        hf_model.generation_config.num_assistant_tokens = decode.gamma
-        hf_model.generation_config.num_assistant_tokens_schedule = "constant"
-        hf_model.generation_config.assistant_confidence_threshold = 0.0
-        assisted = _hf(target, args, assistant_model=hf_model)
-        runs.append(Run(f"hf_assisted[{name}]", "hf_assisted", assisted, params))
+    # transformers' assisted generation doing what this drafter does, where it can
+    baseline = drafter.transformers_baseline(decode)
+    if baseline is not None and baseline[0] in args.baselines.split(","):
+        method, settings, options = baseline
+        assisted = _hf(target, args, settings, **options)
+        runs.append(Run(f"{method}[{name}]", method, assisted, params))
     if tuned is not None:  # every method on the fine-tuned target must give its plain output
         for run in runs[1:]:
             run.same_as = runs[0].name
@@ -228,7 +214,7 @@ def fine_tuned_target(path: str, base, args):
     with that adapter merged; for a LayerSkip folder, the folder itself. None for every other
     drafter, and where `base` already is that target."""
     meta, _ = read_metadata(path)
-    if (meta or {}).get("kind") == "layerskip":
+    if meta is not None and drafter_class(meta["kind"]).uses_target_weights:
         # its own target: with --target FOLDER nothing to load; beside another target (the base
         # it was fine-tuned from, say) it decodes with its own model, measured against that
         # model's plain decoding, so every kind runs in one evaluation

@@ -39,8 +39,7 @@ from specdraft.core import (
     eos_ids,
     process_logits,
 )
-from specdraft.drafters.base import warn_once
-from specdraft.drafters.distill import DistillDrafter
+from specdraft.drafters.base import Drafter, hf_model_kind, settings_owned_by_kinds, warn_once
 from specdraft.drafters.prompt_lookup import CopyingSession, PromptLookupDrafter
 from specdraft.drafters.target import Target
 from specdraft.inference.metrics import Stats
@@ -97,11 +96,10 @@ def generate(
     seq[0, :prompt_len] = seq_ids.to(device)
     length, cached = prompt_len, 0
     cache = DynamicCache(config=target.config)
-    if hasattr(session, "bind_cache"):  # a drafter that drafts on the target's cache (LayerSkip)
+    if session is not None:  # a drafter that drafts on the target's cache (LayerSkip) keeps it
         session.bind_cache(cache)
-    own_verify = getattr(session, "verify", None)
     no_draft = DraftTree.empty(device=device)
-    capture = list(getattr(session, "capture_layers", None) or ())
+    capture = list(session.capture_layers) if session is not None else []
     start = time.perf_counter()
     while True:
         remaining = prompt_len + max_new_tokens - length
@@ -125,7 +123,7 @@ def generate(
             inputs = torch.cat([inputs, tree.tokens.to(device)], dim=1)  # (1, pending + n)
         # A session that drafted on the shared cache verifies its own draft (LayerSkip: the late
         # layers only); any other tree gets the full forward.
-        out = own_verify(tree, n + 1) if own_verify is not None else None
+        out = session.verify(tree, n + 1) if session is not None else None
         if out is None:
             mask, positions = tree_attention(tree, cached, pending, target.dtype, device)
             out = target.forward(
@@ -183,7 +181,7 @@ def generate(
     if session is not None:
         stats.drafter_kv_bytes = session.extra_memory_bytes()
         stats.copies = isinstance(session, CopyingSession)
-        stats.copied_passes = getattr(session, "copied_passes", 0)
+        stats.copied_passes = session.copied_passes
     return GenerateOutput(tokens=seq[:, prompt_len:length].clone(), stats=stats)
 
 
@@ -226,11 +224,13 @@ def _start_session(target, drafter, sampling, generator, decode, settings):
     stats = Stats()
     settings = {k: v for k, v in settings.items() if v is not None}
     if drafter is None:
-        if "typical" in (settings.get("acceptance"), getattr(decode, "acceptance", None)):
-            raise ValueError(
-                "acceptance='typical' needs a Medusa drafter, and plain decoding (drafter=None) "
-                "drafts nothing to accept: pass a Medusa drafter, or drop acceptance"
-            )
+        for key, (off, owner, _) in settings_owned_by_kinds().items():
+            value = settings.get(key, getattr(decode, key, off))
+            if value != off:
+                raise ValueError(
+                    f"{key}={value!r} needs a {owner} drafter, and plain decoding (drafter=None) "
+                    f"drafts nothing to accept: pass a {owner} drafter, or drop {key}"
+                )
         if settings or decode is not None:
             raise ValueError(f"decoding settings {sorted(settings)} given without a drafter")
         return None, stats, None
@@ -242,24 +242,19 @@ def _start_session(target, drafter, sampling, generator, decode, settings):
             )
         drafter = PromptLookupDrafter()
     elif isinstance(drafter, PreTrainedModel):
-        drafter = DistillDrafter(drafter)
+        drafter = hf_model_kind()(drafter)
+    elif not isinstance(drafter, Drafter):
+        raise TypeError(
+            f"drafter must be None, 'prompt_lookup', a Drafter or an HF causal LM; got "
+            f"{type(drafter).__name__}"
+        )
     check_fingerprint(
-        getattr(drafter, "target_fingerprint", None),
+        drafter.target_fingerprint,
         target.fingerprint,
         f"this {drafter.kind} drafter",
     )
     decode = (decode if decode is not None else drafter.decode).replace(**settings)
-    if decode.acceptance == "typical" and drafter.kind != "medusa":
-        raise ValueError(
-            f"acceptance='typical' is Medusa's typical acceptance, and this is a {drafter.kind} "
-            "drafter, whose drafts the loop verifies exactly (lossless): use acceptance='exact' "
-            "with it, or a Medusa drafter for typical acceptance"
-        )
-    if decode.exit_layer and drafter.kind != "layerskip":
-        raise ValueError(
-            f"exit_layer={decode.exit_layer} chooses where a LayerSkip drafter's draft exits the "
-            f"target, and this is a {drafter.kind} drafter: leave exit_layer at 0"
-        )
+    drafter.check_decode(decode)  # another kind's setting, or one out of this drafter's range
     for message in drafter.ignored_settings(decode):
         warn_once(message)
     drafting = sampling

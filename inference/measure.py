@@ -1,4 +1,4 @@
-"""Measure decoding methods on the same prompts, as DESIGN.md's "Metrics" define it.
+"""Measure decoding methods on the same prompts, as docs/architecture.md's "Metrics" define it.
 
 Every method decodes the same prompts in this one process, after a warm-up, with new tokens
 counted the same way (up to and including the first EOS); speedups are ratios to our own plain
@@ -20,6 +20,7 @@ import torch
 
 from specdraft.core import DecodeConfig
 from specdraft.data.demo import demo_prompts
+from specdraft.drafters.base import Drafter
 from specdraft.drafters.checkpoint import load_drafter, set_decode
 from specdraft.drafters.target import load_target
 from specdraft.inference.generate import generate
@@ -181,7 +182,13 @@ def summarize(run: Run, ar: Run, target, greedy: bool, same_as: Run | None = Non
 
 
 def measure_vs_plain(
-    target, drafter, prompts: Sequence[torch.Tensor], *, max_new_tokens: int, log=None, **options
+    target,
+    drafter: Drafter,
+    prompts: Sequence[torch.Tensor],
+    *,
+    max_new_tokens: int,
+    log=None,
+    **options,
 ) -> dict:
     """A drafter in our loop against plain decoding on `prompts`: summarize's figures for the
     drafter (tau, speedup_vs_ar, drafted, matches_ar at temperature 0, ...) plus the plain run's
@@ -190,12 +197,11 @@ def measure_vs_plain(
     drafting = {"decode", *(f.name for f in dataclasses.fields(DecodeConfig))}
     shared = {k: v for k, v in options.items() if k not in drafting}
     ar = Run("ar", "ar", loop_decoder(target, None, max_new_tokens=max_new_tokens, **shared))
-    kind = getattr(drafter, "kind", str(drafter))
     run = Run(
-        kind,
-        kind,
+        drafter.kind,
+        drafter.kind,
         loop_decoder(target, drafter, max_new_tokens=max_new_tokens, **options),
-        drafter.num_extra_parameters(target) if hasattr(drafter, "num_extra_parameters") else 0,
+        drafter.num_extra_parameters(target),
     )
     measure([ar, run], prompts, target, log)
     row = summarize(run, ar, target, greedy=options.get("temperature", 0.0) == 0)
@@ -237,7 +243,7 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
         torch.set_num_threads(cfg.eval_loop.threads or usable_cores())
     try:
         drafter = load_drafter(final, target)
-        tuning = None
+        decode, tuning = drafter.decode, None
         space = {key: default_space(drafter, target)[key] for key in cfg.eval_loop.tune}
         if cfg.eval_loop.tune_budgets:
             space["tree_budget"] = cfg.eval_loop.tune_budgets
@@ -267,13 +273,12 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
             )
             for folder in tuned:  # (their train_config.yaml keeps the settings trained with)
                 set_decode(folder, decode)
-            drafter.decode = decode
         m = measure_vs_plain(
-            target, drafter, prompts, seed=cfg.seed,
+            target, drafter, prompts, seed=cfg.seed, decode=decode,
             max_new_tokens=cfg.eval_loop.max_new_tokens, temperature=cfg.eval_loop.temperature,
         )  # fmt: skip
         m["torch_threads"] = torch.get_num_threads()
-        m["decode"] = dataclasses.asdict(drafter.decode)
+        m["decode"] = dataclasses.asdict(decode)
         if tuning is not None:
             m["tuning"] = tuning
     finally:

@@ -1,4 +1,5 @@
-"""Decoding statistics, collected as the loop runs. Definitions follow DESIGN.md ("Metrics").
+"""Decoding statistics, collected as the loop runs. Definitions follow docs/architecture.md
+("Metrics").
 
 - tau: new tokens per target forward pass, bonus/correction token included (plain decoding: 1).
   The first pass also prefills the prompt; it emits tokens like any other.

@@ -56,8 +56,7 @@ def default_space(drafter, target) -> dict[str, list]:
         # 0: copies as long as the drafter's chains; tried only where lookup_ngram copies
         "lookup_gamma": [0, 4, 8, 16],
     }
-    if hasattr(drafter, "draft_exit"):  # LayerSkip: every exit the target's depth allows
-        space["exit_layer"] = list(range(1, drafter.num_layers))
+    space.update(drafter.search_space(target))  # the kind's own settings (LayerSkip's exits)
     return space
 
 
@@ -87,17 +86,14 @@ def parse_space(items: Sequence[str], base: Mapping[str, list]) -> dict[str, lis
 
 
 def check_space(drafter, space: Mapping[str, Sequence]) -> None:
-    """Raise ValueError naming a value this drafter can never decode with (an exit layer out of
-    the target's range, or any exit layer for a drafter that is not LayerSkip)."""
-    if "exit_layer" not in space:
-        return
-    if not hasattr(drafter, "draft_exit"):
-        raise ValueError(
-            f"exit_layer is a LayerSkip setting, and this is a {drafter.kind} drafter: leave it "
-            "out of --search"
-        )
-    for value in space["exit_layer"]:
-        drafter.draft_exit(DecodeConfig(exit_layer=value))
+    """Raise ValueError naming a value this drafter can never decode with (another kind's
+    setting, or one out of the drafter's range, as `Drafter.check_decode` says)."""
+    for key, values in space.items():
+        for value in values:
+            try:
+                drafter.check_decode(DecodeConfig(**{key: value}))
+            except ValueError as e:
+                raise ValueError(f"--search {key}: {e}; leave it out of --search") from None
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from specdraft.drafters.checkpoint import load_drafter, read_metadata, set_decode
+from specdraft.drafters.checkpoint import drafter_class, load_drafter, read_metadata, set_decode
 from specdraft.drafters.target import load_target
 from specdraft.inference.evaluate import dtype_name, fine_tuned_target
 from specdraft.inference.measure import load_prompts
@@ -123,8 +123,8 @@ def load(args):
     meta, _ = read_metadata(args.folder)
     name = args.target
     if name is None:
-        if (meta or {}).get("kind") == "layerskip":
-            name = args.folder
+        if meta is not None and drafter_class(meta["kind"]).uses_target_weights:
+            name = args.folder  # a drafter that is its own target (LayerSkip)
         else:
             config = Path(args.folder) / "train_config.yaml"
             if not config.is_file():

@@ -1,4 +1,4 @@
-"""Typed configs: dataclasses, YAML files and key=value overrides (DESIGN.md, "Config").
+"""Typed configs: dataclasses, YAML files and key=value overrides (docs/architecture.md, "Config").
 
 The one config engine of specdraft: training configs (train/config.py), decoding settings
 (`--drafter FOLDER:key=value` in scripts/evaluate.py) and any other dataclass section go through

@@ -1,4 +1,5 @@
-"""The training configs every kind shares: `TrainConfig` and its sections (DESIGN.md, "Config").
+"""The training configs every kind shares: `TrainConfig` and its sections (docs/architecture.md,
+"Config").
 
 A kind's entry script subclasses `TrainConfig` with its drafter section and builds it with
 `parse_cli` (specdraft/config.py, the config engine: YAML files, key=value overrides, named
@@ -14,6 +15,7 @@ import torch
 from specdraft.config import ConfigError, check_choices, choice
 from specdraft.core import DecodeConfig
 from specdraft.data.config import DataConfig
+from specdraft.drafters.base import drafter_kinds, settings_owned_by_kinds
 from specdraft.inference.tune import SEARCH_ORDER as TUNABLE
 from specdraft.precision import resolve_precision
 
@@ -92,7 +94,7 @@ class LoopEvalConfig:
 
 @dataclass
 class TrainConfig:
-    """The keys every drafter kind shares (DESIGN.md, "Common config keys and outputs").
+    """The keys every drafter kind shares (docs/architecture.md, "Common config keys and outputs").
 
     A drafter kind subclasses it, names its kind and adds its own section:
 
@@ -236,21 +238,7 @@ class TrainConfig:
         for key in ("min_lr_ratio", "adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, key) <= 1:
                 raise ConfigError(f"{key} must be in [0, 1]; got {getattr(self, key)}", key=key)
-        if self.decode.acceptance == "typical" and self.kind not in ("base", "medusa"):
-            raise ConfigError(
-                "decode.acceptance=typical is Medusa's lossy acceptance rule, and this trains "
-                f"a {self.kind} drafter, which is verified exactly: set decode.acceptance=exact",
-                key="decode.acceptance",
-            )
-        uses_exit = "exit_layer" in self.eval_loop.tune or self.decode.exit_layer
-        if uses_exit and self.kind not in ("base", "layerskip"):
-            raise ConfigError(
-                "exit_layer (in eval_loop.tune or decode) is LayerSkip's setting, and this "
-                f"trains a {self.kind} drafter: leave it out",
-                key="eval_loop.tune"
-                if "exit_layer" in self.eval_loop.tune
-                else "decode.exit_layer",
-            )
+        self._check_kind_rules()
         tune = self.eval_loop.tune
         if "lookup_gamma" in tune and "lookup_ngram" not in tune and not self.decode.lookup_ngram:
             raise ConfigError(
@@ -259,19 +247,6 @@ class TrainConfig:
                 "set decode.lookup_ngram (e.g. 3)",
                 key="eval_loop.tune",
             )
-        if self.target_sharding != "none":
-            why = {
-                "layerskip": "LayerSkip fine-tunes the target itself: shard the whole run with "
-                "DeepSpeed ZeRO-3 instead (configs/accelerate/deepspeed_zero3.yaml)",
-                "medusa": "Medusa-2 (drafter.lora.rank > 0) trains adapters inside the target: "
-                "shard the whole run with DeepSpeed ZeRO-3 instead, or train Medusa-1",
-            }.get(self.kind)
-            lora = getattr(getattr(getattr(self, "drafter", None), "lora", None), "rank", 0)
-            if self.kind == "layerskip" or (self.kind == "medusa" and lora > 0):
-                raise ConfigError(
-                    f"target_sharding={self.target_sharding} is for a frozen target; {why}",
-                    key="target_sharding",
-                )
         if self.mixed_precision == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
             bf16 = resolve_precision("auto", device, "training") == "bf16"
@@ -280,3 +255,30 @@ class TrainConfig:
             self.output_dir = f"runs/{self.kind}-demo"
         if self.run_name is None:
             self.run_name = Path(self.output_dir).name
+
+    def _check_kind_rules(self) -> None:
+        """The drafter kind's own rules (drafters/base.py): no other kind's decoding setting in
+        decode or eval_loop.tune, and target_sharding only where the kind keeps the target
+        frozen. A config of no registered kind (the base, a test's) has none."""
+        cls = drafter_kinds().get(self.kind)
+        if cls is None:
+            return
+        problem = cls.decode_problem(self.decode)
+        if problem is not None:
+            raise ConfigError(f"decode.{problem}", key=f"decode.{problem.key}")
+        owned = settings_owned_by_kinds()
+        for key in self.eval_loop.tune:
+            if key in owned and key not in cls.owned_settings:
+                _, owner, _ = owned[key]
+                raise ConfigError(
+                    f"eval_loop.tune has {key}, {owner}'s setting, and this trains a "
+                    f"{cls.title or cls.kind} drafter: leave it out",
+                    key="eval_loop.tune",
+                )
+        if self.target_sharding != "none":
+            why = cls.sharding_problem(getattr(self, "drafter", None))
+            if why is not None:
+                raise ConfigError(
+                    f"target_sharding={self.target_sharding} is for a frozen target; {why}",
+                    key="target_sharding",
+                )

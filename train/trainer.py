@@ -1,34 +1,12 @@
-"""The one training loop, shared by every drafter kind (DESIGN.md, "Trainer").
+"""The one training loop, shared by every drafter kind (docs/architecture.md, "Trainer").
 
 `train(cfg, drafter, target, train_examples, eval_examples)` runs it. The loop knows a drafter
-only through this small interface (`TrainableDrafter`):
-
-    drafter(batch, target_out) -> (loss, metrics)    its forward is its loss: the sum over the
-                                                     batch's scored tokens (DDP needs the
-                                                     forward); metrics: name -> (sum, count)
-    drafter.loss_tokens(batch)                       how many tokens that sum is over, from the
-                                                     batch alone (known before any backward)
-    drafter.acceptance(batch, target_out)            (alpha summed, greedy agreement summed,
-                                                     count) per draft depth, for the simulated
-                                                     tau (sampled and greedy) of evaluation
-    drafter.capture_layers                           target hidden states the loss needs
-    drafter.prepare_batch(batch, target, generator, shared)  optional: swap data (on-policy),
-                                                     or draw per-sample randomness: a training
-                                                     batch's `example_index` holds each row's
-                                                     index in the training set
-    drafter.eval_statistics(batch, target_out)       optional: held-out sums (a dict of
-    drafter.finish_evaluation(sums)                  tensors) the drafter keeps (Medusa's
-                                                     per-rank accuracies, for its tree)
-    drafter.param_groups()                           optional: optimizer groups, each with an
-                                                     lr_scale and a start_step
-    drafter.runs_target                              optional: True when the loss runs the
-                                                     target itself (target_out is then None)
-    drafter.trained_fingerprint(target)              optional: the fingerprint saved (the
-                                                     fine-tuned target's, for Medusa-2)
-    drafter.write_extra(folder)                      optional: files saved beside the weights
-    drafter.begin_step(step, max_steps)              optional: told the step before each one
-    parameters with requires_grad                    what the optimizer trains
-    kind, config, hf_model (optional)                what checkpoint.py saves
+only through the hooks `Drafter` declares (drafters/base.py, each with its default): its forward
+is its loss, the sum over the batch's scored tokens, with `loss_tokens` counting them from the
+batch alone; `acceptance` gives the simulated tau of evaluation at the depth the run will serve
+(`cfg.decode`); `prepare_batch`, `begin_step`, `param_groups`, `eval_statistics` /
+`finish_evaluation`, `runs_target` and `trained_fingerprint` are there for the kinds that need
+them. The parameters with requires_grad are what the optimizer trains.
 
 A batch is a dict of (batch, seq) tensors: input_ids, attention_mask, loss_mask.
 
@@ -60,7 +38,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -75,28 +53,13 @@ from tqdm.auto import tqdm
 from specdraft.config import config_to_dict, save_config
 from specdraft.core import check_fingerprint
 from specdraft.drafters import checkpoint
+from specdraft.drafters.base import Drafter
 from specdraft.inference.measure import usable_cores
 from specdraft.train.config import CONFIG_FILENAME, TrainConfig
 
 STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.pt"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-
-
-class TrainableDrafter(Protocol):
-    kind: str
-    config: Any
-    capture_layers: Sequence[int]
-
-    def __call__(
-        self, batch: dict[str, torch.Tensor], target_out: Any
-    ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]: ...
-
-    def loss_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
-
-    def acceptance(
-        self, batch: dict[str, torch.Tensor], target_out: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class NonFiniteLossError(RuntimeError):
@@ -221,7 +184,7 @@ def collate(examples: Sequence[Any], device: torch.device) -> dict[str, torch.Te
 
 def train(
     cfg: TrainConfig,
-    drafter: TrainableDrafter,
+    drafter: Drafter,
     target: Any,
     train_examples: Sequence[Any],
     eval_examples: Sequence[Any],
@@ -239,7 +202,6 @@ def train(
     trained to be served with `cfg.decode`: they are saved as its decoding defaults, and the
     simulated tau is for their depth.
     """
-    drafter.decode = cfg.decode
     threads = torch.get_num_threads()  # a CPU run sets its own (cpu_threads); put it back after
     try:
         run = _Run(cfg, drafter, target, train_examples, eval_examples, tokenizer, provenance)
@@ -394,7 +356,7 @@ class _Run:
                 share = (
                     f"{throughput['target_forward_share']:.0%} of step time in the target forward"
                 )
-                if getattr(self.acc.unwrap_model(self.model), "runs_target", False):
+                if self.acc.unwrap_model(self.model).runs_target:
                     share = "the target's forward and backward inside the drafter's loss"
                 bar.write(
                     f"[specdraft] throughput over {timed['steps']} steps after the first: "
@@ -431,15 +393,13 @@ class _Run:
             group["lr"] = lr * group.get("lr_scale", 1.0) if started else 0.0
 
         unwrapped = acc.unwrap_model(self.model)
-        if hasattr(unwrapped, "begin_step"):  # a schedule inside the loss (LayerSkip's curriculum)
-            unwrapped.begin_step(step, cfg.max_steps)
+        unwrapped.begin_step(step, cfg.max_steps)  # a schedule inside the loss (LayerSkip's)
         batches = []
         for micro in range(cfg.grad_accum):
             idx = examples_for(step, micro, self.rank, len(self.train_examples), cfg, self.world)
             batch = collate([self.train_examples[i] for i in idx], acc.device)
             batch["example_index"] = torch.tensor(idx, device=acc.device)
-            if hasattr(unwrapped, "prepare_batch"):
-                batch = unwrapped.prepare_batch(batch, self.target, generator, shared)
+            batch = unwrapped.prepare_batch(batch, self.target, generator, shared)
             batches.append(batch)
         # The step's loss is the mean over every scored token of the global batch, whatever the
         # split into processes and micro-batches: each micro-batch's loss sum is divided by the
@@ -527,7 +487,7 @@ class _Run:
         drafter that runs the target inside its own loss (`runs_target`: Medusa-2, whose
         adapters train through it). Evaluation always gets the forward: one pass serves the
         loss, the acceptance and the statistics."""
-        if training and getattr(drafter, "runs_target", False):
+        if training and drafter.runs_target:
             return None
         with self.acc.autocast():
             return self.target.forward(
@@ -551,7 +511,6 @@ class _Run:
         # A drafter may measure more on the held-out data (Medusa: per-rank head accuracies for
         # its tree): sums of `eval_statistics`, reduced, handed to `finish_evaluation` before
         # best/ is saved, so a checkpoint carries what its own evaluation measured.
-        extra = hasattr(model, "eval_statistics")
         extra_sums: dict[str, torch.Tensor] = {}
         model.eval()
         for chunk, weight in eval_chunks(n, self.rank, self.world, cfg.micro_batch_size):
@@ -559,10 +518,9 @@ class _Run:
             target_out = self._target_out(model, batch, training=False)
             with acc.autocast():
                 loss, _ = model(batch, target_out)
-                a, g, c = model.acceptance(batch, target_out)
-                if extra:
-                    for key, v in model.eval_statistics(batch, target_out).items():
-                        extra_sums[key] = extra_sums.get(key, 0) + v.float() * weight
+                a, g, c = model.acceptance(batch, target_out, cfg.decode)
+                for key, v in model.eval_statistics(batch, target_out).items():
+                    extra_sums[key] = extra_sums.get(key, 0) + v.float() * weight
             loss_sum += loss.float() * weight
             tokens += model.loss_tokens(batch) * weight
             alpha_sum = alpha_sum + a.float() * weight
@@ -572,8 +530,7 @@ class _Run:
         loss_sum, tokens = acc.reduce(loss_sum, "sum"), acc.reduce(tokens, "sum")
         alpha_sum, greedy_sum = acc.reduce(alpha_sum, "sum"), acc.reduce(greedy_sum, "sum")
         count = acc.reduce(count, "sum")
-        if extra:
-            model.finish_evaluation({k: acc.reduce(v, "sum") for k, v in extra_sums.items()})
+        model.finish_evaluation({k: acc.reduce(v, "sum") for k, v in extra_sums.items()})
         alphas = (alpha_sum / count.clamp(min=1)).tolist()
         agreement = (greedy_sum / count.clamp(min=1)).tolist()
         result = {
@@ -621,16 +578,12 @@ class _Run:
         with _full_parameters(self.acc, self.model):  # a collective under ZeRO-3: all processes
             if self.main:
                 drafter = self.acc.unwrap_model(self.model)
-                # a drafter that fine-tunes the target (Medusa-2) belongs to the fine-tuned one
-                fingerprint = (
-                    drafter.trained_fingerprint(self.target)
-                    if hasattr(drafter, "trained_fingerprint")
-                    else self.target.fingerprint
-                )
                 checkpoint.save_drafter(
                     drafter,
                     folder,
-                    target_fingerprint=fingerprint,
+                    decode=self.cfg.decode,
+                    # a drafter that fine-tunes the target belongs to the fine-tuned one
+                    target_fingerprint=drafter.trained_fingerprint(self.target),
                     train_config_yaml=self.config_yaml,
                     provenance={**self.provenance, "steps": step, **(extra_provenance or {})},
                     tokenizer=self.tokenizer,
@@ -735,7 +688,7 @@ class _Run:
             expected, self.target.fingerprint, f"the checkpoint {path}", error=ResumeError,
             fix="resume with the target it was trained against",
         )  # fmt: skip
-        hf_model = getattr(drafter, "hf_model", None)
+        hf_model = drafter.as_hf_model()
         if hf_model is not None:  # a HF model folder (distill): its own names, maybe sharded
             state: dict[str, torch.Tensor] = {}
             for weights in sorted(path.glob("*.safetensors")):
@@ -817,7 +770,7 @@ def _misfit(path: Path, meta: dict, drafter, why) -> str:
     that differ between the two (a saved config's missing keys read as legacy_defaults say),
     each as the command-line override that resumes it, and what to do. Nothing is changed on
     disk."""
-    saved = {**getattr(type(drafter), "legacy_defaults", {}), **(meta.get("config") or {})}
+    saved = {**type(drafter).legacy_defaults, **(meta.get("config") or {})}
     now = dataclasses.asdict(drafter.config) if dataclasses.is_dataclass(drafter.config) else {}
     differ = _differences(saved, now, "drafter")
     said = "; ".join(str(why).splitlines()[:2])
@@ -907,13 +860,8 @@ def _tracker_config(cfg: TrainConfig) -> dict[str, Any]:
 def _param_groups(drafter, cfg: TrainConfig) -> list[dict]:
     """AdamW's groups: the drafter's own (`param_groups`: an lr_scale and a start_step each),
     else one group of everything trainable; each split so that only matrices decay."""
-    groups = (
-        drafter.param_groups()
-        if hasattr(drafter, "param_groups")
-        else [{"params": list(drafter.parameters())}]
-    )
     out = []
-    for group in groups:
+    for group in drafter.param_groups():
         trainable = [p for p in group["params"] if p.requires_grad]
         extra = {k: v for k, v in group.items() if k != "params"}
         for params, decay in (

@@ -122,8 +122,7 @@ class _HeadDrafter(Drafter):
         return cls(config, target.model.lm_head)
 
 
-def test_non_hf_drafter_stores_only_its_own_tensors(tiny_target, tmp_path, monkeypatch):
-    monkeypatch.setitem(checkpoint.KINDS, "toyhead", f"{__name__}:_HeadDrafter")
+def test_non_hf_drafter_stores_only_its_own_tensors(tiny_target, tmp_path):
     torch.manual_seed(0)
     drafter = _HeadDrafter(_HeadConfig(width=8), tiny_target.model.lm_head)
     folder = save_drafter(drafter, tmp_path / "h", target_fingerprint=tiny_target.fingerprint)
@@ -141,9 +140,11 @@ def test_decoding_defaults_round_trip_and_format_1_folders_still_load(
     """The drafter's decoding defaults are saved beside its config and come back on load; a
     folder of format 1 (decoding keys inside the kind's config) loads with them moved over."""
     drafter = student
-    drafter.decode = DecodeConfig(gamma=7, draft_weights="int8", lookup_ngram=2)
-    folder = save_drafter(drafter, tmp_path / "d", target_fingerprint=tiny_target.fingerprint)
-    assert load_drafter(folder, tiny_target).decode == drafter.decode
+    decode = DecodeConfig(gamma=7, draft_weights="int8", lookup_ngram=2)
+    folder = save_drafter(
+        drafter, tmp_path / "d", target_fingerprint=tiny_target.fingerprint, decode=decode
+    )
+    assert load_drafter(folder, tiny_target).decode == decode
 
     config = json.loads((folder / "config.json").read_text())
     block = config["specdraft"]
@@ -182,10 +183,10 @@ def test_saving_over_a_folder_swaps_it_atomically_and_clears_leftovers(
     monkeypatch.setattr(os, "rename", guarded)
     save()
     monkeypatch.setattr(os, "rename", rename)
-    assert load_drafter(folder, tiny_target) is not None
+    _same_state(student, load_drafter(folder, tiny_target))  # the folder is whole after each save
 
     os.rename(folder, tmp_path / ".final.old-999")  # a crash between the fallback's two renames
     (tmp_path / ".final.old-998").mkdir()  # and an older half-removed copy
     save()
-    assert load_drafter(folder, tiny_target) is not None
+    _same_state(student, load_drafter(folder, tiny_target))  # the folder is whole after each save
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]

@@ -141,7 +141,6 @@ def test_ttt_loss_and_acceptance_equal_naive_step_by_step_reference(tiny_target,
         counts[argmax[1::2]] = -1.0
         d2t = build_draft_vocab(counts, cfg["draft_vocab_size"], tiny_target.vocab_size)
     head = head_for(tiny_target, d2t, **cfg)
-    head.decode = DecodeConfig(gamma=3)  # the simulated tau's depth: the served gamma
     target_out = tiny_target.forward(
         batch["input_ids"],
         attention_mask=batch["attention_mask"],
@@ -152,7 +151,8 @@ def test_ttt_loss_and_acceptance_equal_naive_step_by_step_reference(tiny_target,
         ref_loss, ref_scored, ref_alpha, ref_greedy, ref_count = naive_reference(
             head, batch, target_out, cfg["ttt_steps"]
         )
-        alpha, greedy, count = head.acceptance(batch, target_out)
+        # the simulated tau's depth: the served gamma
+        alpha, greedy, count = head.acceptance(batch, target_out, DecodeConfig(gamma=3))
     assert torch.allclose(loss, ref_loss, atol=1e-4, rtol=1e-5), (loss, ref_loss)
     assert head.loss_tokens(batch).item() == ref_scored
     assert count.tolist() == ref_count and min(ref_count) > 0

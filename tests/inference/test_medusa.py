@@ -143,9 +143,9 @@ def test_acceptance_and_accuracy_statistics_agree(random_target):
     """Depth d of the simulated chain is head d - 1's top-1 agreement with the target's argmax,
     which is also rank 0 of the accuracy the tree is built from."""
     heads = noisy_heads(random_target, num_heads=3)
-    heads.decode = DecodeConfig(gamma=5)  # deeper than the heads: 3 depths
     batch, out = batch_and_target_out(random_target)
-    alpha, greedy, count = heads.acceptance(batch, out)
+    # deeper than the heads: 3 depths
+    alpha, greedy, count = heads.acceptance(batch, out, DecodeConfig(gamma=5))
     assert alpha.shape == greedy.shape == count.shape == (3,)
     sums = heads.eval_statistics(batch, out)
     torch.testing.assert_close(sums["greedy"][:, 0], greedy)

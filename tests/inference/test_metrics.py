@@ -1,5 +1,5 @@
-"""Stats follow DESIGN.md's definitions: tau counts the bonus token; alpha_i is conditional on the
-verification reaching depth i."""
+"""Stats follow docs/architecture.md's definitions: tau counts the bonus token; alpha_i is
+conditional on the verification reaching depth i."""
 
 from __future__ import annotations
 

@@ -217,7 +217,6 @@ def test_a_copy_of_the_target_agrees_everywhere_greedy_and_samples_alike(tiny_ta
     copy = DistillDrafter.build(
         DistillConfig(init="target", num_layers=tiny_target.num_layers), tiny_target
     ).eval()
-    copy.decode = DecodeConfig(gamma=3)
     ids = torch.randint(3, tiny_target.vocab_size, (2, 16))
     batch = {
         "input_ids": ids,
@@ -226,11 +225,10 @@ def test_a_copy_of_the_target_agrees_everywhere_greedy_and_samples_alike(tiny_ta
     }
     with torch.no_grad():
         out = TargetOutput(logits=tiny_target.forward(ids).logits)
-        alpha, greedy, count = copy.acceptance(batch, out)
+        alpha, greedy, count = copy.acceptance(batch, out, DecodeConfig(gamma=3))
     assert count.tolist() == [30.0] * 3 and greedy.tolist() == count.tolist()
     assert torch.allclose(alpha, count, rtol=1e-5)
     other = DistillDrafter.build(DistillConfig(init="random", num_layers=1), tiny_target).eval()
-    other.decode = copy.decode
     with torch.no_grad():
-        _, greedy_other, _ = other.acceptance(batch, out)
+        _, greedy_other, _ = other.acceptance(batch, out, DecodeConfig(gamma=3))
     assert (greedy_other < count).all()
