@@ -311,10 +311,7 @@ def load_drafter(
         drafter = cls.from_checkpoint(config, target, model)
     else:
         drafter = cls.from_checkpoint(config, target, None)
-        missing, unexpected = drafter.load_state_dict(
-            load_file(folder / WEIGHTS_NAME), strict=False
-        )
-        missing = [k for k in missing if k not in set(meta.get("shared_with_target", ()))]
+        missing, unexpected = read_weights(drafter, folder, meta)
         # weights only training uses (Medusa-2's adapters, which decoding has merged in)
         unexpected = [k for k in unexpected if not k.startswith(cls.training_only_prefixes)]
         if missing or unexpected:
@@ -328,6 +325,26 @@ def load_drafter(
     if meta is not None:
         drafter.target_fingerprint = meta.get("target_fingerprint")
     return drafter
+
+
+def read_weights(
+    module: torch.nn.Module, folder: str | Path, meta: dict, *, device=None
+) -> tuple[list[str], list[str]]:
+    """Every safetensors file of `folder` loaded into `module` in place, not strictly: the
+    (missing, unexpected) state-dict names, less the tensors the folder shares with the target
+    (recorded, not stored) and the tied weights saved once under another name. The one reader
+    of weights: load_drafter and a resumed run both use it. A tensor of another shape raises
+    torch's RuntimeError ("size mismatch")."""
+    state: dict[str, torch.Tensor] = {}
+    for weights in sorted(Path(folder).glob("*.safetensors")):
+        state.update(load_file(weights, device=str(device) if device is not None else "cpu"))
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    shared = set(meta.get("shared_with_target", ()))
+    # a tied weight (the LM head of tied embeddings) is saved once, under one name
+    ptrs = {k: v.data_ptr() for k, v in module.state_dict(keep_vars=True).items()}
+    loaded = {ptrs[k] for k in state if k in ptrs}
+    missing = [k for k in missing if k not in shared and ptrs.get(k) not in loaded]
+    return missing, list(unexpected)
 
 
 def read_metadata(folder: str | Path) -> tuple[dict | None, dict | None]:

@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -130,3 +131,16 @@ class Stats:
 
 def _add_padded(a: list[int], b: list[int], n: int) -> list[int]:
     return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)), strict=True)]
+
+
+def simulated_tau(alphas: Sequence[float]) -> float:
+    """Expected tokens per target pass for per-depth acceptance rates alpha_1..alpha_gamma.
+
+    tau = 1 + sum_k prod_{i<=k} alpha_i; with every alpha_i = alpha this is Leviathan et al.'s
+    (1 - alpha^(gamma+1)) / (1 - alpha).
+    """
+    tau, reach = 1.0, 1.0
+    for alpha in alphas:
+        reach *= alpha
+        tau += reach
+    return tau

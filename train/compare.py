@@ -35,8 +35,8 @@ from specdraft.drafters.medusa import expected_length, tree_paths
 from specdraft.drafters.target import load_target, target_path
 from specdraft.inference.evaluate import build_runs, fine_tuned_target, make_report
 from specdraft.inference.measure import Run, load_prompts, measure
+from specdraft.inference.metrics import simulated_tau
 from specdraft.inference.tune import default_space, search_decode
-from specdraft.train.trainer import simulated_tau
 
 FAMILIES = ("distill", "eagle", "medusa", "layerskip")
 # beside a run trained by compare: its wall-clock time and training tokens, so a later

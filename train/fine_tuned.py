@@ -20,7 +20,7 @@ from specdraft.drafters.layerskip import LayerSkipDrafter
 from specdraft.drafters.target import Target, load_target, merge_adapter
 from specdraft.inference.generate import generate
 from specdraft.inference.measure import report_after_training
-from specdraft.train.trainer import collate
+from specdraft.train.schedule import collate
 
 
 def finish_fine_tuning(

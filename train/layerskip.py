@@ -21,7 +21,8 @@ from specdraft.drafters.target import load_target
 from specdraft.inference.measure import loop_prompts
 from specdraft.train.config import TrainConfig
 from specdraft.train.fine_tuned import exit_agreement, finish_layerskip, heldout_loss
-from specdraft.train.trainer import plain_loading, train
+from specdraft.train.launch import plain_loading
+from specdraft.train.trainer import train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "layerskip" / "demo.yaml"
 

@@ -20,54 +20,43 @@ scored tokens divided by their all-reduced count, so it is the same exact token 
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
-import io
 import json
 import math
-import os
-import re
-import resource
-import shlex
 import shutil
 import signal
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import (
-    DistributedType,
-    InitProcessGroupKwargs,
-    ProjectConfiguration,
-)
-from safetensors.torch import load_file
+from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
-from specdraft.config import config_to_dict, save_config
-from specdraft.core import check_fingerprint
+from specdraft.config import save_config
 from specdraft.drafters import checkpoint
 from specdraft.drafters.base import Drafter
-from specdraft.inference.measure import usable_cores
+from specdraft.inference.metrics import simulated_tau
+from specdraft.train import launch, tracking
 from specdraft.train.config import CONFIG_FILENAME, TrainConfig
+from specdraft.train.resume import (
+    STATE_NAME,
+    ResumeError,
+    checkpoints,
+    find_resume,
+    load_state,
+    load_weights,
+    optimizer_files,
+)
+from specdraft.train.schedule import collate, eval_chunks, examples_for, lr_at, step_seed
 
-STATE_NAME = "trainer_state.json"
-OPTIMIZER_NAME = "optimizer.pt"
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+__all__ = ["NonFiniteLossError", "ResumeError", "TrainResult", "train"]
 
 
 class NonFiniteLossError(RuntimeError):
     """The loss or gradient norm became inf/nan; nothing was saved after the last good step."""
-
-
-class ResumeError(ValueError):
-    """resume_from points at nothing usable, or a fresh run would overwrite a previous one."""
 
 
 @dataclass
@@ -85,101 +74,6 @@ class TrainResult:
     throughput: dict = field(default_factory=dict)
     # steps whose gradients were not finite and were not applied (fp16 overflow, mostly)
     skipped_steps: list[int] = field(default_factory=list)
-
-
-# --- schedules: pure functions of the step -----------------------------------------------------
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate of optimizer step `step` (0-based): linear warmup, then the decay."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant":
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-    floor = cfg.lr * cfg.min_lr_ratio
-    if cfg.lr_schedule == "cosine":
-        return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    return cfg.lr - (cfg.lr - floor) * progress
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """The seed of torch's generators for `step` on process `rank` (fits in 63 bits)."""
-    return (seed * 1_000_003 + step * 9_176 + rank * 7_919_111) % (2**63 - 1)
-
-
-def eval_chunks(n: int, rank: int, world: int, size: int) -> list[tuple[list[int], float]]:
-    """The held-out micro-batches of process `rank`: (example indices, weight) pairs.
-
-    Every process runs the same number of forwards (ZeRO-3 gathers parameters in each one, so
-    a process that stopped early would leave the others waiting forever), and each example of
-    range(n) counts once over all processes: a process with fewer examples of its own pads with
-    example 0 at weight 0.
-    """
-    mine = list(range(rank, n, world))
-    chunks = max(1, math.ceil(math.ceil(n / world) / size))
-    return [
-        (mine[i * size : (i + 1) * size], 1.0) if mine[i * size : (i + 1) * size] else ([0], 0.0)
-        for i in range(chunks)
-    ]
-
-
-def examples_for(
-    step: int, micro: int, rank: int, n_examples: int, cfg: TrainConfig, world: int
-) -> list[int]:
-    """Indices of the examples micro-batch `micro` of `step` uses on process `rank`.
-
-    The data is a stream of epochs, each a permutation seeded by (seed, epoch). A step takes the
-    next micro_batch_size * grad_accum * world examples; micro-batch m of rank r takes slice
-    (m * world + r), so one process with world x the micro-batch sees the same examples per step.
-    """
-    mb = cfg.micro_batch_size
-    start = (step * cfg.grad_accum * world + micro * world + rank) * mb
-    indices = []
-    for pos in range(start, start + mb):
-        epoch, offset = divmod(pos, n_examples)
-        indices.append(int(_epoch_order(cfg.seed, epoch, n_examples)[offset]))
-    return indices
-
-
-@functools.lru_cache(maxsize=2)  # a memo of a pure function: the current and the next epoch
-def _epoch_order(seed: int, epoch: int, n: int) -> torch.Tensor:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
-
-
-def simulated_tau(alphas: Sequence[float]) -> float:
-    """Expected tokens per target pass for per-depth acceptance rates alpha_1..alpha_gamma.
-
-    tau = 1 + sum_k prod_{i<=k} alpha_i; with every alpha_i = alpha this is Leviathan et al.'s
-    (1 - alpha^(gamma+1)) / (1 - alpha).
-    """
-    tau, reach = 1.0, 1.0
-    for alpha in alphas:
-        reach *= alpha
-        tau += reach
-    return tau
-
-
-def collate(examples: Sequence[Any], device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-pad examples (input_ids, loss_mask lists) into a batch of (batch, seq) tensors."""
-    length = max(len(e.input_ids) for e in examples)
-    ids = torch.zeros(len(examples), length, dtype=torch.long)
-    attention = torch.zeros_like(ids)
-    loss_mask = torch.zeros_like(ids)
-    for i, e in enumerate(examples):
-        n = len(e.input_ids)
-        ids[i, :n] = torch.tensor(e.input_ids)
-        attention[i, :n] = 1
-        loss_mask[i, :n] = torch.tensor(e.loss_mask)
-    loss_mask[:, 0] = 0  # the first token has nothing before it to predict it from
-    return {
-        "input_ids": ids.to(device),
-        "attention_mask": attention.to(device),
-        "loss_mask": loss_mask.to(device),
-    }
-
-
-# --- the loop ----------------------------------------------------------------------------------
 
 
 def train(
@@ -217,32 +111,7 @@ class _Run:
         if not train_examples:
             raise ValueError("no training examples: check the data section of the config")
         self.cfg = cfg
-        self.acc = Accelerator(
-            mixed_precision=cfg.mixed_precision,
-            gradient_accumulation_steps=cfg.grad_accum,
-            cpu=_cpu_only(),
-            log_with=None if cfg.report_to == "none" else cfg.report_to,
-            project_config=ProjectConfiguration(
-                project_dir=str(cfg.output_dir),
-                logging_dir=os.path.join(str(cfg.output_dir), "tensorboard"),
-            ),
-            kwargs_handlers=_process_group_kwargs(),
-        )
-        _check_process_group(self.acc)
-        if self.acc.device.type == "cpu":
-            torch.set_num_threads(_cpu_threads(cfg.cpu_threads, self.acc.num_processes))
-            if self.acc.is_main_process:
-                print(
-                    f"[specdraft] training on CPU: {self.acc.num_processes} process(es) x "
-                    f"{torch.get_num_threads()} thread(s) (cpu_threads)",
-                    file=sys.stderr,
-                )
-        if self.acc.distributed_type == DistributedType.DEEPSPEED:
-            # There is no DataLoader for accelerate to read these from; the config is the truth.
-            ds = self.acc.state.deepspeed_plugin.deepspeed_config
-            ds["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
-            ds["gradient_accumulation_steps"] = cfg.grad_accum
-            ds["gradient_clipping"] = cfg.max_grad_norm
+        self.acc = launch.make_accelerator(cfg)
         self.main = self.acc.is_main_process
         self.world = self.acc.num_processes
         self.rank = self.acc.process_index
@@ -257,36 +126,36 @@ class _Run:
         self.skipped_steps: list[int] = []
         self.signal: str | None = None
 
-        resume = self._find_resume()  # before anything is written into output_dir
+        # before anything is written into output_dir
+        resume = find_resume(cfg.resume_from, self.out, self.main)
         drafter.to(self.acc.device)
         if resume is not None:
-            self._load_weights(drafter, resume)
+            load_weights(drafter, resume, target.fingerprint, self.acc.device)
         optimizer = torch.optim.AdamW(
             _param_groups(drafter, cfg), lr=lr_at(0, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2)
         )
         self.start_step = 0
         self.model, self.optimizer = self.acc.prepare(drafter, optimizer)
         if resume is not None:  # after prepare: a DeepSpeed optimizer has its own state format
-            self.start_step = self._load_state(self.optimizer, resume)
+            state = load_state(
+                self.optimizer, resume, global_batch=self._global_batch(), seed=cfg.seed,
+                sharded=self._sharded(), world=self.world, device=self.acc.device,
+            )  # fmt: skip
+            self.losses, self.evals = list(state["losses"]), list(state["evals"])
+            self.best_tau = state["best_tau"]
+            self.skipped_steps = list(state.get("skipped_steps", []))
+            self.start_step = int(state["step"])
+            if self.main:
+                print(
+                    f"[specdraft] resuming from {resume} at step {self.start_step}", file=sys.stderr
+                )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
             for stale in self.out.glob(".*.tmp-*"):  # left by a crash mid-save
                 shutil.rmtree(stale, ignore_errors=True)
             self.config_yaml = save_config(cfg, self.out / CONFIG_FILENAME).read_text()
-        # The tracker (main process only): W&B under output_dir/wandb, TensorBoard under
-        # output_dir/tensorboard/<run_name>; accelerate's project name is W&B's project and
-        # TensorBoard's run folder.
-        self.acc.init_trackers(
-            cfg.wandb_project if cfg.report_to == "wandb" else str(cfg.run_name),
-            config=_tracker_config(cfg),
-            init_kwargs={
-                "wandb": {
-                    "name": cfg.run_name, "tags": list(cfg.tags), "dir": str(self.out),
-                    "resume": "allow",
-                }
-            },
-        )  # fmt: skip
+        tracking.init_trackers(self.acc, cfg, self.out)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -350,21 +219,10 @@ class _Run:
             if self.signal is None:
                 self._save_checkpoint(step)  # the end state is resumable too (e.g. to extend)
                 self._save_drafter(self.out / "final", step)
-            throughput = _throughput(timed, self.acc.device)
+            throughput = launch.throughput(timed, self.acc.device)
             if self.main and throughput:  # what training cost, for scripts/compare.py
-                (self.out / "throughput.json").write_text(json.dumps(throughput, indent=2) + "\n")
-                share = (
-                    f"{throughput['target_forward_share']:.0%} of step time in the target forward"
-                )
-                if self.acc.unwrap_model(self.model).runs_target:
-                    share = "the target's forward and backward inside the drafter's loss"
-                bar.write(
-                    f"[specdraft] throughput over {timed['steps']} steps after the first: "
-                    f"{throughput['tokens_per_s']:.0f} tokens/s ({self.world} process"
-                    f"{'es' if self.world > 1 else ''}), {share}, peak memory "
-                    f"{throughput['peak_memory_mb']:.0f} MiB",
-                    file=sys.stderr,
-                )
+                runs_target = self.acc.unwrap_model(self.model).runs_target
+                tracking.record_throughput(self.out, throughput, self.world, runs_target, bar)
         finally:
             bar.close()
             # Not acc.end_training(): it also destroys the process group, which is the caller's.
@@ -414,7 +272,7 @@ class _Run:
         for batch in batches:
             t0 = time.perf_counter()
             target_out = self._target_out(unwrapped, batch)
-            _sync(acc.device)
+            launch.sync(acc.device)
             target_time += time.perf_counter() - t0
             # accumulate() syncs gradients (DDP all-reduce, DeepSpeed step) on the last
             # micro-batch only; backward divides by grad_accum, which the weight undoes.
@@ -460,7 +318,7 @@ class _Run:
         if skipped:
             self.skipped_steps.append(step)
 
-        _sync(acc.device)
+        launch.sync(acc.device)
         elapsed = time.perf_counter() - t_start
         tokens = acc.reduce(
             torch.stack([b["attention_mask"].sum().float() for b in batches]).sum(), reduction="sum"
@@ -474,7 +332,7 @@ class _Run:
             "target_forward_share": target_time / elapsed,
             "step_time_s": elapsed,
             "tokens": float(tokens),
-            "peak_memory_mb": _peak_memory_mb(acc.device),
+            "peak_memory_mb": launch.peak_memory_mb(acc.device),
         }
         for k, v in metric_sums.items():
             total, n = acc.reduce(v, reduction="sum")
@@ -543,25 +401,7 @@ class _Run:
         }
         result["served"] = result[cfg.served_tau_key()]
         self.evals.append(result)
-        logs = {
-            "eval/loss": result["loss"],
-            "eval/simulated_tau": result["tau"],
-            "eval/simulated_tau_greedy": result["tau_greedy"],
-        }
-        logs.update({f"eval/alpha_{i + 1}": a for i, a in enumerate(alphas)})
-        self.acc.log(logs, step=step)
-        if self.main and self.cfg.report_to == "wandb":
-            self.acc.get_tracker("wandb").log_table(
-                "eval/alpha_table", columns=["depth", "alpha"],
-                data=[[i + 1, a] for i, a in enumerate(alphas)], step=step,
-            )  # fmt: skip
-        bar.write(
-            f"[specdraft] step {step}{' (' + label + ')' if label else ''}: eval loss "
-            f"{result['loss']:.4f}, simulated tau {result['tau']:.3f} sampled, "
-            f"{result['tau_greedy']:.3f} greedy, for gamma={len(alphas)} (alpha per depth "
-            f"{', '.join(f'{a:.3f}' for a in alphas)})",
-            file=sys.stderr,
-        )
+        tracking.log_evaluation(self.acc, self.cfg, result, bar, label)
         if step > 0 and (self.best_tau is None or result["served"] > self.best_tau):
             self.best_tau = result["served"]
             self._save_drafter(
@@ -575,7 +415,8 @@ class _Run:
         self, folder: Path, step: int, extra_files=None, extra_provenance=None
     ) -> None:
         self.acc.wait_for_everyone()
-        with _full_parameters(self.acc, self.model):  # a collective under ZeRO-3: all processes
+        # gathering the parameters is a collective under ZeRO-3: every process takes part
+        with launch.full_parameters(self.acc, self.model):
             if self.main:
                 drafter = self.acc.unwrap_model(self.model)
                 checkpoint.save_drafter(
@@ -593,26 +434,11 @@ class _Run:
 
     def _save_checkpoint(self, step: int) -> None:
         """checkpoint-<step>/: the drafter plus optimizer and trainer state, one atomic folder."""
-        # DeepSpeed ZeRO partitions the optimizer state: every process writes its own part beside
-        # the checkpoint (output_dir is shared by every process that saves), and the main
-        # process moves the files in, so no process holds another's part in memory.
-        sharded = self.acc.distributed_type == DistributedType.DEEPSPEED
-        extra: dict[str, bytes | Path] = {}
-        if sharded:
-            staging = self.out / f".checkpoint-{step}.tmp-shards"
-            staging.mkdir(parents=True, exist_ok=True)
-            mine = staging / _optimizer_file(sharded, self.rank)
-            torch.save(self.optimizer.state_dict(), mine.with_suffix(".part"))
-            os.replace(mine.with_suffix(".part"), mine)
-            self.acc.wait_for_everyone()
-            extra = {
-                _optimizer_file(True, r): staging / _optimizer_file(True, r)
-                for r in range(self.world)
-            }
-        else:
-            buffer = io.BytesIO()
-            torch.save(self.optimizer.state_dict(), buffer)
-            extra[OPTIMIZER_NAME] = buffer.getvalue()
+        staging = self.out / f".checkpoint-{step}.tmp-shards"
+        extra = optimizer_files(
+            self.optimizer, staging, sharded=self._sharded(), rank=self.rank, world=self.world,
+            barrier=self.acc.wait_for_everyone,
+        )  # fmt: skip
         state = {
             "step": step,
             "losses": self.losses,
@@ -620,121 +446,23 @@ class _Run:
             "best_tau": self.best_tau,
             "skipped_steps": self.skipped_steps,
             "world_size": self.world,
-            "global_batch": self.cfg.micro_batch_size * self.cfg.grad_accum * self.world,
+            "global_batch": self._global_batch(),
             "seed": self.cfg.seed,
         }
         extra[STATE_NAME] = json.dumps(state, indent=1).encode()
         self._save_drafter(self.out / f"checkpoint-{step}", step, extra_files=extra)
-        if sharded and self.main:
-            shutil.rmtree(self.out / f".checkpoint-{step}.tmp-shards", ignore_errors=True)
-        if self.main and self.cfg.keep_last > 0:
-            for old in _checkpoints(self.out)[: -self.cfg.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-
-    # -- resuming -----------------------------------------------------------------------------
-
-    def _find_resume(self) -> Path | None:
-        cfg = self.cfg
-        existing = _checkpoints(self.out)
-        if cfg.resume_from is None:
-            if existing:
-                raise ResumeError(
-                    f"{self.out} already holds {existing[-1].name}; pass resume_from=latest to "
-                    "continue that run, or set output_dir to a new folder (nothing was overwritten)"
-                )
-            return None
-        if cfg.resume_from != "latest":
-            path = Path(cfg.resume_from).expanduser()
-            problem = _resume_problem(path)
-            if problem:
-                raise ResumeError(
-                    f"resume_from={cfg.resume_from}: {problem}. Pass resume_from=latest to use the "
-                    f"newest complete checkpoint in {self.out}, or another checkpoint-<step> folder."
-                )
-            return path
-        for path in reversed(existing):
-            problem = _resume_problem(path)
-            if problem is None:
-                return path
-            if self.main:
-                warnings.warn(f"skipping {path}: {problem}", stacklevel=2)
-                print(f"[specdraft] warning: skipping {path}: {problem}", file=sys.stderr)
-        if existing:
-            raise ResumeError(
-                f"resume_from=latest: none of the {len(existing)} checkpoints in {self.out} is "
-                "complete (see the warnings above); move them away to start afresh"
-            )
         if self.main:
-            print(
-                f"[specdraft] resume_from=latest: no checkpoint in {self.out} yet, starting fresh",
-                file=sys.stderr,
-            )
-        return None
+            shutil.rmtree(staging, ignore_errors=True)
+            if self.cfg.keep_last > 0:
+                for old in checkpoints(self.out)[: -self.cfg.keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
 
-    def _load_weights(self, drafter, path: Path) -> None:
-        """The checkpoint's weights, read straight into the drafter being trained: not through
-        load_drafter, whose from_pretrained would build the student partitioned under ZeRO-3
-        (a vocabulary of 0 rows), and which drops training-only weights (Medusa-2's adapters).
-        The fine-tuned target's adapter hash changes as it trains; the base must match."""
-        meta, _ = checkpoint.read_metadata(path)
-        if meta is None:
-            raise ResumeError(
-                f"{path} is not a specdraft checkpoint (no specdraft block in its config.json); "
-                "resume from a checkpoint-<step> folder a run wrote"
-            )
-        expected = dict(meta.get("target_fingerprint") or {})
-        expected.pop("adapter", None)
-        check_fingerprint(
-            expected, self.target.fingerprint, f"the checkpoint {path}", error=ResumeError,
-            fix="resume with the target it was trained against",
-        )  # fmt: skip
-        hf_model = drafter.as_hf_model()
-        if hf_model is not None:  # a HF model folder (distill): its own names, maybe sharded
-            state: dict[str, torch.Tensor] = {}
-            for weights in sorted(path.glob("*.safetensors")):
-                state.update(load_file(weights, device=str(self.acc.device)))
-            missing, unexpected = _load_fitting(hf_model, state, path, meta, drafter)
-            # a tied weight (the LM head of tied embeddings) is saved once, under one name
-            ptrs = {k: v.data_ptr() for k, v in hf_model.state_dict(keep_vars=True).items()}
-            loaded = {ptrs[k] for k in state if k in ptrs}
-            missing = [k for k in missing if ptrs.get(k) not in loaded]
-            if missing or unexpected:
-                why = f"missing {missing[:5]}, unexpected {unexpected[:5]}"
-                raise ResumeError(_misfit(path, meta, drafter, why))
-            return
-        state = load_file(path / checkpoint.WEIGHTS_NAME, device=str(self.acc.device))
-        missing, unexpected = _load_fitting(drafter, state, path, meta, drafter)
-        missing = [k for k in missing if k not in set(meta.get("shared_with_target", ()))]
-        if missing or unexpected:
-            why = f"missing {missing[:5]}, unexpected {unexpected[:5]}"
-            raise ResumeError(_misfit(path, meta, drafter, why))
+    def _sharded(self) -> bool:
+        """DeepSpeed ZeRO: the optimizer state is partitioned, one part per process."""
+        return self.acc.distributed_type == DistributedType.DEEPSPEED
 
-    def _load_state(self, optimizer, path: Path) -> int:
-        state = json.loads((path / STATE_NAME).read_text())
-        global_batch = self.cfg.micro_batch_size * self.cfg.grad_accum * self.world
-        if state["global_batch"] != global_batch or state["seed"] != self.cfg.seed:
-            raise ResumeError(
-                f"{path} was trained with global batch {state['global_batch']} and seed "
-                f"{state['seed']}; this run has {global_batch} and {self.cfg.seed}. The data order "
-                "depends on both: resume with the same micro_batch_size x grad_accum x processes "
-                "and seed."
-            )
-        # weights_only: tensors, numbers and (DeepSpeed) three allowlisted classes; no pickle runs.
-        sharded = self.acc.distributed_type == DistributedType.DEEPSPEED
-        files = [_optimizer_file(sharded, r) for r in range(self.world if sharded else 1)]
-        with torch.serialization.safe_globals(_deepspeed_state_classes() if sharded else []):
-            states = [
-                torch.load(path / f, map_location=self.acc.device, weights_only=True) for f in files
-            ]
-        # ZeRO's load_state_dict takes every process's part and picks its own.
-        optimizer.load_state_dict(states if sharded else states[0])
-        self.losses = list(state["losses"])
-        self.evals = list(state["evals"])
-        self.best_tau = state["best_tau"]
-        self.skipped_steps = list(state.get("skipped_steps", []))
-        if self.main:
-            print(f"[specdraft] resuming from {path} at step {state['step']}", file=sys.stderr)
-        return int(state["step"])
+    def _global_batch(self) -> int:
+        return self.cfg.micro_batch_size * self.cfg.grad_accum * self.world
 
     # -- signals ------------------------------------------------------------------------------
 
@@ -754,109 +482,6 @@ class _Run:
         return None
 
 
-def _load_fitting(module, state: dict, path: Path, meta: dict, drafter) -> tuple[list, list]:
-    """module.load_state_dict(state, strict=False)'s (missing, unexpected), with a weight of
-    another shape a ResumeError naming the settings that differ."""
-    try:
-        return module.load_state_dict(state, strict=False)
-    except RuntimeError as err:
-        if "size mismatch" not in str(err):
-            raise
-        raise ResumeError(_misfit(path, meta, drafter, err)) from err
-
-
-def _misfit(path: Path, meta: dict, drafter, why) -> str:
-    """Why a checkpoint's weights do not fit the drafter this run builds: the drafter settings
-    that differ between the two (a saved config's missing keys read as legacy_defaults say),
-    each as the command-line override that resumes it, and what to do. Nothing is changed on
-    disk."""
-    saved = {**type(drafter).legacy_defaults, **(meta.get("config") or {})}
-    now = dataclasses.asdict(drafter.config) if dataclasses.is_dataclass(drafter.config) else {}
-    differ = _differences(saved, now, "drafter")
-    said = "; ".join(str(why).splitlines()[:2])
-    if differ:
-        listed = ", ".join(f"{key}: {old!r} there, {new!r} here" for key, old, new in differ)
-        override = " ".join(
-            shlex.quote(
-                f"{key}={old if isinstance(old, str) else json.dumps(old, separators=(',', ':'))}"
-            )
-            for key, old, _ in differ
-        )  # YAML on the command line: null, true, [1,2], strings bare
-        return (
-            f"{path} does not fit the drafter this config builds ({said}). Its drafter settings "
-            f"differ: {listed}. Resume with the settings it was trained with ({override}), or "
-            "start afresh in a new output_dir; the checkpoint is untouched."
-        )
-    return (
-        f"{path} does not fit the drafter this config builds ({said}); resume with the config "
-        "it was trained with, or start afresh in a new output_dir; the checkpoint is untouched."
-    )
-
-
-def _differences(saved: dict, now: dict, prefix: str) -> list[tuple[str, Any, Any]]:
-    """(dotted key, saved value, current value) of every leaf setting that differs; keys only
-    one side has are skipped (a newer section's field, an older one's)."""
-    out = []
-    for key, value in now.items():
-        if key not in saved:
-            continue
-        if isinstance(value, dict) and isinstance(saved[key], dict):
-            out += _differences(saved[key], value, f"{prefix}.{key}")
-        elif saved[key] != value:
-            out.append((f"{prefix}.{key}", saved[key], value))
-    return out
-
-
-def _resume_problem(path: Path) -> str | None:
-    """Why `path` cannot be resumed from, or None when it can."""
-    if not path.is_dir():
-        return "no such folder"
-    try:
-        checkpoint.check_complete(path)
-    except checkpoint.CheckpointError as e:
-        return str(e)
-    if not any(path.glob("optimizer*.pt")):
-        return "it has no optimizer state (a best/ or final/ folder holds weights only, not the resume state)"
-    for name in (STATE_NAME,):
-        if not (path / name).is_file():
-            return f"it has no {name} (a best/ or final/ folder holds weights only, not the resume state)"
-    try:
-        json.loads((path / STATE_NAME).read_text())
-    except json.JSONDecodeError as e:
-        return f"{STATE_NAME} is damaged ({e})"
-    return None
-
-
-def _checkpoints(out: Path) -> list[Path]:
-    """checkpoint-<step> folders in `out`, oldest step first."""
-    if not out.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in out.iterdir() if (m := _CHECKPOINT_RE.match(p.name))]
-    return [p for _, p in sorted(found)]
-
-
-# --- tracking ----------------------------------------------------------------------------------
-
-
-def _tracker_config(cfg: TrainConfig) -> dict[str, Any]:
-    """The config as flat `section.key` values, as W&B and TensorBoard both take it (TensorBoard's
-    hparams hold no sections or lists, so a list goes in as its JSON text)."""
-    flat: dict[str, Any] = {"kind": cfg.kind}
-
-    def add(values: dict, prefix: str) -> None:
-        for key, value in values.items():
-            if isinstance(value, dict):
-                add(value, f"{prefix}{key}.")
-            else:
-                flat[prefix + key] = json.dumps(value) if isinstance(value, list) else value
-
-    add(config_to_dict(cfg), "")
-    return flat
-
-
-# --- small helpers -----------------------------------------------------------------------------
-
-
 def _param_groups(drafter, cfg: TrainConfig) -> list[dict]:
     """AdamW's groups: the drafter's own (`param_groups`: an lr_scale and a start_step each),
     else one group of everything trainable; each split so that only matrices decay."""
@@ -871,132 +496,3 @@ def _param_groups(drafter, cfg: TrainConfig) -> list[dict]:
             if params:
                 out.append({"params": params, "weight_decay": decay, **extra})
     return out
-
-
-def _optimizer_file(sharded: bool, rank: int) -> str:
-    return f"optimizer-rank{rank}.pt" if sharded else OPTIMIZER_NAME
-
-
-def _deepspeed_state_classes() -> list:
-    """The classes a DeepSpeed ZeRO optimizer state holds besides tensors and numbers."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, ZeroStageEnum, fragment_address]
-
-
-@contextlib.contextmanager
-def plain_loading():
-    """A context in which from_pretrained loads a whole model, as in a single process, even after
-    a ZeRO-3 run: the end of a training script loads the saved checkpoint on the main process
-    alone, where ZeRO-3's partitioned loading would wait for the other processes forever.
-    (accelerate leaves transformers' DeepSpeed config set after training; transformers loads
-    partitioned while it is set, whatever accelerate's zero3_init flag says.)"""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
-
-
-def _full_parameters(acc: Accelerator, model):
-    """Under ZeRO-3, gather the partitioned parameters for saving; otherwise nothing to do."""
-    plugin = (
-        acc.state.deepspeed_plugin if acc.distributed_type == DistributedType.DEEPSPEED else None
-    )
-    if plugin is None or plugin.zero_stage != 3:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
-
-
-def _cpu_threads(asked: int, processes: int) -> int:
-    """Threads for a CPU training process: `asked` (cpu_threads) when > 0; else OMP_NUM_THREADS
-    where the user set it for a plain `python` run; else the physical cores this process may use
-    shared by the processes on this machine, as `accelerate launch --cpu` counts them. Under
-    `accelerate launch` OMP_NUM_THREADS is the launcher's (1 without --cpu, or what was passed
-    to it), which a child cannot tell from a choice: cpu_threads is the way to ask there."""
-    if asked > 0:
-        return asked
-    launched = any(k in os.environ for k in ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU"))
-    if "OMP_NUM_THREADS" in os.environ and not launched:
-        return torch.get_num_threads()
-    local = next(
-        (int(os.environ[k]) for k in _LOCAL_SIZE_VARS if os.environ.get(k, "").isdigit()),
-        processes,
-    )
-    cores = usable_cores()
-    with contextlib.suppress(ImportError):
-        import psutil  # accelerate's own dependency
-
-        cores = min(cores, psutil.cpu_count(logical=False) or cores)
-    return max(1, cores // max(1, local))
-
-
-# Processes on this machine, as torchrun and the MPI launchers accelerate supports report them.
-_LOCAL_SIZE_VARS = (
-    "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE",
-)  # fmt: skip
-
-
-def _cpu_only() -> bool:
-    """True on a machine without CUDA, unless DeepSpeed was asked for.
-
-    Without a GPU, accelerate picks no process-group backend unless told cpu=True, and every
-    process would then think it is the main one; cpu=True gives MULTI_CPU over gloo. cpu=True
-    would also silently drop a DeepSpeed config, so DeepSpeed is left to itself.
-    """
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    return not torch.cuda.is_available() and not deepspeed
-
-
-def _process_group_kwargs() -> list:
-    """DeepSpeed on several CPU processes: accelerate selects no process-group backend without a
-    GPU (and then runs every process as the only one), so name gloo, which DeepSpeed's CPU
-    accelerator uses when oneCCL is not installed."""
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if deepspeed and several and not torch.cuda.is_available():
-        return [InitProcessGroupKwargs(backend="gloo")]
-    return []
-
-
-def _check_process_group(acc: Accelerator) -> None:
-    """Refuse to run when accelerate and torch.distributed disagree on the number of processes."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size()
-        if world != acc.num_processes:
-            raise RuntimeError(
-                f"torch.distributed has {world} processes but accelerate sees {acc.num_processes} "
-                f"({acc.distributed_type}): every process would act as the main one and write the "
-                "same files. This happens with DeepSpeed on a machine without GPUs (accelerate "
-                "selects no backend there). Run DeepSpeed with one process on CPU, or use "
-                "configs/accelerate/cpu_2proc.yaml for several CPU processes."
-            )
-
-
-def _throughput(timed: dict, device: torch.device) -> dict:
-    if not timed["steps"]:
-        return {}
-    return {
-        "tokens_per_s": timed["tokens"] / timed["seconds"],
-        "target_forward_share": timed["target_seconds"] / timed["seconds"],
-        "peak_memory_mb": _peak_memory_mb(device),
-        "steps": timed["steps"],
-    }
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

@@ -20,7 +20,8 @@ from specdraft.train.distill import DistillTrainConfig
 from specdraft.train.eagle import EagleTrainConfig
 from specdraft.train.layerskip import LayerSkipTrainConfig
 from specdraft.train.medusa import MedusaTrainConfig
-from specdraft.train.trainer import collate, examples_for, train
+from specdraft.train.schedule import collate, examples_for
+from specdraft.train.trainer import train
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = pytest.mark.exact

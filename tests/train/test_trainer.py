@@ -24,17 +24,11 @@ from specdraft.core import DecodeConfig
 from specdraft.data.formats import Example
 from specdraft.drafters.checkpoint import check_complete
 from specdraft.drafters.distill import DistillConfig, DistillDrafter
+from specdraft.inference.metrics import simulated_tau
 from specdraft.train.config import TrainConfig
 from specdraft.train.distill import DistillTrainConfig
-from specdraft.train.trainer import (
-    NonFiniteLossError,
-    ResumeError,
-    eval_chunks,
-    examples_for,
-    lr_at,
-    simulated_tau,
-    train,
-)
+from specdraft.train.schedule import eval_chunks, examples_for, lr_at
+from specdraft.train.trainer import NonFiniteLossError, ResumeError, train
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = pytest.mark.exact
@@ -217,7 +211,7 @@ def test_cpu_threads_default_follows_the_user_not_accelerates_default(monkeypatc
     import psutil
 
     from specdraft.inference.measure import usable_cores
-    from specdraft.train.trainer import _cpu_threads
+    from specdraft.train.launch import cpu_threads as _cpu_threads
 
     for key in ("OMP_NUM_THREADS", "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION",
                 "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
