@@ -294,7 +294,7 @@ def load_drafter(
     kind = cls.kind
     config, decode = None, DecodeConfig()
     if meta is not None:
-        config_values, decode_values = _split_decode(meta)
+        config_values, decode_values = _split_decode(meta, folder)
         # keys added since the folder was written take the meaning they had then
         config_values = {**cls.legacy_defaults, **config_values}
         config = _config_from_dict(cls.config_class, config_values, folder)
@@ -403,21 +403,17 @@ def drafter_class(kind: str) -> type[Drafter]:
         ) from None
 
 
-# Format 1 kept the decoding settings in the kind's config, under these names.
-_FORMAT1_DECODE_KEYS = {
-    "tree_depth": "gamma", "gamma": "gamma", "tree_top_k": "tree_top_k",
-    "tree_budget": "tree_budget", "draft_weights": "draft_weights", "stop_below": "stop_below",
-    "lookup_ngram": "lookup_ngram",
-}  # fmt: skip
-
-
-def _split_decode(meta: dict) -> tuple[dict, dict]:
-    """(the kind's config values, the decoding defaults) of a `specdraft` block, of any format."""
-    config = dict(meta.get("config") or {})
-    if "decode" in meta:
-        return config, dict(meta["decode"])
-    decode = {new: config.pop(old) for old, new in _FORMAT1_DECODE_KEYS.items() if old in config}
-    return config, decode
+def _split_decode(meta: dict, folder: Path) -> tuple[dict, dict]:
+    """(the kind's config values, the decoding defaults) of a `specdraft` block."""
+    if "decode" not in meta:
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME} is checkpoint format {meta.get('format_version', 1)}, which "
+            f"kept the decoding settings inside the kind's config; this specdraft reads format "
+            f"{FORMAT_VERSION} only. Retrain the drafter, or move those keys (gamma, tree_top_k, "
+            "tree_budget, draft_weights, stop_below, lookup_ngram) into a `decode` block and set "
+            f"format_version to {FORMAT_VERSION}"
+        )
+    return dict(meta.get("config") or {}), dict(meta["decode"])
 
 
 def _config_from_dict(cls: type, values: dict, folder: Path) -> Any:

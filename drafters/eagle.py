@@ -12,9 +12,8 @@ The head's layer is the reference architecture the engines compute (EagleConfig.
 drafters/eagle_export.py writes it for vLLM, SGLang and SafeAILab/EAGLE): a Llama decoder layer
 in the target's shape whatever the target's family; EAGLE-3's (Eagle3Layer) reads
 cat(embedding, feature) 2H wide, norming each half, with the feature as its residual; EAGLE-1's
-has no input norm after fc. Heads trained before that have the projected layout (EAGLE-3
-projects the normed pair to H with fc_in before a stock layer of the target's own class), which
-loads and decodes but no engine computes.
+has no input norm after fc. specdraft's first layout (`projected`, which no engine computes) is
+no longer read: a folder of it is refused with the fix (retrain in the reference layout).
 
 Read top to bottom: the config, the reference layers, the module (its draft vocabulary comes from
 core.build_draft_vocab), the loss (training-time test) and acceptance, and the drafting session
@@ -95,12 +94,10 @@ class EagleConfig:
     # Llama decoder layer whatever the target's family, which scripts/export.py writes for them
     # (eagle3: the layer's q/k/v read cat(input_layernorm(embedding), hidden_norm(feature)), 2H
     # wide, and the residual is the feature; eagle1: fc over cat(embedding, feature), then a layer
-    # without input norm). projected: specdraft's first layout, kept to load heads trained
-    # before (their config has no `architecture`): eagle3 projects cat(norm(embedding),
-    # norm(feature)) to H (fc_in) before a stock layer of the target's own class; eagle1's layer
-    # keeps its input norm. A projected head cannot be exported (BENCHMARKS.md, "EAGLE
-    # reference architecture", measured both on the demo target).
-    architecture: str = choice("reference", "projected")
+    # without input norm). The only layout: the key stays so that a folder of the removed
+    # `projected` layout (specdraft's first, or one saved before the key existed) is refused
+    # by name rather than misread.
+    architecture: str = "reference"
     # eagle3 reference: the residual around attention is hidden_norm(feature) (True) or the
     # feature itself (False, as SafeAILab/EAGLE and vLLM by default). Exports always write it.
     norm_before_residual: bool = False
@@ -108,6 +105,12 @@ class EagleConfig:
     fc_bias: bool = True
 
     def __post_init__(self) -> None:
+        if self.architecture != "reference":
+            raise ValueError(
+                f"drafter.architecture={self.architecture!r}: specdraft's first EAGLE layout "
+                "(projected, which no serving engine computes) is no longer read; retrain the "
+                "head in the reference layout (architecture=reference, the default)"
+            )
         # ttt_steps and feature_noise stay None here and resolve with the version (resolve_config):
         # a config object is built before a file or the command line sets its version.
         for key, low in (("ttt_steps", 1), ("draft_vocab_size", 0)):
@@ -128,7 +131,7 @@ class EagleConfig:
 
 
 # Keys a head saved before they existed had, by their meaning then (Drafter.legacy_defaults):
-# heads trained before `architecture` are the projected layout.
+# heads saved before `architecture` are the removed projected layout, which EagleConfig refuses.
 LEGACY_DEFAULTS = {"architecture": "projected"}
 
 
@@ -148,8 +151,6 @@ def resolve_config(config: EagleConfig, target) -> EagleConfig:
         config.ttt_steps = 7 if config.version == "eagle3" else 1
     if config.feature_noise is None:
         config.feature_noise = 0.0 if config.version == "eagle3" else 0.1
-    if config.architecture == "projected":
-        config.norm_before_residual = False  # the reference EAGLE-3 layer's choice
     if config.version == "eagle3":
         layers = config.feature_layers or default_feature_layers(target.num_layers)
         config.feature_layers = target.check_layer_ids(layers)
@@ -354,33 +355,18 @@ class EagleDrafter(Drafter):
         # the layer's attention is the training-time test's (ttt_attention); with a mask it is
         # transformers' SDPA attention
         eps = getattr(target.config, "rms_norm_eps", 1e-6)
-        if config.architecture == "reference":
-            layer_config = llama_layer_config(target.config)
-            self.rotary = LlamaRotaryEmbedding(config=layer_config)
-            norm_class = LlamaRMSNorm
-            if config.version == "eagle1":
-                self.layer = eagle1_reference_layer(layer_config)
-            else:
-                self.layer = Eagle3Layer(layer_config, config.norm_before_residual)
+        layer_config = llama_layer_config(target.config)
+        self.rotary = LlamaRotaryEmbedding(config=layer_config)
+        if config.version == "eagle1":
+            self.layer = eagle1_reference_layer(layer_config)
         else:
-            layer_config = copy.deepcopy(target.config)
-            layer_config.num_hidden_layers = 1
-            layer_config._attn_implementation = TTT_ATTENTION
-            if getattr(layer_config, "layer_types", None) is not None:
-                layer_config.layer_types = layer_config.layer_types[:1]
-            self.layer = type(target.layers[0])(layer_config, layer_idx=0)
-            self.rotary = type(target.model.model.rotary_emb)(config=layer_config)
-            norm_class = type(target.norm)
+            self.layer = Eagle3Layer(layer_config, config.norm_before_residual)
         self._inv_freq = self.rotary.inv_freq.detach().float().cpu().clone()  # see _apply
         if config.version == "eagle1":
             self.fc = nn.Linear(2 * H, H, bias=config.fc_bias)
         else:
             self.fc_fuse = nn.Linear(3 * H, H, bias=False)
-            if config.architecture == "projected":
-                self.embed_norm = norm_class(H, eps=eps)
-                self.feature_norm = norm_class(H, eps=eps)
-                self.fc_in = nn.Linear(2 * H, H, bias=False)
-            self.final_norm = norm_class(H, eps=eps)
+            self.final_norm = LlamaRMSNorm(H, eps=eps)
             Vd = config.draft_vocab_size or V
             if d2t is None:
                 d2t = torch.arange(Vd)
@@ -500,9 +486,7 @@ class EagleDrafter(Drafter):
         emb = self.target.embed(tokens).to(features.dtype)  # (batch, n, hidden)
         if self.config.version == "eagle1":
             return self.fc(torch.cat([emb, features], dim=-1))
-        if self.config.architecture == "reference":
-            return torch.cat([emb, features], dim=-1)  # the layer norms each half itself
-        return self.fc_in(torch.cat([self.embed_norm(emb), self.feature_norm(features)], dim=-1))
+        return torch.cat([emb, features], dim=-1)  # the layer norms each half itself
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """(..., hidden) -> (..., draft vocab) logits (the target's vocab for eagle1)."""
@@ -642,26 +626,21 @@ class DraftingWeights:
     """The head as drafting runs it: the layer's fused (and maybe int8) weights, and its input
     and output products with the RMSNorm weights before them folded in.
 
-    fuse: the low/mid/high product (eagle3). input: the product before the layer (eagle1's fc,
-    the projected eagle3's fc_in), None where the layer reads cat(embedding, feature) itself
-    (the reference eagle3). in_eps: the epsilons of the norms of embedding and feature before
-    fc_in (projected eagle3 only). out_eps: the final norm's before the LM head (eagle3)."""
+    fuse: the low/mid/high product (eagle3). input: the product before the layer (eagle1's fc),
+    None where the layer reads cat(embedding, feature) itself (eagle3). out_eps: the final
+    norm's before the LM head (eagle3)."""
 
     @torch.no_grad()
     def __init__(self, head: EagleDrafter, int8: bool) -> None:
         self.int8 = int8
         self.layer = LayerWeights(head.layer, int8=int8)
-        self.fuse = self.input = self.in_eps = self.out_eps = None
+        self.fuse = self.input = self.out_eps = None
         if head.config.version == "eagle1":  # the final feature is used as it is
             self.input = DraftLinear(head.fc.weight, head.fc.bias, int8=int8)
             lm = head.target.model.get_output_embeddings()
             self.output = DraftLinear(lm.weight, lm.bias, int8=int8)
             return
         self.fuse = DraftLinear(head.fc_fuse.weight, int8=int8)
-        if head.config.architecture == "projected":
-            self.in_eps = (head.embed_norm.variance_epsilon, head.feature_norm.variance_epsilon)
-            in_scale = torch.cat([head.embed_norm.weight, head.feature_norm.weight])
-            self.input = DraftLinear(head.fc_in.weight, in_scale=in_scale, int8=int8)
         self.out_eps = head.final_norm.variance_epsilon
         self.output = DraftLinear(head.lm_head.weight, in_scale=head.final_norm.weight, int8=int8)
 
@@ -778,9 +757,7 @@ class EagleSession(DraftSession):
         if w is None:
             return self.layer(self.head.layer_input(tokens, features), positions, visible)
         emb = self.head.target.embed(tokens).to(features.dtype)
-        if w.in_eps is not None:  # projected eagle3: both normed (their weights are in w.input)
-            emb, features = rms(emb, w.in_eps[0]), rms(features, w.in_eps[1])
-        x = torch.cat([emb, features], dim=-1)  # the reference eagle3 layer norms them itself
+        x = torch.cat([emb, features], dim=-1)  # the eagle3 layer norms them itself
         return self.layer(x if w.input is None else w.input(x), positions, visible)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

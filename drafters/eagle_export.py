@@ -117,12 +117,6 @@ def reference_state(drafter: EagleDrafter, fmt: str) -> dict[str, torch.Tensor]:
     in the head's dtype, or ExportError where format `fmt` cannot hold this head."""
     cfg = drafter.config
     version = "EAGLE-3" if cfg.version == "eagle3" else "EAGLE-1"
-    if cfg.architecture != "reference":
-        raise ExportError(
-            "this head has the projected architecture (specdraft's first layout, which no "
-            "engine computes) and cannot be exported: retrain it with "
-            "drafter.architecture=reference (the default since heads became exportable)"
-        )
     wants = "eagle1" if fmt == "eagle" else "eagle3"
     if cfg.version != wants:
         able = "eagle" if cfg.version == "eagle1" else "speculators or sglang"

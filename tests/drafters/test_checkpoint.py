@@ -134,11 +134,12 @@ def test_non_hf_drafter_stores_only_its_own_tensors(tiny_target, tmp_path):
     assert loaded.lm_head is tiny_target.model.lm_head
 
 
-def test_decoding_defaults_round_trip_and_format_1_folders_still_load(
+def test_decoding_defaults_round_trip_and_a_format_1_folder_is_refused_by_name(
     tiny_target, student, tmp_path
 ):
     """The drafter's decoding defaults are saved beside its config and come back on load; a
-    folder of format 1 (decoding keys inside the kind's config) loads with them moved over."""
+    folder of the removed format 1 (decoding keys inside the kind's config) is an error that
+    says which format it is and what to do, not a drafter with silently default settings."""
     drafter = student
     decode = DecodeConfig(gamma=7, draft_weights="int8", lookup_ngram=2)
     folder = save_drafter(
@@ -148,20 +149,18 @@ def test_decoding_defaults_round_trip_and_format_1_folders_still_load(
 
     config = json.loads((folder / "config.json").read_text())
     block = config["specdraft"]
-    del block["decode"]
-    block["format_version"] = 1
-    block["config"].update(gamma=3, draft_weights="int8")
-    (folder / "config.json").write_text(json.dumps(config))
-    loaded = load_drafter(folder, tiny_target)
-    assert loaded.decode == DecodeConfig(gamma=3, draft_weights="int8")
-    assert loaded.config == drafter.config
-
     block["decode"] = {"gamma": 0}
-    del block["config"]["gamma"], block["config"]["draft_weights"]
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(
         CheckpointError, match=r"config\.json: its DecodeConfig is not valid: gamma must be"
     ):
+        load_drafter(folder, tiny_target)
+
+    del block["decode"]
+    block["format_version"] = 1
+    block["config"].update(gamma=3, draft_weights="int8")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"checkpoint format 1.*reads format 2 only"):
         load_drafter(folder, tiny_target)
 
 

@@ -26,12 +26,12 @@ from specdraft.inference.verify import verify_greedy, verify_sampling
 pytestmark = pytest.mark.exact
 
 
-@pytest.fixture(scope="module", params=["eagle3", "eagle1", "eagle3-projected", "eagle1-projected"])
+@pytest.fixture(scope="module", params=["eagle3", "eagle1"])
 def trained_head(request, tiny_target):
     """A head trained for a few dozen steps on the target's own predictions, so it accepts: each
-    version in the reference architecture and in the projected one heads trained before had."""
+    version."""
     torch.manual_seed(0)
-    version, _, architecture = request.param.partition("-")
+    version = request.param
     V = tiny_target.vocab_size
     d2t = torch.arange(0, V, 2) if version == "eagle3" else None  # half the vocabulary
     if d2t is not None:
@@ -41,7 +41,6 @@ def trained_head(request, tiny_target):
         version=version,
         ttt_steps=2,
         draft_vocab_size=len(d2t) if d2t is not None else 0,
-        architecture=architecture or "reference",
     )
     head = EagleDrafter.build(cfg, tiny_target, d2t)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
@@ -264,7 +263,7 @@ def test_int8_drafting_weights_stay_close_to_the_head(tiny_target, trained_head)
     """The int8 copies are per-row symmetric: every product is within a few percent."""
     w = trained_head.drafting_weights(int8=True)
     full = trained_head.drafting_weights(int8=False)
-    # the product before the layer: fc (eagle1), fc_in (projected eagle3), else the fused one
+    # the product before the layer: fc (eagle1), else the fused one
     first, first_full = (w.input, full.input) if w.input is not None else (w.fuse, full.fuse)
     assert first.int8 and w.output.int8 and w.layer.gate_up.int8  # really int8, no fallback
     assert w.layer.qkv.int8 and not first_full.int8 and w.memory_bytes() < full.memory_bytes()

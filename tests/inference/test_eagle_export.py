@@ -326,7 +326,6 @@ def test_a_published_folder_with_model_prefixes_and_the_targets_embedding_loads(
 # --- bad input ---------------------------------------------------------------------------------------
 
 EXPORT_ERRORS = {
-    "projected head": (dict(architecture="projected"), "speculators", "projected architecture"),
     "EAGLE-1 to speculators": (dict(version="eagle1"), "speculators", "--format eagle"),
     "EAGLE-3 to eagle": ({}, "eagle", "--format speculators or sglang"),
     "final normed state": (dict(feature_layers=[1, 3, LAYERS]), "speculators", "final normed"),

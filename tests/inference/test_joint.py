@@ -45,11 +45,11 @@ def target():
     return make_target(tiny_llama(V, seed=3, hidden=16, layers=1, init=0.5))
 
 
-def eagle_head(target, architecture: str = "reference") -> EagleDrafter:
+def eagle_head(target) -> EagleDrafter:
     """An untrained EAGLE-3 head with noisy weights, which drafts varied tokens that are often but
     not always accepted."""
     torch.manual_seed(3)  # a seed and scale whose drafts are accepted and rejected often
-    head = EagleDrafter.build(EagleConfig(architecture=architecture), target).eval()
+    head = EagleDrafter.build(EagleConfig(), target).eval()
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.2)
@@ -79,8 +79,6 @@ def medusa_heads(target) -> MedusaDrafter:
 
 DRAFTERS = {
     "eagle": (eagle_head, EagleSession),
-    # the layout heads trained before the reference architecture have (they still load)
-    "eagle_projected": (lambda target: eagle_head(target, "projected"), EagleSession),
     "medusa": (medusa_heads, MedusaSession),
 }
 
@@ -162,16 +160,6 @@ CASES = {
     ),
     "eagle-tree-top_k": (
         "eagle",
-        dict(tree_top_k=2, gamma=3, tree_budget=6),
-        SamplingSettings(temperature=T, top_k=3),
-    ),
-    "eagle_projected-chain": (
-        "eagle_projected",
-        dict(tree_top_k=1, gamma=3),
-        SamplingSettings(temperature=T),
-    ),
-    "eagle_projected-tree": (
-        "eagle_projected",
         dict(tree_top_k=2, gamma=3, tree_budget=6),
         SamplingSettings(temperature=T, top_k=3),
     ),

@@ -4,12 +4,13 @@ and written in each format; bad input exits 2 with a one-line error and writes n
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from specdraft.drafters.checkpoint import load_drafter, save_drafter
+from specdraft.drafters.checkpoint import CheckpointError, load_drafter, save_drafter
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.export import FORMATS
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
@@ -49,14 +50,12 @@ def deep_target(tiny_target, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eagle_folders(deep_target, tmp_path_factory):
-    """An EAGLE-3 and an EAGLE-1 head (reference architecture) and a projected one, saved as a
-    run saves them."""
+    """An EAGLE-3 and an EAGLE-1 head, saved as a run saves them."""
     path, target = deep_target
     folders = {}
     for name, config in {
         "eagle3": EagleConfig(feature_layers=[1, 2, 3], draft_vocab_size=100),
         "eagle1": EagleConfig(version="eagle1"),
-        "projected": EagleConfig(feature_layers=[1, 2, 3], architecture="projected"),
     }.items():
         torch.manual_seed(0)
         head = EagleDrafter.build(config, target)
@@ -76,9 +75,20 @@ def test_export_writes_eagle_heads_that_load_back(deep_target, eagle_folders, fm
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in original.state_dict().items())
 
 
-def test_a_projected_eagle_head_is_refused_with_the_fix(eagle_folders, tmp_path, capsys):
-    assert export.main(["--format", "sglang", str(eagle_folders["projected"]), str(tmp_path / "o")]) == 2  # fmt: skip
-    assert "drafter.architecture=reference" in capsys.readouterr().err
+def test_a_head_of_the_removed_projected_layout_is_refused_with_the_fix(
+    deep_target, eagle_folders, tmp_path, capsys
+):
+    """A folder saved before EagleConfig had `architecture` (specdraft's first layout) is neither
+    loaded nor exported: the error says the layout is no longer read and to retrain."""
+    old = tmp_path / "old"
+    shutil.copytree(eagle_folders["eagle3"], old)
+    config = json.loads((old / "config.json").read_text())
+    del config["specdraft"]["config"]["architecture"]
+    (old / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"projected.*no longer read; retrain"):
+        load_drafter(old, deep_target[1])
+    assert export.main(["--format", "sglang", str(old), str(tmp_path / "o")]) == 2
+    assert "architecture=reference" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 

@@ -128,22 +128,24 @@ def test_a_resumed_eagle1_run_equals_an_uninterrupted_one(tiny_target_path, tmp_
 
 
 def test_resuming_with_other_drafter_settings_names_them(tiny_target_path, tmp_path):
-    """A checkpoint of a head in the old layout, resumed under a config that builds the new one:
-    a clear error naming the setting that differs and how to resume, the checkpoint untouched."""
+    """A checkpoint of a head with a smaller draft vocabulary, resumed under a config that builds
+    a larger one: a clear error naming the setting that differs and how to resume, the
+    checkpoint untouched."""
     from specdraft.train.trainer import ResumeError
 
     common = [
         f"target={tiny_target_path}", "max_steps=2", "micro_batch_size=4", "eval_every=0",
         "save_every=2", "data.max_samples=16", "data.max_length=32", "drafter.ttt_steps=2",
-        "drafter.draft_vocab_size=256", "eval_loop.enabled=false", f"output_dir={tmp_path}",
+        "eval_loop.enabled=false", f"output_dir={tmp_path}",
     ]  # fmt: skip
-    assert main([*common, "drafter.architecture=projected"]) == 0
+    assert main([*common, "drafter.draft_vocab_size=128"]) == 0
+    common.append("drafter.draft_vocab_size=256")
     saved = (tmp_path / "checkpoint-2" / "model.safetensors").read_bytes()
     with pytest.raises(ResumeError) as err:
         main([*common, "max_steps=4", "resume_from=latest"])
     said = str(err.value)
-    assert "drafter.architecture: 'projected' there, 'reference' here" in said
-    assert "drafter.architecture=projected" in said and "untouched" in said
+    assert "drafter.draft_vocab_size: 128 there, 256 here" in said
+    assert "drafter.draft_vocab_size=128" in said and "untouched" in said
     assert (tmp_path / "checkpoint-2" / "model.safetensors").read_bytes() == saved
     # the overrides it names, as given, resume the run
     override = re.search(r"trained with \((.*?)\), or start", said).group(1)
