@@ -45,46 +45,59 @@ def main(argv: list[str] | None = None) -> None:
     tok = build_demo_tokenizer(demo_corpus_texts()[:30], 4096)
     ids = tok("def f(x):\n    return x\n" * 6, return_tensors="pt").input_ids
     for shape in args.shape or SHAPES:
-        hidden, layers, mlp = (int(v) for v in shape.split("x"))
-        config = LlamaConfig(
-            vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
-            intermediate_size=mlp, num_attention_heads=hidden // 64,
-            num_key_value_heads=hidden // 64, tie_word_embeddings=True,
-            eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-        )  # fmt: skip
-        target = Target(LlamaForCausalLM(config).eval(), tok)
-        head_config = EagleConfig(version="eagle3", draft_vocab_size=0)
-        head = EagleDrafter.build(head_config, target, None).eval()
-        stats = {}
-        for name in ("ar", *MODES):
-            drafter, decode = None, {}
-            if name != "ar":
-                weights = "int8" if name == "lean-int8" else "full"
-                drafter, decode = head, dict(gamma=5, draft_weights=weights)
-            with _modules_only(name == "modules"):
-                generate(target, ids, drafter, max_new_tokens=16, **decode)  # warm-up
-                stats[name] = generate(
-                    target, ids, drafter, max_new_tokens=args.new_tokens, **decode
-                ).stats
-        step = stats["ar"].total_seconds / stats["ar"].target_passes
-        target_params = sum(p.numel() for p in target.model.parameters())
-        head_params = head.num_extra_parameters(target)
-        passes = []
-        for mode in MODES:
-            head_pass = stats[mode].draft_seconds / max(1, stats[mode].drafted)
-            passes.append(f"{mode} {head_pass * 1e3:.2f} ms = {head_pass / step:.2f}")
+        m = measure_shape(shape, tok, ids, args.new_tokens)
+        passes = [
+            f"{mode} {m['pass_ms'][mode]:.2f} ms = {m['pass_steps'][mode]:.2f}" for mode in MODES
+        ]
         print(
-            f"{shape}: target {target_params / 1e6:.1f}M, step {step * 1e3:.2f} ms | head "
-            f"{head_params / 1e6:.2f}M ({head_params / target_params:.0%}), pass: "
+            f"{shape}: target {m['target_params'] / 1e6:.1f}M, step {m['step_ms']:.2f} ms | head "
+            f"{m['head_params'] / 1e6:.2f}M ({m['head_params'] / m['target_params']:.0%}), pass: "
             + ", ".join(passes) + " of a target step",
             flush=True,
         )  # fmt: skip
         if counts:
-            one = _forward_ms(target, 1)
-            costs = [f"{n}: {_forward_ms(target, n):.2f} ms" for n in counts]
+            one = _forward_ms(m["target"], 1)
+            costs = [f"{n}: {_forward_ms(m['target'], n):.2f} ms" for n in counts]
             print(
                 f"  forward over n new tokens (1 = {one:.2f} ms): " + ", ".join(costs), flush=True
             )
+
+
+def measure_shape(shape: str, tok, ids: torch.Tensor, new_tokens: int) -> dict:
+    """One shape's figures: the plain step and each mode's head pass (ms, and as a fraction of
+    the step), the passes drafted per mode, parameter counts, and the target itself."""
+    hidden, layers, mlp = (int(v) for v in shape.split("x"))
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
+        intermediate_size=mlp, num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64, tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+    )  # fmt: skip
+    target = Target(LlamaForCausalLM(config).eval(), tok)
+    head = EagleDrafter.build(EagleConfig(version="eagle3", draft_vocab_size=0), target).eval()
+    stats = {}
+    for name in ("ar", *MODES):
+        drafter, decode = None, {}
+        if name != "ar":
+            weights = "int8" if name == "lean-int8" else "full"
+            drafter, decode = head, dict(gamma=5, draft_weights=weights)
+        with _modules_only(name == "modules"):
+            generate(target, ids, drafter, max_new_tokens=16, **decode)  # warm-up
+            stats[name] = generate(target, ids, drafter, max_new_tokens=new_tokens, **decode).stats
+    step = stats["ar"].total_seconds / stats["ar"].target_passes
+    drafted = {mode: stats[mode].drafted for mode in MODES}
+    if not all(drafted.values()):  # a pass cost over no pass is no figure
+        raise RuntimeError(f"{shape}: the head drafted nothing in some mode ({drafted})")
+    pass_s = {mode: stats[mode].draft_seconds / drafted[mode] for mode in MODES}
+    return {
+        "target": target,
+        "step_ms": step * 1e3,
+        "pass_ms": {mode: s * 1e3 for mode, s in pass_s.items()},
+        "pass_steps": {mode: s / step for mode, s in pass_s.items()},
+        "drafted": drafted,
+        "target_params": sum(p.numel() for p in target.model.parameters()),
+        "head_params": head.num_extra_parameters(target),
+    }
 
 
 @torch.no_grad()

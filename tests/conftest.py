@@ -44,6 +44,16 @@ def fresh_accelerator_state():
     AcceleratorState._reset_state()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared machine a thread pool waiting for
+    busy cores makes each small op ten times slower; restored after the module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_target_path(specdraft_home) -> str:
     """The tiny demo target, built once per test session (about a second)."""

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from testkit import perturb
 from transformers import LlamaForCausalLM
 
 from specdraft.core import DecodeConfig, build_draft_vocab
@@ -35,9 +36,7 @@ def head_for(target, d2t=None, **cfg) -> EagleDrafter:
     head = EagleDrafter.build(
         EagleConfig(**cfg), target, d2t if d2t is not None else _d2t(target, cfg)
     )
-    with torch.no_grad():  # a random, not a zero-initialised, head: every term matters
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    perturb(head.parameters(), 0.05)  # a random, not a zero-initialised, head: every term matters
     return head.eval()
 
 

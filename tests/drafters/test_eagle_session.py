@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from testkit import perturb
 from transformers import DynamicCache
 
 from specdraft.core import (
@@ -166,9 +167,7 @@ def test_generate_reports_the_passes_a_hybrid_copied(tiny_target, trained_head, 
 def test_untrained_head_still_gives_the_target_output(tiny_target):
     torch.manual_seed(1)
     head = EagleDrafter.build(EagleConfig(ttt_steps=1), tiny_target)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn_like(p))
+    perturb(head.parameters())
     greedy = SamplingSettings()
     session = new_session(head, tiny_target, greedy, tree_top_k=3, tree_budget=8)
     tokens, drafted, _ = drive(tiny_target, session, PROMPTS[0], 12, greedy)

@@ -5,20 +5,14 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 from spec_helpers import make_target, perturbed, tiny_llama
 
 from specdraft.drafters.target import Target
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine a thread pool waiting for
-    busy cores makes each small op ten times slower; restored for other tests."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _single_threaded(one_thread):
+    """Every inference test runs on one thread (tests/conftest.py says why)."""
 
 
 @pytest.fixture(scope="session")

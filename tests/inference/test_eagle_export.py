@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from spec_helpers import make_target, tiny_llama
+from testkit import perturb
 
 from specdraft.core import float_mask
 from specdraft.drafters.checkpoint import CheckpointError, load_drafter
@@ -44,9 +45,7 @@ def noisy_head(target, version="eagle3", draft_vocab=0, seed=0, **config) -> Eag
     head = EagleDrafter.build(
         EagleConfig(version=version, draft_vocab_size=draft_vocab, **config), target, d2t
     ).eval()
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.3 * p.std().clamp(min=0.3))
+    perturb(head.parameters(), 0.3, floor=0.3)
     return head
 
 

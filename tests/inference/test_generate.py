@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 from spec_helpers import chi_square_p_value, make_target, perturbed, tiny_llama
+from testkit import perturb
 
 from specdraft.core import DraftContext
 from specdraft.drafters.distill import DistillDrafter
@@ -300,9 +301,7 @@ def test_sampled_output_through_an_eagle_head_follows_the_target(small_vocab, op
     target, _ = small_vocab
     torch.manual_seed(6)
     head = EagleDrafter.build(EagleConfig(), target).eval()
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.5)  # an untrained head that still drafts varied tokens
+    perturb(head.parameters(), 0.5)  # an untrained head that still drafts varied tokens
     prompt = [1, 2, 3]
     counts = torch.zeros(V, V)
     drafted = accepted = 0

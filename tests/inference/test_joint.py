@@ -19,6 +19,7 @@ import itertools
 import pytest
 import torch
 from spec_helpers import chi_square_p_value, make_target, tiny_llama
+from testkit import perturb
 
 from specdraft.core import SamplingSettings, process_logits
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, EagleSession
@@ -50,9 +51,7 @@ def eagle_head(target) -> EagleDrafter:
     not always accepted."""
     torch.manual_seed(3)  # a seed and scale whose drafts are accepted and rejected often
     head = EagleDrafter.build(EagleConfig(), target).eval()
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
+    perturb(head.parameters(), 0.2)
     return head
 
 
@@ -61,10 +60,7 @@ def medusa_heads(target) -> MedusaDrafter:
     the tree is the one built from measurement)."""
     torch.manual_seed(7)
     heads = MedusaDrafter.build(MedusaConfig(num_heads=3), target).eval()
-    with torch.no_grad():
-        for name, p in heads.named_parameters():
-            if "blocks" in name:
-                p.add_(torch.randn_like(p) * 0.5)
+    perturb((p for name, p in heads.named_parameters() if "blocks" in name), 0.5)
     ids = torch.randint(0, V, (4, 16), generator=torch.Generator().manual_seed(0))
     batch = {
         "input_ids": ids,

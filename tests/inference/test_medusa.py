@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from spec_helpers import MEDUSA_PROMPTS, fitted_medusa_heads
+from testkit import perturb
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, TargetOutput
 from specdraft.drafters.checkpoint import load_drafter, save_drafter
@@ -29,10 +30,7 @@ def noisy_heads(target, seed: int = 0, scale: float = 0.3, **config) -> MedusaDr
     """Heads with random block weights: they draft varied tokens, sometimes accepted."""
     torch.manual_seed(seed)
     heads = MedusaDrafter.build(MedusaConfig(**config), target).eval()
-    with torch.no_grad():
-        for name, p in heads.named_parameters():
-            if "blocks" in name:
-                p.add_(torch.randn_like(p) * scale)
+    perturb((p for name, p in heads.named_parameters() if "blocks" in name), scale)
     return heads
 
 
@@ -119,9 +117,7 @@ def test_the_loss_equals_a_naive_per_head_loop(random_target, config):
     if config.get("draft_vocab_size"):
         d2t = torch.randperm(random_target.vocab_size)[: config["draft_vocab_size"]].sort().values
     heads = MedusaDrafter.build(MedusaConfig(**config), random_target, d2t)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
+    perturb(heads.parameters(), 0.1)
     batch, out = batch_and_target_out(random_target)
     loss, metrics = heads(batch, out)
     torch.testing.assert_close(loss, naive_loss(heads, batch, out), rtol=1e-4, atol=1e-4)

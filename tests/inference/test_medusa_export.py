@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from spec_helpers import MEDUSA_PROMPTS, fitted_medusa_heads, make_target, tiny_llama
+from testkit import perturb
 
 from specdraft.drafters.checkpoint import CheckpointError, load_drafter
 from specdraft.drafters.export import ExportError, export_drafter
@@ -26,9 +27,7 @@ def noisy_heads(target, seed: int = 0, scale: float = 0.3, d2t=None, **config) -
     format writes differs from every other, so a swapped name shows."""
     torch.manual_seed(seed)
     heads = MedusaDrafter.build(MedusaConfig(**config), target, d2t).eval()
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(torch.randn_like(p) * scale * p.std().clamp(min=0.1))
+    perturb(heads.parameters(), scale, floor=0.1)
     return heads
 
 

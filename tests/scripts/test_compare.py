@@ -40,6 +40,15 @@ def test_every_family_trained_tuned_measured_and_reported(tmp_path, capsys):
         assert r["train_tokens_per_s"] > 0 and r["simulated_tau"] is not None
         assert len(r["simulated_over_training"]) >= 2 and r["tuned"]["decode"]
         assert r["tau_alone"] >= 1 and r["tau_gap"] is not None  # the drafter's own tau
+    # every trained family's runs drafted and had drafts accepted, greedy and sampled: a
+    # family whose drafter drafted nothing would still match plain decoding and show tau 1
+    for mode in ("greedy", "sampled"):
+        trained = [
+            r for r in report[mode]["runs"] if r["method"] in ("distill", "eagle", "layerskip")
+        ]
+        assert {r["method"] for r in trained} == {"distill", "eagle", "layerskip"}, mode
+        for r in trained:
+            assert r["drafted"] > 0 and r["accepted"] > 0, (mode, r["name"])
     # what only some families cost: weights beside the target, or the target's own quality
     assert rows["eagle"]["extra_params"] > 0 and rows["layerskip"]["extra_params"] == 0
     assert rows["layerskip"]["quality_cost_nats"] is not None

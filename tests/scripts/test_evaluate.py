@@ -38,12 +38,7 @@ FIELDS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models; a shared machine's busy cores only slow threads
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +127,13 @@ def test_sampling_report_has_no_greedy_match(tiny_target_path, tmp_path):
     assert "**Lossy**" not in (out / "report.md").read_text()
 
 
-def test_unknown_baseline_is_refused(tmp_path):
+def test_unknown_baseline_is_refused(tmp_path, capsys):
+    """Refused by name with the ones there are, before any target is loaded or file written."""
     with pytest.raises(SystemExit):
-        evaluate.main(["--baselines", "ar,medusa", "--output", str(tmp_path)])
+        evaluate.main(["--baselines", "ar,medusa", "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "unknown baselines ['medusa']" in err and "choose from ar," in err
+    assert not (tmp_path / "out").exists()
 
 
 def test_one_drafter_under_several_decoding_settings(tiny_target, tiny_target_path, tmp_path):

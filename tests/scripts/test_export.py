@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from testkit import perturb
 from transformers import LlamaForCausalLM
 
 from specdraft.drafters.checkpoint import CheckpointError, load_drafter, save_drafter
@@ -23,9 +24,7 @@ def heads_folder(tiny_target, tiny_target_path, tmp_path_factory):
     """Medusa heads trained (here: perturbed) for the tiny demo target, saved as a run does."""
     torch.manual_seed(0)
     heads = MedusaDrafter.build(MedusaConfig(num_heads=2), tiny_target)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
+    perturb(heads.parameters(), 0.1)
     folder = tmp_path_factory.mktemp("run") / "final"
     save_drafter(
         heads, folder, target_fingerprint=tiny_target.fingerprint,

@@ -4,9 +4,10 @@ greedy output, and saved into the drafter folder with where they were measured."
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
-import torch
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.checkpoint import load_drafter
@@ -16,17 +17,11 @@ from specdraft.inference.metrics import Stats
 from specdraft.scripts.tune import main
 from specdraft.train.layerskip import main as train_layerskip
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def layerskip_folder(tiny_target_path, tmp_path_factory):
+def trained_layerskip(tiny_target_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("tune") / "run"
     assert train_layerskip([
         f"target={tiny_target_path}", f"output_dir={out}", "max_steps=2", "micro_batch_size=4",
@@ -34,6 +29,12 @@ def layerskip_folder(tiny_target_path, tmp_path_factory):
         "eval_loop.enabled=false", "drafter.exit_layer=1", "decode.gamma=4",
     ]) == 0  # fmt: skip
     return out / "final"
+
+
+@pytest.fixture
+def layerskip_folder(trained_layerskip, tmp_path):
+    """A fresh copy per test: tuning writes into the folder, and no test may see another's."""
+    return Path(shutil.copytree(trained_layerskip, tmp_path / "final"))
 
 
 def test_tune_saves_the_fastest_settings_with_equal_output(layerskip_folder, tmp_path, capsys):
@@ -57,7 +58,9 @@ def test_tune_saves_the_fastest_settings_with_equal_output(layerskip_folder, tmp
         assert len(kept) == 1 and kept[0]["matches_plain"] is True
         fastest = max(raced, key=lambda r: r["tokens_per_s"])
         assert kept[0] is fastest or fastest["matches_plain"] is False
-        if not result["measured"]["kept_saved"]:  # (else the saved settings won the last race)
+        if result["measured"]["kept_saved"]:  # the saved settings won the last race: kept
+            assert result["decode"] == result["measured"]["before"]["decode"]
+        else:
             assert result["decode"][key] == kept[0][key]
     # saved into the folder: what evaluate.py and the loop now decode with, and where measured
     saved = json.loads((layerskip_folder / "config.json").read_text())["specdraft"]
