@@ -21,12 +21,8 @@ import torch
 from specdraft.core import DecodeConfig
 from specdraft.data.demo import demo_prompts
 from specdraft.drafters.base import Drafter
-from specdraft.drafters.checkpoint import load_drafter, set_decode
-from specdraft.drafters.target import load_target
 from specdraft.inference.generate import generate
 from specdraft.inference.metrics import Stats
-from specdraft.inference.tune import default_space, search_decode
-from specdraft.precision import to_dtype
 
 
 @dataclass
@@ -48,19 +44,6 @@ class Run:
     # The precision the run's target computes in ("float32", "bfloat16", ...): evaluate.py
     # measures several side by side, each against its own plain decoding and the fastest one.
     dtype: str | None = None
-
-
-def loop_prompts(eval_loop, data_path: str, target, eval_examples) -> list[torch.Tensor]:
-    """The prompts a training script measures its drafter on after training, loaded before
-    training starts so that a bad prompt file fails at once. `eval_loop` is the config's
-    `LoopEvalConfig`; prompts=auto means the demo's held-out prompts for the demo corpus, else
-    the prompt part of the held-out split. Empty when the measurement is off."""
-    if not eval_loop.enabled:
-        return []
-    source = eval_loop.prompts
-    if source == "auto":
-        source = "demo" if data_path == "demo" else "eval"
-    return load_prompts(source, eval_loop.num_prompts, target, eval_examples)
 
 
 def load_prompts(
@@ -208,101 +191,6 @@ def measure_vs_plain(
     row["ar_tokens_per_s"] = ar.stats.new_tokens / ar.seconds
     row["ar_mean_log_p"] = ar.stats.mean_log_p
     return {**row, "max_new_tokens": max_new_tokens, **options}
-
-
-def report_after_training(target, result, prompts, cfg) -> dict | None:
-    """The end of a training script (`result` from `train`, `cfg` its config): print the simulated
-    tau before and after training, then serve the saved `final/` drafter in our loop against
-    plain decoding on `prompts` (from `loop_prompts`), write output_dir/eval_loop.json with the
-    simulated tau beside the measured one, and print one line. The drafter decodes with the
-    settings saved with it (cfg.decode). Returns the figures, or None where nothing was
-    measured."""
-    if result.stopped_by_signal or not result.main_process:
-        return None
-    final = result.output_dir / "final"
-    # the simulated tau of the decoding it is measured with (TrainConfig.served_tau_key)
-    key = cfg.served_tau_key()
-    simulated = result.evals[-1][key] if result.evals else None
-    if result.evals:
-        first, last = result.evals[0], result.evals[-1]
-        kind = "greedy" if key == "tau_greedy" else "sampled"
-        print(
-            f"[specdraft] simulated {kind} tau (depth {len(last['alpha'])}): before "
-            f"{first[key]:.3f}, after {simulated:.3f}; drafter in {final}"
-        )
-    if not prompts:
-        return None
-    target.to(target.device)  # whole again where training placed only a part (a cache stand-in)
-    dtype = target.saved_dtype if cfg.eval_loop.dtype == "auto" else to_dtype(cfg.eval_loop.dtype)
-    if dtype != target.dtype:  # e.g. trained against a bf16 copy, decoded as saved (fp32)
-        tuned = target.fingerprint.get("adapter")  # Medusa-2: the base with the run's adapter
-        adapter = Path(result.output_dir) / "final" / "adapter" if tuned else None
-        target = load_target(cfg.target, dtype=dtype, device=target.device, adapter=adapter)
-    threads = torch.get_num_threads()
-    if target.device.type == "cpu":
-        torch.set_num_threads(cfg.eval_loop.threads or usable_cores())
-    try:
-        drafter = load_drafter(final, target)
-        decode, tuning = drafter.decode, None
-        space = {key: default_space(drafter, target)[key] for key in cfg.eval_loop.tune}
-        if cfg.eval_loop.tune_budgets:
-            space["tree_budget"] = cfg.eval_loop.tune_budgets
-        if space:
-            # the best settings depend on the hardware as much as on the drafter
-            decode, tuning = search_decode(
-                target, drafter, prompts[: cfg.eval_loop.tune_prompts], space,
-                max_new_tokens=cfg.eval_loop.max_new_tokens, passes=cfg.eval_loop.tune_passes,
-                temperature=cfg.eval_loop.temperature, seed=cfg.seed,
-            )  # fmt: skip
-            best = final.parent / "best"
-            tuned = [f for f in (final, best) if f.is_dir()]
-            for number, key in dict.fromkeys((r["pass"], r["round"]) for r in tuning):
-                rows = [r for r in tuning if (r["pass"], r["round"]) == (number, key)]
-                # nothing kept (every candidate changed the output): the incumbent, row 0, stays
-                kept = next((r[key] for r in rows if r["kept"]), rows[0][key])
-                print(
-                    f"[specdraft] {key} by measured tokens/s"
-                    + (f" (pass {number})" if number > 1 else "")
-                    + ": "
-                    + ", ".join(f"{r[key]}: {r['tokens_per_s']:.1f}" for r in rows)
-                    + f" -> {kept}"
-                )
-            print(
-                f"[specdraft] (on the first {cfg.eval_loop.tune_prompts} of the prompts measured "
-                "below) " + " and ".join(map(str, tuned)) + " now decode with these settings"
-            )
-            for folder in tuned:  # (their train_config.yaml keeps the settings trained with)
-                set_decode(folder, decode)
-        m = measure_vs_plain(
-            target, drafter, prompts, seed=cfg.seed, decode=decode,
-            max_new_tokens=cfg.eval_loop.max_new_tokens, temperature=cfg.eval_loop.temperature,
-        )  # fmt: skip
-        m["torch_threads"] = torch.get_num_threads()
-        m["decode"] = dataclasses.asdict(decode)
-        if tuning is not None:
-            m["tuning"] = tuning
-    finally:
-        torch.set_num_threads(threads)
-    m["simulated_tau"] = simulated
-    path = Path(result.output_dir) / "eval_loop.json"
-    path.write_text(json.dumps(m, indent=2) + "\n")
-    sim = "none" if simulated is None else f"{simulated:.3f}"
-    notes = ""
-    if m.get("copied_share") is not None:  # a hybrid: say how much of it was the model
-        notes = f", {m['copied_share']:.0%} of passes verified a draft copied from the context"
-    if m["lossy"]:  # a speedup bought with output that no longer follows the target
-        notes += (
-            f"; LOSSY (typical acceptance): mean log p {m['mean_log_p']:.3f} vs plain "
-            f"sampling's {m['ar_mean_log_p']:.3f}"
-        )
-    print(
-        f"[specdraft] in the loop on {m['num_prompts']} prompts x "
-        f"{m['max_new_tokens']} new tokens: measured tau {m['tau']:.3f} (simulated {sim}), "
-        f"speedup {m['speedup_vs_ar']:.2f}x plain decoding ({m['tokens_per_s']:.1f} vs "
-        f"{m['ar_tokens_per_s']:.1f} tokens/s, same process, {m['torch_threads']} CPU "
-        f"thread(s)){notes}; {path}"
-    )
-    return m
 
 
 def usable_cores() -> int:

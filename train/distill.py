@@ -17,9 +17,9 @@ import torch
 from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.distill import DistillConfig, DistillDrafter
-from specdraft.inference.measure import loop_prompts, report_after_training
 from specdraft.train.config import TrainConfig
 from specdraft.train.launch import plain_loading
+from specdraft.train.report import loop_prompts, report_after_training
 from specdraft.train.targets import decoding_target, frozen_targets, say_the_loop_loads_it_whole
 from specdraft.train.trainer import train
 

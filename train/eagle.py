@@ -19,9 +19,9 @@ from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
 from specdraft.data.hidden_cache import CachedTarget, HiddenStateCache
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
-from specdraft.inference.measure import loop_prompts, report_after_training
 from specdraft.train.config import TrainConfig
 from specdraft.train.launch import plain_loading
+from specdraft.train.report import loop_prompts, report_after_training
 from specdraft.train.targets import decoding_target, frozen_targets, say_the_loop_loads_it_whole
 from specdraft.train.trainer import train
 

@@ -19,7 +19,7 @@ from specdraft.drafters.checkpoint import save_target_folder
 from specdraft.drafters.layerskip import LayerSkipDrafter
 from specdraft.drafters.target import Target, load_target, merge_adapter
 from specdraft.inference.generate import generate
-from specdraft.inference.measure import report_after_training
+from specdraft.train.report import report_after_training
 from specdraft.train.schedule import collate
 
 

@@ -18,10 +18,10 @@ from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
 from specdraft.drafters.target import load_target
-from specdraft.inference.measure import loop_prompts
 from specdraft.train.config import TrainConfig
 from specdraft.train.fine_tuned import exit_agreement, finish_layerskip, heldout_loss
 from specdraft.train.launch import plain_loading
+from specdraft.train.report import loop_prompts
 from specdraft.train.trainer import train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "layerskip" / "demo.yaml"

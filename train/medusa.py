@@ -19,10 +19,10 @@ from specdraft.config import parse_cli
 from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
-from specdraft.inference.measure import loop_prompts, report_after_training
 from specdraft.train.config import TrainConfig
 from specdraft.train.fine_tuned import finish_fine_tuning
 from specdraft.train.launch import plain_loading
+from specdraft.train.report import loop_prompts, report_after_training
 from specdraft.train.targets import decoding_target, frozen_targets, say_the_loop_loads_it_whole
 from specdraft.train.trainer import train
 

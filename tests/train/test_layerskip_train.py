@@ -21,7 +21,7 @@ from specdraft.drafters.layerskip import (
     exit_weights,
 )
 from specdraft.drafters.target import Target, load_target
-from specdraft.inference import measure
+from specdraft.train import report
 from specdraft.train.layerskip import LayerSkipTrainConfig, main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,9 +113,9 @@ def test_train_then_decode_as_its_own_target(tiny_target_path, tmp_path, capsys,
     monkeypatch.setattr("specdraft.train.fine_tuned.LOOP_TOKENS", 1)
     monkeypatch.setattr("specdraft.train.fine_tuned.greedy_looping", looping)
     searches = []  # the passes the tuning search was given (eval_loop.tune_passes)
-    search = measure.search_decode
+    search = report.search_decode
     monkeypatch.setattr(
-        measure, "search_decode", lambda *a, **k: searches.append(k["passes"]) or search(*a, **k)
+        report, "search_decode", lambda *a, **k: searches.append(k["passes"]) or search(*a, **k)
     )
     code = main([
         f"target={tiny_target_path}", f"output_dir={out}", "max_steps=4", "micro_batch_size=4",
