@@ -46,7 +46,7 @@ def check_options(args) -> None:
     unknown = set(args.baselines.split(",")) - set(BASELINES) - {""}
     if unknown:
         raise ValueError(f"unknown baselines {sorted(unknown)}; choose from {','.join(BASELINES)}")
-    for flag, value in (("--gamma", args.gamma), ("--topk", args.topk)):
+    for flag, value in (("--gamma", args.gamma), ("--tree-top-k", args.tree_top_k)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.max_new_tokens < 1 or args.num_prompts < 1:
@@ -172,7 +172,7 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 def drafter_runs(spec: str, target, args) -> list[Run]:
     """The runs of one --drafter FOLDER[:KEY=VALUE,...]: the drafter in our loop with its saved
-    decoding defaults, then the global --gamma / --topk, then the KEY=VALUE decoding settings
+    decoding defaults, then the global --gamma / --tree-top-k, then the KEY=VALUE decoding settings
     (specdraft.core.DecodeConfig keys, read by the config engine as training reads them); then
     transformers' assisted decoding with it if it is a HF model and hf_assisted is asked for.
     Raises ValueError (a ConfigError) naming `spec` and the key for a bad setting."""
@@ -188,7 +188,7 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
         plain = Run(f"ar[adapter {tuned.fingerprint['adapter']}]", "ar", _ours(target, args, None))
         runs.append(plain)
     drafter = load_drafter(path, target)
-    decode = drafter.decode.replace(gamma=args.gamma, tree_top_k=args.topk)
+    decode = drafter.decode.replace(gamma=args.gamma, tree_top_k=args.tree_top_k)
     decode = override(decode, items, source=f"--drafter {spec}")
     name = Path(path).name if Path(path).name not in ("final", "best") else str(path)
     if items:
@@ -298,7 +298,16 @@ def make_report(args, targets, runs: Sequence[Run]) -> dict:
     for row, label in zip(rows, short_labels(rows), strict=True):
         # a lossy run's speedup is not comparable to the exact ones': every plot says so too
         row["label"] = f"{label} (lossy)" if row["lossy"] else label
-    keys = ("max_new_tokens", "temperature", "top_p", "top_k", "gamma", "topk", "seed", "prompts")
+    keys = (
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "gamma",
+        "tree_top_k",
+        "seed",
+        "prompts",
+    )
     settings = {k: getattr(args, k) for k in keys}
     settings.update(
         device=str(targets[0].device),

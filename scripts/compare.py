@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         settings.append((family, setting))
     args.set = settings
     # what evaluate.py's run builders read
-    args.gamma = args.topk = None
+    args.gamma = args.tree_top_k = None
     args.top_p, args.top_k, args.temperature = 1.0, 0, 0.0
     args.drafter, args.baselines = [], "ar"
     return args

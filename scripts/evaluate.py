@@ -92,7 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         f"saved setting ({HF_GAMMA} for prompt lookup)",
     )
     parser.add_argument(
-        "--topk",
+        "--tree-top-k",
+        "--topk",  # its old name, beside --top-k (sampling): still read
+        dest="tree_top_k",
         type=int,
         default=None,
         help="tree_top_k of every trained drafter: 1 drafts a chain, k > 1 EAGLE-2's dynamic "
