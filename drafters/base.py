@@ -385,7 +385,9 @@ def adapter_hash(state: Mapping[str, torch.Tensor]) -> str:
 Metrics = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def figure(values: torch.Tensor, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+def sum_and_count(
+    values: torch.Tensor, keep: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
     """(sum, count) of `values` where the bool `keep` is set (all when None), detached, for a
     loss's metrics."""
     values = values.detach().float()

@@ -34,7 +34,7 @@ from specdraft.drafters.base import (
     Drafter,
     DraftSession,
     Metrics,
-    figure,
+    sum_and_count,
     vocab_mismatch_error,
     warn_once,
 )
@@ -285,14 +285,14 @@ class DistillDrafter(Drafter):
             div = divergence(
                 target_logits, student_logits, cfg.divergence, cfg.temperature, cfg.jsd_beta
             )
-            metrics[f"loss_{cfg.divergence}"] = figure(div)
+            metrics[f"loss_{cfg.divergence}"] = sum_and_count(div)
             loss = loss + div.sum()
         ce = F.cross_entropy(student_logits.float(), labels, reduction="none")
-        metrics["loss_ce"] = figure(ce)
+        metrics["loss_ce"] = sum_and_count(ce)
         if cfg.ce_weight > 0:
             loss = loss + cfg.ce_weight * ce.sum()
         agree = student_logits.argmax(-1) == target_logits.argmax(-1)
-        metrics["top1_agreement"] = figure(agree)
+        metrics["top1_agreement"] = sum_and_count(agree)
         return loss, metrics
 
     @torch.no_grad()

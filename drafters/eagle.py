@@ -51,7 +51,7 @@ from specdraft.core import (
     draft_tree,
     float_mask,
 )
-from specdraft.drafters.base import Drafter, DraftSession, Metrics, figure, warn_once
+from specdraft.drafters.base import Drafter, DraftSession, Metrics, sum_and_count, warn_once
 from specdraft.drafters.lean import (
     DraftLinear,
     LayerWeights,
@@ -426,7 +426,7 @@ class EagleDrafter(Drafter):
             ignored.append("stop_below is ignored by EAGLE trees (tree_top_k > 1): it ends chains")
         return ignored
 
-    def drafting_weights(self, int8: bool) -> DraftingWeights | None:
+    def drafting_weights(self, int8: bool) -> EagleDraftingWeights | None:
         """The head's weights as drafting runs them (drafters/lean.py), or None where its layer
         is not one LeanLayer reproduces (sessions then call the modules). Built once and shared
         by sessions until a parameter changes: the key holds the parameters themselves with
@@ -435,7 +435,7 @@ class EagleDrafter(Drafter):
         if not lean_supported(self.layer, self.rotary):
             return None
         params = [*self.parameters(), self.target.model.get_output_embeddings().weight]
-        return self._drafting.get(params, int8, lambda: DraftingWeights(self, int8))
+        return self._drafting.get(params, int8, lambda: EagleDraftingWeights(self, int8))
 
     def _apply(self, fn, recurse: bool = True):
         """Casts and moves, with the rotary frequencies kept in float32 (as the target keeps its
@@ -563,8 +563,8 @@ class EagleDrafter(Drafter):
             per_token, agree, valid = self._step_loss(s)
             step_sum = per_token.where(valid, 0).sum() * cfg.ttt_decay**k
             total = step_sum if total is None else total + step_sum
-            metrics[f"loss_{k}"] = figure(per_token, valid)
-            metrics[f"top1_{k}"] = figure(agree, valid)
+            metrics[f"loss_{k}"] = sum_and_count(per_token, valid)
+            metrics[f"top1_{k}"] = sum_and_count(agree, valid)
         return total, metrics
 
     def loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -622,7 +622,7 @@ class EagleDrafter(Drafter):
 # --- session (inference): chain and EAGLE-2 dynamic tree ---------------------------------------
 
 
-class DraftingWeights:
+class EagleDraftingWeights:
     """The head as drafting runs it: the layer's fused (and maybe int8) weights, and its input
     and output products with the RMSNorm weights before them folded in.
 

@@ -59,7 +59,7 @@ from safetensors.torch import load_file
 
 from specdraft.drafters.checkpoint import CONFIG_NAME, CheckpointError
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, llama_layer_config
-from specdraft.drafters.formats import (
+from specdraft.drafters.export_formats import (
     ExportError,
     Format,
     check_names_and_shapes,

@@ -60,7 +60,7 @@ from specdraft.drafters.checkpoint import (
     _replace_dir,
 )
 from specdraft.drafters.eagle_export import EAGLE_FORMATS
-from specdraft.drafters.formats import (
+from specdraft.drafters.export_formats import (
     ExportError,
     Format,
     check_names_and_shapes,

@@ -47,7 +47,7 @@ from specdraft.drafters.base import (
     LoraConfig,
     Metrics,
     attach_lora,
-    figure,
+    sum_and_count,
 )
 from specdraft.drafters.distill import simulated_alpha
 from specdraft.drafters.target import ADAPTER_ATTRIBUTE, TargetError, llama_parts
@@ -477,10 +477,10 @@ class LayerSkipDrafter(Drafter):
             logits = final if e == last else lm_head(states[e][:, :-1][keep]).float()
             log_q = F.log_softmax(logits, dim=-1)  # once per exit: (tokens, vocab) is large
             ce = F.nll_loss(log_q, labels, reduction="none")
-            metrics[f"loss_exit{e}"] = figure(ce)
+            metrics[f"loss_exit{e}"] = sum_and_count(ce)
             if e != last and soft_target is not None:
                 soft = -(soft_target * log_q).sum(-1)
-                metrics[f"distill_exit{e}"] = figure(soft)
+                metrics[f"distill_exit{e}"] = sum_and_count(soft)
                 ce = (1 - distill) * ce + distill * soft
             loss = loss + weights[e] * ce.sum()
         return loss, metrics

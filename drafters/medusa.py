@@ -44,7 +44,7 @@ from specdraft.drafters.base import (
     Metrics,
     adapter_hash,
     attach_lora,
-    figure,
+    sum_and_count,
     warn_once,
 )
 from specdraft.drafters.lean import DraftLinear, SharedWeights, use_int8
@@ -421,9 +421,9 @@ class MedusaDrafter(Drafter):
             per_token, top1, top5, valid = self._head_loss(s)
             weighted = per_token.where(valid, 0).sum() * cfg.loss_decay**k
             total = weighted if total is None else total + weighted
-            metrics[f"loss_{k}"] = figure(per_token, valid)
-            metrics[f"top1_{k}"] = figure(top1, valid)
-            metrics[f"top5_{k}"] = figure(top5, valid)
+            metrics[f"loss_{k}"] = sum_and_count(per_token, valid)
+            metrics[f"top1_{k}"] = sum_and_count(top1, valid)
+            metrics[f"top5_{k}"] = sum_and_count(top5, valid)
         if total is None:
             raise ValueError(
                 f"the batch's sequences ({batch['input_ids'].shape[1]} tokens) are too short for "
@@ -590,7 +590,7 @@ def expected_length(accuracy: torch.Tensor, paths: list[tuple[int, ...]]) -> flo
 # --- session (inference) ---------------------------------------------------------------------------
 
 
-class DraftingWeights:
+class MedusaDraftingWeights:
     """The heads as drafting runs them: each block and output layer a DraftLinear (int8 copies
     with draft_weights=int8 on a CPU)."""
 
@@ -659,7 +659,7 @@ class MedusaSession(DraftSession):
         self.capture_layers: list[int] = list(drafter.capture_layers)
         int8 = use_int8(decode.draft_weights, target.device, "the heads' full weights")
         params = [*drafter.parameters(), drafter.target.model.get_output_embeddings().weight]
-        self.w = drafter._drafting.get(params, int8, lambda: DraftingWeights(drafter, int8))
+        self.w = drafter._drafting.get(params, int8, lambda: MedusaDraftingWeights(drafter, int8))
         self.vocab = DraftVocab(drafter.d2t, target.vocab_size) if drafter.reduced_vocab else None
         self.depth = min(decode.gamma, drafter.config.num_heads)
         self.h: torch.Tensor | None = None  # (hidden,) at the last verified position

@@ -19,7 +19,7 @@ from torch import nn
 
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings, draft_chain
 from specdraft.data.formats import Example
-from specdraft.drafters.base import Drafter, DraftSession, Metrics, figure
+from specdraft.drafters.base import Drafter, DraftSession, Metrics, sum_and_count
 from specdraft.drafters.checkpoint import load_drafter
 from specdraft.inference.generate import generate
 from specdraft.inference.measure import load_prompts
@@ -57,7 +57,7 @@ class BigramDrafter(Drafter):
         logits = self.table(batch["input_ids"][:, :-1]).float()  # (batch, seq - 1, vocab)
         keep = batch["loss_mask"][:, 1:].bool()
         ce = F.cross_entropy(logits.transpose(1, 2), batch["input_ids"][:, 1:], reduction="none")
-        return ce.where(keep, 0).sum(), {"ce": figure(ce, keep)}
+        return ce.where(keep, 0).sum(), {"ce": sum_and_count(ce, keep)}
 
     @torch.no_grad()
     def acceptance(self, batch, target_out, decode: DecodeConfig):

@@ -18,9 +18,13 @@ from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.distill import DistillConfig, DistillDrafter
 from specdraft.train.config import TrainConfig
-from specdraft.train.launch import plain_loading
+from specdraft.train.launch import whole_model_loading
 from specdraft.train.report import loop_prompts, report_after_training
-from specdraft.train.targets import decoding_target, frozen_targets, say_the_loop_loads_it_whole
+from specdraft.train.target_setup import (
+    decoding_target,
+    frozen_targets,
+    warn_the_loop_loads_the_whole_target,
+)
 from specdraft.train.trainer import train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "distill" / "demo.yaml"
@@ -45,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(cfg.seed)  # the student's random init; identical on every process
         drafter = DistillDrafter.build(cfg.drafter, target)
         prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
-        say_the_loop_loads_it_whole(cfg, prompts)
+        warn_the_loop_loads_the_whole_target(cfg, prompts)
     except (ValueError, OSError) as e:  # missing data, bad target, a student of another vocab
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, drafter, target, train_examples, eval_examples, tokenizer=target.tokenizer,
         provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
     )  # fmt: skip
-    with plain_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
+    with whole_model_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
         decoder = decoding_target(cfg, target, result, prompts)
         del target  # a sharded target's memory goes before the measurement
         report_after_training(decoder, result, prompts, cfg)

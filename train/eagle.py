@@ -20,9 +20,13 @@ from specdraft.data.dataset import build_datasets
 from specdraft.data.hidden_cache import CachedTarget, HiddenStateCache
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
 from specdraft.train.config import TrainConfig
-from specdraft.train.launch import plain_loading
+from specdraft.train.launch import whole_model_loading
 from specdraft.train.report import loop_prompts, report_after_training
-from specdraft.train.targets import decoding_target, frozen_targets, say_the_loop_loads_it_whole
+from specdraft.train.target_setup import (
+    decoding_target,
+    frozen_targets,
+    warn_the_loop_loads_the_whole_target,
+)
 from specdraft.train.trainer import train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "eagle" / "demo.yaml"
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             features = CachedTarget(target, cache)
         prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
-        say_the_loop_loads_it_whole(cfg, prompts)
+        warn_the_loop_loads_the_whole_target(cfg, prompts)
     except (ValueError, OSError) as e:  # missing data, bad target, bad layer ids or vocab size
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, head, features, train_examples, eval_examples, tokenizer=target.tokenizer,
         provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
     )  # fmt: skip
-    with plain_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
+    with whole_model_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
         features = None  # a sharded target's or the cache's memory goes before the whole one
         report_after_training(decoding_target(cfg, target, result, prompts), result, prompts, cfg)
     return 0

@@ -51,7 +51,7 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
 
 
 @contextlib.contextmanager
-def plain_loading():
+def whole_model_loading():
     """A context in which from_pretrained loads a whole model, as in a single process, even after
     a ZeRO-3 run: the end of a training script loads the saved checkpoint on the main process
     alone, where ZeRO-3's partitioned loading would wait for the other processes forever.

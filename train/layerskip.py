@@ -20,7 +20,7 @@ from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
 from specdraft.drafters.target import load_target
 from specdraft.train.config import TrainConfig
 from specdraft.train.fine_tuned import exit_agreement, finish_layerskip, heldout_loss
-from specdraft.train.launch import plain_loading
+from specdraft.train.launch import whole_model_loading
 from specdraft.train.report import loop_prompts
 from specdraft.train.trainer import train
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     as_saved = {"dtype": target.saved_dtype, "device": target.device}
     del target, drafter  # the trained model: the saved one is loaded as a user loads it
-    with plain_loading():  # whole, also after a ZeRO-3 run
+    with whole_model_loading():  # whole, also after a ZeRO-3 run
         finish_layerskip(cfg, result, as_saved, held_out, base_loss, before, prompts)
     return 0
 

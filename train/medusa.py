@@ -21,9 +21,13 @@ from specdraft.data.dataset import build_datasets
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.train.config import TrainConfig
 from specdraft.train.fine_tuned import finish_fine_tuning
-from specdraft.train.launch import plain_loading
+from specdraft.train.launch import whole_model_loading
 from specdraft.train.report import loop_prompts, report_after_training
-from specdraft.train.targets import decoding_target, frozen_targets, say_the_loop_loads_it_whole
+from specdraft.train.target_setup import (
+    decoding_target,
+    frozen_targets,
+    warn_the_loop_loads_the_whole_target,
+)
 from specdraft.train.trainer import train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "medusa" / "demo.yaml"
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(cfg.seed)  # identical heads on every process
         heads = build_heads(cfg.drafter, target, train_examples)
         prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
-        say_the_loop_loads_it_whole(cfg, prompts)
+        warn_the_loop_loads_the_whole_target(cfg, prompts)
     except (ValueError, OSError) as e:  # missing data, bad target, bad sizes
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     if heads.peft is not None and result.main_process and not result.stopped_by_signal:
         target = finish_fine_tuning(heads.peft, target, eval_examples, cfg, "Medusa-2", prompts)
-    with plain_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
+    with whole_model_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
         frozen = None  # a sharded target's memory goes before the whole one
         report_after_training(decoding_target(cfg, target, result, prompts), result, prompts, cfg)
     return 0

@@ -98,13 +98,13 @@ def train(
     """
     threads = torch.get_num_threads()  # a CPU run sets its own (cpu_threads); put it back after
     try:
-        run = _Run(cfg, drafter, target, train_examples, eval_examples, tokenizer, provenance)
+        run = _Training(cfg, drafter, target, train_examples, eval_examples, tokenizer, provenance)
         return run.run()
     finally:
         torch.set_num_threads(threads)
 
 
-class _Run:
+class _Training:
     """One call of `train`: the prepared objects and the handful of counters the loop updates."""
 
     def __init__(self, cfg, drafter, target, train_examples, eval_examples, tokenizer, provenance):

@@ -47,7 +47,7 @@ def frozen_targets(
     return target, sharded if sharded is not None else target
 
 
-def say_the_loop_loads_it_whole(cfg: TrainConfig, prompts) -> None:
+def warn_the_loop_loads_the_whole_target(cfg: TrainConfig, prompts) -> None:
     """Before a sharded run: the measurement at its end needs the target whole on one device."""
     if cfg.target_sharding != "none" and prompts:
         print(
