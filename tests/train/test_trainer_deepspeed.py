@@ -8,18 +8,17 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from testkit import ACCELERATE, ROOT, run_script
 
 from specdraft.train.distill import main
 
 pytest.importorskip("deepspeed")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def assert_two_processes_equal_one(tmp_path: Path, checkpoint: str) -> None:
@@ -44,22 +43,18 @@ def test_zero2_run_and_resume_equal_a_plain_run(tiny_target_path, tmp_path):
         "micro_batch_size=4", "mixed_precision=no",  # compared in fp32 on every CPU
     ]  # fmt: skip
     launch = [
-        str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+        ACCELERATE, "launch", "--config_file",
         str(ROOT / "configs" / "accelerate" / "deepspeed_zero2.yaml"), "--num_processes", "1",
         str(ROOT / "train" / "distill.py"), *common, f"output_dir={tmp_path / 'ds'}",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for extra in ([], ["resume_from=latest"]):
-        proc = subprocess.run(
-            launch + extra, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        stderr = run_script(launch + extra)
         if not extra:  # drop the end so the second launch resumes from step 2
             ds = tmp_path / "ds"
             assert (ds / "checkpoint-2" / "optimizer-rank0.pt").exists()  # ZeRO's own state
             for name in ("checkpoint-4", "final"):
                 shutil.rmtree(ds / name)
-    assert "resuming from" in proc.stderr and "checkpoint-2" in proc.stderr
+    assert "resuming from" in stderr and "checkpoint-2" in stderr
 
     assert main([*common, f"output_dir={tmp_path / 'plain'}"]) == 0
     a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("plain", "ds"))
@@ -83,18 +78,13 @@ def test_two_deepspeed_processes_on_cpu_equal_one_plain_process(tiny_target_path
         "grad_accum=2", "warmup_steps=1", "seed=1", "mixed_precision=no",  # fp32 on every CPU
     ]  # fmt: skip
     launch = [
-        str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+        ACCELERATE, "launch", "--config_file",
         str(ROOT / "configs" / "accelerate" / f"deepspeed_{stage}.yaml"), "--num_processes", "2",
         str(ROOT / "train" / "distill.py"), *common, "micro_batch_size=2",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def run(*extra):
-        proc = subprocess.run(
-            [*launch, *extra], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc.stderr
+        return run_script([*launch, *extra])
 
     assert "2 process(es)" in run(f"output_dir={tmp_path / 'ds'}")
     shards = sorted(p.name for p in (tmp_path / "ds" / "checkpoint-2").glob("optimizer-rank*"))
@@ -126,15 +116,12 @@ def test_layerskip_under_zero3_on_two_processes(tiny_target_path, tmp_path):
         "warmup_steps=1", "seed=1", "mixed_precision=no", "drafter.exit_layer=1",
         "drafter.layer_dropout=0.5", "drafter.dropout_scale=uniform",
     ]  # fmt: skip
-    launch = [
-        str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+    run_script([
+        ACCELERATE, "launch", "--config_file",
         str(ROOT / "configs" / "accelerate" / "deepspeed_zero3.yaml"), "--num_processes", "2",
         str(ROOT / "train" / "layerskip.py"), *common, "micro_batch_size=2",
         "eval_loop.num_prompts=2", "eval_loop.max_new_tokens=12", f"output_dir={tmp_path / 'ds'}",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(launch, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    ])  # fmt: skip
     served = json.loads((tmp_path / "ds" / "eval_loop.json").read_text())
     assert served["matches_ar"] is True and served["drafted"] > 0
     assert "exit_agreement" in json.loads((tmp_path / "ds" / "target_quality.json").read_text())
@@ -178,19 +165,16 @@ def test_a_drafter_trains_online_against_a_target_sharded_by_zero3(
     ]  # fmt: skip
     loop = ["eval_loop.num_prompts=2", "eval_loop.max_new_tokens=12"] if decodes else [
         "eval_loop.enabled=false"]  # fmt: skip
-    launch = [
-        str(Path(sys.executable).parent / "accelerate"), "launch", *launcher,
+    stderr = run_script([
+        ACCELERATE, "launch", *launcher,
         "--num_processes", "2", str(ROOT / "train" / f"{kind}.py"), *common, *loop,
         "micro_batch_size=2", "target_sharding=zero3", f"output_dir={tmp_path / 'ds'}",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(launch, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    ])  # fmt: skip
     held = re.findall(r"sharded by ZeRO-3 over 2 process\(es\): this one holds ([\d.]+)M of its "
-                      r"([\d.]+)M", proc.stderr)  # fmt: skip
+                      r"([\d.]+)M", stderr)  # fmt: skip
     assert len(held) == 2 and all(float(h) < 0.6 * float(n) for h, n in held)
     if decodes:
-        assert "set eval_loop.enabled=false" in proc.stderr  # said before training
+        assert "set eval_loop.enabled=false" in stderr  # said before training
         served = json.loads((tmp_path / "ds" / "eval_loop.json").read_text())
         assert served["matches_ar"] is True and served["drafted"] > 0
 
@@ -211,10 +195,7 @@ def test_a_sharded_target_without_a_launcher_is_a_group_of_one(tiny_target_path,
         f"output_dir={tmp_path / 'run'}",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    held = re.findall(
-        r"over 1 process\(es\): this one holds ([\d.]+)M of its ([\d.]+)M", proc.stderr
-    )
+    stderr = run_script(args, cwd=tmp_path, env=env)
+    held = re.findall(r"over 1 process\(es\): this one holds ([\d.]+)M of its ([\d.]+)M", stderr)
     assert len(held) == 1 and held[0][0] == held[0][1]
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()

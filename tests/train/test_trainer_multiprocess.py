@@ -5,22 +5,11 @@ data order depends on the global batch only."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _run(args: list[str], tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
+from testkit import ACCELERATE, ROOT, run_script
 
 MEDUSA = ["drafter.num_heads=2", "drafter.loss=ce", "decode.gamma=2"]
 # case -> (the training script, its settings)
@@ -50,16 +39,14 @@ def test_two_processes_equal_one_with_the_same_global_batch(tiny_target_path, tm
         "data.max_length=32", "warmup_steps=1", "grad_accum=2", "seed=1",
         "mixed_precision=no",  # two equal one in fp32: bf16 rounds 2+2 rows unlike 4, any CPU
     ]  # fmt: skip
-    accelerate = str(Path(sys.executable).parent / "accelerate")
-    _run(
-        [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    run_script(
+        [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
          "--mixed_precision", "no", "--dynamo_backend", "no", *common,
          "micro_batch_size=2", f"output_dir={tmp_path / 'two'}"],
-        tmp_path,
+        cwd=tmp_path,
     )  # fmt: skip
-    _run(
-        [sys.executable, *common, "micro_batch_size=4", f"output_dir={tmp_path / 'one'}"], tmp_path
-    )
+    run_script([sys.executable, *common, "micro_batch_size=4", f"output_dir={tmp_path / 'one'}"],
+               cwd=tmp_path)  # fmt: skip
 
     one, two = (
         json.loads((tmp_path / d / "checkpoint-4" / "trainer_state.json").read_text())
