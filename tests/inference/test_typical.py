@@ -231,7 +231,7 @@ def test_the_joint_check_catches_typical_acceptance(target, monkeypatch):  # noq
 
 def test_the_report_marks_lossy_runs(random_target, heads):
     args = SimpleNamespace(max_new_tokens=12, temperature=0.7, top_p=1.0, top_k=0, gamma=None,
-                           topk=None, seed=0, prompts="test")  # fmt: skip
+                           tree_top_k=None, seed=0, prompts="test")  # fmt: skip
     options = dict(max_new_tokens=12, temperature=0.7, seed=0)
     decoding = DecodeConfig(**TREE)
     runs = [
