@@ -5,8 +5,8 @@ A checkpoint-<step>/ folder is a drafter folder (drafters/checkpoint.py) plus `t
 (the step, the losses and evaluations so far, the global batch and seed the data order depends
 on) and the optimizer state: `optimizer.pt`, or under DeepSpeed ZeRO one `optimizer-rank<r>.pt`
 per process, each written by its own process (none gathers another's part). Weights come back
-through the checkpoint module's one reader; the optimizer files through `torch.load(...,
-weights_only=True)`, so no pickle runs.
+through the checkpoint module's one reader; the optimizer files through torch's loader with
+weights_only set, so no pickle runs.
 """
 
 from __future__ import annotations
