@@ -102,9 +102,6 @@ class Drafter(nn.Module):
     config_class: ClassVar[type | None] = None
     # A display name for messages ("Medusa", "LayerSkip"); the kind itself when empty.
     title: ClassVar[str] = ""
-    # The decoding settings the drafter is served with unless a caller overrides them: saved in
-    # its checkpoint (`decode` section of its training config) and read back by load_drafter.
-    decode: DecodeConfig = DecodeConfig()
     # The fingerprint of the target a loaded drafter was trained against (None: unknown).
     target_fingerprint: dict | None = None
     # Target hidden-state ids the loss needs (the trainer captures them in the target forward).

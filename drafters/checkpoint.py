@@ -74,7 +74,8 @@ def save_drafter(
     extra_files: dict[str, bytes | Path] | None = None,
 ) -> Path:
     """Write `drafter` as a complete checkpoint folder at `folder`, atomically, and return it.
-    `decode`: the decoding defaults saved with it (None: those it was loaded with).
+    `decode`: the decoding defaults saved with it, read back by load_decoding (None:
+    DecodeConfig()'s).
 
         `extra_files` (name -> bytes, or a file on the same file system, moved in) go inside the
         folder before it is marked complete: the trainer puts its resume state there, so a checkpoint
@@ -90,7 +91,7 @@ def save_drafter(
             "kind": drafter.kind,
             "format_version": FORMAT_VERSION,
             "config": dataclasses.asdict(drafter.config),
-            "decode": dataclasses.asdict(decode if decode is not None else drafter.decode),
+            "decode": dataclasses.asdict(decode if decode is not None else DecodeConfig()),
             "target_fingerprint": target_fingerprint,
             "provenance": {"git_commit": git_commit(), **(provenance or {})},
         }
@@ -292,13 +293,15 @@ def load_drafter(
             fix=fix,
         )
     kind = cls.kind
-    config, decode = None, DecodeConfig()
+    config = None
     if meta is not None:
         config_values, decode_values = _split_decode(meta, folder)
         # keys added since the folder was written take the meaning they had then
         config_values = {**cls.legacy_defaults, **config_values}
         config = _config_from_dict(cls.config_class, config_values, folder)
-        decode = _config_from_dict(DecodeConfig, decode_values, folder)
+        # a damaged decode block is refused here too, before a module is built (load_decoding
+        # reads it for whoever decodes)
+        _config_from_dict(DecodeConfig, decode_values, folder)
     if cls.uses_target_weights:
         # the drafter is the target itself (LayerSkip): the fingerprint check above made sure the
         # target is this folder's model, so no second copy is loaded
@@ -321,10 +324,29 @@ def load_drafter(
                 "was written by another version"
             )
     drafter.to(device=device, dtype=dtype).eval()  # drafting, not training: no dropout
-    drafter.decode = decode
     if meta is not None:
         drafter.target_fingerprint = meta.get("target_fingerprint")
     return drafter
+
+
+def load_decoding(path: str | Path) -> DecodeConfig:
+    """The decoding settings the drafter in `path` is served with: the `decode` block its
+    checkpoint saved (set_decode rewrites it after tuning), what an imported format records
+    (speculators' proposal length), else DecodeConfig()'s. Handed to generate, evaluation and
+    tuning as an argument; nothing keeps it on the drafter."""
+    folder = Path(path).expanduser()
+    from specdraft.drafters.export import FORMATS, imported_format  # lazily: it imports this one
+
+    fmt = imported_format(folder)
+    if fmt is not None:
+        decoding = FORMATS[fmt].decoding
+        config = json.loads((folder / CONFIG_NAME).read_text())
+        return decoding(config) if decoding is not None else DecodeConfig()
+    meta, _ = read_metadata(folder)
+    if meta is None:  # a plain HF folder records no decoding settings
+        return DecodeConfig()
+    _, values = _split_decode(meta, folder)
+    return _config_from_dict(DecodeConfig, values, folder)
 
 
 def read_weights(

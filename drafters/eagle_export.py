@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from specdraft.core import DecodeConfig
 from specdraft.drafters.checkpoint import CONFIG_NAME, CheckpointError
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, llama_layer_config
 from specdraft.drafters.export_formats import (
@@ -239,8 +240,11 @@ def layer_config_dict(target: Target) -> dict:
 # --- writers -------------------------------------------------------------------------------------
 
 
-def write_speculators(drafter: EagleDrafter, base_model: str) -> tuple[dict, dict]:
-    """(config.json, the weights) of an EAGLE-3 head in speculators' layout."""
+def write_speculators(
+    drafter: EagleDrafter, base_model: str, decode: DecodeConfig
+) -> tuple[dict, dict]:
+    """(config.json, the weights) of an EAGLE-3 head in speculators' layout, proposing
+    `decode.gamma` tokens."""
     state = reference_state(drafter, "speculators")
     draft_vocab = draft_vocabulary(drafter, state, "speculators")
     target = drafter.target
@@ -258,7 +262,7 @@ def write_speculators(drafter: EagleDrafter, base_model: str) -> tuple[dict, dic
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": drafter.decode.gamma,
+                    "speculative_tokens": decode.gamma,
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }
@@ -273,7 +277,7 @@ def write_speculators(drafter: EagleDrafter, base_model: str) -> tuple[dict, dic
     return config, state
 
 
-def write_sglang(drafter: EagleDrafter, base_model: str) -> tuple[dict, dict]:
+def write_sglang(drafter: EagleDrafter, base_model: str, decode: DecodeConfig) -> tuple[dict, dict]:
     """(config.json, the weights) of an EAGLE-3 head in SGLang's (SpecForge's) layout."""
     state = reference_state(drafter, "sglang")
     draft_vocab = draft_vocabulary(drafter, state, "sglang")
@@ -294,7 +298,7 @@ def write_sglang(drafter: EagleDrafter, base_model: str) -> tuple[dict, dict]:
     return config, state
 
 
-def write_eagle(drafter: EagleDrafter, base_model: str) -> tuple[dict, dict]:
+def write_eagle(drafter: EagleDrafter, base_model: str, decode: DecodeConfig) -> tuple[dict, dict]:
     """(config.json, the weights) of an EAGLE-1 head in SafeAILab/EAGLE's layout."""
     state = reference_state(drafter, "eagle")
     config = layer_config_dict(drafter.target)
@@ -499,10 +503,13 @@ def read_head(
     missing = [k for k in missing if k not in ("d2t", "t2d")]
     if missing or unexpected:  # the checks above make this an internal error
         raise CheckpointError(f"{where_w}: missing {few(missing)}, unexpected {few(unexpected)}")
-    if fmt == "speculators":
-        gamma = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-        drafter.decode = type(drafter.decode)(gamma=gamma)
     return drafter
+
+
+def speculators_decoding(config: dict) -> DecodeConfig:
+    """The decoding settings a speculators config records: its default proposal's length."""
+    methods = config["speculators_config"]["proposal_methods"]
+    return DecodeConfig(gamma=int(methods[0]["speculative_tokens"]))
 
 
 def _head_config(fmt: str, config: dict, target: Target, where: Path) -> EagleConfig:
@@ -625,7 +632,7 @@ def _detect_eagle1(config: dict) -> bool:
     )
 
 
-def _format(fmt: str, help: str, write, detect) -> Format:
+def _format(fmt: str, help: str, write, detect, decoding=None) -> Format:
     """An EAGLE layout's FORMATS entry: its writer, and the shared reader and engine-rule check
     run with its name."""
     return Format(
@@ -636,6 +643,7 @@ def _format(fmt: str, help: str, write, detect) -> Format:
         read=partial(read_head, fmt=fmt),
         validate=lambda folder, vocab: validate_folder(folder, fmt, vocab),
         detect=detect,
+        decoding=decoding,
     )
 
 
@@ -645,6 +653,7 @@ EAGLE_FORMATS: dict[str, Format] = {
         "vllm-project/speculators' Eagle3Speculator config.json + model.safetensors (vLLM)",
         write_speculators,
         lambda c: "speculators_model_type" in c,
+        speculators_decoding,
     ),
     "sglang": _format(
         "sglang",

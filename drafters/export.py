@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from specdraft.core import DecodeConfig
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.checkpoint import (
     CONFIG_NAME,
@@ -157,7 +158,9 @@ MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 MEDUSA_PICKLE = "medusa_lm_head.pt"
 
 
-def write_medusa(drafter: MedusaDrafter, base_model: str) -> tuple[dict, dict[str, torch.Tensor]]:
+def write_medusa(
+    drafter: MedusaDrafter, base_model: str, decode: DecodeConfig
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json, the weights file's tensors) of `drafter` in the medusa layout."""
     weights = head_weights(drafter)
     if weights.d2t is not None:
@@ -220,7 +223,9 @@ def read_medusa(
 VLLM_WEIGHTS = "model.safetensors"
 
 
-def write_vllm(drafter: MedusaDrafter, base_model: str) -> tuple[dict, dict[str, torch.Tensor]]:
+def write_vllm(
+    drafter: MedusaDrafter, base_model: str, decode: DecodeConfig
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json, the weights file's tensors) of `drafter` in vLLM's layout."""
     weights = head_weights(drafter)
     tensors = {}
@@ -350,11 +355,14 @@ def export_drafter(
     fmt: str,
     *,
     base_model_name_or_path: str,
+    decode: DecodeConfig | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write `drafter` as a folder in format `fmt` (a FORMATS key) at `out_dir`, atomically, and
     return it. `base_model_name_or_path` names the target the heads run with, recorded for the
-    engine (for Medusa-2 heads: the fine-tuned target, adapter merged). An existing `out_dir` is
+    engine (for Medusa-2 heads: the fine-tuned target, adapter merged); `decode` the settings it
+    is served with, where the format records them (checkpoint.load_decoding reads a folder's;
+    None: DecodeConfig()'s). An existing `out_dir` is
     replaced only if it is empty or a previous export, or with `overwrite`."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
@@ -367,7 +375,8 @@ def export_drafter(
         )
     out = Path(out_dir).expanduser()
     check_destination(out, overwrite)
-    config, tensors = spec.write(drafter, base_model_name_or_path)
+    decode = decode if decode is not None else DecodeConfig()
+    config, tensors = spec.write(drafter, base_model_name_or_path, decode)
     out.parent.mkdir(parents=True, exist_ok=True)
     _clear_leftovers(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

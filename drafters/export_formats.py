@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from specdraft.core import DecodeConfig
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.checkpoint import CONFIG_NAME, CheckpointError
 from specdraft.drafters.target import Target
@@ -27,8 +28,9 @@ class Format:
     help: str
     kinds: tuple[str, ...]  # the drafter kinds it holds
     weights_file: str  # the one weights file the writer writes
-    # (drafter, base_model_name_or_path) -> (config.json, the weights file's tensors)
-    write: Callable[[Drafter, str], tuple[dict, dict[str, torch.Tensor]]]
+    # (drafter, base_model_name_or_path, the decoding settings it is served with) ->
+    # (config.json, the weights file's tensors)
+    write: Callable[[Drafter, str, DecodeConfig], tuple[dict, dict[str, torch.Tensor]]]
     # (folder, its config.json, target, strict=) -> the drafter, all checked before it is built;
     # strict=False accepts a verifier named otherwise than the target
     read: Callable[..., Drafter]
@@ -40,6 +42,9 @@ class Format:
     # (the written folder, the target's vocabulary size) -> what the engine's loader would refuse
     # there, each a sentence; run before the folder is renamed into place
     validate: Callable[[Path, int], list[str]] | None = None
+    # config.json -> the decoding settings the folder records (speculators' speculative_tokens);
+    # None: the format records none, and a loaded folder decodes with DecodeConfig()'s
+    decoding: Callable[[dict], DecodeConfig] | None = None
 
 
 def count(config: dict, key: str, folder: Path, also: str | None = None) -> int:

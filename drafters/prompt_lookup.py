@@ -47,7 +47,7 @@ class PromptLookupDrafter(Drafter):
         decode: DecodeConfig | None = None,
         generator: torch.Generator | None = None,
     ) -> PromptLookupSession:
-        gamma = (decode or self.decode).gamma
+        gamma = (decode or DecodeConfig()).gamma
         return PromptLookupSession(self.max_ngram, self.min_ngram, gamma)
 
 

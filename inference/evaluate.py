@@ -23,7 +23,12 @@ import torch
 
 from specdraft.config import override
 from specdraft.core import DecodeConfig, eos_ids
-from specdraft.drafters.checkpoint import drafter_class, load_drafter, read_metadata
+from specdraft.drafters.checkpoint import (
+    drafter_class,
+    load_decoding,
+    load_drafter,
+    read_metadata,
+)
 from specdraft.drafters.target import load_target
 from specdraft.inference.measure import Run, loop_decoder, summarize
 from specdraft.precision import resolve_precision, to_dtype
@@ -188,7 +193,7 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
         plain = Run(f"ar[adapter {tuned.fingerprint['adapter']}]", "ar", _ours(target, args, None))
         runs.append(plain)
     drafter = load_drafter(path, target)
-    decode = drafter.decode.replace(gamma=args.gamma, tree_top_k=args.tree_top_k)
+    decode = load_decoding(path).replace(gamma=args.gamma, tree_top_k=args.tree_top_k)
     decode = override(decode, items, source=f"--drafter {spec}")
     name = Path(path).name if Path(path).name not in ("final", "best") else str(path)
     if items:

@@ -74,9 +74,10 @@ def generate(
     temperature 0 is greedy: output equals the target's greedy decoding token for token. Above
     0, output follows the target's distribution after temperature, top-k and top-p exactly,
     except with acceptance="typical" (Medusa only), which is lossy (stats.lossy).
-    decode: how the drafter drafts (specdraft.core.DecodeConfig); None: the drafter's own
-    defaults (saved with a trained drafter; DecodeConfig() otherwise). settings: DecodeConfig keys
-    that override it for this call, e.g. gamma=8, tree_top_k=4, lookup_ngram=2.
+    decode: how the drafter drafts (specdraft.core.DecodeConfig); None: DecodeConfig()'s. The
+    settings a trained drafter was saved or tuned with are `load_decoding(path)`: pass them to
+    decode as it was tuned. settings: DecodeConfig keys that override `decode` for this call,
+    e.g. gamma=8, tree_top_k=4, lookup_ngram=2.
     """
     seq_ids = _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k)
     sampling = SamplingSettings(temperature=float(temperature), top_k=int(top_k), top_p=top_p)
@@ -253,7 +254,7 @@ def _start_session(target, drafter, sampling, generator, decode, settings):
         target.fingerprint,
         f"this {drafter.kind} drafter",
     )
-    decode = (decode if decode is not None else drafter.decode).replace(**settings)
+    decode = (decode if decode is not None else DecodeConfig()).replace(**settings)
     drafter.check_decode(decode)  # another kind's setting, or one out of this drafter's range
     for message in drafter.ignored_settings(decode):
         warn_once(message)

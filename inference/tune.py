@@ -150,13 +150,15 @@ def search_decode(
     space: Mapping[str, Sequence],
     *,
     max_new_tokens: int,
+    start: DecodeConfig | None = None,
     require_equal: bool = True,
     passes: int = 2,
     log: Callable[[str], None] | None = None,
     **options,
 ) -> tuple[DecodeConfig, list[dict]]:
     """The drafter's decoding settings after a search over `space` (DecodeConfig key -> values,
-    searched in SEARCH_ORDER, starting from drafter.decode), and one row per candidate measured:
+    searched in SEARCH_ORDER, starting from `start`: the settings it is served with now,
+    checkpoint.load_decoding's; None: DecodeConfig()'s), and one row per candidate measured:
     {"pass", "round": key, key: value, "tokens_per_s", "speedup" (vs plain decoding in the same
     round), "tau", "matches_plain" (None when sampling), "kept"}.
 
@@ -168,7 +170,7 @@ def search_decode(
     if passes < 1:
         raise ValueError(f"passes must be at least 1; got {passes}")
     greedy = options.get("temperature", 0.0) == 0
-    best, rows = drafter.decode, []
+    best, rows = (start if start is not None else DecodeConfig()), []
     if "exit_layer" in space:  # 0 means the trained exit: name it, so it is raced once
         best = best.replace(exit_layer=drafter.draft_exit(best))
     defaults = DecodeConfig()

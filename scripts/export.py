@@ -24,7 +24,12 @@ from pathlib import Path
 
 import yaml
 
-from specdraft.drafters.checkpoint import CheckpointError, load_drafter, read_metadata
+from specdraft.drafters.checkpoint import (
+    CheckpointError,
+    load_decoding,
+    load_drafter,
+    read_metadata,
+)
 from specdraft.drafters.export import FORMATS, ExportError, check_destination, export_drafter
 from specdraft.drafters.target import TargetError, load_target
 
@@ -50,9 +55,11 @@ def export(args: argparse.Namespace) -> Path:
     target = load_target(args.target or target_of(folder), dtype=args.dtype)
     drafter = load_drafter(folder, target)
     base_model = args.base_model or target.model.config._name_or_path
+    decode = load_decoding(folder)  # the settings it was tuned to, where the format records them
     return export_drafter(
-        drafter, out, args.format, base_model_name_or_path=base_model, overwrite=args.force
-    )
+        drafter, out, args.format, base_model_name_or_path=base_model, decode=decode,
+        overwrite=args.force,
+    )  # fmt: skip
 
 
 def target_of(folder: Path) -> str:

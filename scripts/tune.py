@@ -24,7 +24,13 @@ from pathlib import Path
 
 import yaml
 
-from specdraft.drafters.checkpoint import drafter_class, load_drafter, read_metadata, set_decode
+from specdraft.drafters.checkpoint import (
+    drafter_class,
+    load_decoding,
+    load_drafter,
+    read_metadata,
+    set_decode,
+)
 from specdraft.drafters.target import load_target
 from specdraft.inference.evaluate import dtype_name, fine_tuned_target
 from specdraft.inference.measure import load_prompts
@@ -52,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sampling = {"temperature": args.temperature, "seed": args.seed}
     say = lambda m: print(f"[tune] {m}", file=sys.stderr)  # noqa: E731
-    saved = drafter.decode
+    saved = load_decoding(args.folder)
     best, rows = search_decode(
-        target, drafter, prompts, space, max_new_tokens=args.max_new_tokens,
+        target, drafter, prompts, space, max_new_tokens=args.max_new_tokens, start=saved,
         require_equal=not args.allow_mismatch, passes=args.passes, log=say, **sampling,
     )  # fmt: skip
     if (

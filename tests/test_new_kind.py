@@ -20,7 +20,7 @@ from torch import nn
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings, draft_chain
 from specdraft.data.formats import Example
 from specdraft.drafters.base import Drafter, DraftSession, Metrics, sum_and_count
-from specdraft.drafters.checkpoint import load_drafter
+from specdraft.drafters.checkpoint import load_decoding, load_drafter
 from specdraft.inference.generate import generate
 from specdraft.inference.measure import load_prompts
 from specdraft.scripts import evaluate
@@ -121,11 +121,12 @@ def test_the_new_kind_trains_saves_loads_and_decodes_exactly(trained, tiny_targe
     assert result.step == 2 and result.losses[1] < result.losses[0]
     assert result.evals[-1]["tau_greedy"] > 1.0  # the trainer's evaluation used its hooks
     drafter = load_drafter(out / "final", tiny_target)
-    assert isinstance(drafter, BigramDrafter) and drafter.decode == DecodeConfig(gamma=3)
+    decode = load_decoding(out / "final")  # the settings it was trained to be served with
+    assert isinstance(drafter, BigramDrafter) and decode == DecodeConfig(gamma=3)
     drafted = accepted = 0
     for ids in prompts:
         plain = generate(tiny_target, ids, None, max_new_tokens=24).tokens
-        ours = generate(tiny_target, ids, drafter, max_new_tokens=24)
+        ours = generate(tiny_target, ids, drafter, max_new_tokens=24, decode=decode)
         assert ours.tokens.tolist() == plain.tolist()
         drafted, accepted = drafted + ours.stats.drafted, accepted + ours.stats.accepted
     assert drafted > 0 and accepted > 0

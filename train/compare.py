@@ -29,8 +29,13 @@ import torch
 from safetensors import safe_open
 
 from specdraft.config import load_config
-from specdraft.core import DecodeConfig
-from specdraft.drafters.checkpoint import WEIGHTS_NAME, load_drafter, read_metadata, set_decode
+from specdraft.drafters.checkpoint import (
+    WEIGHTS_NAME,
+    load_decoding,
+    load_drafter,
+    read_metadata,
+    set_decode,
+)
 from specdraft.drafters.medusa import expected_length, tree_paths
 from specdraft.drafters.target import load_target, target_path
 from specdraft.inference.evaluate import build_runs, fine_tuned_target, make_report
@@ -148,9 +153,9 @@ def tune_family(found: Family, target, prompts, max_new_tokens: int, log=None) -
     drafter = load_drafter(found.folder, decoder)
     space = default_space(drafter, decoder)
     space.pop("tree_top_k"), space.pop("tree_budget")
-    before = drafter.decode
+    before = load_decoding(found.folder)
     best, _ = search_decode(
-        decoder, drafter, prompts, space, max_new_tokens=max_new_tokens, log=log
+        decoder, drafter, prompts, space, max_new_tokens=max_new_tokens, start=before, log=log
     )
     set_decode(found.folder, best, {"by": "scripts/compare.py", "prompts": len(prompts)})
     old, new = dataclasses.asdict(before), dataclasses.asdict(best)
@@ -178,7 +183,7 @@ def measure_all(
            "baselines": ",".join(["ar", "prompt_lookup", *hf])},
     )  # fmt: skip
     runs = build_runs(run_args, target)
-    copying = [f for f in folders if load_drafter_decode(f).lookup_ngram > 0]
+    copying = [f for f in folders if load_decoding(f).lookup_ngram > 0]
     if temperature == 0 and copying:
         alone = [f"{f}{ALONE}" for f in copying]
         names = {r.name for r in runs}  # the plain decodings already there
@@ -188,12 +193,6 @@ def measure_all(
         runs += [r for r in extra if r.name not in names]
     measure(runs, prompts, target, log=lambda m: print(f"[compare] {m}", file=sys.stderr))
     return make_report(run_args, [target], runs), runs
-
-
-def load_drafter_decode(folder: Path) -> DecodeConfig:
-    """The decoding defaults saved in a drafter folder."""
-    meta, _ = read_metadata(folder)
-    return DecodeConfig(**(meta or {}).get("decode", {}))
 
 
 def served_simulated_tau(found: Family, decode: dict) -> float | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.drafters.checkpoint import load_drafter, set_decode
+from specdraft.drafters.checkpoint import load_decoding, load_drafter, set_decode
 from specdraft.drafters.target import load_target
 from specdraft.inference.measure import load_prompts, measure_vs_plain, usable_cores
 from specdraft.inference.tune import default_space, search_decode
@@ -65,7 +65,7 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
         torch.set_num_threads(cfg.eval_loop.threads or usable_cores())
     try:
         drafter = load_drafter(final, target)
-        decode, tuning = drafter.decode, None
+        decode, tuning = load_decoding(final), None
         space = {key: default_space(drafter, target)[key] for key in cfg.eval_loop.tune}
         if cfg.eval_loop.tune_budgets:
             space["tree_budget"] = cfg.eval_loop.tune_budgets
@@ -73,7 +73,8 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
             # the best settings depend on the hardware as much as on the drafter
             decode, tuning = search_decode(
                 target, drafter, prompts[: cfg.eval_loop.tune_prompts], space,
-                max_new_tokens=cfg.eval_loop.max_new_tokens, passes=cfg.eval_loop.tune_passes,
+                max_new_tokens=cfg.eval_loop.max_new_tokens, start=decode,
+                passes=cfg.eval_loop.tune_passes,
                 temperature=cfg.eval_loop.temperature, seed=cfg.seed,
             )  # fmt: skip
             best = final.parent / "best"

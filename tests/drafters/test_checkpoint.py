@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from specdraft.core import DecodeConfig
 from specdraft.drafters import checkpoint
 from specdraft.drafters.base import Drafter
-from specdraft.drafters.checkpoint import CheckpointError, load_drafter, save_drafter
+from specdraft.drafters.checkpoint import CheckpointError, load_decoding, load_drafter, save_drafter
 from specdraft.drafters.distill import DistillConfig, DistillDrafter
 from specdraft.drafters.target import Target
 
@@ -145,7 +145,7 @@ def test_decoding_defaults_round_trip_and_a_format_1_folder_is_refused_by_name(
     folder = save_drafter(
         drafter, tmp_path / "d", target_fingerprint=tiny_target.fingerprint, decode=decode
     )
-    assert load_drafter(folder, tiny_target).decode == decode
+    assert load_decoding(folder) == decode
 
     config = json.loads((folder / "config.json").read_text())
     block = config["specdraft"]

@@ -212,7 +212,7 @@ def test_contract_violations_are_clear_errors(tiny_target, trained_head):
 
 def test_decoding_settings_shape_the_tree(tiny_target, trained_head, monkeypatch):
     """generate(gamma=, tree_top_k=) shape an EAGLE tree as they would any drafter's; without
-    them the head's saved defaults decide; output stays exact."""
+    them decode= decides; output stays exact."""
     trees = []
     propose = EagleSession.propose
     monkeypatch.setattr(EagleSession, "propose", lambda s, ctx: trees.append(propose(s, ctx)) or trees[-1])  # fmt: skip
@@ -229,9 +229,9 @@ def test_decoding_settings_shape_the_tree(tiny_target, trained_head, monkeypatch
         assert max(t.depth for t in drafted) == gamma
         assert all(t.depths.count(1) == topk for t in drafted)  # children of the root
         assert all(t.is_chain for t in drafted) == (topk == 1)
-    monkeypatch.setattr(trained_head, "decode", DecodeConfig(gamma=3, tree_top_k=2))
     trees.clear()
-    out = generate(tiny_target, prompt, trained_head, max_new_tokens=16)
+    decode = DecodeConfig(gamma=3, tree_top_k=2)
+    out = generate(tiny_target, prompt, trained_head, max_new_tokens=16, decode=decode)
     drafted = [t for t in trees if len(t)]
     assert max(t.depth for t in drafted) == 3 and not all(t.is_chain for t in drafted)
     with pytest.raises(ValueError, match="unknown decoding setting"):

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from spec_helpers import make_target, tiny_llama
 from testkit import perturb
 
-from specdraft.core import float_mask
+from specdraft.core import DecodeConfig, float_mask
 from specdraft.drafters.checkpoint import CheckpointError, load_drafter
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.eagle_export import validate_folder
@@ -100,7 +100,7 @@ def test_speculators_layout_is_what_vllm_loads(target, draft_vocab, tmp_path):
     assert layer["vocab_size"] == V and layer["hidden_size"] == H
     spec = config["speculators_config"]
     assert spec["algorithm"] == "eagle3"
-    assert spec["proposal_methods"][0]["speculative_tokens"] == head.decode.gamma
+    assert spec["proposal_methods"][0]["speculative_tokens"] == DecodeConfig().gamma
     assert spec["verifier"] == {"name_or_path": BASE, "architectures": ["LlamaForCausalLM"]}
     assert validate_folder(out, "speculators", V) == []
 

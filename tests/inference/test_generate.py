@@ -218,13 +218,13 @@ FALSE_ALARM = 1e-3  # the chance that a correct sampler fails one test
 @pytest.fixture(scope="module")
 def small_vocab():
     """A random target over 6 tokens and two drafts: a noisy copy and an unrelated model."""
-    from specdraft.core import DecodeConfig
-
     target = make_target(tiny_llama(V, seed=3, hidden=16, layers=1, init=0.5))
     noisy = perturbed(target.model, 0.3, seed=4)
-    int8 = DistillDrafter(noisy)
-    int8.decode = DecodeConfig(draft_weights="int8")  # as saved: lean chains, int8 weights
-    return target, {"noisy": noisy, "other": tiny_llama(V, 5, 16, 1), "noisy-int8": int8}
+    return target, {"noisy": noisy, "other": tiny_llama(V, 5, 16, 1), "noisy-int8": noisy}
+
+
+# Decoding settings a draft of small_vocab is run with beside those a test passes.
+SETTINGS = {"noisy-int8": {"draft_weights": "int8"}}  # lean chains, int8 weights
 
 
 def exact_joint(target, prompt, temperature, top_p, top_k) -> torch.Tensor:
@@ -275,6 +275,7 @@ def test_sampled_output_follows_the_target(small_vocab, draft, topk, top_p, top_
             gamma=2,
             tree_top_k=topk,
             lookup_ngram=lookup,
+            **SETTINGS.get(draft, {}),
         )
         y1, y2 = out.tokens[0, :2].tolist()
         counts[y1, y2] += 1

@@ -15,7 +15,7 @@ from spec_helpers import MEDUSA_PROMPTS, fitted_medusa_heads
 from testkit import perturb
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, TargetOutput
-from specdraft.drafters.checkpoint import load_drafter, save_drafter
+from specdraft.drafters.checkpoint import load_decoding, load_drafter, save_drafter
 from specdraft.drafters.medusa import (
     MedusaConfig,
     MedusaDrafter,
@@ -171,10 +171,11 @@ def test_checkpoint_round_trip_keeps_weights_accuracy_and_decoding(random_target
     heads = noisy_heads(random_target, num_heads=3, num_layers=2)
     batch, out = batch_and_target_out(random_target)
     heads.finish_evaluation(heads.eval_statistics(batch, out))
-    heads.decode = DecodeConfig(gamma=3, tree_top_k=3, tree_budget=7)
-    save_drafter(heads, tmp_path / "heads", target_fingerprint=random_target.fingerprint)
+    decode = DecodeConfig(gamma=3, tree_top_k=3, tree_budget=7)
+    fingerprint = random_target.fingerprint
+    save_drafter(heads, tmp_path / "heads", target_fingerprint=fingerprint, decode=decode)
     loaded = load_drafter(tmp_path / "heads", random_target)
-    assert isinstance(loaded, MedusaDrafter) and loaded.decode == heads.decode
+    assert isinstance(loaded, MedusaDrafter) and load_decoding(tmp_path / "heads") == decode
     for (k, a), (k2, b) in zip(
         heads.state_dict().items(), loaded.state_dict().items(), strict=True
     ):

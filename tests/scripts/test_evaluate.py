@@ -145,9 +145,9 @@ def test_one_drafter_under_several_decoding_settings(tiny_target, tiny_target_pa
 
     torch.manual_seed(0)
     head = EagleDrafter.build(EagleConfig(), tiny_target)
-    head.decode = DecodeConfig(gamma=3)
     folder = tmp_path / "head"
-    save_drafter(head, folder, target_fingerprint=tiny_target.fingerprint)
+    fingerprint = tiny_target.fingerprint
+    save_drafter(head, folder, target_fingerprint=fingerprint, decode=DecodeConfig(gamma=3))
     out = tmp_path / "eval"
     specs = [str(folder), f"{folder}:draft_weights=int8,stop_below=0.01,gamma=4",
              f"{folder}:tree_top_k=2,tree_budget=5", f"{folder}:lookup_ngram=1,stop_below=0"]  # fmt: skip
@@ -204,7 +204,6 @@ def test_a_drafters_own_settings_shape_its_drafts(tiny_target, tiny_target_path,
 
     torch.manual_seed(0)
     head = EagleDrafter.build(EagleConfig(ttt_steps=2), tiny_target)
-    head.decode = DecodeConfig(gamma=4, tree_top_k=1)  # the saved decoding defaults
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     for _ in range(30):  # on the target's own predictions, until the head gets drafts accepted
         ids = torch.randint(3, tiny_target.vocab_size, (8, 24))
@@ -215,7 +214,8 @@ def test_a_drafters_own_settings_shape_its_drafts(tiny_target, tiny_target_path,
         loss.backward()
         optimizer.step()
     folder = tmp_path / "head"
-    save_drafter(head.eval(), folder, target_fingerprint=tiny_target.fingerprint)
+    saved = DecodeConfig(gamma=4, tree_top_k=1)  # the saved decoding defaults
+    save_drafter(head.eval(), folder, target_fingerprint=tiny_target.fingerprint, decode=saved)
     out = tmp_path / "eval"
     specs = [str(folder), f"{folder}:gamma=2", f"{folder}:tree_top_k=3,tree_budget=9"]
     evaluate.main(

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from specdraft.core import DecodeConfig
-from specdraft.drafters.checkpoint import load_drafter
-from specdraft.drafters.target import load_target
+from specdraft.drafters.checkpoint import load_decoding
 from specdraft.inference import tune
 from specdraft.inference.metrics import Stats
 from specdraft.scripts.tune import main
@@ -69,8 +68,7 @@ def test_tune_saves_the_fastest_settings_with_equal_output(layerskip_folder, tmp
     assert measured["dtype"] == "float32" and "thread" in measured["hardware"]
     assert measured["before"]["decode"]["gamma"] == 4  # the hand-picked settings, raced again
     assert measured["speedup"] > 0 and measured["tau"] >= 1
-    target = load_target(str(layerskip_folder))
-    assert load_drafter(layerskip_folder, target).decode == DecodeConfig(**result["decode"])
+    assert load_decoding(layerskip_folder) == DecodeConfig(**result["decode"])
     assert "now decodes with these settings" in capsys.readouterr().out
 
 
@@ -118,26 +116,38 @@ def test_a_faster_setting_that_changes_greedy_output_is_not_kept(monkeypatch):
         return trials
 
     class Drafter:
-        decode = DecodeConfig(gamma=1)
-
         def ignored_settings(self, decode):
             return []
 
     monkeypatch.setattr(tune, "race", fake_race)
     best, rows = tune.search_decode(
-        None, Drafter(), [], {"gamma": [2, 3]}, max_new_tokens=4, temperature=0.0
+        None,
+        Drafter(),
+        [],
+        {"gamma": [2, 3]},
+        max_new_tokens=4,
+        start=DecodeConfig(gamma=1),
+        temperature=0.0,
     )
     assert best.gamma == 2 and [r["matches_plain"] for r in rows] == [True, True, False]
     best, _ = tune.search_decode(
-        None, Drafter(), [], {"gamma": [2, 3]}, max_new_tokens=4, require_equal=False
+        None,
+        Drafter(),
+        [],
+        {"gamma": [2, 3]},
+        max_new_tokens=4,
+        start=DecodeConfig(gamma=1),
+        require_equal=False,
     )
     assert best.gamma == 3
 
 
+# The settings the fake races below start from.
+_START = DecodeConfig(gamma=4, exit_layer=2)
+
+
 class _Chains:
     """A chain drafter whose decode settings the fake races below price."""
-
-    decode = DecodeConfig(gamma=4, exit_layer=2)
 
     def ignored_settings(self, decode):
         return []
@@ -163,27 +173,33 @@ def test_a_second_pass_finds_settings_that_only_pay_together(monkeypatch):
     table = {(1, 4): 0.9, (2, 4): 0.8, (1, 2): 0.5, (2, 2): 0.7, (1, 1): 0.6, (2, 1): 0.75}
     monkeypatch.setattr(tune, "race", _priced_race(lambda d: table[d.exit_layer, d.gamma]))
     space = {"exit_layer": [1, 2], "gamma": [1, 2, 4]}
-    one, _ = tune.search_decode(None, _Chains(), [], space, max_new_tokens=4, passes=1)
+    one, _ = tune.search_decode(
+        None, _Chains(), [], space, max_new_tokens=4, start=_START, passes=1
+    )
     assert (one.exit_layer, one.gamma) == (2, 2)
-    best, rows = tune.search_decode(None, _Chains(), [], space, max_new_tokens=4)
+    best, rows = tune.search_decode(None, _Chains(), [], space, max_new_tokens=4, start=_START)
     assert (best.exit_layer, best.gamma) == (1, 2)
     kept = [(r["pass"], r["round"]) for r in rows if r["kept"]]
     assert kept == [(1, "exit_layer"), (1, "gamma"), (2, "exit_layer"), (2, "gamma")]
     with pytest.raises(ValueError, match="passes must be at least 1"):
-        tune.search_decode(None, _Chains(), [], space, max_new_tokens=4, passes=0)
+        tune.search_decode(None, _Chains(), [], space, max_new_tokens=4, start=_START, passes=0)
 
 
 def test_a_setting_is_raced_again_only_where_another_changed(monkeypatch):
     monkeypatch.setattr(tune, "race", _priced_race(lambda d: d.gamma + d.exit_layer))
     space = {"exit_layer": [1, 2], "gamma": [4, 6]}
     drafter = _Chains()
-    drafter.decode = DecodeConfig(gamma=4, exit_layer=1)  # already the cheapest
-    best, rows = tune.search_decode(None, drafter, [], space, max_new_tokens=4, passes=3)
-    assert best == drafter.decode and {r["pass"] for r in rows} == {1}
+    start = DecodeConfig(gamma=4, exit_layer=1)  # already the cheapest
+    best, rows = tune.search_decode(
+        None, drafter, [], space, max_new_tokens=4, start=start, passes=3
+    )
+    assert best == start and {r["pass"] for r in rows} == {1}
     # gamma moves in pass 1, so pass 2 races the exit again at the new gamma; gamma itself is
     # not raced again (the exit stayed), and pass 3 has nothing left to race
-    drafter.decode = DecodeConfig(gamma=6, exit_layer=1)
-    best, rows = tune.search_decode(None, drafter, [], space, max_new_tokens=4, passes=3)
+    start = DecodeConfig(gamma=6, exit_layer=1)
+    best, rows = tune.search_decode(
+        None, drafter, [], space, max_new_tokens=4, start=start, passes=3
+    )
     assert (best.exit_layer, best.gamma) == (1, 4)
     rounds = [(r["pass"], r["round"]) for r in rows]
     assert rounds == [(1, "exit_layer")] * 2 + [(1, "gamma")] * 2 + [(2, "exit_layer")] * 2
@@ -194,14 +210,13 @@ def test_a_setting_reset_by_another_rounds_winner_is_not_raced_again(monkeypatch
     own outcome, not a change under it, so neither round runs again."""
 
     class Trees:
-        decode = DecodeConfig(tree_top_k=1, stop_below=0.2)
-
         def ignored_settings(self, decode):
             return ["stop_below ends chains"] if not decode.chain and decode.stop_below else []
 
     monkeypatch.setattr(tune, "race", _priced_race(lambda d: 0.5 if d.tree_top_k == 2 else 1.0))
     space = {"tree_top_k": [1, 2], "stop_below": [0.0, 0.2]}
-    best, rows = tune.search_decode(None, Trees(), [], space, max_new_tokens=4)
+    start = DecodeConfig(tree_top_k=1, stop_below=0.2)
+    best, rows = tune.search_decode(None, Trees(), [], space, max_new_tokens=4, start=start)
     assert (best.tree_top_k, best.stop_below) == (2, 0.0)
     assert {r["pass"] for r in rows} == {1}
 
@@ -232,13 +247,13 @@ def test_a_tree_is_raced_with_the_chain_only_settings_reset():
     """A chain with stop_below set still gets its tree candidates: racing tree_top_k > 1 drops
     stop_below (which trees ignore) rather than skipping the tree."""
 
-    class Drafter:
-        decode = DecodeConfig(gamma=4, stop_below=0.3)
+    start = DecodeConfig(gamma=4, stop_below=0.3)
 
+    class Drafter:
         def ignored_settings(self, decode):
             return ["stop_below"] if decode.tree_top_k > 1 and decode.stop_below > 0 else []
 
-    fit = tune._fit(Drafter(), Drafter.decode.replace(tree_top_k=4), "tree_top_k", Drafter.decode)
+    fit = tune._fit(Drafter(), start.replace(tree_top_k=4), "tree_top_k", start)
     assert fit == DecodeConfig(gamma=4, tree_top_k=4, stop_below=0.0)
 
     # a value the drafter can never honour stays out
@@ -246,10 +261,7 @@ def test_a_tree_is_raced_with_the_chain_only_settings_reset():
         def ignored_settings(self, decode):
             return ["trees"] if decode.tree_top_k > 1 else []
 
-    assert (
-        tune._fit(Chains(), Drafter.decode.replace(tree_top_k=4), "tree_top_k", Drafter.decode)
-        is None
-    )
+    assert tune._fit(Chains(), start.replace(tree_top_k=4), "tree_top_k", start) is None
 
 
 def test_copy_length_is_raced_only_while_copying(monkeypatch):
@@ -257,10 +269,7 @@ def test_copy_length_is_raced_only_while_copying(monkeypatch):
     race it there, and a round that turns copying off drops it with the copying."""
     from specdraft.drafters.base import Drafter
 
-    class Copying(Drafter):
-        decode = DecodeConfig(gamma=2, lookup_ngram=3)
-
-    drafter = Copying()
+    drafter, start = Drafter(), DecodeConfig(gamma=2, lookup_ngram=3)
     assert drafter.ignored_settings(DecodeConfig(lookup_gamma=8)) == [
         "lookup_gamma=8 is ignored without copying: it caps copied drafts, and lookup_ngram=0 "
         "copies nothing (set lookup_ngram, e.g. 3)"
@@ -274,13 +283,13 @@ def test_copy_length_is_raced_only_while_copying(monkeypatch):
     price = lambda d: 0.5 if d.lookup_ngram and d.lookup_gamma == 8 else 1.0  # noqa: E731
     monkeypatch.setattr(tune, "race", _priced_race(price))
     space = {"lookup_ngram": [0, 3], "lookup_gamma": [0, 8, 16]}
-    best, rows = tune.search_decode(None, drafter, [], space, max_new_tokens=4)
+    best, rows = tune.search_decode(None, drafter, [], space, max_new_tokens=4, start=start)
     assert best == long
     # copies of 2 spelled as 0 or as gamma decode alike: raced once
     raced = [(r["round"], r["lookup_gamma"]) for r in rows if r["round"] == "lookup_gamma"]
     assert sorted(raced) == [("lookup_gamma", 0), ("lookup_gamma", 8), ("lookup_gamma", 16)]
     space["lookup_gamma"] = [0, 2, 8]
-    _, rows = tune.search_decode(None, drafter, [], space, max_new_tokens=4)
+    _, rows = tune.search_decode(None, drafter, [], space, max_new_tokens=4, start=start)
     assert sorted(r["lookup_gamma"] for r in rows if r["round"] == "lookup_gamma") == [0, 8]
 
 
@@ -291,7 +300,7 @@ def test_copying_that_pays_only_in_long_copies_is_found(monkeypatch):
     from specdraft.drafters.base import Drafter
 
     class Copying(Drafter):
-        decode = DecodeConfig(gamma=2)
+        pass
 
     def price(d):
         if not d.lookup_ngram:
@@ -300,7 +309,8 @@ def test_copying_that_pays_only_in_long_copies_is_found(monkeypatch):
 
     monkeypatch.setattr(tune, "race", _priced_race(price))
     space = {"lookup_ngram": [0, 3], "lookup_gamma": [0, 8]}
-    best, rows = tune.search_decode(None, Copying(), [], space, max_new_tokens=4)
+    start = DecodeConfig(gamma=2)
+    best, rows = tune.search_decode(None, Copying(), [], space, max_new_tokens=4, start=start)
     assert (best.lookup_ngram, best.lookup_gamma) == (3, 8)
     first = [r for r in rows if r["round"] == "lookup_ngram"]
     assert sorted((r["lookup_ngram"], r["lookup_gamma"]) for r in first) == [(0, 0), (3, 0), (3, 8)]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdraft.config import load_config
-from specdraft.drafters.checkpoint import load_drafter
+from specdraft.drafters.checkpoint import load_decoding, load_drafter
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.inference import generate
 from specdraft.scripts import export
@@ -53,7 +53,9 @@ def test_training_lowers_the_loss_and_final_loads(tiny_target, tiny_target_path,
     assert served["torch_threads"] == 1  # as asked, and stated beside the speedup
     # the trained head goes to the serving engines' layouts and comes back the same head
     prompt = tiny_target.tokenizer("def add(a, b):")["input_ids"]
-    ours = generate(tiny_target, prompt, head, max_new_tokens=16, decode=head.decode)
+    decode = load_decoding(out / "final")
+    assert decode.gamma == 3  # decode.gamma=3, saved with the head
+    ours = generate(tiny_target, prompt, head, max_new_tokens=16, decode=decode)
     if version == "eagle3":
         # the tiny target has 2 layers: its head fuses layer 1 thrice, which no engine can
         # capture (tests/scripts/test_export.py exports EAGLE-3 heads of a deeper target)
@@ -62,7 +64,7 @@ def test_training_lowers_the_loss_and_final_loads(tiny_target, tiny_target_path,
     for fmt in ["eagle"]:
         assert export.main(["--format", fmt, str(out / "final"), str(tmp_path / fmt)]) == 0
         back = load_drafter(tmp_path / fmt, tiny_target)
-        theirs = generate(tiny_target, prompt, back, max_new_tokens=16, decode=head.decode)
+        theirs = generate(tiny_target, prompt, back, max_new_tokens=16, decode=decode)
         assert torch.equal(theirs.tokens, ours.tokens) and theirs.stats.drafted > 0
         assert theirs.stats.accepted == ours.stats.accepted
 

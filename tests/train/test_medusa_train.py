@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from specdraft.config import load_config
-from specdraft.drafters.checkpoint import CheckpointError, load_drafter
+from specdraft.drafters.checkpoint import CheckpointError, load_decoding, load_drafter
 from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.drafters.target import TargetError, load_target
 from specdraft.inference import generate
@@ -65,7 +65,7 @@ def test_training_lowers_the_loss_and_final_drafts_a_measured_tree(
             "tree_budget"
         ]
     )
-    assert heads.decode.tree_budget == served["decode"]["tree_budget"] == fastest
+    assert load_decoding(out / "final").tree_budget == served["decode"]["tree_budget"] == fastest
     assert served["num_prompts"] == 2 and served["drafted"] > 0
     assert served["matches_ar"] is True  # greedy: the same tokens as plain greedy decoding
 
