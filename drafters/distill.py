@@ -463,7 +463,10 @@ class DistillSession(DraftSession):
         self.generator = generator
         self.gamma = decode.gamma
         self.max_gamma = max(DYNAMIC_GAMMA_CEILING, decode.gamma)
-        self.cache = DynamicCache(config=model.config)
+        # every layer keeps every key, so a rejected draft crops away whatever the layer type;
+        # a sliding student drafts its tree levels without its window (a draft: the target's
+        # verification keeps the output exact either way)
+        self.cache = DynamicCache()
         self.cached = 0
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self._base = 0  # context length at the last proposal

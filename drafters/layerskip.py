@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdraft.attention import FULL, SLIDING, AttentionLayout, causal_masks
 from specdraft.core import (
     DecodeConfig,
     DraftContext,
@@ -39,7 +41,6 @@ from specdraft.core import (
     SamplingSettings,
     TargetOutput,
     draft_chain,
-    float_mask,
 )
 from specdraft.drafters.base import (
     Drafter,
@@ -50,7 +51,13 @@ from specdraft.drafters.base import (
     sum_and_count,
 )
 from specdraft.drafters.distill import simulated_alpha
-from specdraft.drafters.target import ADAPTER_ATTRIBUTE, TargetError, llama_parts
+from specdraft.drafters.target import (
+    ADAPTER_ATTRIBUTE,
+    TargetError,
+    final_logits,
+    layer_rotary,
+    llama_parts,
+)
 
 # scale(x), x = l / (L - 1) in [0, 1]: how layer dropout grows with depth (p_max at the top for
 # all but uniform; exp is the paper's choice for continual pre-training)
@@ -197,14 +204,16 @@ def run_layers(
     layers,
     hidden: torch.Tensor,
     *,
-    mask: torch.Tensor | None,
+    mask: Callable[[int], torch.Tensor | None],
     positions: torch.Tensor,
-    rotary: tuple[torch.Tensor, torch.Tensor],
+    rotary: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     cache=None,
     skip: Mapping[int, torch.Tensor] | None = None,
     keep: set[int] = frozenset(),
 ) -> dict[int, torch.Tensor]:
-    """Run `layers` (an (index, layer) sequence) over hidden (batch, seq, H).
+    """Run `layers` (an (index, layer) sequence) over hidden (batch, seq, H), layer i seeing
+    the attention mask `mask(i)` and the rotary table `rotary(i)` (its own layer type's:
+    sliding-window layers their window, Gemma-3's local layers their rope).
 
     skip: per layer index, a (batch,) bool of the samples that skip it: they do not run it (the
     others run as a sub-batch). Returns the hidden state after each layer index in `keep`, and
@@ -213,22 +222,25 @@ def run_layers(
     out: dict[int, torch.Tensor] = {}
     for index, layer in layers:
         skipped = None if skip is None else skip.get(index)
+        layer_mask, table = mask(index), rotary(index)
         if skipped is None or not bool(skipped.any()):
             hidden = layer(
-                hidden, attention_mask=mask, position_ids=positions, cache=cache,
-                use_cache=cache is not None, position_embeddings=rotary,
+                hidden, attention_mask=layer_mask, position_ids=positions, cache=cache,
+                use_cache=cache is not None, position_embeddings=table,
             )  # fmt: skip
         elif not bool(skipped.all()):  # the rows that run it, as a sub-batch
             run = (~skipped).nonzero().flatten()
             hidden = hidden.index_copy(
-                0, run, _sub_layer(layer, hidden, run, mask, positions, rotary)
+                0, run, _sub_layer(layer, hidden, run, layer_mask, positions, table)
             )
         elif torch.is_grad_enabled():
             # every row skips it: it still runs on one row, its output weighted by zero, so its
             # parameters take part in every process's step (DDP's gradient reduction and
             # ZeRO-3's gathering expect the same layers on every process)
             first = torch.zeros(1, dtype=torch.long, device=hidden.device)
-            hidden = hidden + 0 * _sub_layer(layer, hidden, first, mask, positions, rotary).sum()
+            hidden = (
+                hidden + 0 * _sub_layer(layer, hidden, first, layer_mask, positions, table).sum()
+            )
         if index in keep:
             out[index] = hidden
     out[-1] = hidden
@@ -252,16 +264,6 @@ def _sub_layer(layer, hidden, rows, mask, positions, rotary) -> torch.Tensor:
         hidden.index_select(0, rows), attention_mask=rows_of(mask), position_ids=rows_of(positions),
         position_embeddings=tuple(rows_of(t) for t in rotary),
     )  # fmt: skip
-
-
-def causal_float_mask(past: int, new: int, dtype: torch.dtype, device) -> torch.Tensor | None:
-    """(1, 1, new, past + new) float mask: each new token sees the past and the new ones up to
-    itself. None for a single token, which sees everything."""
-    if new == 1:
-        return None
-    allowed = torch.ones(new, past + new, dtype=torch.bool, device=device)
-    allowed[:, past:] = torch.ones(new, new, dtype=torch.bool, device=device).tril()
-    return float_mask(allowed, dtype)[None, None]
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -426,16 +428,24 @@ class LayerSkipDrafter(Drafter):
     ) -> dict[int, torch.Tensor]:
         """Hidden states after each exit's layer count (final-normed), with layer dropout while
         training: {e: (batch, seq, H)}."""
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         embed, layers, norm, rotary_emb, _ = llama_parts(self.hf_model)
+        config = self.hf_model.config
         ids = batch["input_ids"]
         hidden = embed(ids)
         positions = torch.arange(ids.shape[1], device=ids.device)[None]
-        mask = create_causal_mask(
-            config=self.hf_model.config, inputs_embeds=hidden,
-            attention_mask=batch.get("attention_mask"), cache=None, position_ids=positions,
-        )  # fmt: skip
+        # the masks the model's own forward builds, one per layer type: a sliding-window layer
+        # trains on its window, as it computes when served
+        layout = AttentionLayout.of(config)
+        build = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
+        masks = {
+            kind: build[kind](
+                config=config, inputs_embeds=hidden, attention_mask=batch.get("attention_mask"),
+                cache=None, position_ids=positions,
+            )
+            for kind in set(layout.layer_types)
+        }  # fmt: skip
         skip = None
         if self.training and self.config.layer_dropout > 0:
             skipped = batch.get("layer_skip")  # drawn per sample by prepare_batch
@@ -444,8 +454,9 @@ class LayerSkipDrafter(Drafter):
                 skipped = draws < self._rates().to(ids.device)[:, None]
             skip = {i: skipped[i] for i in range(self.num_layers) if bool(skipped[i].any())}
         states = run_layers(
-            enumerate(layers), hidden, mask=mask, positions=positions,
-            rotary=rotary_emb(hidden, positions), skip=skip, keep={e - 1 for e in exits},
+            enumerate(layers), hidden, mask=lambda i: layout.layer_mask(masks, i),
+            positions=positions, rotary=layer_rotary(rotary_emb, config, hidden, positions),
+            skip=skip, keep={e - 1 for e in exits},
         )  # fmt: skip
         return {e: norm(states[e - 1]) for e in exits}
 
@@ -465,7 +476,7 @@ class LayerSkipDrafter(Drafter):
         states = self.exit_states(batch, exits)
         keep = batch["loss_mask"][:, 1:].bool()
         labels = batch["input_ids"][:, 1:][keep]
-        lm_head = self.hf_model.get_output_embeddings()
+        lm_head = partial(final_logits, self.hf_model)  # soft-capped as the model caps
         loss = states[exits[-1]].new_zeros((), dtype=torch.float32)
         metrics: Metrics = {}
         last, distill = exits[-1], self.config.exit_distill
@@ -495,7 +506,7 @@ class LayerSkipDrafter(Drafter):
         e, last = self.draft_exit(decode), self.num_layers
         states = self.exit_states(batch, [e, last])
         keep = batch["loss_mask"][:, 1:].bool()
-        lm_head = self.hf_model.get_output_embeddings()
+        lm_head = partial(final_logits, self.hf_model)  # soft-capped as the model caps
         q_logits = lm_head(states[e][:, :-1][keep]).float()
         p_logits = lm_head(states[last][:, :-1][keep]).float()
         alpha = simulated_alpha(p_logits, q_logits).sum()
@@ -516,7 +527,7 @@ class LayerSkipDrafter(Drafter):
         finally:
             self.train(training)
         keep = batch["loss_mask"][:, 1:].bool()
-        lm_head = self.hf_model.get_output_embeddings()
+        lm_head = partial(final_logits, self.hf_model)  # soft-capped as the model caps
         final = lm_head(states[self.num_layers][:, :-1][keep]).float()
         out = {}
         for e in range(1, self.num_layers):
@@ -558,7 +569,8 @@ class LayerSkipSession(DraftSession):
     capture_layers: tuple[int, ...] = ()
 
     def __init__(self, model, exit_layer: int, decode, sampling, generator) -> None:
-        self.embed, self.layers, self.norm, self.rotary, self.lm_head = llama_parts(model)
+        self.embed, self.layers, self.norm, self.rotary, _ = llama_parts(model)
+        self.model, self.layout = model, AttentionLayout.of(model.config)
         self.exit = exit_layer
         self.decode, self.sampling, self.generator = decode, sampling, generator
         self.dtype = self.embed.weight.dtype
@@ -580,14 +592,16 @@ class LayerSkipSession(DraftSession):
         n = hidden.shape[1]
         positions = torch.arange(start, start + n, device=hidden.device)[None]
         past = self.cache.get_seq_length(indices[0])
+        masks = causal_masks(self.layout, past, n, self.dtype, hidden.device)
         return run_layers(
             [(i, self.layers[i]) for i in indices], hidden,
-            mask=causal_float_mask(past, n, self.dtype, hidden.device), positions=positions,
-            rotary=self.rotary(hidden, positions), cache=self.cache,
+            mask=lambda i: self.layout.layer_mask(masks, i), positions=positions,
+            rotary=layer_rotary(self.rotary, self.model.config, hidden, positions),
+            cache=self.cache,
         )[-1]  # fmt: skip
 
     def _logits(self, state: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(state))
+        return final_logits(self.model, self.norm(state))
 
     def propose(self, context: DraftContext) -> DraftTree:
         seq = context.tokens

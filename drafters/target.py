@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import os
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import cached_file
 
+from specdraft.attention import AttentionError, AttentionLayout
 from specdraft.core import TargetOutput
 from specdraft.drafters.demo_target import ensure_demo_target
 from specdraft.precision import to_dtype
@@ -51,6 +53,12 @@ class Target:
         self.hidden_size: int = model.config.hidden_size
         self.vocab_size: int = rows(model.get_output_embeddings().weight)
         self.fingerprint: dict = make_fingerprint(model, tokenizer)
+        # each layer's attention type and window (specdraft/attention.py); an error at load
+        # time for a pattern the loop cannot reproduce, not mid-decode
+        try:
+            self.attention = AttentionLayout.of(model.config)
+        except AttentionError as e:
+            raise TargetError(f"{self.name}: {e}") from None
         self.saved_dtype: torch.dtype = self.dtype  # load_target sets the checkpoint's own
 
     @property
@@ -94,8 +102,9 @@ class Target:
         return self.model.get_input_embeddings()(input_ids)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., hidden) final-normed hidden states -> (..., vocab) logits."""
-        return self.model.get_output_embeddings()(hidden)
+        """(..., hidden) final-normed hidden states -> (..., vocab) logits, soft-capped where the
+        model caps its own (Gemma-2's final_logit_softcapping)."""
+        return final_logits(self.model, hidden)
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -211,6 +220,27 @@ def llama_parts(model) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module, 
             "drafter kind that only needs hidden states (eagle, medusa, distill) with this target."
         )
     return base.get_input_embeddings(), parts[0], parts[1], parts[2], base.get_output_embeddings()
+
+
+def final_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits a HF causal LM computes from final-normed `hidden`: its LM head, then
+    cap * tanh(logits / cap) where its config sets final_logit_softcapping (Gemma-2)."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def layer_rotary(rotary: nn.Module, config, hidden: torch.Tensor, positions: torch.Tensor):
+    """index -> the (cos, sin) layer `index` rotates by: one table for every layer, or one per
+    layer type where the model keeps several (Gemma-3's local and global rope)."""
+    if "layer_type" not in inspect.signature(rotary.forward).parameters:
+        table = rotary(hidden, positions)
+        return lambda index: table
+    types = AttentionLayout.of(config).layer_types
+    tables = {kind: rotary(hidden, positions, kind) for kind in set(types)}
+    return lambda index: tables[types[index]]
 
 
 def rows(weight: torch.Tensor) -> int:

@@ -96,7 +96,9 @@ def generate(
     seq = torch.empty(1, prompt_len + max_new_tokens, dtype=torch.long, device=device)
     seq[0, :prompt_len] = seq_ids.to(device)
     length, cached = prompt_len, 0
-    cache = DynamicCache(config=target.config)
+    # every layer keeps every key, sliding ones too, so the cache crops and compacts to an
+    # accepted path (specdraft/attention.py); the masks apply each layer's window
+    cache = DynamicCache()
     if session is not None:  # a drafter that drafts on the target's cache (LayerSkip) keeps it
         session.bind_cache(cache)
     no_draft = DraftTree.empty(device=device)
@@ -126,7 +128,9 @@ def generate(
         # layers only); any other tree gets the full forward.
         out = session.verify(tree, n + 1) if session is not None else None
         if out is None:
-            mask, positions = tree_attention(tree, cached, pending, target.dtype, device)
+            mask, positions = tree_attention(
+                tree, cached, pending, target.dtype, device, target.attention
+            )
             out = target.forward(
                 inputs,
                 attention_mask=mask,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from specdraft.attention import AttentionLayout, Mask
 from specdraft.core import DraftTree, ancestors, float_mask
 
 
@@ -21,10 +22,13 @@ def tree_attention(
     pending: int,
     dtype: torch.dtype,
     device: torch.device,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    layout: AttentionLayout | None = None,
+) -> tuple[Mask, torch.Tensor | None]:
     """The 4D float mask (1, 1, pending + n, past + pending + n) and position ids
     (1, pending + n) for one verification forward; (None, None) when the tree is a chain, for
-    which the model's own causal mask and positions are identical and cheaper."""
+    which the model's own causal mask and positions are identical and cheaper. With the target's
+    `layout` (specdraft/attention.py), sliding-window layers get their window applied by
+    position, as a dict of masks per layer type where the model mixes types."""
     if tree.is_chain:
         return None, None
     n = len(tree)
@@ -33,9 +37,9 @@ def tree_attention(
     allowed[:pending, past : past + pending] = torch.ones(pending, pending).tril().bool()
     allowed[pending:, past : past + pending] = True
     allowed[pending:, past + pending :] = ancestors(tree.parents)
-    mask = float_mask(allowed, dtype)
     positions = list(range(past, past + pending)) + [past + pending - 1 + d for d in tree.depths]
-    return (
-        mask[None, None].to(device),
-        torch.tensor([positions], dtype=torch.long, device=device),
-    )
+    position_ids = torch.tensor([positions], dtype=torch.long, device=device)
+    if layout is not None and layout.slides:
+        keys = torch.cat([torch.arange(past, device=device), position_ids[0]])
+        return layout.masks(allowed.to(device), position_ids[0], keys, dtype), position_ids
+    return float_mask(allowed, dtype)[None, None].to(device), position_ids
