@@ -121,7 +121,8 @@ def build_student(cfg: DistillConfig, target) -> PreTrainedModel:
             "narrower student"
         )
     scale = hidden / t_hidden
-    heads = cfg.num_heads or max(1, round(config.num_attention_heads * scale))
+    target_heads = config.num_attention_heads
+    heads = cfg.num_heads or max(1, round(target_heads * scale))
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if hidden % heads:
         raise ValueError(f"drafter.hidden_size={hidden} is not divisible by num_heads={heads}")
@@ -135,10 +136,16 @@ def build_student(cfg: DistillConfig, target) -> PreTrainedModel:
         config.num_key_value_heads = max(1, min(heads, round(kv_heads * scale)))
         while heads % config.num_key_value_heads:
             config.num_key_value_heads -= 1
-    if hasattr(config, "head_dim"):
+    if hasattr(config, "head_dim") and (hidden != t_hidden or heads != target_heads):
+        # a narrower student: its heads split its width. At the target's width and heads the
+        # target's own head_dim stays (Qwen3's and Gemma's are not hidden / heads), so seeded
+        # layers keep their shapes.
         config.head_dim = hidden // heads
-    if hasattr(config, "layer_types") and config.layer_types is not None:
-        config.layer_types = config.layer_types[: cfg.num_layers]
+    if getattr(config, "layer_types", None) is not None:
+        # each student layer keeps the attention type of the target layer that seeds it
+        seeds = cfg.init_layers if cfg.init_layers is not None else range(cfg.num_layers)
+        types = list(config.layer_types)
+        config.layer_types = [types[i % len(types)] for i in seeds]
     student = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if cfg.init == "target":
         _copy_from_target(student, target, cfg)

@@ -6,7 +6,18 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.drafters.target import Target
@@ -109,3 +120,32 @@ def fitted_medusa_heads(
     if measure:
         heads.finish_evaluation(heads.eval_statistics(batch, out))
     return heads
+
+
+WINDOW = 8  # sliding_model's default window
+
+
+def sliding_model(name: str, vocab: int = 64, window: int = WINDOW, layers: int = 4):
+    """A tiny random model of `name` whose layers (some or all) slide over `window` keys."""
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=64, max_position_embeddings=256,
+        initializer_range=0.3, head_dim=16, sliding_window=window,
+    )  # fmt: skip
+    if name == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common))
+    elif name == "gemma2":
+        model = Gemma2ForCausalLM(
+            Gemma2Config(**common, final_logit_softcapping=5.0, attn_logit_softcapping=10.0)
+        )
+    elif name == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window_pattern=2))
+    else:
+        model = Qwen2ForCausalLM(
+            Qwen2Config(**common, use_sliding_window=True, max_window_layers=layers // 2)
+        )
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model

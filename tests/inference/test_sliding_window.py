@@ -10,18 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import chi_square_p_value, make_target, perturbed
-from transformers import (
-    DynamicCache,
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from spec_helpers import WINDOW, chi_square_p_value, make_target, perturbed, sliding_model
+from transformers import DynamicCache
 
 from specdraft.attention import AttentionLayout, causal_masks
 from specdraft.core import DraftTree
@@ -34,34 +24,8 @@ from specdraft.inference.tree import tree_attention
 
 pytestmark = pytest.mark.exact
 
-V, WINDOW, PROMPT, NEW = 64, 8, 12, 20
+V, PROMPT, NEW = 64, 12, 20
 ARCHITECTURES = ["mistral", "gemma2", "gemma3", "qwen2"]
-
-
-def sliding_model(name: str, vocab: int = V, window: int = WINDOW, layers: int = 4):
-    """A tiny random model of `name` whose layers (some or all) slide over `window` keys."""
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
-        num_key_value_heads=1, intermediate_size=64, max_position_embeddings=256,
-        initializer_range=0.3, head_dim=16, sliding_window=window,
-    )  # fmt: skip
-    if name == "mistral":
-        model = MistralForCausalLM(MistralConfig(**common))
-    elif name == "gemma2":
-        model = Gemma2ForCausalLM(
-            Gemma2Config(**common, final_logit_softcapping=5.0, attn_logit_softcapping=10.0)
-        )
-    elif name == "gemma3":
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window_pattern=2))
-    else:
-        model = Qwen2ForCausalLM(
-            Qwen2Config(**common, use_sliding_window=True, max_window_layers=layers // 2)
-        )
-    model.eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
