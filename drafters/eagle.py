@@ -260,7 +260,7 @@ def llama_layer_config(target_config, attn_implementation: str = TTT_ATTENTION) 
         hidden_act=getattr(c, "hidden_act", "silu"),
         max_position_embeddings=c.max_position_embeddings,
         rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
-        rope_parameters=copy.deepcopy(getattr(c, "rope_parameters", None)),
+        rope_parameters=head_rope(c),
         attention_bias=False,
         mlp_bias=False,
         tie_word_embeddings=False,
@@ -270,6 +270,20 @@ def llama_layer_config(target_config, attn_implementation: str = TTT_ATTENTION) 
     )
     config._attn_implementation = attn_implementation
     return config
+
+
+def head_rope(target_config) -> dict | None:
+    """The target's rope parameters for the head's one layer. A target with a rope per layer
+    type (Gemma-3: local layers at theta 10k, global ones at 1M) gives its full-attention
+    layers' rope: the head attends over the whole context, as those layers do."""
+    rope = copy.deepcopy(getattr(target_config, "rope_parameters", None))
+    if (
+        isinstance(rope, dict)
+        and "full_attention" in rope
+        and isinstance(rope["full_attention"], dict)
+    ):
+        return rope["full_attention"]
+    return rope
 
 
 class Eagle3Layer(nn.Module):

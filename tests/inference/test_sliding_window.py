@@ -159,3 +159,13 @@ def test_sampling_on_a_soft_capped_sliding_target_keeps_its_distribution():
             accepted += out.stats.accepted
         assert accepted > 0, label
         assert chi_square_p_value(counts.flatten(), exact) > FALSE_ALARM, label
+
+
+def test_an_eagle_head_for_gemma3_rotates_as_its_global_layers_do():
+    """Gemma-3 keeps one rope per layer type; the head's Llama layer takes the full-attention
+    layers' (it attends over the whole context), not a per-type dict a Llama config cannot
+    read (before: "Unrecognized keys in rope_parameters" and the local layers' theta)."""
+    model = sliding_model("gemma3")
+    head = EagleDrafter.build(EagleConfig(), make_target(model))
+    global_theta = model.config.rope_parameters["full_attention"]["rope_theta"]
+    assert head.layer.self_attn.config.rope_parameters["rope_theta"] == global_theta
