@@ -57,6 +57,7 @@ from specdraft.drafters.target import (
     final_logits,
     layer_rotary,
     llama_parts,
+    weights_hash,
 )
 
 # scale(x), x = l / (L - 1) in [0, 1]: how layer dropout grows with depth (p_max at the top for
@@ -369,7 +370,11 @@ class LayerSkipDrafter(Drafter):
         else:
             digest = weights_digest(self.hf_model)
         setattr(self.hf_model.config, ADAPTER_ATTRIBUTE, digest)
-        return {**target.fingerprint, "adapter": digest}
+        fingerprint = {**target.fingerprint, "adapter": digest}
+        served = weights_hash(self.hf_model)  # full fine-tuning may have moved the embedding
+        if served is not None and "weights" in fingerprint:
+            fingerprint["weights"] = served
+        return fingerprint
 
     def model_to_save(self):
         """The plain HF model a checkpoint holds: the model itself, or with LoRA a merged copy

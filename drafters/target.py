@@ -249,7 +249,9 @@ def rows(weight: torch.Tensor) -> int:
 
 
 def make_fingerprint(model: PreTrainedModel, tokenizer) -> dict:
-    """What identifies a target for a drafter: architecture, sizes and the exact tokenizer."""
+    """What identifies a target for a drafter: architecture, sizes, the exact tokenizer, and a
+    hash of some of its embedding's rows (`weights`), which tells apart two checkpoints of one
+    shape (a base model and its instruct twin, a fine-tune)."""
     config = model.config
     architectures = getattr(config, "architectures", None) or [type(model).__name__]
     fingerprint = {
@@ -259,6 +261,9 @@ def make_fingerprint(model: PreTrainedModel, tokenizer) -> dict:
         "vocab_size": rows(model.get_output_embeddings().weight),
         "tokenizer_hash": tokenizer_hash(tokenizer),
     }
+    digest = weights_hash(model)
+    if digest is not None:  # None: partitioned (ShardedTarget hashes it gathered)
+        fingerprint["weights"] = digest
     # A target fine-tuned through a LoRA adapter (Medusa-2, LayerSkip) has its base's shape and
     # tokenizer: the adapter's hash, recorded when it was loaded or merged, tells them apart.
     adapter = getattr(config, ADAPTER_ATTRIBUTE, None)
@@ -269,6 +274,18 @@ def make_fingerprint(model: PreTrainedModel, tokenizer) -> dict:
 
 # The model config attribute (saved in a merged model's config.json) naming the adapter hash.
 ADAPTER_ATTRIBUTE = "specdraft_adapter"
+
+
+def weights_hash(model: PreTrainedModel, rows_hashed: int = 64) -> str | None:
+    """A short hash of `rows_hashed` evenly spaced rows of the input embedding, rounded to bf16
+    (so a bf16 copy of an fp32 checkpoint hashes as the checkpoint does); None where this
+    process holds no whole embedding (ZeRO-3 partitions it)."""
+    weight = model.get_input_embeddings().weight
+    if weight.dim() != 2 or weight.numel() == 0:
+        return None
+    index = torch.linspace(0, weight.shape[0] - 1, rows_hashed).long().unique()
+    sample = weight.detach()[index.to(weight.device)].to(torch.bfloat16).view(torch.int16)
+    return hashlib.sha256(sample.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 def tokenizer_hash(tokenizer) -> str:
@@ -397,6 +414,11 @@ class ShardedTarget(Target):
     def __init__(self, engine, tokenizer, name: str | None = None) -> None:
         super().__init__(engine.module, tokenizer, name=name)
         self.engine = engine
+        embedding = self.model.get_input_embeddings()
+        with self.whole(embedding):  # every process builds the target: the gather is collective
+            digest = weights_hash(self.model)
+        if digest is not None:
+            self.fingerprint["weights"] = digest
 
     @property
     def device(self) -> torch.device:

@@ -76,6 +76,30 @@ def test_loading_for_another_target_names_what_differs(tiny_target, student, tmp
     load_drafter(folder, other, strict=False)
 
 
+def test_another_checkpoint_of_the_same_shape_is_refused_by_its_weights(
+    tiny_target, student, tmp_path
+):
+    """Architecture, sizes and tokenizer equal, embedding not (a base model for its instruct
+    twin, a fine-tune): the weights hash in the fingerprint refuses it by name; strict=False
+    loads it; a fingerprint saved before the hash existed still loads."""
+    import copy
+
+    folder = save_drafter(student, tmp_path / "d", target_fingerprint=tiny_target.fingerprint)
+    twin = copy.deepcopy(tiny_target.model)
+    with torch.no_grad():
+        twin.get_input_embeddings().weight.mul_(1.5)
+    other = Target(twin, tiny_target.tokenizer, name="twin")
+    assert {k: v for k, v in other.fingerprint.items() if k != "weights"} == {
+        k: v for k, v in tiny_target.fingerprint.items() if k != "weights"
+    }
+    with pytest.raises(CheckpointError, match="the embedding's weights differ.*strict=False"):
+        load_drafter(folder, other)
+    load_drafter(folder, other, strict=False)
+    old = {k: v for k, v in tiny_target.fingerprint.items() if k != "weights"}
+    older = save_drafter(student, tmp_path / "old", target_fingerprint=old)
+    load_drafter(older, other)
+
+
 def test_incomplete_and_damaged_folders_are_refused(tiny_target, student, tmp_path):
     folder = save_drafter(student, tmp_path / "d", target_fingerprint=tiny_target.fingerprint)
     checkpoint.check_complete(folder)
