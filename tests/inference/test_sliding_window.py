@@ -169,3 +169,14 @@ def test_an_eagle_head_for_gemma3_rotates_as_its_global_layers_do():
     head = EagleDrafter.build(EagleConfig(), make_target(model))
     global_theta = model.config.rope_parameters["full_attention"]["rope_theta"]
     assert head.layer.self_attn.config.rope_parameters["rope_theta"] == global_theta
+
+
+def test_an_attention_pattern_the_loop_cannot_reproduce_is_refused_at_load():
+    """Chunked attention (Llama-4's local layers) is neither full nor sliding: one clear error
+    when the target is built, never a wrong mask mid-decode."""
+    from specdraft.drafters.target import TargetError
+
+    model = sliding_model("qwen2")
+    model.config.layer_types = ["chunked_attention"] + list(model.config.layer_types[1:])
+    with pytest.raises(TargetError, match=r"attention type \['chunked_attention'\]"):
+        make_target(model)
