@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import yaml
 
 from specdraft.config import override
 from specdraft.core import DecodeConfig, eos_ids
@@ -29,9 +30,9 @@ from specdraft.drafters.checkpoint import (
     load_drafter,
     read_metadata,
 )
-from specdraft.drafters.target import load_target
+from specdraft.drafters.target import Target, load_target
 from specdraft.inference.measure import Run, loop_decoder, summarize
-from specdraft.precision import resolve_precision, to_dtype
+from specdraft.precision import dtype_name, resolve_precision, to_dtype
 
 BASELINES = ("ar", "hf_ar", "prompt_lookup", "hf_assisted", "hf_prompt_lookup", "hf_early_exit")
 # gamma for transformers' prompt lookup when --gamma is not given: our prompt lookup's default
@@ -98,10 +99,6 @@ def build_runs(args, target, suffix: str = "") -> list[Run]:
         run.same_as = None if run.same_as is None else run.same_as + suffix
         run.dtype = dtype_name(target.dtype)
     return runs
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _runs(args, target) -> list[Run]:
@@ -183,7 +180,7 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
     Raises ValueError (a ConfigError) naming `spec` and the key for a bad setting."""
     path, items = split_drafter_spec(spec)
     runs: list[Run] = []
-    tuned = fine_tuned_target(path, target, args)
+    tuned = fine_tuned_target(path, target)
     if tuned is not None:
         # Heads trained with the target fine-tuned (Medusa-2), and LayerSkip (the fine-tuned
         # target itself), decode with that target: its own plain decoding is the output they
@@ -213,7 +210,7 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
     return runs
 
 
-def fine_tuned_target(path: str, base, args):
+def fine_tuned_target(path: str, base):
     """The fine-tuned target a drafter folder decodes with, when its heads were trained with the
     target fine-tuned (its fingerprint names an adapter, saved in FOLDER/adapter): the base
     with that adapter merged; for a LayerSkip folder, the folder itself. None for every other
@@ -239,10 +236,33 @@ def fine_tuned_target(path: str, base, args):
     if base.fingerprint.get("adapter"):  # --target is already a fine-tuned target
         return None
     own = meta["target_fingerprint"]["adapter"]
-    key = (args.target, own, str(base.dtype), str(base.device))
+    key = (base.name, own, str(base.dtype), str(base.device))
     return _load_once(
-        key, lambda: load_target(args.target, dtype=base.dtype, device=base.device, adapter=adapter)
+        key, lambda: load_target(base.name, dtype=base.dtype, device=base.device, adapter=adapter)
     )
+
+
+def folder_target(
+    folder: str | Path, name: str | None = None, *, dtype=None, device=None
+) -> Target:
+    """The target a drafter folder decodes with: `name`; else the folder itself for a kind that
+    is its own target (LayerSkip); else the target its run trained against (its
+    train_config.yaml). A Medusa-2 folder gets that target with its adapter merged. Raises
+    ValueError where the folder does not say."""
+    meta, _ = read_metadata(folder)
+    if name is None:
+        if meta is not None and drafter_class(meta["kind"]).uses_target_weights:
+            name = str(folder)
+        else:
+            config = Path(folder) / "train_config.yaml"
+            if not config.is_file():
+                raise ValueError(
+                    f"{folder} does not say which target it drafts for (no train_config.yaml): "
+                    "pass --target"
+                )
+            name = str(yaml.safe_load(config.read_text())["target"])
+    target = load_target(name, dtype=dtype, device=device)
+    return fine_tuned_target(str(folder), target) or target
 
 
 # The fine-tuned targets loaded in this process, by (folder or base, adapter hash, dtype,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import platform
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +23,9 @@ from pathlib import Path
 import torch
 
 from specdraft.core import DecodeConfig
-from specdraft.inference.generate import generate
+from specdraft.inference.measure import Run, loop_decoder, measure
 from specdraft.inference.metrics import Stats
+from specdraft.precision import dtype_name
 
 # Trees first (their width and budget decide whether stop_below or int8 apply at all), then the
 # depth, then what refines a chain, then copying.
@@ -119,28 +119,20 @@ def race(
     max_new_tokens: int,
     **options,
 ) -> list[Trial]:
-    """Plain decoding, then each of `decodes`, on every prompt, taking turns per prompt after a
-    warm-up of each. options: generate's sampling options (temperature, seed, ...)."""
-    trials = [Trial(None), *(Trial(d) for d in decodes)]
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
-
-    def run(trial: Trial, ids: torch.Tensor, n: int):
-        if trial.decode is None:
-            return generate(target, ids, None, max_new_tokens=n, **options)
-        return generate(target, ids, drafter, max_new_tokens=n, decode=trial.decode, **options)
-
-    for trial in trials:  # first-call costs paid by none of the timed decodes
-        run(trial, prompts[0][:, :16], 8)
-    for ids in prompts:
-        for trial in trials:
-            sync()
-            start = time.perf_counter()
-            out = run(trial, ids, max_new_tokens)
-            sync()
-            trial.seconds += time.perf_counter() - start
-            trial.stats = trial.stats.merge(out.stats)
-            trial.outputs.append(out.tokens[0].tolist())
-    return trials
+    """Plain decoding, then each of `decodes`, on every prompt, timed by the one harness
+    (inference/measure.py `measure`: a warm-up of each, then turns per prompt). options:
+    generate's sampling options (temperature, seed, ...)."""
+    runs = [
+        Run("plain", "ar", loop_decoder(target, None, max_new_tokens=max_new_tokens, **options))
+    ]
+    for i, d in enumerate(decodes):
+        decoder = loop_decoder(target, drafter, max_new_tokens=max_new_tokens, decode=d, **options)
+        runs.append(Run(f"candidate {i}", "ours", decoder))
+    measure(runs, prompts, target)
+    return [
+        Trial(d, run.seconds, run.stats, run.outputs)
+        for d, run in zip([None, *decodes], runs, strict=True)
+    ]
 
 
 def search_decode(
@@ -282,3 +274,75 @@ def changed(before: DecodeConfig, after: DecodeConfig) -> dict:
     """The settings `after` changes, {key: (old, new)}."""
     old, new = dataclasses.asdict(before), dataclasses.asdict(after)
     return {k: (old[k], new[k]) for k in old if old[k] != new[k]}
+
+
+@dataclass
+class Tuned:
+    """What `tune_against_saved` chose: the settings, each round's rows, and `measured` (the
+    machine, dtype and figures of the final race, saved beside the settings as
+    decode_measured)."""
+
+    decode: DecodeConfig
+    rows: list[dict]
+    measured: dict
+    kept_saved: bool
+
+
+class NoExactSetting(ValueError):
+    """At temperature 0, no setting raced gave plain decoding's greedy output."""
+
+
+def tune_against_saved(
+    target,
+    drafter,
+    prompts: Sequence[torch.Tensor],
+    space: Mapping[str, Sequence],
+    *,
+    saved: DecodeConfig,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    passes: int = 2,
+    require_equal: bool = True,
+    log: Callable[[str], None] | None = None,
+    source: str = "",
+) -> Tuned:
+    """search_decode from the `saved` settings, then the saved settings against its pick once
+    more in one race: the pick replaces them only if it wins that race too (a pick that only
+    won a noisy round is not kept). Raises NoExactSetting when, greedy and `require_equal`, no
+    candidate decoded as plain decoding does (near ties flip under low precision). `source`
+    names the prompts in the record."""
+    sampling = {"temperature": temperature, "seed": seed}
+    best, rows = search_decode(
+        target, drafter, prompts, space, max_new_tokens=max_new_tokens, start=saved,
+        require_equal=require_equal, passes=passes, log=log, **sampling,
+    )  # fmt: skip
+    if temperature == 0 and require_equal and rows and not any(r["kept"] for r in rows):
+        raise NoExactSetting(
+            f"no setting gave plain decoding's greedy output in {dtype_name(target.dtype)} "
+            "(near ties between tokens flip under low precision)"
+        )
+    plain, before, after = race(
+        target, drafter, prompts, [saved, best], max_new_tokens=max_new_tokens, **sampling
+    )
+    kept_saved = before.tokens_per_s >= after.tokens_per_s and best != saved
+    if kept_saved:  # the search's pick lost the final race: noise, or a drifting machine
+        best, after = saved, before
+    measured = {
+        "hardware": hardware(target.device),
+        "dtype": dtype_name(target.dtype),
+        "temperature": temperature,
+        "prompts": f"{source} x {len(prompts)}, {max_new_tokens} new tokens".lstrip(),
+        "tokens_per_s": after.tokens_per_s,
+        "plain_tokens_per_s": plain.tokens_per_s,
+        "speedup": after.tokens_per_s / plain.tokens_per_s,
+        "tau": after.stats.tau,
+        "kept_saved": kept_saved,
+        "before": {
+            "decode": dataclasses.asdict(saved),
+            "tokens_per_s": before.tokens_per_s,
+            "speedup": before.tokens_per_s / plain.tokens_per_s,
+            "tau": before.stats.tau,
+        },
+    }
+    return Tuned(best, rows, measured, kept_saved)

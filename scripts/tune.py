@@ -22,27 +22,21 @@ import json
 import sys
 from pathlib import Path
 
-import yaml
-
 from specdraft.drafters.checkpoint import (
-    drafter_class,
     load_decoding,
     load_drafter,
-    read_metadata,
     set_decode,
 )
-from specdraft.drafters.target import load_target
-from specdraft.inference.evaluate import dtype_name, fine_tuned_target
+from specdraft.inference.evaluate import folder_target
 from specdraft.inference.measure import load_prompts
 from specdraft.inference.tune import (
     SEARCH_ORDER,
+    NoExactSetting,
     changed,
     check_space,
     default_space,
-    hardware,
     parse_space,
-    race,
-    search_decode,
+    tune_against_saved,
 )
 
 
@@ -56,66 +50,39 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # TargetError, CheckpointError, ConfigError, a bad --search
         print(f"scripts/tune.py: error: {e}", file=sys.stderr)
         return 2
-    sampling = {"temperature": args.temperature, "seed": args.seed}
-    say = lambda m: print(f"[tune] {m}", file=sys.stderr)  # noqa: E731
     saved = load_decoding(args.folder)
-    best, rows = search_decode(
-        target, drafter, prompts, space, max_new_tokens=args.max_new_tokens, start=saved,
-        require_equal=not args.allow_mismatch, passes=args.passes, log=say, **sampling,
-    )  # fmt: skip
-    if (
-        args.temperature == 0
-        and not args.allow_mismatch
-        and rows
-        and not any(r["kept"] for r in rows)
-    ):
+    try:
+        tuned = tune_against_saved(
+            target, drafter, prompts, space, saved=saved, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, seed=args.seed, passes=args.passes,
+            require_equal=not args.allow_mismatch, source=args.prompts,
+            log=lambda m: print(f"[tune] {m}", file=sys.stderr),
+        )  # fmt: skip
+    except NoExactSetting as e:
         print(
-            f"scripts/tune.py: error: no setting gave plain decoding's greedy output in "
-            f"{dtype_name(target.dtype)} (near ties between tokens flip under low precision); "
-            "tune in float32 (--dtype float32), or pass --allow-mismatch to keep the fastest "
-            "anyway; the folder is unchanged",
+            f"scripts/tune.py: error: {e}; tune in float32 (--dtype float32), or pass "
+            "--allow-mismatch to keep the fastest anyway; the folder is unchanged",
             file=sys.stderr,
         )
         return 1
-    # the saved defaults against the result, once more, in one race
-    plain, before, after = race(
-        target, drafter, prompts, [saved, best], max_new_tokens=args.max_new_tokens, **sampling
-    )
-    kept_saved = before.tokens_per_s >= after.tokens_per_s and best != saved
-    if kept_saved:  # the search's pick lost the final race: noise, or a drifting machine
-        best, after = saved, before
-    measured = {
-        "hardware": hardware(target.device),
-        "dtype": dtype_name(target.dtype),
-        "temperature": args.temperature,
-        "prompts": f"{args.prompts} x {len(prompts)}, {args.max_new_tokens} new tokens",
-        "tokens_per_s": after.tokens_per_s,
-        "plain_tokens_per_s": plain.tokens_per_s,
-        "speedup": after.tokens_per_s / plain.tokens_per_s,
-        "tau": after.stats.tau,
-        "kept_saved": kept_saved,
-        "before": {
-            "decode": dataclasses.asdict(saved),
-            "tokens_per_s": before.tokens_per_s,
-            "speedup": before.tokens_per_s / plain.tokens_per_s,
-            "tau": before.stats.tau,
-        },
-    }
+    best, measured = tuned.decode, tuned.measured
+    before = measured["before"]
     diff = changed(saved, best)
-    if kept_saved:
+    if tuned.kept_saved:
         print("the saved settings were as fast as the search's pick in the final race: kept")
     print(
-        f"saved settings: {before.tokens_per_s:.1f} tok/s ({measured['before']['speedup']:.2f}x "
-        f"plain, tau {before.stats.tau:.2f}); tuned: {after.tokens_per_s:.1f} tok/s "
-        f"({measured['speedup']:.2f}x, tau {after.stats.tau:.2f}); plain decoding "
-        f"{plain.tokens_per_s:.1f} tok/s; on {measured['hardware']}, {measured['dtype']}"
+        f"saved settings: {before['tokens_per_s']:.1f} tok/s ({before['speedup']:.2f}x plain, "
+        f"tau {before['tau']:.2f}); tuned: {measured['tokens_per_s']:.1f} tok/s "
+        f"({measured['speedup']:.2f}x, tau {measured['tau']:.2f}); plain decoding "
+        f"{measured['plain_tokens_per_s']:.1f} tok/s; on {measured['hardware']}, "
+        f"{measured['dtype']}"
     )
     print(
         "changes: " + (", ".join(f"{k} {old} -> {new}" for k, (old, new) in diff.items()) or "none")
     )
     if args.output:
         out = {"folder": args.folder, "decode": dataclasses.asdict(best), "measured": measured}
-        Path(args.output).write_text(json.dumps({**out, "search": rows}, indent=2) + "\n")
+        Path(args.output).write_text(json.dumps({**out, "search": tuned.rows}, indent=2) + "\n")
     if not args.dry_run:
         set_decode(args.folder, best, measured)
         print(f"{args.folder} now decodes with these settings by default")
@@ -123,25 +90,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def load(args):
-    """The target the folder decodes with, and the drafter. The target: --target; else the
-    folder itself for LayerSkip (its own target), else the target its run trained against (its
-    train_config.yaml); a Medusa-2 folder gets that target with its adapter merged."""
-    meta, _ = read_metadata(args.folder)
-    name = args.target
-    if name is None:
-        if meta is not None and drafter_class(meta["kind"]).uses_target_weights:
-            name = args.folder  # a drafter that is its own target (LayerSkip)
-        else:
-            config = Path(args.folder) / "train_config.yaml"
-            if not config.is_file():
-                raise ValueError(
-                    f"{args.folder} does not say which target it drafts for (no "
-                    "train_config.yaml): pass --target"
-                )
-            name = str(yaml.safe_load(config.read_text())["target"])
-    args.target = name
-    target = load_target(name, dtype=args.dtype, device=args.device)
-    target = fine_tuned_target(args.folder, target, args) or target
+    """The target the folder decodes with (evaluate.folder_target), and the drafter."""
+    target = folder_target(args.folder, args.target, dtype=args.dtype, device=args.device)
     return target, load_drafter(args.folder, target)
 
 

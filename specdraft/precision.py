@@ -103,6 +103,11 @@ def _why_not(device: str | torch.device) -> str:
     )
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """float32, bfloat16, ...: a dtype as configs and reports spell it (to_dtype reads it)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def to_dtype(name: str | torch.dtype) -> torch.dtype:
     """A dtype from its name (float32/fp32/no, bfloat16/bf16, float16/fp16) or itself."""
     if isinstance(name, torch.dtype):

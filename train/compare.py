@@ -148,7 +148,7 @@ def tune_family(found: Family, target, prompts, max_new_tokens: int, log=None) -
     """Choose the family's chain settings by measured tokens/s (gamma, stop rule, int8, copying,
     LayerSkip's exit) and save them into its folder. Trees are left out: a CPU verifies them
     at more than they return (BENCHMARKS.md)."""
-    tuned_target = fine_tuned_target(str(found.folder), target, Namespace(target=target.name))
+    tuned_target = fine_tuned_target(str(found.folder), target)
     decoder = tuned_target or target
     drafter = load_drafter(found.folder, decoder)
     space = default_space(drafter, decoder)

@@ -177,6 +177,6 @@ def test_an_attention_pattern_the_loop_cannot_reproduce_is_refused_at_load():
     from specdraft.drafters.target import TargetError
 
     model = sliding_model("qwen2")
-    model.config.layer_types = ["chunked_attention"] + list(model.config.layer_types[1:])
+    model.config.layer_types = ["chunked_attention", *model.config.layer_types[1:]]
     with pytest.raises(TargetError, match=r"attention type \['chunked_attention'\]"):
         make_target(model)

@@ -224,11 +224,9 @@ def test_a_setting_reset_by_another_rounds_winner_is_not_raced_again(monkeypatch
 def test_the_saved_settings_stay_when_they_win_the_final_race(layerskip_folder, monkeypatch):
     """The search's pick must beat the saved settings once more, side by side, to replace them:
     a pick that only won a noisy round is not written."""
-    from specdraft.scripts import tune as script
-
     saved = json.loads((layerskip_folder / "config.json").read_text())["specdraft"]["decode"]
     pick = DecodeConfig(**{**saved, "gamma": saved["gamma"] + 1})
-    monkeypatch.setattr(script, "search_decode", lambda *a, **k: (pick, [{"kept": True}]))
+    monkeypatch.setattr(tune, "search_decode", lambda *a, **k: (pick, [{"kept": True}]))
 
     def final_race(target, drafter, prompts, decodes, **_):
         plain = tune.Trial(None, 1.0, Stats(new_tokens=10))
@@ -237,7 +235,7 @@ def test_the_saved_settings_stay_when_they_win_the_final_race(layerskip_folder, 
         )
         return [plain, before, after]  # the saved settings twice as fast as the pick
 
-    monkeypatch.setattr(script, "race", final_race)
+    monkeypatch.setattr(tune, "race", final_race)
     assert main([str(layerskip_folder), "--num-prompts", "1", "--max-new-tokens", "4"]) == 0
     written = json.loads((layerskip_folder / "config.json").read_text())["specdraft"]
     assert written["decode"] == saved and written["decode_measured"]["kept_saved"] is True
