@@ -393,15 +393,15 @@ def sum_and_count(
     return values.where(keep, 0).sum(), keep.float().sum()
 
 
+class DraftingWarning(UserWarning):
+    """A drafting fallback: a setting the drafter ignores, full weights instead of int8."""
+
+
 def warn_once(message: str) -> None:
-    """A drafting fallback's warning (a setting ignored, full weights instead of int8), once per
-    process rather than once per generate call."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, stacklevel=3)
-
-
-_WARNED: set[str] = set()
+    """Warn of a drafting fallback. Python's default warning filter shows each message once per
+    place it is raised from (the loop's start, for these), so a script that calls generate per
+    prompt hears it once; its own filters (`-W`, `warnings.simplefilter`) decide otherwise."""
+    warnings.warn(message, DraftingWarning, stacklevel=3)
 
 
 def vocab_mismatch_error(what: str, drafter_vocab: int, target) -> ValueError:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -78,22 +77,23 @@ def parse_dtypes(text: str | None, device: str | None = None) -> list[torch.dtyp
     return dtypes
 
 
-def runs_per_precision(args, targets: Sequence) -> list[Run]:
+def runs_per_precision(args, targets: Sequence, loaded: dict | None = None) -> list[Run]:
     """`build_runs` for each loaded target (one per precision); with more than one, every run's
-    name ends with its precision ("ar@fp32", "eagle@bf16")."""
+    name ends with its precision ("ar@fp32", "eagle@bf16"). `loaded`: as fine_tuned_target
+    takes it."""
     runs = []
     for target in targets:
         name = dtype_name(target.dtype)
         suffix = f"@{SHORT_DTYPE.get(name, name)}" if len(targets) > 1 else ""
-        runs += build_runs(args, target, suffix)
+        runs += build_runs(args, target, suffix, loaded)
     return runs
 
 
-def build_runs(args, target, suffix: str = "") -> list[Run]:
+def build_runs(args, target, suffix: str = "", loaded: dict | None = None) -> list[Run]:
     """The methods to measure, from scripts/evaluate.py's options `args`: `ar` first, then the
     baselines asked for, then each --drafter's runs; each run's name ends with `suffix` (the
     precision, "@bf16", when several are measured) and carries the target's dtype."""
-    runs = _runs(args, target)
+    runs = _runs(args, target, loaded)
     for run in runs:
         run.name += suffix
         run.same_as = None if run.same_as is None else run.same_as + suffix
@@ -101,7 +101,7 @@ def build_runs(args, target, suffix: str = "") -> list[Run]:
     return runs
 
 
-def _runs(args, target) -> list[Run]:
+def _runs(args, target, loaded: dict | None) -> list[Run]:
     baselines = [b for b in args.baselines.split(",") if b]
     gamma = args.gamma if args.gamma is not None else HF_GAMMA
     runs = [Run("ar", "ar", _ours(target, args, None))]  # the reference for speedups, always run
@@ -116,7 +116,9 @@ def _runs(args, target) -> list[Run]:
         # a fine-tuned target's plain decoding (ar[...]) is run once for all its drafters
         names = {run.name for run in runs}
         runs += [
-            r for r in drafter_runs(spec, target, args) if r.method != "ar" or r.name not in names
+            r
+            for r in drafter_runs(spec, target, args, loaded)
+            if r.method != "ar" or r.name not in names
         ]
     return runs
 
@@ -172,7 +174,7 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
 # --- one --drafter FOLDER[:KEY=VALUE,...] ------------------------------------------------------
 
 
-def drafter_runs(spec: str, target, args) -> list[Run]:
+def drafter_runs(spec: str, target, args, loaded: dict | None = None) -> list[Run]:
     """The runs of one --drafter FOLDER[:KEY=VALUE,...]: the drafter in our loop with its saved
     decoding defaults, then the global --gamma / --tree-top-k, then the KEY=VALUE decoding settings
     (specdraft.core.DecodeConfig keys, read by the config engine as training reads them); then
@@ -180,7 +182,7 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
     Raises ValueError (a ConfigError) naming `spec` and the key for a bad setting."""
     path, items = split_drafter_spec(spec)
     runs: list[Run] = []
-    tuned = fine_tuned_target(path, target)
+    tuned = fine_tuned_target(path, target, loaded)
     if tuned is not None:
         # Heads trained with the target fine-tuned (Medusa-2), and LayerSkip (the fine-tuned
         # target itself), decode with that target: its own plain decoding is the output they
@@ -210,11 +212,14 @@ def drafter_runs(spec: str, target, args) -> list[Run]:
     return runs
 
 
-def fine_tuned_target(path: str, base):
+def fine_tuned_target(path: str, base, loaded: dict | None = None):
     """The fine-tuned target a drafter folder decodes with, when its heads were trained with the
     target fine-tuned (its fingerprint names an adapter, saved in FOLDER/adapter): the base
     with that adapter merged; for a LayerSkip folder, the folder itself. None for every other
-    drafter, and where `base` already is that target."""
+    drafter, and where `base` already is that target. `loaded`: the fine-tuned targets a caller's
+    run has loaded so far, by (folder or base, adapter hash, dtype, device), filled in here: the
+    settings of one LayerSkip or Medusa-2 folder, and compare's passes over them, share one copy
+    instead of loading the model per spec (None: load it)."""
     meta, _ = read_metadata(path)
     if meta is not None and drafter_class(meta["kind"]).uses_target_weights:
         # its own target: with --target FOLDER nothing to load; beside another target (the base
@@ -224,7 +229,9 @@ def fine_tuned_target(path: str, base):
         if base.fingerprint.get("adapter") == own:
             return None
         key = (str(Path(path).resolve()), own, str(base.dtype), str(base.device))
-        return _load_once(key, lambda: load_target(path, dtype=base.dtype, device=base.device))
+        return _load_once(
+            loaded, key, lambda: load_target(path, dtype=base.dtype, device=base.device)
+        )
     if not (meta or {}).get("target_fingerprint", {}).get("adapter"):
         return None
     adapter = Path(path) / "adapter"
@@ -238,7 +245,9 @@ def fine_tuned_target(path: str, base):
     own = meta["target_fingerprint"]["adapter"]
     key = (base.name, own, str(base.dtype), str(base.device))
     return _load_once(
-        key, lambda: load_target(base.name, dtype=base.dtype, device=base.device, adapter=adapter)
+        loaded,
+        key,
+        lambda: load_target(base.name, dtype=base.dtype, device=base.device, adapter=adapter),
     )
 
 
@@ -265,18 +274,12 @@ def folder_target(
     return fine_tuned_target(str(folder), target) or target
 
 
-# The fine-tuned targets loaded in this process, by (folder or base, adapter hash, dtype,
-# device), for as long as a run holds them: several settings of one LayerSkip or Medusa-2 folder,
-# and compare.py's passes over them, share one copy instead of loading the model per spec.
-_LOADED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def _load_once(key: tuple, load):
-    target = _LOADED.get(key)
-    if target is None:
-        target = load()
-        _LOADED[key] = target
-    return target
+def _load_once(loaded: dict | None, key: tuple, load):
+    if loaded is None:
+        return load()
+    if key not in loaded:
+        loaded[key] = load()
+    return loaded[key]
 
 
 def split_drafter_spec(spec: str) -> tuple[str, list[str]]:

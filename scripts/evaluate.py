@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         raise SystemExit(f"--prompts: {e}") from None
     try:
-        runs = runs_per_precision(args, targets)
+        runs = runs_per_precision(args, targets, loaded={})
     except ValueError as e:  # a bad --drafter: its folder, or a decoding setting
         raise SystemExit(str(e)) from None
     measure(runs, prompts, targets[0], log=lambda m: print(f"[evaluate] {m}", file=sys.stderr))

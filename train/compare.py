@@ -170,26 +170,33 @@ ALONE = ":lookup_ngram=0,lookup_gamma=0"
 
 
 def measure_all(
-    families: Sequence[Family], args: Namespace, target, prompts, temperature: float
+    families: Sequence[Family],
+    args: Namespace,
+    target,
+    prompts,
+    temperature: float,
+    loaded: dict | None = None,
 ) -> tuple[dict, list[Run]]:
     """Every trained family plus the baselines on `prompts` at `temperature`, in this process:
     evaluate.py's runs and report (one row per run). Transformers' own methods run greedy only;
     greedy, a drafter that copies from the context also runs alone (lookup_ngram=0): the tau
-    that training's simulated tau predicts."""
+    that training's simulated tau predicts. `loaded`: the fine-tuned targets already loaded
+    (evaluate.fine_tuned_target), shared across the passes."""
     hf = ["hf_assisted", "hf_early_exit"] if temperature == 0 else []
     folders = [f.folder for f in families if f.folder is not None]
     run_args = Namespace(
         **{**vars(args), "temperature": temperature, "drafter": [str(f) for f in folders],
            "baselines": ",".join(["ar", "prompt_lookup", *hf])},
     )  # fmt: skip
-    runs = build_runs(run_args, target)
+    runs = build_runs(run_args, target, loaded=loaded)
     copying = [f for f in folders if load_decoding(f).lookup_ngram > 0]
     if temperature == 0 and copying:
         alone = [f"{f}{ALONE}" for f in copying]
         names = {r.name for r in runs}  # the plain decodings already there
         extra = build_runs(
-            Namespace(**{**vars(run_args), "drafter": alone, "baselines": ""}), target
-        )
+            Namespace(**{**vars(run_args), "drafter": alone, "baselines": ""}), target,
+            loaded=loaded,
+        )  # fmt: skip
         runs += [r for r in extra if r.name not in names]
     measure(runs, prompts, target, log=lambda m: print(f"[compare] {m}", file=sys.stderr))
     return make_report(run_args, [target], runs), runs
@@ -465,10 +472,11 @@ def compare(args: Namespace) -> dict:
             if found.folder is not None:
                 tune_family(found, target, prompts[: args.tune_prompts], args.max_new_tokens,
                             log=lambda m, n=found.name: print(f"[compare] {n} {m}", file=sys.stderr))  # fmt: skip
-    greedy, _ = measure_all(families, args, target, prompts, 0.0)
+    loaded: dict = {}  # fine-tuned targets, loaded once for both passes
+    greedy, _ = measure_all(families, args, target, prompts, 0.0, loaded)
     sampled = None
     if args.sampled:
-        sampled, _ = measure_all(families, args, target, prompts, 1.0)
+        sampled, _ = measure_all(families, args, target, prompts, 1.0, loaded)
     rows = family_rows(families, greedy, sampled)
     trained = [r for r in rows if r.get("train_tokens")]
     summary = (

@@ -305,10 +305,8 @@ def test_stop_below_ends_chains_after_an_unsure_token(tiny_target, trained_head,
 def test_int8_where_it_cannot_run_drafts_with_full_weights(tiny_target, trained_head, monkeypatch):
     """A head saved with draft_weights=int8 still decodes on a device without the int8 kernel
     (a GPU): one warning, full weights, exact output."""
-    import specdraft.drafters.base as base
     import specdraft.drafters.lean as lean
 
-    monkeypatch.setattr(base, "_WARNED", set())
     monkeypatch.setattr(lean, "int8_supported", lambda device: False)
     greedy = SamplingSettings()
     with pytest.warns(UserWarning, match="runs on CPU only"):

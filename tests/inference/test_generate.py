@@ -366,9 +366,6 @@ def test_bad_input_is_a_clear_error(random_target, drafts):
 def test_settings_a_kind_cannot_honour_are_named_once(random_target, drafts, monkeypatch):
     """A two-model tree drafts with full weights and prompt lookup drafts chains: asked for
     otherwise, the loop says once what it ignores, and output stays exact."""
-    import specdraft.drafters.base as base
-
-    monkeypatch.setattr(base, "_WARNED", set())
     ref = hf_greedy(random_target, PROMPT, 12)
     with pytest.warns(UserWarning, match="draft_weights=int8 is ignored by two-model trees"):
         out = generate(
