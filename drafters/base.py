@@ -348,26 +348,6 @@ class LoraConfig:
             raise ValueError("lora.target_modules is empty: name the layers that get adapters")
 
 
-def attach_lora(target, config: LoraConfig):
-    """Put trainable LoRA adapters into `target`'s model in place and return the peft model;
-    the base weights stay frozen. A module name that matches nothing is a clear error."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-
-    present = {name.rsplit(".", 1)[-1] for name, _ in target.model.named_modules()}
-    missing = sorted(set(config.target_modules) - present)
-    if missing:
-        raise ValueError(
-            f"lora.target_modules {missing} match no layer of the target {target.name!r}; its "
-            f"linear layers include {sorted(n for n in present if n.endswith('proj'))[:8]}"
-        )
-    peft_config = PeftLoraConfig(
-        r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
-        target_modules=list(config.target_modules), bias="none", task_type="CAUSAL_LM",
-    )  # fmt: skip
-    return get_peft_model(target.model, peft_config)
-
-
 def adapter_hash(state: Mapping[str, torch.Tensor]) -> str:
     """A short hash of an adapter's weights (peft's saved names, fp32 values): what a target
     fine-tuned through it is told apart from its base by (the target fingerprint's `adapter`)."""

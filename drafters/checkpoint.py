@@ -42,7 +42,7 @@ from transformers import AutoModelForCausalLM
 from specdraft.core import DecodeConfig, check_fingerprint
 from specdraft.drafters.base import Drafter, hf_model_kind, vocab_mismatch_error
 from specdraft.drafters.base import drafter_class as registered_class
-from specdraft.drafters.target import Target
+from specdraft.drafters.target import ADAPTER_ATTRIBUTE, Target
 
 # 2: decoding settings moved from the kind's config into their own `decode` block.
 FORMAT_VERSION = 2
@@ -101,6 +101,10 @@ def save_drafter(
             # A plain HF folder: transformers writes the config and (tie-aware) safetensors.
             hf_model.save_pretrained(tmp, safe_serialization=True)
             config = json.loads((tmp / CONFIG_NAME).read_text())
+            if drafter.uses_target_weights and target_fingerprint.get("adapter"):
+                # the fine-tuned target's own config names its adapter hash, so
+                # load_target(folder) fingerprints it as the drafter records it
+                config[ADAPTER_ATTRIBUTE] = target_fingerprint["adapter"]
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
         else:

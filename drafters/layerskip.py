@@ -47,12 +47,10 @@ from specdraft.drafters.base import (
     DraftSession,
     LoraConfig,
     Metrics,
-    attach_lora,
     sum_and_count,
 )
 from specdraft.drafters.distill import simulated_alpha
 from specdraft.drafters.target import (
-    ADAPTER_ATTRIBUTE,
     TargetError,
     final_logits,
     layer_rotary,
@@ -284,7 +282,8 @@ def weights_digest(model: nn.Module) -> str:
 
 class LayerSkipDrafter(Drafter):
     """The fine-tuned target as its own drafter. `hf_model` is the model (what is saved: a plain
-    HF folder); with LoRA, `peft` is its peft wrapper while training."""
+    HF folder); with LoRA, `peft` is its peft wrapper while training (the Target holds it:
+    Target.attach_lora)."""
 
     kind = "layerskip"
     title = "LayerSkip"
@@ -297,12 +296,12 @@ class LayerSkipDrafter(Drafter):
         "exit_layer": (0, "chooses where a LayerSkip drafter's draft exits the target")
     }
 
-    def __init__(self, config: LayerSkipConfig, hf_model) -> None:
+    def __init__(self, config: LayerSkipConfig, hf_model, target=None) -> None:
         super().__init__()
         self.hf_model = hf_model
         self.config = config.resolve(hf_model.config.num_hidden_layers)
         self.num_layers = hf_model.config.num_hidden_layers
-        self.peft = None
+        self.tuned = target  # the Target fine-tuned in place, where training built it
         self._step, self._max_steps = 0, 1
 
     @classmethod
@@ -311,13 +310,16 @@ class LayerSkipDrafter(Drafter):
         or gets LoRA adapters (lora.rank > 0); no second copy of the weights."""
         llama_parts(target.model)  # a clear error before training for other layouts
         if config.lora.rank > 0:
-            peft = attach_lora(target, config.lora)
-            drafter = cls(config, target.model)
-            object.__setattr__(drafter, "peft", peft)  # not a submodule: hf_model holds it
-            return drafter
+            target.attach_lora(config.lora)
+            return cls(config, target.model, target)
         for p in target.model.parameters():
             p.requires_grad_(True)
         return cls(config, target.model)
+
+    @property
+    def peft(self):
+        """The LoRA's peft model while training with lora.rank > 0, else None."""
+        return self.tuned.adapter if self.tuned is not None else None
 
     @classmethod
     def from_checkpoint(cls, config: LayerSkipConfig, target, hf_model) -> LayerSkipDrafter:
@@ -359,8 +361,8 @@ class LayerSkipDrafter(Drafter):
 
     def trained_fingerprint(self, target) -> dict:
         """The fine-tuned model's own fingerprint: the base's, with the trained weights' hash as
-        its `adapter`, also written into the saved model config so load_target(folder) gives the
-        same fingerprint back."""
+        its `adapter` (save_drafter writes it into the saved model's config.json, so
+        load_target(folder) gives the same fingerprint back)."""
         if self.peft is not None:
             from peft.utils import get_peft_model_state_dict
 
@@ -369,7 +371,6 @@ class LayerSkipDrafter(Drafter):
             digest = adapter_hash(get_peft_model_state_dict(self.peft))
         else:
             digest = weights_digest(self.hf_model)
-        setattr(self.hf_model.config, ADAPTER_ATTRIBUTE, digest)
         fingerprint = {**target.fingerprint, "adapter": digest}
         served = weights_hash(self.hf_model)  # full fine-tuning may have moved the embedding
         if served is not None and "weights" in fingerprint:

@@ -43,7 +43,6 @@ from specdraft.drafters.base import (
     LoraConfig,
     Metrics,
     adapter_hash,
-    attach_lora,
     sum_and_count,
     warn_once,
 )
@@ -200,7 +199,6 @@ class MedusaDrafter(Drafter):
             with torch.no_grad():  # training starts from the target's next-token predictor
                 for head in self.heads:
                     head.out.weight.copy_(lm[d2t].float())
-        self.peft = None  # Medusa-2 while training: the target with its adapters (peft)
 
     @classmethod
     def build(cls, config: MedusaConfig, target, d2t: torch.Tensor | None = None) -> MedusaDrafter:
@@ -209,10 +207,8 @@ class MedusaDrafter(Drafter):
         drafter's own parameters."""
         drafter = cls(config, target, d2t)
         if config.lora.rank > 0:
-            # a plain attribute, not a submodule: the target's weights are not the drafter's
-            object.__setattr__(drafter, "peft", attach_lora(target, config.lora))
             adapters = {}
-            for name, module in drafter.peft.named_modules():
+            for name, module in target.attach_lora(config.lora).named_modules():
                 if hasattr(module, "lora_A") and "default" in module.lora_A:
                     adapters[name.replace(".", "__")] = nn.ModuleDict({
                         "A": module.lora_A["default"], "B": module.lora_B["default"],
@@ -229,6 +225,12 @@ class MedusaDrafter(Drafter):
                 "whole run with DeepSpeed ZeRO-3 instead, or train Medusa-1"
             )
         return None
+
+    @property
+    def peft(self):
+        """Medusa-2's target with its adapters while training (Target.attach_lora holds it);
+        None for Medusa-1 and for heads loaded to decode (their target has the adapter merged)."""
+        return self.target.adapter if self.config.lora.rank > 0 else None
 
     @property
     def runs_target(self) -> bool:

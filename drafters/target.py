@@ -60,6 +60,10 @@ class Target:
         except AttentionError as e:
             raise TargetError(f"{self.name}: {e}") from None
         self.saved_dtype: torch.dtype = self.dtype  # load_target sets the checkpoint's own
+        # While a LoRA fine-tunes the model in place (Medusa-2, LayerSkip with lora.rank > 0):
+        # its peft model (attach_lora). Decoding never needs it: a fine-tuned target is loaded
+        # with its adapter merged (load_target(..., adapter=)).
+        self.adapter = None
 
     @property
     def device(self) -> torch.device:
@@ -96,6 +100,28 @@ class Target:
         )
 
     # -- pieces drafters reuse ------------------------------------------------------------------
+
+    def attach_lora(self, config):
+        """Put trainable LoRA adapters (a drafters.base.LoraConfig: rank, alpha, dropout,
+        target_modules) into the model in place, keep the peft model as `adapter` and return
+        it; the base weights stay frozen. A module name that matches nothing is a clear error.
+        The one place a target is fine-tuned through an adapter, for every kind that does."""
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        present = {name.rsplit(".", 1)[-1] for name, _ in self.model.named_modules()}
+        missing = sorted(set(config.target_modules) - present)
+        if missing:
+            raise ValueError(
+                f"lora.target_modules {missing} match no layer of the target {self.name!r}; its "
+                f"linear layers include {sorted(n for n in present if n.endswith('proj'))[:8]}"
+            )
+        peft_config = PeftLoraConfig(
+            r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
+            target_modules=list(config.target_modules), bias="none", task_type="CAUSAL_LM",
+        )  # fmt: skip
+        self.adapter = get_peft_model(self.model, peft_config)
+        return self.adapter
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(batch, seq) token ids -> (batch, seq, hidden) input embeddings."""

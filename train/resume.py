@@ -91,7 +91,8 @@ def load_weights(drafter, path: Path, target_fingerprint: dict, device: torch.de
             "resume from a checkpoint-<step> folder a run wrote"
         )
     expected = dict(meta.get("target_fingerprint") or {})
-    expected.pop("adapter", None)
+    if expected.pop("adapter", None):  # a fine-tuned target: its weights are the run's, not the
+        expected.pop("weights", None)  # base's it resumes from
     check_fingerprint(
         expected, target_fingerprint, f"the checkpoint {path}", error=ResumeError,
         fix="resume with the target it was trained against",

@@ -216,7 +216,7 @@ def test_evaluate_measures_it_beside_transformers_early_exit(
 
     import specdraft.inference.evaluate as ev
 
-    ev._LOADED.clear()  # nothing left over from the evaluations above
+    # (each evaluate run keeps its own loads: nothing is left over from the runs above)
     loads, gammas = [], []
     real, generate = ev.load_target, GenerationMixin.generate
     monkeypatch.setattr(ev, "load_target", lambda *a, **k: loads.append(a) or real(*a, **k))
