@@ -305,10 +305,10 @@ ADAPTER_ATTRIBUTE = "specdraft_adapter"
 def weights_hash(model: PreTrainedModel, rows_hashed: int = 64) -> str | None:
     """A short hash of `rows_hashed` evenly spaced rows of the input embedding, rounded to bf16
     (so a bf16 copy of an fp32 checkpoint hashes as the checkpoint does); None where this
-    process holds no whole embedding (ZeRO-3 partitions it)."""
+    process holds no whole embedding (ZeRO-3 partitions it) or it has no data (meta)."""
     weight = model.get_input_embeddings().weight
-    if weight.dim() != 2 or weight.numel() == 0:
-        return None
+    if weight.dim() != 2 or weight.numel() == 0 or weight.is_meta:
+        return None  # partitioned, or a model built on the meta device (sizes only)
     index = torch.linspace(0, weight.shape[0] - 1, rows_hashed).long().unique()
     sample = weight.detach()[index.to(weight.device)].to(torch.bfloat16).view(torch.int16)
     return hashlib.sha256(sample.cpu().numpy().tobytes()).hexdigest()[:16]
