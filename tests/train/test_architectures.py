@@ -1,10 +1,10 @@
-"""Every kind on the architectures people train drafters for: tiny random Qwen3, Qwen3-MoE,
-Mistral (sliding window), Gemma-2 (alternating windows, soft-capping) and Gemma-3 (a pattern of
+"""Every kind on the architectures people train drafters for: tiny random Llama (tied
+embeddings), Qwen2, Phi-3, OLMo-2, Qwen3, Qwen3-MoE, Mistral (sliding window), Gemma-2 (alternating windows, soft-capping) and Gemma-3 (a pattern of
 local layers with their own rope) targets, saved as model folders with the tiny demo target's
 tokenizer; each kind trained 3 steps through its entry script (sequences longer than the
 window), then greedy decoding on prompts past the window against the model's own greedy
-decoding, and the EAGLE-3 and Medusa heads exported and read back. Llama, Qwen2, Phi-3 and
-OLMo-2 share Llama's layout and are covered by the rest of the suite.
+decoding, and the EAGLE-3 and Medusa heads exported and read back. (The untied Llama is the
+tiny demo target the rest of the suite uses.)
 
 Before: two-model training failed on Qwen3, Qwen3-MoE and Gemma (seeded layers of another
 head_dim), LayerSkip training on Gemma-3 (its rotary takes a layer type), and decoding failed
@@ -21,8 +21,16 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -38,7 +46,9 @@ from specdraft.train import distill, eagle, layerskip, medusa
 pytestmark = pytest.mark.slow
 
 WINDOW = 16
-ARCHITECTURES = ["qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3"]
+ARCHITECTURES = [
+    "llama_tied", "qwen2", "phi3", "olmo2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3",
+]  # fmt: skip
 
 
 def _model(name: str, vocab: int):
@@ -48,6 +58,14 @@ def _model(name: str, vocab: int):
         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512, head_dim=24,
         initializer_range=0.2, tie_word_embeddings=False,
     )  # fmt: skip
+    if name == "llama_tied":
+        return LlamaForCausalLM(LlamaConfig(**{**common, "tie_word_embeddings": True}))
+    if name == "qwen2":  # q/k/v biases
+        return Qwen2ForCausalLM(Qwen2Config(**common))
+    if name == "phi3":  # fused qkv and gate/up projections
+        return Phi3ForCausalLM(Phi3Config(**common, pad_token_id=0))
+    if name == "olmo2":  # norms after attention and MLP, q/k norms
+        return Olmo2ForCausalLM(Olmo2Config(**common, pad_token_id=0))
     if name == "qwen3":
         return Qwen3ForCausalLM(Qwen3Config(**common))
     if name == "qwen3_moe":
