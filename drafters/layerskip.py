@@ -461,7 +461,7 @@ class LayerSkipDrafter(Drafter):
             skip = {i: skipped[i] for i in range(self.num_layers) if bool(skipped[i].any())}
         states = run_layers(
             enumerate(layers), hidden, mask=lambda i: layout.layer_mask(masks, i),
-            positions=positions, rotary=layer_rotary(rotary_emb, config, hidden, positions),
+            positions=positions, rotary=layer_rotary(rotary_emb, layout, hidden, positions),
             skip=skip, keep={e - 1 for e in exits},
         )  # fmt: skip
         return {e: norm(states[e - 1]) for e in exits}
@@ -602,7 +602,7 @@ class LayerSkipSession(DraftSession):
         return run_layers(
             [(i, self.layers[i]) for i in indices], hidden,
             mask=lambda i: self.layout.layer_mask(masks, i), positions=positions,
-            rotary=layer_rotary(self.rotary, self.model.config, hidden, positions),
+            rotary=layer_rotary(self.rotary, self.layout, hidden, positions),
             cache=self.cache,
         )[-1]  # fmt: skip
 

@@ -14,6 +14,7 @@ state that feeds the LM head (L = number of layers).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import json
@@ -258,15 +259,24 @@ def final_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def layer_rotary(rotary: nn.Module, config, hidden: torch.Tensor, positions: torch.Tensor):
+def layer_rotary(
+    rotary: nn.Module, layout: AttentionLayout, hidden: torch.Tensor, positions: torch.Tensor
+):
     """index -> the (cos, sin) layer `index` rotates by: one table for every layer, or one per
     layer type where the model keeps several (Gemma-3's local and global rope)."""
-    if "layer_type" not in inspect.signature(rotary.forward).parameters:
+    if not _rotary_per_type(type(rotary)):
         table = rotary(hidden, positions)
         return lambda index: table
-    types = AttentionLayout.of(config).layer_types
+    types = layout.layer_types
     tables = {kind: rotary(hidden, positions, kind) for kind in set(types)}
     return lambda index: tables[types[index]]
+
+
+@functools.cache
+def _rotary_per_type(cls: type) -> bool:
+    """True for a rotary module whose forward takes the layer type (read once per class: the
+    decode loop asks per drafted token)."""
+    return "layer_type" in inspect.signature(cls.forward).parameters
 
 
 def rows(weight: torch.Tensor) -> int:
