@@ -40,7 +40,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
-from specdraft.config import choice
+from specdraft.config import choice, follows
 from specdraft.core import (
     DecodeConfig,
     DraftContext,
@@ -72,20 +72,21 @@ class EagleConfig:
     version: str = choice("eagle3", "eagle1")
     # eagle3: the target hidden-state ids fused into the feature (0 = embeddings, i = output of
     # decoder layer i, L = final normed state); None: EAGLE-3's low/mid/high choice for the target.
-    feature_layers: list[int] | None = None
+    feature_layers: list[int] | None = follows("version")
     # eagle3: size of the draft vocabulary (the most frequent target tokens in the training
     # data, EOS always in); 0: the target's whole vocabulary.
-    draft_vocab_size: int = 0
+    draft_vocab_size: int = follows("version", 0)
     # Training-time test depth K: the head is unrolled K steps on its own outputs.
     # None: 7 for eagle3, 1 for eagle1 (the EAGLE-1 paper trains one step with feature noise).
-    ttt_steps: int | None = None
+    # A file's value for one version does not carry into another set after it (command line).
+    ttt_steps: int | None = follows("version")
     # Step k of the unroll is weighted ttt_decay ** k.
     ttt_decay: float = 0.8
     # Half-width a of the uniform noise U(-a, a) added to the input features while training
     # (EAGLE-1's remedy for the error that accumulates in drafted features). None: 0.1 for
     # eagle1, as the EAGLE paper trains; 0 for eagle3, whose training-time test feeds the head
     # its own drifted features instead.
-    feature_noise: float | None = None
+    feature_noise: float | None = follows("version")
     # eagle1: weight of the smooth-L1 regression of h_t onto the next target feature.
     reg_weight: float = 1.0
     # eagle1: weight of the cross-entropy against the target's distribution (eagle3 has only it).
@@ -100,7 +101,7 @@ class EagleConfig:
     architecture: str = "reference"
     # eagle3 reference: the residual around attention is hidden_norm(feature) (True) or the
     # feature itself (False, as SafeAILab/EAGLE and vLLM by default). Exports always write it.
-    norm_before_residual: bool = False
+    norm_before_residual: bool = follows("version", False)
     # eagle1: fc has a bias (SafeAILab/EAGLE's default; its config.json says `bias`).
     fc_bias: bool = True
 

@@ -29,6 +29,7 @@ import re
 import sys
 import textwrap
 import typing
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,14 @@ def choice(*options: str) -> Any:
     the field's metadata, so loading (`check_choices`) and `--help` use the same tuple (OmegaConf
     has no `Literal`, hence this instead of a type)."""
     return field(default=options[0], metadata={"choices": options})
+
+
+def follows(key: str, default: Any = None) -> Any:
+    """A config field whose value belongs to the sibling `key` it follows (EAGLE's `ttt_steps`
+    follows `version`): a layer that changes `key` drops what earlier layers set for this field,
+    so a file's choice for one version does not carry into another chosen on the command line.
+    The layer's own value for the field, and later layers', still apply."""
+    return field(default=default, metadata={"follows": key})
 
 
 def load_config(cls: type[T], path: str | Path | None, overrides: Sequence[str] = ()) -> T:
@@ -123,7 +132,8 @@ class _Layer:
 
 
 def _build(cls: type[T], config: DictConfig, layers: list[_Layer]) -> T:
-    for layer in layers:
+    for i, layer in enumerate(layers):
+        _drop_followers(cls, config, layer, layers[:i])
         try:
             config = OmegaConf.merge(config, layer.values)
             check_choices(config)  # the earlier layers passed, so a bad choice is this layer's
@@ -137,14 +147,72 @@ def _build(cls: type[T], config: DictConfig, layers: list[_Layer]) -> T:
         raise _blame(cls, layers, e) from None
 
 
+def _drop_followers(cls: type, config: DictConfig, layer: _Layer, earlier: list[_Layer]) -> None:
+    """Reset to its default every `follows` field that `earlier` layers of another source set,
+    in each section where `layer` changes the key it follows; warn naming what was dropped."""
+    sets = set(layer.dotted_keys())
+    for section, tp in _sections(cls):
+        followers: dict[str, list[dataclasses.Field]] = {}
+        for f in dataclasses.fields(tp):
+            if "follows" in f.metadata:
+                followers.setdefault(f.metadata["follows"], []).append(f)
+        for key, fields in followers.items():
+            leader = _dotted(section, key)
+            new = _value_at(layer.values, leader)
+            if (
+                leader not in sets
+                or new is None
+                or str(new) == str(OmegaConf.select(config, leader))
+            ):
+                continue
+            dropped = []
+            for f in fields:
+                name = _dotted(section, f.name)
+                # the same source (the command line's items) is one choice, in any order
+                setters = [x for x in earlier if name in x.dotted_keys()]
+                if name in sets or not setters or _origin(setters[-1]) == _origin(layer):
+                    continue
+                default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # fmt: skip
+                OmegaConf.update(config, name, default, merge=False)
+                dropped.append(f"{name} (set in {setters[-1].where(name)})")
+            if dropped:
+                warnings.warn(
+                    f"{layer.where(leader)}: {leader} changes to {new}, so what was set for the "
+                    f"previous {key} is dropped and {new}'s defaults apply: {', '.join(dropped)}; "
+                    "set them on the command line to keep them",
+                    ConfigNote,
+                    stacklevel=4,
+                )
+
+
+class ConfigNote(UserWarning):
+    """A config value dropped because a later layer changed what it belongs to."""
+
+
+def _sections(cls: type, prefix: str = "") -> list[tuple[str, type]]:
+    """(dotted section, its dataclass) for `cls` and every dataclass section inside it."""
+    out = [(prefix, cls)]
+    for name, tp in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(tp) and name in {f.name for f in dataclasses.fields(cls)}:
+            out += _sections(tp, _dotted(prefix, name))
+    return out
+
+
+def _origin(layer: _Layer) -> str:
+    return layer.source.partition(" (")[0]
+
+
+def _value_at(values: dict, key: str) -> Any:
+    for part in key.split("."):
+        values = values.get(part) if isinstance(values, dict) else None
+    return values
+
+
 def _merge_error(cls: type, layer: _Layer, e: OmegaConfBaseException) -> ConfigError:
     """OmegaConf's refusal, reworded as: where, which key, what it expects, what it got."""
 
     def value_of(key: str) -> Any:
-        value: Any = layer.values
-        for part in key.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        return value
+        return _value_at(layer.values, key)
 
     key = e.full_key
     if key is None:  # a value given for a whole section, which OmegaConf does not name

@@ -512,3 +512,29 @@ def test_tuning_needs_a_prompt_and_a_pass(key):
 
     with pytest.raises(ConfigError, match=rf"eval_loop\.{key} must be >= 1; got 0"):
         LoopEvalConfig(**{key: 0})
+
+
+def test_a_files_keys_for_one_version_do_not_carry_into_another():
+    """EAGLE's demo.yaml tunes ttt_steps 3, a 2048-token draft vocabulary and
+    norm_before_residual for EAGLE-3; `drafter.version=eagle1` on the command line gets EAGLE-1's
+    defaults for them (ttt_steps 1 once resolved), with a note naming each dropped key, while
+    what the command line itself sets, in any order, and every other key stay. Fails with the
+    file's values carried over (ttt_steps 3)."""
+    from specdraft.config import ConfigNote
+    from specdraft.drafters.eagle import resolve_config
+    from specdraft.train.eagle import EagleTrainConfig
+
+    demo = Path(__file__).parents[2] / "configs" / "eagle" / "demo.yaml"
+    with pytest.warns(ConfigNote, match=r"drafter\.ttt_steps \(set in .*demo\.yaml, line \d+\)"):
+        cfg = load_config(EagleTrainConfig, demo, ["drafter.version=eagle1"])
+    assert (cfg.drafter.ttt_steps, cfg.drafter.draft_vocab_size) == (None, 0)
+    assert cfg.drafter.norm_before_residual is False
+    assert cfg.lr == load_config(EagleTrainConfig, demo).lr  # not a version's key: kept
+    assert resolve_config(cfg.drafter, None).ttt_steps == 1
+    for items in (
+        ["drafter.version=eagle1", "drafter.ttt_steps=2"],
+        ["drafter.ttt_steps=2", "drafter.version=eagle1"],
+    ):
+        assert load_config(EagleTrainConfig, demo, items).drafter.ttt_steps == 2
+    # the file's own version, said again, changes nothing and drops nothing
+    assert load_config(EagleTrainConfig, demo, ["drafter.version=eagle3"]).drafter.ttt_steps == 3
