@@ -333,19 +333,30 @@ def load_drafter(
     return drafter
 
 
+# The config.json key under which an export records the decoding settings its drafter was saved
+# or tuned with, in formats whose loaders keep unknown top-level keys (every one we write).
+EXPORTED_DECODING = "specdraft_decoding"
+
+
 def load_decoding(path: str | Path) -> DecodeConfig:
     """The decoding settings the drafter in `path` is served with: the `decode` block its
     checkpoint saved (set_decode rewrites it after tuning), what an imported format records
-    (speculators' proposal length), else DecodeConfig()'s. Handed to generate, evaluation and
+    (our exports' `specdraft_decoding` block, and speculators' proposal length, which the
+    engine serves), else DecodeConfig()'s. Handed to generate, evaluation and
     tuning as an argument; nothing keeps it on the drafter."""
     folder = Path(path).expanduser()
     from specdraft.drafters.export import FORMATS, imported_format  # lazily: it imports this one
 
     fmt = imported_format(folder)
     if fmt is not None:
-        decoding = FORMATS[fmt].decoding
         config = json.loads((folder / CONFIG_NAME).read_text())
-        return decoding(config) if decoding is not None else DecodeConfig()
+        # what our exports record beside the format's own fields (scripts/export.py)
+        values = config.get(EXPORTED_DECODING)
+        decode = (
+            DecodeConfig() if values is None else _config_from_dict(DecodeConfig, values, folder)
+        )
+        reader = FORMATS[fmt].decoding
+        return reader(config, decode) if reader is not None else decode
     meta, _ = read_metadata(folder)
     if meta is None:  # a plain HF folder records no decoding settings
         return DecodeConfig()

@@ -45,11 +45,16 @@ SGLang has no norm_before_residual (it computes False), so such heads are refuse
 EAGLE-1, SGLang's fc always has a bias and vLLM's never (it drops fc.bias without a word and reads
 `bias` as the *attention's* bias): no one EAGLE-1 folder serves both; the default (fc_bias true,
 the reference's) serves SGLang and SafeAILab/EAGLE; train with drafter.fc_bias=false for vLLM.
-What is lost on export: the decoding defaults except the chain length (speculative_tokens).
+Every folder holds the target's embedding (`embed_tokens.weight`; see reference_state) and the
+decoding settings the head was saved or tuned with (`specdraft_decoding`, a top-level key every
+loader here keeps; speculators' own speculative_tokens is the chain length, which vLLM serves);
+the eagle layout also holds `pytorch_model.bin`, the only file SafeAILab/EAGLE reads.
+`scripts/verify_export.py` loads a folder with the engine's own loader and compares drafts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import partial
 from pathlib import Path
@@ -156,6 +161,13 @@ def reference_state(drafter: EagleDrafter, fmt: str) -> dict[str, torch.Tensor]:
         return t.detach().to("cpu").contiguous().clone()
 
     state = {f"layers.0.{k}": plain(v) for k, v in drafter.layer.state_dict().items()}
+    # The target's embedding, which the head reads: speculators 0.9.0 leaves a missing one at
+    # zeros (its from_pretrained resets it before it would copy the verifier's), so the draft
+    # runs on zero embeddings without a word; SafeAILab/EAGLE's strict loader refuses a file
+    # without it. vLLM and SGLang then use this copy instead of sharing the target's (the same
+    # values; V x H more memory on the GPU).
+    embedding = drafter.target.model.get_input_embeddings().weight
+    state["embed_tokens.weight"] = plain(embedding).to(state["layers.0.mlp.down_proj.weight"].dtype)
     if cfg.version == "eagle1":
         state["fc.weight"] = plain(drafter.fc.weight)
         if drafter.fc.bias is not None:
@@ -317,9 +329,12 @@ def _sglang_name(name: str) -> str:
 # --- the layouts' rules --------------------------------------------------------------------------
 
 
-def expected_shapes(fmt: str, config: dict, vocab_size: int) -> dict[str, tuple[int, ...]]:
+def expected_shapes(
+    fmt: str, config: dict, vocab_size: int, *, embedding: bool = True
+) -> dict[str, tuple[int, ...]]:
     """The exact weight names and shapes of a `fmt` folder with this config.json (the target's
-    vocabulary size for the maps); names as the format writes them."""
+    vocabulary size for the maps and the embedding, which our exports hold and published heads
+    may leave out: `embedding`); names as the format writes them."""
     layer = config["transformer_layer_config"] if fmt == "speculators" else config
     H, inter = layer["hidden_size"], layer["intermediate_size"]
     heads = layer["num_attention_heads"]
@@ -341,6 +356,8 @@ def expected_shapes(fmt: str, config: dict, vocab_size: int) -> dict[str, tuple[
         shapes["input_layernorm.weight"] = (H,)
         shapes["hidden_norm.weight"] = (H,)
     expected = {prefix + k: v for k, v in shapes.items()}
+    if embedding:
+        expected["embed_tokens.weight"] = (vocab_size, H)
     if fmt == "eagle":
         expected["fc.weight"] = (H, 2 * H)
         if config.get("bias", True):  # SafeAILab/EAGLE's default when the key is absent
@@ -481,7 +498,8 @@ def read_head(
             f"{target.name!r}'s: specdraft's heads read the target's embedding; load the target "
             "the head was trained for"
         )
-    expected = {_our_name(k): v for k, v in expected_shapes(fmt, config, target.vocab_size).items()}
+    shapes = expected_shapes(fmt, config, target.vocab_size, embedding=False)  # popped above
+    expected = {_our_name(k): v for k, v in shapes.items()}
     if fmt == "sglang" and "d2t" not in state and config["draft_vocab_size"] == target.vocab_size:
         del expected["d2t"], expected["t2d"]  # SGLang itself takes a full vocabulary without maps
     where_w = folder / ", ".join(f.name for f in files)
@@ -506,10 +524,11 @@ def read_head(
     return drafter
 
 
-def speculators_decoding(config: dict) -> DecodeConfig:
-    """The decoding settings a speculators config records: its default proposal's length."""
+def speculators_decoding(config: dict, recorded: DecodeConfig) -> DecodeConfig:
+    """The decoding settings of a speculators folder: what our export recorded, with the chain
+    length the engine serves, its default proposal's speculative_tokens (edited or not)."""
     methods = config["speculators_config"]["proposal_methods"]
-    return DecodeConfig(gamma=int(methods[0]["speculative_tokens"]))
+    return dataclasses.replace(recorded, gamma=int(methods[0]["speculative_tokens"]))
 
 
 def _head_config(fmt: str, config: dict, target: Target, where: Path) -> EagleConfig:
@@ -632,7 +651,7 @@ def _detect_eagle1(config: dict) -> bool:
     )
 
 
-def _format(fmt: str, help: str, write, detect, decoding=None) -> Format:
+def _format(fmt: str, help: str, write, detect, decoding=None, pickle_copy=None) -> Format:
     """An EAGLE layout's FORMATS entry: its writer, and the shared reader and engine-rule check
     run with its name."""
     return Format(
@@ -644,6 +663,7 @@ def _format(fmt: str, help: str, write, detect, decoding=None) -> Format:
         validate=lambda folder, vocab: validate_folder(folder, fmt, vocab),
         detect=detect,
         decoding=decoding,
+        pickle_copy=pickle_copy,
     )
 
 
@@ -666,6 +686,9 @@ EAGLE_FORMATS: dict[str, Format] = {
         "SafeAILab/EAGLE's EAGLE-1/2 layout (SGLang's LlamaForCausalLMEagle, vLLM's EAGLE)",
         write_eagle,
         _detect_eagle1,
+        # SafeAILab/EAGLE's EaModel.from_pretrained reads only this file (a pickle we write and
+        # never read)
+        pickle_copy="pytorch_model.bin",
     ),
 }
 

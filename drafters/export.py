@@ -27,8 +27,9 @@ token k + 2 places ahead, and compute x + SiLU(W x + b) per block, then the outp
 drafters/medusa.py does. Heads with output=shared are written with a copy of the target's LM
 head as each head's output layer. A reduced draft vocabulary is exact in vllm only: the medusa
 layout has no token map, so exporting one there is an error. What is lost: the measured
-per-rank accuracies and the decoding defaults (no format holds them; reloaded heads build their
-tree from an assumed accuracy, with a warning).
+per-rank accuracies (reloaded heads build their tree from an assumed accuracy, with a warning).
+The decoding settings travel as `specdraft_decoding` (load_decoding reads them back), and the
+medusa layout's `medusa_choices` is the reference's tree for them, sized to the head count.
 
 Two caveats of the reference's own Python model, not of the layout: its from_pretrained loads
 only `medusa_lm_head.pt` (a pickle; convert with torch.save if you need it), and it builds a
@@ -43,6 +44,7 @@ sizes other than the target's are a CheckpointError naming them; only safetensor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -56,6 +58,7 @@ from specdraft.core import DecodeConfig
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.checkpoint import (
     CONFIG_NAME,
+    EXPORTED_DECODING,
     CheckpointError,
     _clear_leftovers,
     _replace_dir,
@@ -182,8 +185,24 @@ def write_medusa(
         "base_model_name_or_path": base_model,
         "hidden_size": weights.hidden_size,
         "vocab_size": weights.vocab_size,
+        "medusa_choices": medusa_choices(weights.num_heads, decode),
     }
     return config, tensors
+
+
+def medusa_choices(num_heads: int, decode: DecodeConfig) -> list[int]:
+    """The reference's medusa_choices for these heads: [1, k_1, ..., k_K], the top k_h candidates
+    of head h in a cartesian tree (its medusa_generate indexes one entry per head, so its default
+    [1, 7, 6], made for two heads, raises IndexError with more). The largest such tree within the
+    decoding settings' tree_budget, tree_top_k per head from the first; a chain at tree_top_k 1.
+    The reference reads no choices from config.json: pass medusa_choices=config["medusa_choices"]
+    to medusa_generate."""
+    ks, size = [], 1
+    for _ in range(num_heads):
+        k = decode.tree_top_k if size * decode.tree_top_k <= max(decode.tree_budget, 1) else 1
+        size *= k
+        ks.append(k)
+    return [1, *ks]
 
 
 def read_medusa(
@@ -377,6 +396,8 @@ def export_drafter(
     check_destination(out, overwrite)
     decode = decode if decode is not None else DecodeConfig()
     config, tensors = spec.write(drafter, base_model_name_or_path, decode)
+    # every engine we write for keeps an unknown top-level key; load_decoding reads it back
+    config[EXPORTED_DECODING] = dataclasses.asdict(decode)
     out.parent.mkdir(parents=True, exist_ok=True)
     _clear_leftovers(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

@@ -42,9 +42,10 @@ class Format:
     # (the written folder, the target's vocabulary size) -> what the engine's loader would refuse
     # there, each a sentence; run before the folder is renamed into place
     validate: Callable[[Path, int], list[str]] | None = None
-    # config.json -> the decoding settings the folder records (speculators' speculative_tokens);
-    # None: the format records none, and a loaded folder decodes with DecodeConfig()'s
-    decoding: Callable[[dict], DecodeConfig] | None = None
+    # (config.json, the settings our export recorded there or DecodeConfig()) -> the decoding
+    # settings the folder is served with, where the format's own fields say some (speculators'
+    # speculative_tokens); None: the format's fields say none
+    decoding: Callable[[dict, DecodeConfig], DecodeConfig] | None = None
 
 
 def count(config: dict, key: str, folder: Path, also: str | None = None) -> int:

@@ -82,6 +82,7 @@ def test_speculators_layout_is_what_vllm_loads(target, draft_vocab, tmp_path):
     out = export(head, tmp_path / "spec", "speculators")
     state, config = weights(out), config_of(out)
     names = {f"layers.0.{n}" for n in EAGLE3_LAYER} | {"fc.weight", "norm.weight", "lm_head.weight"}
+    names.add("embed_tokens.weight")  # speculators leaves a missing one at zeros (issue 31)
     if draft_vocab:  # vLLM refuses the maps for the whole vocabulary
         names |= {"d2t", "t2d"}
     assert set(state) == names
@@ -122,7 +123,9 @@ def test_sglang_layout_is_what_specforge_exports(target, tmp_path):
     out = export(noisy_head(target), tmp_path / "sgl", "sglang")
     state, config = weights(out), config_of(out)
     names = {f"midlayer.{n}" for n in EAGLE3_LAYER}
-    assert set(state) == names | {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"}
+    assert set(state) == names | {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
+        "embed_tokens.weight"
+    }
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
     assert config["draft_vocab_size"] == V
@@ -137,7 +140,11 @@ def test_eagle1_layout_is_safeailabs(target, fc_bias, tmp_path):
     out = export(noisy_head(target, "eagle1", fc_bias=fc_bias), tmp_path / "e1", "eagle")
     state, config = weights(out), config_of(out)
     names = {f"layers.0.{n}" for n in LAYER} | {"fc.weight"} | ({"fc.bias"} if fc_bias else set())
-    assert set(state) == names  # no input_layernorm, no final norm, no LM head
+    # no input_layernorm, no final norm, no LM head; the embedding its strict loader needs
+    assert set(state) == names | {"embed_tokens.weight"}
+    # and the pickle SafeAILab/EAGLE's EaModel.from_pretrained reads (it reads no other file)
+    pickled = torch.load(out / "pytorch_model.bin", weights_only=True)
+    assert set(pickled) == set(state) and all(torch.equal(pickled[k], state[k]) for k in state)
     assert state["fc.weight"].shape == (target.hidden_size, 2 * target.hidden_size)
     assert config["num_hidden_layers"] == 1 and config["bias"] is fc_bias
     assert config["architectures"] == ["LlamaForCausalLMEagle"]
@@ -200,7 +207,7 @@ def engine_eagle3(folder, fmt, target, ids, hidden) -> list[torch.Tensor]:
     Vd = config["draft_vocab_size"]
     hot = torch.arange(Vd) + state["d2t"] if "d2t" in state else torch.arange(Vd)
     feature = torch.cat([hidden[i][0] for i in ids_cfg], -1) @ state["fc.weight"].T
-    emb = target.embed(ids)[0]
+    emb = F.embedding(ids, state["embed_tokens.weight"])[0]  # the folder's, as speculators reads
     n = ids.shape[1]
     out = []
     for step in range(2):
@@ -271,7 +278,7 @@ def test_the_eagle1_files_compute_the_heads_logits_as_the_engines_do(target, tmp
     ids = torch.randint(3, V, (1, 10))
     hidden = target.forward(ids, capture_layers=head.capture_layers).hidden_states
     with torch.no_grad():
-        x = torch.cat([target.embed(ids)[0], hidden[LAYERS][0]], -1)
+        x = torch.cat([F.embedding(ids, state["embed_tokens.weight"])[0], hidden[LAYERS][0]], -1)
         x = x @ state["fc.weight"].T + state["fc.bias"]
         h = engine_layer(w, layer, x, x, torch.arange(10))
         theirs = target.lm_head(h)

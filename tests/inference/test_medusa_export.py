@@ -5,6 +5,7 @@ and every bad input a clear error that writes nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,8 +15,9 @@ from safetensors.torch import load_file, save_file
 from spec_helpers import MEDUSA_PROMPTS, fitted_medusa_heads, make_target, tiny_llama
 from testkit import perturb
 
+from specdraft.core import DecodeConfig
 from specdraft.drafters.checkpoint import CheckpointError, load_drafter
-from specdraft.drafters.export import ExportError, export_drafter
+from specdraft.drafters.export import ExportError, export_drafter, medusa_choices
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.inference import generate
 
@@ -52,6 +54,15 @@ def target_logits(heads: MedusaDrafter, h: torch.Tensor) -> torch.Tensor:
 # --- the exact layouts ---------------------------------------------------------------------------
 
 
+def test_medusa_choices_fit_the_head_count_and_the_budget():
+    """The reference's [1, k_1, ..., k_K]: one entry per head, the cartesian tree's size
+    (the product) within tree_budget, tree_top_k per head from the first."""
+    assert medusa_choices(4, DecodeConfig()) == [1, 1, 1, 1, 1]
+    assert medusa_choices(4, DecodeConfig(tree_top_k=3, tree_budget=12)) == [1, 3, 3, 1, 1]
+    assert medusa_choices(2, DecodeConfig(tree_top_k=4, tree_budget=64)) == [1, 4, 4]
+    assert medusa_choices(3, DecodeConfig(tree_top_k=5, tree_budget=4)) == [1, 1, 1, 1]
+
+
 @pytest.mark.parametrize("output", ["own", "shared"])
 def test_medusa_layout_has_the_reference_names_and_shapes(random_target, output, tmp_path):
     K, L, H, V = 3, 2, random_target.hidden_size, random_target.vocab_size
@@ -60,12 +71,17 @@ def test_medusa_layout_has_the_reference_names_and_shapes(random_target, output,
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json", "medusa_lm_head.pt", "medusa_lm_head.safetensors",
     ]  # fmt: skip
-    assert json.loads((out / "config.json").read_text()) == {
+    config = json.loads((out / "config.json").read_text())
+    assert config.pop("specdraft_decoding") == dataclasses.asdict(DecodeConfig())
+    assert config == {
         "medusa_num_heads": K,
         "medusa_num_layers": L,
         "base_model_name_or_path": BASE,
         "hidden_size": H,
         "vocab_size": V,
+        # one entry per head (the reference indexes one per head: its default [1, 7, 6] fits
+        # two heads and raised IndexError with more); a chain at DecodeConfig()'s tree_top_k 1
+        "medusa_choices": [1, 1, 1, 1],
     }
     state = load_file(out / "medusa_lm_head.safetensors")
     # the copy the reference's own loader unpickles holds the same tensors (read here as
@@ -98,7 +114,10 @@ def test_vllm_layout_has_the_names_and_shapes_vllm_loads(random_target, case, tm
     )  # fmt: skip
     out = export(heads, tmp_path / "vllm", "vllm")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
-    assert json.loads((out / "config.json").read_text()) == {
+    config = json.loads((out / "config.json").read_text())
+    # vLLM's MedusaConfig renames keys holding "num" and "heads": this one holds neither
+    assert config.pop("specdraft_decoding") == dataclasses.asdict(DecodeConfig())
+    assert config == {
         "model_type": "medusa",
         "architectures": ["MedusaModel"],
         "hidden_size": H,

@@ -3,6 +3,7 @@ and written in each format; bad input exits 2 with a one-line error and writes n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -11,7 +12,14 @@ import torch
 from testkit import perturb
 from transformers import LlamaForCausalLM
 
-from specdraft.drafters.checkpoint import CheckpointError, load_drafter, save_drafter
+from specdraft.core import DecodeConfig
+from specdraft.drafters.checkpoint import (
+    CheckpointError,
+    load_decoding,
+    load_drafter,
+    save_drafter,
+    set_decode,
+)
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.export import FORMATS
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
@@ -72,6 +80,30 @@ def test_export_writes_eagle_heads_that_load_back(deep_target, eagle_folders, fm
     assert export.main(["--format", fmt, str(eagle_folders[kind]), str(out)]) == 0
     original, back = load_drafter(eagle_folders[kind], target), load_drafter(out, target)
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in original.state_dict().items())
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_an_export_carries_the_decoding_settings_it_was_tuned_to(
+    deep_target, eagle_folders, heads_folder, fmt, tmp_path
+):
+    """A folder tuned to a chain of 3 with copying, int8 drafting and a stop rule exports them,
+    and the export reads back with them, not with DecodeConfig()'s gamma 5 and no copying.
+    A speculators folder's gamma is its speculative_tokens, which vLLM serves."""
+    kind = FORMATS[fmt].kinds[0]
+    source = {"medusa": heads_folder}.get(kind) or eagle_folders["eagle1" if fmt == "eagle" else "eagle3"]  # fmt: skip
+    folder = tmp_path / "tuned"
+    shutil.copytree(source, folder)
+    tuned = DecodeConfig(gamma=3, lookup_ngram=2, draft_weights="int8", stop_below=0.1)
+    set_decode(folder, tuned)
+    out = tmp_path / fmt
+    assert export.main(["--format", fmt, str(folder), str(out)]) == 0
+    assert load_decoding(out) == tuned
+    if fmt == "speculators":
+        config = json.loads((out / "config.json").read_text())
+        assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+        config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 6
+        (out / "config.json").write_text(json.dumps(config))
+        assert load_decoding(out) == dataclasses.replace(tuned, gamma=6)
 
 
 def test_a_head_of_the_removed_projected_layout_is_refused_with_the_fix(
