@@ -5,8 +5,9 @@
     python scripts/verify_export.py exports/medusa-demo --engine medusa
 
 The engine's package is installed from the registry into its own virtual environment (created on
-first use under SPECDRAFT_HOME/engines/, reused after; --python uses an interpreter you have set
-up instead), since each pins a transformers other than ours:
+first use under SPECDRAFT_ENGINES, default ~/.cache/specdraft/engines, and reused; --setup makes
+it only; --python uses an interpreter you have set up instead), since each pins a transformers
+other than ours:
 
     speculators  speculators==0.9.0 (vLLM's format)            EAGLE-3 heads
     eagle        eagle-llm==1.2.1 (SafeAILab/EAGLE's release)  EAGLE-1 heads
@@ -88,13 +89,21 @@ class VerifyError(ValueError):
 # --- the engine's environment ---------------------------------------------------------------------
 
 
-def engine_python(engine: str, home: Path | None = None, log=print) -> Path:
+def engines_dir() -> Path:
+    """Where the engines' environments live: SPECDRAFT_ENGINES, else SPECDRAFT_HOME/engines
+    (default ~/.cache/specdraft/engines)."""
+    if os.environ.get("SPECDRAFT_ENGINES"):
+        return Path(os.environ["SPECDRAFT_ENGINES"]).expanduser()
+    home = os.environ.get("SPECDRAFT_HOME") or Path.home() / ".cache" / "specdraft"
+    return Path(home).expanduser() / "engines"
+
+
+def engine_python(engine: str, log=print) -> Path:
     """The interpreter of `engine`'s virtual environment, made on first use (a marker file says
     it is complete; a half-made one is made again). torch is pinned to ours, which pip takes
     from a local file where there is one, so no other build is downloaded."""
     spec = ENGINES[engine]
-    home = home or Path(os.environ.get("SPECDRAFT_HOME", Path.home() / ".cache" / "specdraft"))
-    venv = home / "engines" / spec.name
+    venv = engines_dir() / spec.name
     python, ready = venv / "bin" / "python", venv / ".specdraft-ready"
     if ready.is_file():
         return python
@@ -335,6 +344,11 @@ def _within(accepted: list[int], n: int, chain: int) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.setup:
+            print(f"[verify] {args.engine}: {engine_python(args.engine)}")
+            return 0
+        if args.folder is None:
+            raise VerifyError("FOLDER is required (or --setup to make the environment only)")
         report = verify(
             Path(args.folder).expanduser(), args.engine, target_name=args.target,
             prompts=args.prompts, num_prompts=args.num_prompts,
@@ -372,7 +386,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("folder", metavar="FOLDER", help="a folder scripts/export.py wrote")
+    parser.add_argument("folder", metavar="FOLDER", nargs="?", help="a scripts/export.py folder")
+    parser.add_argument("--setup", action="store_true", help="make the environment, check nothing")
     parser.add_argument("--engine", required=True, choices=sorted(ENGINES))
     parser.add_argument("--target", default=None, help="default: the target the export names")
     parser.add_argument("--prompts", default="demo", help="demo, or a .txt/.json/.jsonl file")

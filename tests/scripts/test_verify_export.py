@@ -1,0 +1,149 @@
+"""scripts/verify_export.py: each export loaded by the reference code its format is named after
+(speculators 0.9.0, SafeAILab's eagle-llm, FasterDecoding's medusa-llm, each in its own virtual
+environment from the registry), drafting what our loop drafts; an export missing what the
+engine's model builds is caught.
+
+The engines' environments are made once per machine (about a minute each; .ci/run makes them
+before the suite) under SPECDRAFT_ENGINES, default ~/.cache/specdraft/engines."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from testkit import perturb
+from transformers import LlamaForCausalLM
+
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+from specdraft.drafters.export import export_drafter
+from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+from specdraft.drafters.target import load_target
+from specdraft.scripts import verify_export
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def engines(monkeypatch):
+    """The machine's engine environments, not the test session's fresh SPECDRAFT_HOME."""
+    default = Path.home() / ".cache" / "specdraft" / "engines"
+    monkeypatch.setenv("SPECDRAFT_ENGINES", os.environ.get("SPECDRAFT_ENGINES", str(default)))
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target, tmp_path_factory):
+    """(folder, Target): a random 6-layer Llama with the tiny demo target's tokenizer, saved as
+    a model folder the engines load too."""
+    config = tiny_target.config.__class__(**{**tiny_target.config.to_dict(), "num_hidden_layers": 6})  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("verify") / "target"
+    LlamaForCausalLM(config).save_pretrained(path)
+    tiny_target.tokenizer.save_pretrained(path)
+    return path, load_target(str(path), dtype=torch.float32)
+
+
+def repeating(module_weights: list[torch.nn.Parameter], seed: int) -> None:
+    """A little noise on weights set to draft 'the token the target just predicted': enough
+    that a swapped or dropped tensor shows in the logits, little enough that the drafts are
+    accepted where the target repeats a token (random targets do), so the decoding loops
+    accept something to compare."""
+    torch.manual_seed(seed)
+    perturb(module_weights, 0.01)
+
+
+def export(drafter, folder: Path, fmt: str, base: Path) -> Path:
+    return export_drafter(drafter, folder, fmt, base_model_name_or_path=str(base))
+
+
+def run(folder: Path, engine: str, tmp_path: Path) -> tuple[int, dict]:
+    out = tmp_path / f"{engine}.json"
+    code = verify_export.main([str(folder), "--engine", engine, "--num-prompts", "4", "--json", str(out)])  # fmt: skip
+    return code, json.loads(out.read_text()) if out.exists() else {}
+
+
+def test_speculators_loads_the_eagle3_export_and_drafts_as_we_do(target, tmp_path, capsys):
+    """Three drafted steps, teacher-forced, at every position of 4 prompts and their greedy
+    continuations: the same top-1 token everywhere. The same folder without its embedding (as
+    exports were before) is caught: speculators builds one and fills it from memory."""
+    path, t = target
+    torch.manual_seed(0)
+    head = EagleDrafter.build(EagleConfig(feature_layers=[1, 2, 4], draft_vocab_size=100), t)
+    perturb(head.parameters(), 0.05)
+    folder = export(head, tmp_path / "spec", "speculators", path)
+    code, report = run(folder, "speculators", tmp_path)
+    assert code == 0 and report["ok"], capsys.readouterr().out
+    assert [s["step"] for s in report["steps"]] == [0, 1, 2]
+    assert all(s["agree"] == s["positions"] > 100 for s in report["steps"])
+
+    state = load_file(folder / "model.safetensors")
+    del state["embed_tokens.weight"]
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    code, report = run(folder, "speculators", tmp_path)
+    assert code == 1 and not report["ok"]
+    assert any("missing ['embed_tokens.weight']" in p for p in report["problems"])
+
+
+def test_eagle_llm_loads_the_eagle1_export_and_decodes_as_we_do(target, tmp_path, capsys):
+    """EaModel.from_pretrained reads the folder (pytorch_model.bin, the embedding its strict
+    loader needs); the head's logits agree at every position, and eagenerate on a chain of 3
+    gives our greedy output with the same accepted length at every step."""
+    path, t = target
+    head = EagleDrafter.build(EagleConfig(version="eagle1"), t)
+    H = t.hidden_size
+    with torch.no_grad():  # h = f_t: drafts what the target just predicted
+        head.fc.weight.copy_(torch.cat([torch.zeros(H, H), torch.eye(H)], 1))
+        head.fc.bias.zero_()
+        head.layer.self_attn.o_proj.weight.zero_()
+        head.layer.mlp.down_proj.weight.zero_()
+    repeating(list(head.parameters()), 0)
+    code, report = run(export(head, tmp_path / "e1", "eagle", path), "eagle", tmp_path)
+    assert code == 0 and report["ok"], capsys.readouterr().out
+    assert report["steps"][0]["agree"] == report["steps"][0]["positions"] > 100
+    assert all(d["equal"] and d["accepted_equal"] for d in report["decoded"])
+    assert sum(d["drafted"] for d in report["decoded"]) > 0
+    assert sum(sum(d["ours"]) for d in report["decoded"]) > 0  # accepted, and compared
+
+
+def test_medusa_llm_loads_the_medusa_export_and_decodes_as_we_do(target, tmp_path, capsys):
+    """MedusaModel.from_pretrained reads medusa_lm_head.pt (it loads with strict=False, so the
+    check compares the names itself); each head agrees at every position, and medusa_generate
+    on a chain of the 3 heads gives our output and accepted lengths."""
+    path, t = target
+    heads = MedusaDrafter.build(MedusaConfig(num_heads=3), t)
+    with torch.no_grad():  # zero blocks and the target's LM head: each head repeats
+        for head in heads.heads:
+            for block in head.blocks:
+                block.linear.weight.zero_()
+                block.linear.bias.zero_()
+            head.out.weight.copy_(t.model.get_output_embeddings().weight)
+    repeating(list(heads.parameters()), 0)
+    folder = export(heads, tmp_path / "medusa", "medusa", path)
+    code, report = run(folder, "medusa", tmp_path)
+    assert code == 0 and report["ok"], capsys.readouterr().out
+    assert [s["step"] for s in report["steps"]] == [0, 1, 2]
+    assert all(d["equal"] and d["accepted_equal"] for d in report["decoded"])
+    assert sum(sum(d["ours"]) for d in report["decoded"]) > 0
+
+    # the reference loads a misnamed file without a word: the check does not
+    state = torch.load(folder / "medusa_lm_head.pt", weights_only=True)
+    state["0.9.weight"] = state.pop("0.1.weight")
+    torch.save(state, folder / "medusa_lm_head.pt")
+    code, report = run(folder, "medusa", tmp_path)
+    assert code == 1 and any("missing ['0.1.weight']" in p for p in report["problems"])
+
+
+def test_bad_input_exits_2_naming_the_fix(target, tmp_path, capsys):
+    path, t = target
+    heads = MedusaDrafter.build(MedusaConfig(num_heads=2), t)
+    folder = export(heads, tmp_path / "medusa", "medusa", path)
+    assert verify_export.main([str(folder), "--engine", "speculators"]) == 2
+    assert "--engine speculators reads speculators folders" in capsys.readouterr().err
+    shutil.rmtree(folder / "medusa_lm_head.safetensors", ignore_errors=True)
+    (folder / "config.json").unlink()
+    assert verify_export.main([str(folder), "--engine", "medusa"]) == 2
+    assert "no export we know" in capsys.readouterr().err
