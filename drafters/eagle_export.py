@@ -95,24 +95,14 @@ LAYER_FIELDS = (
 
 # What every transformers config holds and no engine reads for a draft layer (left out of the
 # written configs to keep them to what the published heads hold)
+# fmt: off
 GENERIC_KEYS = (
-    "_attn_implementation",
-    "transformers_version",
-    "dtype",
-    "torch_dtype",
-    "output_hidden_states",
-    "return_dict",
-    "chunk_size_feed_forward",
-    "is_encoder_decoder",
-    "id2label",
-    "label2id",
-    "problem_type",
-    "pretraining_tp",
-    "initializer_range",
-    "use_cache",
-    "_name_or_path",
+    "_attn_implementation", "transformers_version", "dtype", "torch_dtype", "output_hidden_states",
+    "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
+    "problem_type", "pretraining_tp", "initializer_range", "use_cache", "_name_or_path",
     "output_attentions",
 )
+# fmt: on
 
 
 # --- the head as the engines name it ----------------------------------------------------------
