@@ -45,11 +45,9 @@ SGLang has no norm_before_residual (it computes False), so such heads are refuse
 EAGLE-1, SGLang's fc always has a bias and vLLM's never (it drops fc.bias without a word and reads
 `bias` as the *attention's* bias): no one EAGLE-1 folder serves both; the default (fc_bias true,
 the reference's) serves SGLang and SafeAILab/EAGLE; train with drafter.fc_bias=false for vLLM.
-Every folder holds the target's embedding (`embed_tokens.weight`; see reference_state) and the
-decoding settings the head was saved or tuned with (`specdraft_decoding`, a top-level key every
-loader here keeps; speculators' own speculative_tokens is the chain length, which vLLM serves);
-the eagle layout also holds `pytorch_model.bin`, the only file SafeAILab/EAGLE reads.
-`scripts/verify_export.py` loads a folder with the engine's own loader and compares drafts.
+Every folder holds the target's embedding (reference_state says why) and the head's decoding
+settings (`specdraft_decoding`; speculators' speculative_tokens is the chain vLLM serves); the
+eagle layout also `pytorch_model.bin`, the one file SafeAILab/EAGLE reads.
 """
 
 from __future__ import annotations
@@ -93,8 +91,7 @@ LAYER_FIELDS = (
 )
 
 
-# What every transformers config holds and no engine reads for a draft layer (left out of the
-# written configs to keep them to what the published heads hold)
+# What every transformers config holds and no engine reads for a draft layer (left out)
 # fmt: off
 GENERIC_KEYS = (
     "_attn_implementation", "transformers_version", "dtype", "torch_dtype", "output_hidden_states",
@@ -151,11 +148,9 @@ def reference_state(drafter: EagleDrafter, fmt: str) -> dict[str, torch.Tensor]:
         return t.detach().to("cpu").contiguous().clone()
 
     state = {f"layers.0.{k}": plain(v) for k, v in drafter.layer.state_dict().items()}
-    # The target's embedding, which the head reads: speculators 0.9.0 leaves a missing one at
-    # zeros (its from_pretrained resets it before it would copy the verifier's), so the draft
-    # runs on zero embeddings without a word; SafeAILab/EAGLE's strict loader refuses a file
-    # without it. vLLM and SGLang then use this copy instead of sharing the target's (the same
-    # values; V x H more memory on the GPU).
+    # The target's embedding: speculators 0.9.0 drafts on whatever memory held without it (it
+    # copies the verifier's only over NaN), SafeAILab/EAGLE's strict loader refuses a file
+    # without it; vLLM and SGLang use this copy instead of the target's (V x H more memory).
     embedding = drafter.target.model.get_input_embeddings().weight
     state["embed_tokens.weight"] = plain(embedding).to(state["layers.0.mlp.down_proj.weight"].dtype)
     if cfg.version == "eagle1":
@@ -319,9 +314,7 @@ def _sglang_name(name: str) -> str:
 # --- the layouts' rules --------------------------------------------------------------------------
 
 
-def expected_shapes(
-    fmt: str, config: dict, vocab_size: int, *, embedding: bool = True
-) -> dict[str, tuple[int, ...]]:
+def expected_shapes(fmt: str, config: dict, vocab_size: int, *, embedding=True) -> dict[str, tuple]:
     """The exact weight names and shapes of a `fmt` folder with this config.json (the target's
     vocabulary size for the maps and the embedding, which our exports hold and published heads
     may leave out: `embedding`); names as the format writes them."""
@@ -676,9 +669,7 @@ EAGLE_FORMATS: dict[str, Format] = {
         "SafeAILab/EAGLE's EAGLE-1/2 layout (SGLang's LlamaForCausalLMEagle, vLLM's EAGLE)",
         write_eagle,
         _detect_eagle1,
-        # SafeAILab/EAGLE's EaModel.from_pretrained reads only this file (a pickle we write and
-        # never read)
-        pickle_copy="pytorch_model.bin",
+        pickle_copy="pytorch_model.bin",  # SafeAILab/EAGLE's loader reads only this file
     ),
 }
 
