@@ -193,16 +193,30 @@ def write_medusa(
 def medusa_choices(num_heads: int, decode: DecodeConfig) -> list[int]:
     """The reference's medusa_choices for these heads: [1, k_1, ..., k_K], the top k_h candidates
     of head h in a cartesian tree (its medusa_generate indexes one entry per head, so its default
-    [1, 7, 6], made for two heads, raises IndexError with more). The largest such tree within the
-    decoding settings' tree_budget, tree_top_k per head from the first; a chain at tree_top_k 1.
-    The reference reads no choices from config.json: pass medusa_choices=config["medusa_choices"]
-    to medusa_generate."""
-    ks, size = [], 1
+    [1, 7, 6], made for two heads, raises IndexError with more). tree_top_k per head from the
+    first while the tree's nodes (k_1 + k_1 k_2 + ...) stay within tree_budget, then 1: a chain
+    at tree_top_k 1. Its depth is the head count (the form cannot stop sooner; gamma cannot be
+    said). The reference reads no choices from config.json: pass
+    medusa_choices=config["medusa_choices"] to medusa_generate."""
+    ks: list[int] = []
     for _ in range(num_heads):
-        k = decode.tree_top_k if size * decode.tree_top_k <= max(decode.tree_budget, 1) else 1
-        size *= k
-        ks.append(k)
+        k = decode.tree_top_k
+        width = 1
+        for j in [*ks, k]:
+            width *= j
+        # nodes if this head takes k and every later one 1: each level as wide as this one
+        nodes = sum_prefix_products(ks) + width * (num_heads - len(ks))
+        ks.append(k if k > 1 and nodes <= decode.tree_budget else 1)
     return [1, *ks]
+
+
+def sum_prefix_products(ks: list[int]) -> int:
+    """k_1 + k_1 k_2 + ...: the nodes of a cartesian tree of those widths."""
+    total, width = 0, 1
+    for k in ks:
+        width *= k
+        total += width
+    return total
 
 
 def read_medusa(

@@ -23,8 +23,8 @@ loop that runs on a CPU (eagenerate, medusa_generate), both decode each prompt g
 chain, and their outputs and accepted lengths per step must be equal.
 
 Exit status: 0 when every drafted step agrees on every position's top-1 token (and logits within
---atol + --rtol x the largest |logit|: fp32 sums in another order), and decoded outputs and accepted lengths are equal; 1 on any mismatch (it says where);
-2 on bad input. --json writes the figures.
+--atol + --rtol x the largest |logit|: fp32 sums in another order), and decoded outputs and accepted lengths are equal; 1 on any mismatch, and when the engine's
+side fails to load or run (each problem said); 2 on bad input. --json writes the figures.
 """
 
 from __future__ import annotations
@@ -161,6 +161,11 @@ def verify(
 ) -> Report:
     """Run the check (see the module docstring) and return its figures."""
     spec = ENGINES[engine]
+    if steps < 1 or num_prompts < 1 or max_new_tokens < 8:
+        raise VerifyError(
+            f"--steps {steps}, --num-prompts {num_prompts} and --max-new-tokens "
+            f"{max_new_tokens} would compare next to nothing: use at least 1, 1 and 8"
+        )
     fmt = imported_format(folder)
     if fmt not in spec.formats:
         raise VerifyError(
@@ -181,7 +186,10 @@ def verify(
     target = load_target(str(base), dtype=torch.float32)
     drafter = load_drafter(folder, target).float().eval()
     python = python or engine_python(engine, log=log)
-    chain = (steps if engine == "eagle" else drafter.config.num_heads) if spec.decodes else 0
+    # eagle-llm's chains need 2 nodes; medusa-llm drafts one candidate per head
+    chain = (
+        (max(steps, 2) if engine == "eagle" else drafter.config.num_heads) if spec.decodes else 0
+    )
     inputs, ours = {}, {}
     texts = load_prompts(prompts, num_prompts, target)
     for i, prompt in enumerate(texts):
@@ -213,12 +221,27 @@ def verify(
             report = Report(engine, str(folder))
             report.problems.append(f"the {engine} loader failed:\n{done.stderr.strip()[-3000:]}")
             return report
-        theirs = load_file(request["outputs"])
-        notes = json.loads(done.stdout.strip().splitlines()[-1])
+        try:
+            theirs = load_file(request["outputs"])
+            notes = json.loads(done.stdout.strip().splitlines()[-1])
+        except (OSError, ValueError, IndexError) as e:
+            report = Report(engine, str(folder))
+            report.problems.append(
+                f"the {engine} side wrote no readable result ({e}); its output:\n"
+                f"{done.stdout.strip()[-2000:]}\n{done.stderr.strip()[-2000:]}"
+            )
+            return report
     report = compare(engine, folder, ours, theirs, notes, atol, rtol)
+    if not report.steps or any(s["positions"] == 0 for s in report.steps):
+        report.problems.append("no drafted position was compared")
+    # Medusa decodes with the export's medusa_choices: a tree of them gives our greedy output
+    # too, but other accepted lengths than our chain (only a chain's are compared)
+    tree = engine == "medusa" and notes.get("chain") == 0
+    if chain and not tree and notes.get("chain") != chain:
+        report.problems.append(f"the {engine} side decoded with {notes.get('chain')}, not a chain of {chain}")  # fmt: skip
     if chain:
         for i in range(len(texts)):
-            report.decoded.append(decode_both(target, drafter, inputs[f"prompt.{i}"], theirs, i, engine, chain, max_new_tokens, report))  # fmt: skip
+            report.decoded.append(decode_both(target, drafter, inputs[f"prompt.{i}"], theirs, i, engine, chain, max_new_tokens, report, not tree))  # fmt: skip
     return report
 
 
@@ -291,7 +314,9 @@ def compare(engine, folder, ours, theirs, notes, atol, rtol) -> Report:
     return report
 
 
-def decode_both(target, drafter, prompt, theirs, i, engine, chain, max_new_tokens, report) -> dict:
+def decode_both(
+    target, drafter, prompt, theirs, i, engine, chain, max_new_tokens, report, accepted_too=True
+) -> dict:
     """Our loop and the engine's on one prompt, greedy, the same chain: outputs and accepted
     lengths per step over the tokens both produced (the engines overshoot max_new_tokens)."""
     settings = dict(gamma=chain, lookup_ngram=0, tree_top_k=1, tree_budget=max(chain, 1),
@@ -302,6 +327,10 @@ def decode_both(target, drafter, prompt, theirs, i, engine, chain, max_new_token
     # draft from yet; the engines draft from their prefill's states in their first step
     accepted = [e - 1 for e in out.stats.emitted_per_pass[1:]]
     tokens, their_accepted = theirs[f"tokens.{i}"].tolist(), theirs[f"accepted.{i}"].tolist()
+    if len(tokens) < len(mine):  # the engines stop at max_new_tokens or past it, not before
+        report.problems.append(
+            f"prompt {i}: the {engine} loop produced {len(tokens)} tokens, ours {len(mine)}"
+        )
     n = min(len(mine), len(tokens))
     steps_in = len(_within(accepted, n, chain))
     common = 0
@@ -318,6 +347,11 @@ def decode_both(target, drafter, prompt, theirs, i, engine, chain, max_new_token
     if not row["equal"]:
         first = next(j for j in range(n) if mine[j] != tokens[j])
         report.problems.append(f"prompt {i}: the {engine} loop's greedy output differs from ours at token {first}")  # fmt: skip
+    if not accepted_too:  # the engine decoded a tree: its greedy output is what must agree
+        row["accepted_equal"] = None
+        return row
+    if steps_in == 0:
+        report.problems.append(f"prompt {i}: no decoding step to compare within {n} tokens")
     if not row["accepted_equal"]:
         report.problems.append(
             f"prompt {i}: accepted lengths differ from step {common + 1} (ours "
@@ -374,8 +408,12 @@ def print_report(report: Report) -> None:
     for d in report.decoded:
         print(
             f"  prompt {d['prompt']}: {d['tokens']} tokens {'equal' if d['equal'] else 'DIFFER'}, "
-            f"accepted lengths over {d['steps']} steps "
-            f"{'equal' if d['accepted_equal'] else 'DIFFER'} {d['ours']}"
+            + (
+                "the engine decoded a tree (accepted lengths not compared)"
+                if d["accepted_equal"] is None
+                else f"accepted lengths over {d['steps']} steps "
+                f"{'equal' if d['accepted_equal'] else 'DIFFER'} {d['ours']}"
+            )
         )
     for problem in report.problems:
         print(f"  MISMATCH: {problem}")
@@ -393,7 +431,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", default="demo", help="demo, or a .txt/.json/.jsonl file")
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=3, help="EAGLE drafted steps to compare")
+    parser.add_argument(
+        "--steps", type=int, default=3,
+        help="EAGLE-3: teacher-forced steps compared; EAGLE-1: the chain decoded (at least 2)",
+    )  # fmt: skip
     parser.add_argument("--atol", type=float, default=1e-4, help="|logit diff| allowed, plus")
     parser.add_argument(
         "--rtol", type=float, default=1e-3, help="... this times the largest |logit|"

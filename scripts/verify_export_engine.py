@@ -14,7 +14,7 @@ drafts on the inputs verify_export.py saved:
                  on a chain
     medusa       FasterDecoding/Medusa's MedusaModel.from_pretrained (medusa-llm); each head's
                  logits on the given final hidden states, and medusa_generate's greedy output
-                 and accepted lengths on a chain
+                 and accepted lengths with the export's medusa_choices
 
 REQUEST.json: {"engine", "folder" (the export), "base" (the target's folder), "inputs" (a
 safetensors file: ids.{i} (1, n) and features.{i} (1, n, width)), "outputs" (the safetensors
@@ -219,7 +219,8 @@ def medusa(request: dict, inputs: dict, prompts: list[int]):
     accepted: list[int] = []
     recorded(medusa_model, "evaluate_posterior", accepted)
     outputs = {}
-    choices = [1] * (model.medusa + 1)  # a chain: one candidate per head
+    # the tree the export says (one entry per head); a chain where it says none
+    choices = config.get("medusa_choices") or [1] * (model.medusa + 1)
     for i in prompts:
         features = inputs[f"features.{i}"]
         with torch.no_grad():
@@ -239,7 +240,8 @@ def medusa(request: dict, inputs: dict, prompts: list[int]):
                     break
         outputs[f"tokens.{i}"] = torch.tensor(last["text"] if last else [], dtype=torch.long)
         outputs[f"accepted.{i}"] = torch.tensor(accepted, dtype=torch.long)
-    notes["chain"] = model.medusa
+    notes["choices"] = choices
+    notes["chain"] = model.medusa if choices == [1] * (model.medusa + 1) else 0
     return outputs, notes
 
 

@@ -91,7 +91,9 @@ def override(obj: T, items: Sequence[str], source: str = "command line") -> T:
     value outside a field's choices is a ConfigError naming the key and `source` (e.g.
     "--drafter runs/x"); the copy's `__post_init__` runs, so its own checks apply too.
     """
-    return _build(type(obj), OmegaConf.structured(obj), _read_items(items, source))
+    # obj's values as the first layer, so that an item changing what a field follows drops it
+    given = _Layer("the config given", config_to_dict(obj))
+    return _build(type(obj), OmegaConf.structured(type(obj)), [given, *_read_items(items, source)])
 
 
 def check_choices(obj: Any, prefix: str = "") -> None:
@@ -165,6 +167,11 @@ def _drop_followers(cls: type, config: DictConfig, layer: _Layer, earlier: list[
                 or str(new) == str(OmegaConf.select(config, leader))
             ):
                 continue
+            choices = next(
+                f.metadata.get("choices") for f in dataclasses.fields(tp) if f.name == key
+            )
+            if choices and str(new) not in choices:
+                continue  # the merge refuses it, naming the choices: nothing to drop first
             dropped = []
             for f in fields:
                 name = _dotted(section, f.name)
@@ -173,6 +180,8 @@ def _drop_followers(cls: type, config: DictConfig, layer: _Layer, earlier: list[
                 if name in sets or not setters or _origin(setters[-1]) == _origin(layer):
                     continue
                 default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # fmt: skip
+                if OmegaConf.select(config, name) == default:
+                    continue  # nothing set to drop
                 OmegaConf.update(config, name, default, merge=False)
                 dropped.append(f"{name} (set in {setters[-1].where(name)})")
             if dropped:

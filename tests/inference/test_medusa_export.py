@@ -55,10 +55,12 @@ def target_logits(heads: MedusaDrafter, h: torch.Tensor) -> torch.Tensor:
 
 
 def test_medusa_choices_fit_the_head_count_and_the_budget():
-    """The reference's [1, k_1, ..., k_K]: one entry per head, the cartesian tree's size
-    (the product) within tree_budget, tree_top_k per head from the first."""
+    """The reference's [1, k_1, ..., k_K]: one entry per head, the cartesian tree's nodes
+    (k_1 + k_1 k_2 + ..., every level counted) within tree_budget, tree_top_k per head from the
+    first."""
     assert medusa_choices(4, DecodeConfig()) == [1, 1, 1, 1, 1]
-    assert medusa_choices(4, DecodeConfig(tree_top_k=3, tree_budget=12)) == [1, 3, 3, 1, 1]
+    assert medusa_choices(4, DecodeConfig(tree_top_k=3, tree_budget=12)) == [1, 3, 1, 1, 1]
+    assert medusa_choices(3, DecodeConfig(tree_top_k=2, tree_budget=12)) == [1, 2, 2, 1]
     assert medusa_choices(2, DecodeConfig(tree_top_k=4, tree_budget=64)) == [1, 4, 4]
     assert medusa_choices(3, DecodeConfig(tree_top_k=5, tree_budget=4)) == [1, 1, 1, 1]
 

@@ -538,3 +538,17 @@ def test_a_files_keys_for_one_version_do_not_carry_into_another():
         assert load_config(EagleTrainConfig, demo, items).drafter.ttt_steps == 2
     # the file's own version, said again, changes nothing and drops nothing
     assert load_config(EagleTrainConfig, demo, ["drafter.version=eagle3"]).drafter.ttt_steps == 3
+
+
+def test_override_drops_the_followers_of_what_it_changes():
+    """`override` on a loaded config: changing the version drops the values the config held
+    for the old one, as the command line does over a file."""
+    from specdraft.config import ConfigNote
+    from specdraft.train.eagle import EagleTrainConfig
+
+    demo = Path(__file__).parents[2] / "configs" / "eagle" / "demo.yaml"
+    loaded = load_config(EagleTrainConfig, demo)
+    with pytest.warns(ConfigNote, match="set in the config given"):
+        changed = override(loaded, ["drafter.version=eagle1"])
+    assert changed.drafter.ttt_steps is None and changed.lr == loaded.lr
+    assert override(loaded, ["lr=1e-3"]).drafter.ttt_steps == 3  # nothing changed: all kept
