@@ -23,8 +23,9 @@ loop that runs on a CPU (eagenerate, medusa_generate), both decode each prompt g
 chain, and their outputs and accepted lengths per step must be equal.
 
 Exit status: 0 when every drafted step agrees on every position's top-1 token (and logits within
---atol + --rtol x the largest |logit|: fp32 sums in another order), and decoded outputs and accepted lengths are equal; 1 on any mismatch, and when the engine's
-side fails to load or run (each problem said); 2 on bad input. --json writes the figures.
+--atol + --rtol x the largest |logit|: fp32 sums in another order), and decoded outputs and
+accepted lengths are equal; 1 on any mismatch, and when the engine's side fails to load or run
+(each problem said); 2 on bad input. --json writes the figures.
 """
 
 from __future__ import annotations
@@ -166,6 +167,8 @@ def verify(
             f"--steps {steps}, --num-prompts {num_prompts} and --max-new-tokens "
             f"{max_new_tokens} would compare next to nothing: use at least 1, 1 and 8"
         )
+    if not (folder / "config.json").is_file():
+        raise VerifyError(f"{folder} holds no config.json: pass a folder scripts/export.py wrote")
     fmt = imported_format(folder)
     if fmt not in spec.formats:
         raise VerifyError(

@@ -177,6 +177,9 @@ def test_bad_input_exits_2_naming_the_fix(target, tmp_path, capsys):
     assert "--engine speculators reads speculators folders" in capsys.readouterr().err
     (folder / "config.json").unlink()
     assert verify_export.main([str(folder), "--engine", "medusa"]) == 2
+    assert "holds no config.json" in capsys.readouterr().err
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    assert verify_export.main([str(folder), "--engine", "medusa"]) == 2
     assert "no export we know" in capsys.readouterr().err
     assert verify_export.main([str(folder), "--engine", "medusa", "--num-prompts", "0"]) == 2
     assert "would compare next to nothing" in capsys.readouterr().err
