@@ -26,8 +26,9 @@ What is exact: all three read the target's final normed hidden state, head k pre
 token k + 2 places ahead, and compute x + SiLU(W x + b) per block, then the output layer, as
 drafters/medusa.py does. Heads with output=shared are written with a copy of the target's LM
 head as each head's output layer. A reduced draft vocabulary is exact in vllm only: the medusa
-layout has no token map, so exporting one there is an error. What is lost: the measured
-per-rank accuracies (reloaded heads build their tree from an assumed accuracy, with a warning).
+layout has no token map, so exporting one there is an error. The heads' measured
+per-rank accuracies travel as `specdraft_medusa_accuracy`, so a reloaded folder builds the same
+tree (a published one without them builds it from an assumed accuracy, with a warning).
 The decoding settings travel as `specdraft_decoding` (load_decoding reads them back), and the
 medusa layout's `medusa_choices` is the reference's tree for them, sized to the head count.
 
@@ -85,6 +86,9 @@ class HeadWeights:
     out: list[torch.Tensor]  # [head]: (draft vocab, hidden) output layer
     d2t: torch.Tensor | None  # (draft vocab,) draft id -> target id; None: the whole vocabulary
     vocab_size: int  # the target's
+    # the measured per-rank accuracies the tree is built from ({"greedy", "sampled"}: (K, R)
+    # lists), carried as ACCURACY_KEY in config.json; None: never measured
+    accuracy: dict[str, list[list[float]]] | None = None
 
     @property
     def num_heads(self) -> int:
@@ -127,25 +131,58 @@ def head_weights(drafter: MedusaDrafter) -> HeadWeights:
     def plain(t: torch.Tensor) -> torch.Tensor:  # its own storage: safetensors refuses sharing
         return t.detach().to("cpu", dtype).contiguous().clone()
 
+    measured = {"greedy": drafter.accuracy_greedy, "sampled": drafter.accuracy_sampled}
+    accuracy = None
+    if all(bool(torch.isfinite(a).all()) for a in measured.values()):
+        accuracy = {k: a.detach().float().cpu().tolist() for k, a in measured.items()}
     return HeadWeights(
         blocks=[[(plain(w), plain(b)) for w, b in head] for head in blocks],
         out=[plain(o) for o in out],
         d2t=d2t,
         vocab_size=drafter.target.vocab_size,
+        accuracy=accuracy,
     )
+
+
+# The config.json key under which our Medusa exports carry the heads' measured accuracies
+ACCURACY_KEY = "specdraft_medusa_accuracy"
+
+
+def read_accuracy(config: dict, num_heads: int, folder: Path) -> dict | None:
+    """The measured accuracies a folder carries (ACCURACY_KEY), checked; None where it has none
+    (a published head: its tree is then built from an assumed accuracy, with a warning)."""
+    accuracy = config.get(ACCURACY_KEY)
+    if accuracy is None:
+        return None
+    try:
+        shapes = {torch.tensor(accuracy[k], dtype=torch.float).shape for k in ("greedy", "sampled")}
+    except (KeyError, TypeError, ValueError):
+        shapes = set()
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2 or next(iter(shapes))[0] != num_heads:
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME}: {ACCURACY_KEY} must hold 'greedy' and 'sampled', each a "
+            f"list of {num_heads} equal-length lists of numbers (one per head); delete the key to "
+            "build the tree from an assumed accuracy"
+        )
+    return accuracy
 
 
 def drafter_from(weights: HeadWeights, target: Target) -> MedusaDrafter:
     """Heads with their own output layers (output=own) holding `weights`, for `target`; block
     biases a format leaves out are zero."""
+    ranks = {"accuracy_ranks": len(weights.accuracy["greedy"][0])} if weights.accuracy else {}
     config = MedusaConfig(
         num_heads=weights.num_heads,
         num_layers=weights.num_layers,
         output="own",
         draft_vocab_size=0 if weights.d2t is None else len(weights.d2t),
+        **ranks,
     )
     drafter = MedusaDrafter(config, target, d2t=weights.d2t)
     with torch.no_grad():
+        if weights.accuracy:  # the tree the heads were measured to draw, not an assumed one
+            drafter.accuracy_greedy.copy_(torch.tensor(weights.accuracy["greedy"]))
+            drafter.accuracy_sampled.copy_(torch.tensor(weights.accuracy["sampled"]))
         for head, blocks, out in zip(drafter.heads, weights.blocks, weights.out, strict=True):
             for block, (w, b) in zip(head.blocks, blocks, strict=True):
                 block.linear.weight.copy_(w)
@@ -187,6 +224,8 @@ def write_medusa(
         "vocab_size": weights.vocab_size,
         "medusa_choices": medusa_choices(weights.num_heads, decode),
     }
+    if weights.accuracy:
+        config[ACCURACY_KEY] = weights.accuracy
     return config, tensors
 
 
@@ -248,7 +287,8 @@ def read_medusa(
         for h in range(K)
     ]
     out = [state[f"{h}.{L}.weight"] for h in range(K)]
-    return drafter_from(HeadWeights(blocks, out, d2t=None, vocab_size=V), target)
+    accuracy = read_accuracy(config, K, folder)
+    return drafter_from(HeadWeights(blocks, out, d2t=None, vocab_size=V, accuracy=accuracy), target)
 
 
 # --- vllm: vLLM's MedusaModel -------------------------------------------------------------------------
@@ -287,6 +327,8 @@ def write_vllm(
         "original_lm_head": False,  # each head its own lm_heads.{h}
         "base_model_name_or_path": base_model,
     }
+    if weights.accuracy:
+        config[ACCURACY_KEY] = weights.accuracy
     return config, tensors
 
 
@@ -349,7 +391,8 @@ def read_vllm(folder: Path, config: dict, target: Target, *, strict: bool = True
         for h in range(K)
     ]
     out = [o[d2t] if d2t is not None and o.shape[0] == V else o for o in lm]
-    return drafter_from(HeadWeights(blocks, out, d2t=d2t, vocab_size=V), target)
+    accuracy = read_accuracy(config, K, folder)
+    return drafter_from(HeadWeights(blocks, out, d2t=d2t, vocab_size=V, accuracy=accuracy), target)
 
 
 # --- the format table ----------------------------------------------------------------------------

@@ -199,19 +199,27 @@ def test_the_files_and_the_reloaded_heads_give_the_original_logits(random_target
     torch.testing.assert_close(target_logits(loaded, h), expected, rtol=1e-5, atol=1e-5)
 
 
-def fitted_heads(target) -> MedusaDrafter:
-    """Fitted heads whose drafts are often accepted; unmeasured, as an export carries no
-    accuracies, so the original and the reloaded heads build the same (assumed) tree."""
+def fitted_heads(target, measure: bool = False) -> MedusaDrafter:
+    """Fitted heads whose drafts are often accepted; measured (their tree from their per-rank
+    accuracies) or not (an assumed tree)."""
     return fitted_medusa_heads(
-        target, dict(num_heads=4), prompts=MEDUSA_PROMPTS[:2], steps=40, measure=False
+        target, dict(num_heads=4), prompts=MEDUSA_PROMPTS[:2], steps=40, measure=measure
     )
 
 
-def test_a_reference_folder_decodes_in_our_loop_as_the_original(random_target, tmp_path):
+@pytest.mark.parametrize("fmt, measure", [("medusa", False), ("medusa", True), ("vllm", True)])
+def test_a_reference_folder_decodes_in_our_loop_as_the_original(
+    random_target, fmt, measure, tmp_path
+):
     """Greedy output is the target's whatever the heads are, so the drafts are compared too:
-    the reloaded heads propose the same trees, accepted the same way."""
-    heads = fitted_heads(random_target)
-    loaded = load_drafter(export(heads, tmp_path / "medusa", "medusa"), random_target)
+    the reloaded heads propose the same trees, accepted the same way. Measured heads carry
+    their accuracies in the export (specdraft_medusa_accuracy), so the tree built from them is
+    the same; without it the reloaded heads drew an assumed tree."""
+    heads = fitted_heads(random_target, measure)
+    loaded = load_drafter(export(heads, tmp_path / fmt, fmt), random_target)
+    if measure:
+        assert torch.equal(loaded.accuracy_greedy, heads.accuracy_greedy)
+        assert torch.equal(loaded.accuracy_sampled, heads.accuracy_sampled)
     decoding = dict(max_new_tokens=40, tree_top_k=4, tree_budget=8, gamma=4)
     accepted = 0
     for prompt in MEDUSA_PROMPTS[:2]:
@@ -355,3 +363,17 @@ def test_a_vllm_folder_without_its_token_map_is_named(random_target, tmp_path):
     save_file(state, str(out / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"missing \['token_map'\]"):
         load_drafter(out, random_target)
+
+
+def test_a_damaged_accuracy_block_is_named_with_the_fix(random_target, tmp_path):
+    heads = fitted_heads(random_target, measure=True)
+    folder = export(heads, tmp_path / "medusa", "medusa")
+    config = json.loads((folder / "config.json").read_text())
+    config["specdraft_medusa_accuracy"]["greedy"] = config["specdraft_medusa_accuracy"]["greedy"][
+        :2
+    ]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        CheckpointError, match=r"specdraft_medusa_accuracy must hold.*delete the key"
+    ):
+        load_drafter(folder, random_target)
