@@ -37,17 +37,10 @@ numbers the output of layer k 0-based, so it holds i - 1 (an id 0, the embedding
 there). Our id L is the final *normed* state, which no engine captures (they take the pre-norm
 residual stream): a head fusing it is refused.
 
-What the engines do not say and we found in their loaders (vLLM 0.33, SGLang 0.5.23, speculators
-0.9.0, read, not run here; no GPU was lent): vLLM takes norm_before_residual as True when the key
-is missing and speculators as False, so it is always written; vLLM refuses a d2t when the draft
-vocabulary is the whole one, so speculators folders hold the maps only for a reduced vocabulary;
-SGLang has no norm_before_residual (it computes False), so such heads are refused for it. For
-EAGLE-1, SGLang's fc always has a bias and vLLM's never (it drops fc.bias without a word and reads
-`bias` as the *attention's* bias): no one EAGLE-1 folder serves both; the default (fc_bias true,
-the reference's) serves SGLang and SafeAILab/EAGLE; train with drafter.fc_bias=false for vLLM.
-Every folder holds the target's embedding (reference_state says why) and the head's decoding
-settings (`specdraft_decoding`; speculators' speculative_tokens is the chain vLLM serves); the
-eagle layout also `pytorch_model.bin`, the one file SafeAILab/EAGLE reads.
+What the engines' loaders do and do not say (vLLM 0.33 and SGLang 0.5.23 read; speculators 0.9.0
+and SafeAILab/EAGLE run by scripts/verify_export.py) and every caveat that follows for a folder,
+in docs/serving.md. Every folder holds the target's embedding (reference_state says why) and
+the head's decoding settings (`specdraft_decoding`); the eagle layout also `pytorch_model.bin`.
 """
 
 from __future__ import annotations
