@@ -46,7 +46,9 @@ sizes other than the target's are a CheckpointError naming them; only safetensor
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import operator
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -240,22 +242,11 @@ def medusa_choices(num_heads: int, decode: DecodeConfig) -> list[int]:
     ks: list[int] = []
     for _ in range(num_heads):
         k = decode.tree_top_k
-        width = 1
-        for j in [*ks, k]:
-            width *= j
-        # nodes if this head takes k and every later one 1: each level as wide as this one
-        nodes = sum_prefix_products(ks) + width * (num_heads - len(ks))
+        # the tree's nodes if this head takes k and every later one 1
+        widths = list(itertools.accumulate([*ks, k], operator.mul))
+        nodes = sum(widths) + widths[-1] * (num_heads - len(widths))
         ks.append(k if k > 1 and nodes <= decode.tree_budget else 1)
     return [1, *ks]
-
-
-def sum_prefix_products(ks: list[int]) -> int:
-    """k_1 + k_1 k_2 + ...: the nodes of a cartesian tree of those widths."""
-    total, width = 0, 1
-    for k in ks:
-        width *= k
-        total += width
-    return total
 
 
 def read_medusa(
