@@ -1,7 +1,7 @@
 """The drafting types and maths every part of specdraft shares. Imports nothing of ours but the
 config engine's field helpers (specdraft/config.py, the same bottom layer).
 
-This is the bottom of the layering (README, "Layout"): the draft tree and what a session sees,
+This is the bottom of the layering (docs/architecture.md, "Layers"): the draft tree and what a session sees,
 the decoding and sampling settings, turning logits into a drafted token with its q, the two ways
 a drafter grows a draft (a chain, EAGLE-2's best-first tree), tree masks, KV-cache compaction,
 the EOS ids and the target fingerprint check. Targets, drafter kinds, the loop and the trainer
