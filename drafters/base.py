@@ -42,6 +42,9 @@ class DraftSession:
     capture_layers: Sequence[int] = ()
     # Verification passes of a tree copied from the context instead of drafted (copying).
     copied_passes: int = 0
+    # True when verify_sampled keeps tokens the target would not have sampled: output drifts
+    # from the target's distribution and the loop marks the run lossy.
+    lossy: bool = False
 
     def propose(self, context: DraftContext) -> DraftTree:
         raise NotImplementedError
@@ -71,6 +74,15 @@ class DraftSession:
         runs the full forward."""
         return None
 
+    def verify_sampled(
+        self, tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None
+    ) -> tuple[list[int], int] | None:
+        """At temperature > 0, the accepted path and the token after it under this session's
+        own rule (p: the target's processed distribution at the root, then at each node); None:
+        the loop's lossless rejection sampling. A rule that keeps tokens the target would not
+        have sampled sets `lossy` (Medusa's typical acceptance)."""
+        return None
+
     def extra_memory_bytes(self) -> int:
         """Bytes of drafting state beyond the weights (the drafter's KV cache), now."""
         return 0
@@ -79,14 +91,6 @@ class DraftSession:
 # kind -> class, filled as each kind's class is defined (Drafter.__init_subclass__).
 _KINDS: dict[str, type[Drafter]] = {}
 _BUILTIN_IMPORTED: list[bool] = []
-
-
-class DecodeSettingError(ValueError):
-    """A decoding setting that the drafter's kind can never honour; `key` names it."""
-
-    def __init__(self, message: str, key: str) -> None:
-        super().__init__(message)
-        self.key = key
 
 
 class Drafter(nn.Module):
@@ -115,9 +119,10 @@ class Drafter(nn.Module):
     # The kind a plain Hugging Face causal LM drafts as (a two-model draft): load_drafter reads a
     # plain HF folder as it, and generate wraps a PreTrainedModel in it.
     wraps_hf_models: ClassVar[bool] = False
-    # DecodeConfig keys only this kind honours: key -> (the value that leaves it off, what it
-    # does, said to the user of another kind). Any other kind given it on is an error.
-    owned_settings: ClassVar[dict[str, tuple[object, str]]] = {}
+    # The kind's decoding settings: DecodeConfig, or the kind's subclass of it holding the
+    # settings only it takes (LayerSkip's exit layer, Medusa's acceptance rule). Another kind's
+    # setting is an error naming its owner (DecodeConfig.of).
+    decode_class: ClassVar[type[DecodeConfig]] = DecodeConfig
     # State-dict names copied from the target: recorded in the checkpoint, not stored.
     shared_with_target: tuple[str, ...] = ()
     # Prefixes of saved weight names that only training uses (none by default; see Medusa).
@@ -228,25 +233,28 @@ class Drafter(nn.Module):
         raise NotImplementedError
 
     @classmethod
-    def decode_problem(cls, decode: DecodeConfig) -> DecodeSettingError | None:
-        """The error for a setting of another kind's that `decode` turns on, or None."""
-        for key, (off, owner, meaning) in settings_owned_by_kinds().items():
-            value = getattr(decode, key)
-            if key in cls.owned_settings or value == off:
-                continue
-            return DecodeSettingError(
-                f"{key}={value!r} {meaning}, and this is a {cls.kind} drafter: use "
-                f"{key}={off!r} with it, or a {owner} drafter",
-                key,
-            )
-        return None
+    def decode_settings(
+        cls, settings: DecodeConfig | Mapping | None = None, **changes: object
+    ) -> DecodeConfig:
+        """`settings` (any kind's, a saved dict, or None for the defaults) with `changes` (None
+        values ignored) as this kind's decode_class; ValueError naming another kind's setting
+        that is on, its owner and this kind."""
+        values = (
+            dict(settings or {})
+            if not isinstance(settings, DecodeConfig)
+            else {k: getattr(settings, k) for k in settings.setting_names()}
+        )
+        values.update({k: v for k, v in changes.items() if v is not None})
+        return cls.decode_class.of(values, who=f"this {cls.title or cls.kind} drafter")
 
     def check_decode(self, decode: DecodeConfig) -> None:
-        """Raise ValueError for a decoding setting this drafter can never honour (another kind's
-        setting; a kind adds its own limits). Settings it only ignores are `ignored_settings`'."""
-        problem = self.decode_problem(decode)
-        if problem is not None:
-            raise problem
+        """Raise ValueError for a decoding setting out of this drafter's range (LayerSkip: an
+        exit outside the target). Settings it only ignores are `ignored_settings`'."""
+
+    def resolved_decode(self, decode: DecodeConfig) -> DecodeConfig:
+        """`decode` with what "the drafter's own" stands for filled in (LayerSkip's exit_layer
+        0: the trained exit), so tuning races and saves a value, not a placeholder."""
+        return decode
 
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         """What in `decode` this kind cannot honour, each said in a sentence (the loop warns
@@ -303,22 +311,19 @@ def drafter_class(kind: str) -> type[Drafter]:
     return kinds[kind]
 
 
+def kinds_own_settings() -> list[str]:
+    """The decoding settings some registered kind takes alone (its decode_class's own keys)."""
+    return sorted(
+        {k for cls in drafter_kinds().values() for k in cls.decode_class.own_setting_names()}
+    )
+
+
 def hf_model_kind() -> type[Drafter]:
     """The kind a plain Hugging Face causal LM drafts as (`wraps_hf_models`)."""
     found = [cls for cls in drafter_kinds().values() if cls.wraps_hf_models]
     if len(found) != 1:
         raise RuntimeError(f"exactly one drafter kind must wrap HF models; found {found}")
     return found[0]
-
-
-def settings_owned_by_kinds() -> dict[str, tuple[object, str, str]]:
-    """key -> (its off value, the owning kind's title, what it does) of every DecodeConfig key
-    some kind owns (`owned_settings`)."""
-    owned = {}
-    for cls in drafter_kinds().values():
-        for key, (off, meaning) in cls.owned_settings.items():
-            owned[key] = (off, cls.title or cls.kind, meaning)
-    return owned
 
 
 @dataclass

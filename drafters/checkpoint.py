@@ -74,8 +74,8 @@ def save_drafter(
     extra_files: dict[str, bytes | Path] | None = None,
 ) -> Path:
     """Write `drafter` as a complete checkpoint folder at `folder`, atomically, and return it.
-    `decode`: the decoding defaults saved with it, read back by load_decoding (None:
-    DecodeConfig()'s).
+    `decode`: the decoding defaults saved with it, read back by load_decoding (None: its
+    kind's).
 
         `extra_files` (name -> bytes, or a file on the same file system, moved in) go inside the
         folder before it is marked complete: the trainer puts its resume state there, so a checkpoint
@@ -91,7 +91,7 @@ def save_drafter(
             "kind": drafter.kind,
             "format_version": FORMAT_VERSION,
             "config": dataclasses.asdict(drafter.config),
-            "decode": dataclasses.asdict(decode if decode is not None else DecodeConfig()),
+            "decode": dataclasses.asdict(drafter.decode_settings(decode)),
             "target_fingerprint": target_fingerprint,
             "provenance": {"git_commit": git_commit(), **(provenance or {})},
         }
@@ -305,7 +305,7 @@ def load_drafter(
         config = _config_from_dict(cls.config_class, config_values, folder)
         # a damaged decode block is refused here too, before a module is built (load_decoding
         # reads it for whoever decodes)
-        _config_from_dict(DecodeConfig, decode_values, folder)
+        _decode_from_dict(cls, decode_values, folder)
     if cls.uses_target_weights:
         # the drafter is the target itself (LayerSkip): the fingerprint check above made sure the
         # target is this folder's model, so no second copy is loaded
@@ -342,7 +342,7 @@ def load_decoding(path: str | Path) -> DecodeConfig:
     """The decoding settings the drafter in `path` is served with: the `decode` block its
     checkpoint saved (set_decode rewrites it after tuning), what an imported format records
     (our exports' `specdraft_decoding` block, and speculators' proposal length, which the
-    engine serves), else DecodeConfig()'s. Handed to generate, evaluation and
+    engine serves), else the kind's defaults (`Drafter.decode_class`). Handed to generate, evaluation and
     tuning as an argument; nothing keeps it on the drafter."""
     folder = Path(path).expanduser()
     from specdraft.drafters.export import FORMATS, imported_format  # lazily: it imports this one
@@ -351,17 +351,15 @@ def load_decoding(path: str | Path) -> DecodeConfig:
     if fmt is not None:
         config = json.loads((folder / CONFIG_NAME).read_text())
         # what our exports record beside the format's own fields (scripts/export.py)
-        values = config.get(EXPORTED_DECODING)
-        decode = (
-            DecodeConfig() if values is None else _config_from_dict(DecodeConfig, values, folder)
-        )
+        kind = registered_class(FORMATS[fmt].kinds[0])
+        decode = _decode_from_dict(kind, config.get(EXPORTED_DECODING) or {}, folder)
         reader = FORMATS[fmt].decoding
         return reader(config, decode) if reader is not None else decode
     meta, _ = read_metadata(folder)
     if meta is None:  # a plain HF folder records no decoding settings
-        return DecodeConfig()
+        return hf_model_kind().decode_settings()
     _, values = _split_decode(meta, folder)
-    return _config_from_dict(DecodeConfig, values, folder)
+    return _decode_from_dict(registered_class(meta["kind"]), values, folder)
 
 
 def read_weights(
@@ -451,6 +449,19 @@ def _split_decode(meta: dict, folder: Path) -> tuple[dict, dict]:
             f"format_version to {FORMAT_VERSION}"
         )
     return dict(meta.get("config") or {}), dict(meta["decode"])
+
+
+def _decode_from_dict(kind: type[Drafter], values: dict, folder: Path) -> DecodeConfig:
+    """The kind's decoding settings saved in `folder`. Another kind's setting at its default is
+    dropped (folders written before the kinds' own settings moved out of DecodeConfig saved
+    every one); on, or unknown, it is a CheckpointError."""
+    try:
+        return kind.decode_settings(values)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME}: its decoding settings are not valid for a "
+            f"{kind.title or kind.kind} drafter: {e}"
+        ) from e
 
 
 def _config_from_dict(cls: type, values: dict, folder: Path) -> Any:

@@ -49,6 +49,19 @@ from specdraft.drafters.lean import (
 # --- config ------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class DistillDecode(DecodeConfig, owner="two-model"):
+    """The two-model draft's decoding settings: every kind's, and an adaptive depth."""
+
+    # Grow gamma after a draft accepted to its full depth, shrink it otherwise.
+    dynamic_gamma: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.dynamic_gamma, bool):
+            raise ValueError(f"dynamic_gamma must be true or false; got {self.dynamic_gamma!r}")
+
+
 @dataclass
 class DistillConfig:
     # Where the student's weights come from: target (embeddings, LM head, final norm and the
@@ -189,6 +202,7 @@ class DistillDrafter(Drafter):
     kind = "distill"
     title = "two-model"
     config_class = DistillConfig
+    decode_class = DistillDecode
     # A plain HF causal LM (a folder without a specdraft block, or a model passed to generate)
     # drafts as this kind. The loss needs only the target's logits, no hidden states.
     wraps_hf_models = True
@@ -254,6 +268,7 @@ class DistillDrafter(Drafter):
         """Per-call drafting state for the inference loop (see the session section below)."""
         if self.vocab_size != target.vocab_size:
             raise vocab_mismatch_error("the draft model", self.vocab_size, target)
+        decode = self.decode_settings(decode)  # the kind's own class, whatever was passed
         weights = None
         if decode.chain:  # chains draft through the lean model where the student's layout allows
             int8 = use_int8(

@@ -432,11 +432,6 @@ class EagleDrafter(Drafter):
 
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = super().ignored_settings(decode)
-        if decode.dynamic_gamma:
-            ignored.append(
-                "dynamic_gamma is ignored by EAGLE heads: a chain ends early by the head's "
-                "confidence instead (stop_below)"
-            )
         if not decode.chain and decode.stop_below > 0:
             ignored.append("stop_below is ignored by EAGLE trees (tree_top_k > 1): it ends chains")
         return ignored

@@ -429,7 +429,7 @@ def export_drafter(
     return it. `base_model_name_or_path` names the target the heads run with, recorded for the
     engine (for Medusa-2 heads: the fine-tuned target, adapter merged); `decode` the settings it
     is served with, where the format records them (checkpoint.load_decoding reads a folder's;
-    None: DecodeConfig()'s). An existing `out_dir` is
+    None: the kind's defaults). An existing `out_dir` is
     replaced only if it is empty or a previous export, or with `overwrite`."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; formats: {', '.join(FORMATS)}")
@@ -442,7 +442,10 @@ def export_drafter(
         )
     out = Path(out_dir).expanduser()
     check_destination(out, overwrite)
-    decode = decode if decode is not None else DecodeConfig()
+    try:
+        decode = drafter.decode_settings(decode)
+    except ValueError as e:
+        raise ExportError(str(e)) from e
     config, tensors = spec.write(drafter, base_model_name_or_path, decode)
     # every engine we write for keeps an unknown top-level key; load_decoding reads it back
     config[EXPORTED_DECODING] = dataclasses.asdict(decode)

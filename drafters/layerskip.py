@@ -27,7 +27,6 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +39,7 @@ from specdraft.core import (
     DraftTree,
     SamplingSettings,
     TargetOutput,
+    check_integer,
     draft_chain,
 )
 from specdraft.drafters.base import (
@@ -78,6 +78,20 @@ EXIT_SCALES = {
     "inv_sqrt_l": lambda e: 1.0 / math.sqrt(e),
 }
 CURRICULA = ("none", "rotational", "gradual")
+
+
+@dataclass(frozen=True)
+class LayerSkipDecode(DecodeConfig, owner="LayerSkip"):
+    """LayerSkip's decoding settings: every kind's, and where the draft exits the target."""
+
+    # Draft with the target's first exit_layer layers (0: the exit layer the drafter was trained
+    # for). Early-exit training trains every exit, so the fastest one on the hardware at hand is
+    # a decoding choice (scripts/tune.py measures it).
+    exit_layer: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_integer(self, "exit_layer", 0)
 
 
 @dataclass
@@ -292,9 +306,7 @@ class LayerSkipDrafter(Drafter):
     runs_target = True
     # decoding uses the target's own weights: load_drafter loads no second copy
     uses_target_weights = True
-    owned_settings: ClassVar[dict] = {
-        "exit_layer": (0, "chooses where a LayerSkip drafter's draft exits the target")
-    }
+    decode_class = LayerSkipDecode
 
     def __init__(self, config: LayerSkipConfig, hf_model, target=None) -> None:
         super().__init__()
@@ -390,7 +402,7 @@ class LayerSkipDrafter(Drafter):
         if self.peft is not None:
             self.peft.save_pretrained(str(folder / "adapter"))
 
-    def draft_exit(self, decode: DecodeConfig) -> int:
+    def draft_exit(self, decode: LayerSkipDecode) -> int:
         """The exit layer a draft with `decode` runs to: decode.exit_layer, else the trained one."""
         exit_layer = decode.exit_layer or self.config.exit_layer
         if not 1 <= exit_layer < self.num_layers:
@@ -400,9 +412,11 @@ class LayerSkipDrafter(Drafter):
             )
         return exit_layer
 
-    def check_decode(self, decode: DecodeConfig) -> None:
-        super().check_decode(decode)
+    def check_decode(self, decode: LayerSkipDecode) -> None:
         self.draft_exit(decode)
+
+    def resolved_decode(self, decode: LayerSkipDecode) -> LayerSkipDecode:
+        return decode.replace(exit_layer=self.draft_exit(decode))
 
     def search_space(self, target) -> dict[str, list]:
         return {"exit_layer": list(range(1, self.num_layers))}  # every exit the depth allows
@@ -558,6 +572,7 @@ class LayerSkipDrafter(Drafter):
                 "a LayerSkip drafter decodes with its own fine-tuned model as the target: load "
                 "the target from the drafter's folder (evaluate.py --target FOLDER)"
             )
+        decode = self.decode_settings(decode)  # the kind's own class, whatever was passed
         exit_layer = self.draft_exit(decode)
         return LayerSkipSession(target.model, exit_layer, decode, sampling, generator)
 

@@ -20,7 +20,6 @@ import heapq
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +48,35 @@ from specdraft.drafters.base import (
 from specdraft.drafters.lean import DraftLinear, SharedWeights, use_int8
 
 # --- config ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MedusaDecode(DecodeConfig, owner="Medusa"):
+    """Medusa's decoding settings: every kind's, and how drafts are accepted at temperature > 0."""
+
+    # exact: lossless rejection sampling, output follows the target's distribution. typical:
+    # Medusa's typical acceptance: a draft token is kept when the target gives it more than
+    # min(typical_epsilon, typical_delta * exp(-entropy)); more tokens per pass, but output
+    # drifts from the target's distribution (lossy; evaluate.py marks such runs). At
+    # temperature 0 both are greedy.
+    acceptance: str = choice("exact", "typical")
+    # acceptance=typical: epsilon, the threshold's cap (the Medusa reference's
+    # posterior_threshold), which applies where the target is confident; raise it to accept less.
+    typical_epsilon: float = 0.09
+    # acceptance=typical: delta, the scale of the entropy-adapted threshold delta * exp(-H(p))
+    # (the reference's posterior_alpha, suggested sqrt(typical_epsilon)), which lowers the
+    # threshold where the target is unsure (high entropy H); raise it to accept less there.
+    typical_delta: float = 0.3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("typical_epsilon", "typical_delta"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ValueError(
+                    f"{key} must be a number in (0, 1]; got {value!r} (the Medusa reference "
+                    "uses typical_epsilon=0.09, typical_delta=0.3)"
+                )
 
 
 @dataclass
@@ -159,7 +187,7 @@ class MedusaDrafter(Drafter):
     # Keys of model.safetensors a drafter loaded for decoding ignores: Medusa-2's adapter
     # weights, which decoding gets merged into the target (load_target(..., adapter=...)).
     training_only_prefixes = ("lora.",)
-    owned_settings: ClassVar[dict] = {"acceptance": ("exact", "is Medusa's typical acceptance")}
+    decode_class = MedusaDecode
 
     def __init__(self, config: MedusaConfig, target, d2t: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -290,12 +318,15 @@ class MedusaDrafter(Drafter):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> MedusaSession:
+        decode = self.decode_settings(decode)  # the kind's own class, whatever was passed
+        if decode.acceptance == "typical":
+            # Typical acceptance needs no draft distribution q: the heads draft their top
+            # candidates, as the reference's do, rather than sampling from q.
+            sampling = SamplingSettings()
         return MedusaSession(self, target, sampling=sampling, decode=decode, generator=generator)
 
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = super().ignored_settings(decode)
-        if decode.dynamic_gamma:
-            ignored.append("dynamic_gamma is ignored by Medusa heads: their depth is gamma")
         if decode.gamma > self.config.num_heads:
             ignored.append(
                 f"gamma={decode.gamma} is more than the {self.config.num_heads} Medusa heads: "
@@ -664,6 +695,7 @@ class MedusaSession(DraftSession):
         self.w = drafter._drafting.get(params, int8, lambda: MedusaDraftingWeights(drafter, int8))
         self.vocab = DraftVocab(drafter.d2t, target.vocab_size) if drafter.reduced_vocab else None
         self.depth = min(decode.gamma, drafter.config.num_heads)
+        self.lossy = decode.acceptance == "typical"
         self.h: torch.Tensor | None = None  # (hidden,) at the last verified position
         self._shapes: dict[int, TreeShape] = {}
         if not decode.chain:
@@ -677,6 +709,16 @@ class MedusaSession(DraftSession):
             )
             self._shapes[depth] = TreeShape.from_paths(paths)
         return self._shapes[depth]
+
+    def verify_sampled(
+        self, tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None
+    ) -> tuple[list[int], int] | None:
+        """Typical acceptance where decode asks for it (lossy), else the loop's exact rule."""
+        if not self.lossy:
+            return None
+        return verify_typical(
+            tree, p, generator, epsilon=self.decode.typical_epsilon, delta=self.decode.typical_delta
+        )
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
@@ -769,3 +811,73 @@ class MedusaSession(DraftSession):
     def extra_memory_bytes(self) -> int:
         """The drafting copies of the heads' weights (int8 or fused); no KV cache."""
         return self.w.memory_bytes()
+
+
+# --- typical acceptance -----------------------------------------------------------------------
+
+
+def verify_typical(
+    tree: DraftTree,
+    p: torch.Tensor,
+    generator: torch.Generator | None,
+    *,
+    epsilon: float,
+    delta: float,
+) -> tuple[list[int], int]:
+    """Medusa's typical acceptance over the tree (Cai et al. 2024). LOSSY: it keeps a draft token
+    the target finds plausible enough, p(x) > min(epsilon, delta * exp(-H(p))), instead of one
+    it would have sampled, so output drifts from p (towards the draft's likelier tokens) in
+    exchange for longer accepted paths. The loop uses it only when decode.acceptance asks
+    (MedusaDecode) and records the run as lossy.
+
+    p: (n + 1, vocab) the target's processed distribution at the root and at each node.
+    1. At a node whose distribution is p, the threshold is min(epsilon, delta * exp(-H(p))); a
+       child x passes when p(x) is above its parent's threshold.
+    2. Of the root-to-node paths whose every node passes, take the longest (ties: the more
+       likely child, by p, at the first place they part), as the Medusa reference does.
+    3. The token after the path is drawn from p at the last accepted node (the root when none):
+       with nothing accepted the step is plain sampling.
+
+    Against the Medusa reference (FasterDecoding/Medusa, medusa/model/utils.py,
+    `evaluate_posterior` and `generate_candidates`): the same per-token rule (strictly above
+    min(posterior_threshold, posterior_alpha * exp(-H)), p the softmax at the temperature) and
+    the same longest accepted path, but ties between equally long paths go to the likelier
+    child where they part, where the reference takes the larger sum of log p along the path;
+    its entropy adds 1e-5 inside the log, H here is exact; and
+    its default (fast=True) takes the token after the path as the argmax of p there, not a
+    draw, which would pull output towards greedy even when no draft is accepted. p here is also
+    after top-k / top-p, as everywhere in the loop.
+    """
+    n = len(tree)
+    # entr(p) = -p log p, 0 where p is 0 (tokens top-k / top-p removed)
+    entropy = torch.special.entr(p).sum(-1)  # (n + 1,)
+    threshold = (delta * torch.exp(-entropy)).clamp(max=epsilon)  # (n + 1,)
+    # one draw per row, so the walk and the token after it need a single host sync
+    draws = torch.multinomial(p, 1, generator=generator)[:, 0]  # (n + 1,)
+    if n:
+        rows = torch.tensor(tree.parents, device=p.device) + 1  # node i is scored at its parent
+        x = tree.tokens[0].to(p.device)  # (n,)
+        px = p[rows, x]  # (n,)
+        ok = (px > threshold[rows]).double()  # (n,) strictly above, as the reference
+        decided = torch.cat([ok, px.double(), draws.double()]).tolist()
+        ok_list, px_list = decided[:n], decided[n : 2 * n]
+        draw_list = [int(d) for d in decided[2 * n :]]
+    else:
+        ok_list, px_list, draw_list = [], [], draws.tolist()
+    # reach[i]: nodes on the longest passing path from node i down (0: i fails); children
+    # come after their parents, so a reverse pass has seen every child of i before i
+    reach, below = [0] * n, [0] * n  # below[i]: the longest reach among i's children
+    for i in reversed(range(n)):
+        reach[i] = 1 + below[i] if ok_list[i] else 0
+        if tree.parents[i] >= 0:
+            below[tree.parents[i]] = max(below[tree.parents[i]], reach[i])
+    children = children_of(tree.parents)
+    path: list[int] = []
+    node = -1
+    while True:
+        passing = [c for c in children.get(node, ()) if ok_list[c]]
+        if not passing:
+            return path, draw_list[node + 1]
+        nxt = max(passing, key=lambda c: (reach[c], px_list[c], -c))
+        path.append(nxt)
+        node = nxt

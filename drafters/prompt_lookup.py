@@ -33,7 +33,7 @@ class PromptLookupDrafter(Drafter):
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         default = DecodeConfig(gamma=decode.gamma)
         changed = [k for k in ("tree_top_k", "stop_below", "draft_weights", "lookup_ngram",
-                               "lookup_gamma", "dynamic_gamma") if getattr(decode, k) != getattr(default, k)]  # fmt: skip
+                               "lookup_gamma") if getattr(decode, k) != getattr(default, k)]  # fmt: skip
         if not changed:
             return []
         return [f"prompt lookup drafts a chain of up to gamma copied tokens; {', '.join(changed)} "
@@ -85,6 +85,7 @@ class CopyingSession(DraftSession):
         self.lookup = PromptLookupSession(max(3, ngram), ngram, gamma)
         self.capture_layers: Sequence[int] = inner.capture_layers
         self.copied_passes = 0  # proposals copied rather than drafted
+        self.lossy = inner.lossy  # the inner session's acceptance rule verifies copies too
 
     def propose(self, context: DraftContext) -> DraftTree:
         tree = self.lookup.propose(context)
@@ -95,6 +96,9 @@ class CopyingSession(DraftSession):
 
     def bind_cache(self, cache) -> None:
         self.inner.bind_cache(cache)
+
+    def verify_sampled(self, tree: DraftTree, p, generator):
+        return self.inner.verify_sampled(tree, p, generator)
 
     def verify(self, tree: DraftTree, logits_to_keep: int):
         """The inner session's own verification of its draft, if it has one; else None (the

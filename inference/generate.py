@@ -23,6 +23,7 @@ ids, and compaction that gathers a different path per row into a common (padded)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -37,14 +38,15 @@ from specdraft.core import (
     check_fingerprint,
     compact,
     eos_ids,
+    owner_of,
     process_logits,
 )
-from specdraft.drafters.base import Drafter, hf_model_kind, settings_owned_by_kinds, warn_once
+from specdraft.drafters.base import Drafter, hf_model_kind, warn_once
 from specdraft.drafters.prompt_lookup import CopyingSession, PromptLookupDrafter
 from specdraft.drafters.target import Target
 from specdraft.inference.metrics import Stats
 from specdraft.inference.tree import tree_attention
-from specdraft.inference.verify import verify_greedy, verify_sampling, verify_typical
+from specdraft.inference.verify import verify_greedy, verify_sampling
 
 
 @dataclass
@@ -74,19 +76,20 @@ def generate(
     temperature 0 is greedy: output equals the target's greedy decoding token for token. Above
     0, output follows the target's distribution after temperature, top-k and top-p exactly,
     except with acceptance="typical" (Medusa only), which is lossy (stats.lossy).
-    decode: how the drafter drafts (specdraft.core.DecodeConfig); None: DecodeConfig()'s. The
-    settings a trained drafter was saved or tuned with are `load_decoding(path)`: pass them to
-    decode as it was tuned. settings: DecodeConfig keys that override `decode` for this call,
-    e.g. gamma=8, tree_top_k=4, lookup_ngram=2.
+    decode: how the drafter drafts (specdraft.core.DecodeConfig, or its kind's subclass:
+    `drafter.decode_class`); None: the kind's defaults. The settings a trained drafter was saved
+    or tuned with are `load_decoding(path)`: pass them to decode as it was tuned. settings:
+    decoding keys that override `decode` for this call, e.g. gamma=8, tree_top_k=4,
+    lookup_ngram=2, or a kind's own (exit_layer=3 for LayerSkip).
     """
     seq_ids = _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k)
     sampling = SamplingSettings(temperature=float(temperature), top_k=int(top_k), top_p=top_p)
     device = target.device
     generator = torch.Generator(device=device).manual_seed(seed)
     session, stats, decode = _start_session(target, drafter, sampling, generator, decode, settings)
-    # at temperature 0 typical acceptance is greedy verification: exact, nothing to mark
-    typical = decode is not None and decode.acceptance == "typical" and not sampling.greedy
-    stats.lossy = typical
+    # a session's own acceptance rule (Medusa's typical) applies at temperature > 0 only; at 0
+    # every rule is greedy verification: exact, nothing to mark
+    stats.lossy = session is not None and session.lossy and not sampling.greedy
     log_p = torch.zeros((), dtype=torch.float64, device=device)  # sum of log p(emitted), T > 0
     eos = eos_ids(target.model)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
@@ -145,12 +148,8 @@ def generate(
             path, next_token = verify_greedy(tree, logits.argmax(-1).tolist())
         else:
             p = process_logits(logits, sampling)  # (n + 1, vocab)
-            if typical:
-                path, next_token = verify_typical(
-                    tree, p, generator, epsilon=decode.typical_epsilon, delta=decode.typical_delta
-                )
-            else:
-                path, next_token = verify_sampling(tree, p, generator)
+            own = session.verify_sampled(tree, p, generator) if session is not None else None
+            path, next_token = own if own is not None else verify_sampling(tree, p, generator)
 
         # 4. Keep both caches on the accepted path; the new token stays pending.
         compact(cache, length, path)
@@ -229,12 +228,13 @@ def _start_session(target, drafter, sampling, generator, decode, settings):
     stats = Stats()
     settings = {k: v for k, v in settings.items() if v is not None}
     if drafter is None:
-        for key, (off, owner, _) in settings_owned_by_kinds().items():
-            value = settings.get(key, getattr(decode, key, off))
-            if value != off:
+        given = {**(dataclasses.asdict(decode) if decode is not None else {}), **settings}
+        for key, value in given.items():
+            owner = owner_of(key)
+            if owner is not None and value != getattr(owner(), key):
                 raise ValueError(
-                    f"{key}={value!r} needs a {owner} drafter, and plain decoding (drafter=None) "
-                    f"drafts nothing to accept: pass a {owner} drafter, or drop {key}"
+                    f"{key}={value!r} needs a {owner.owner} drafter, and plain decoding "
+                    f"(drafter=None) drafts nothing: pass a {owner.owner} drafter, or drop {key}"
                 )
         if settings or decode is not None:
             raise ValueError(f"decoding settings {sorted(settings)} given without a drafter")
@@ -258,16 +258,12 @@ def _start_session(target, drafter, sampling, generator, decode, settings):
         target.fingerprint,
         f"this {drafter.kind} drafter",
     )
-    decode = (decode if decode is not None else DecodeConfig()).replace(**settings)
-    drafter.check_decode(decode)  # another kind's setting, or one out of this drafter's range
+    # the kind's own settings class; another kind's setting is an error naming its owner
+    decode = drafter.decode_settings(decode, **settings)
+    drafter.check_decode(decode)  # a setting out of this drafter's range
     for message in drafter.ignored_settings(decode):
         warn_once(message)
-    drafting = sampling
-    if decode.acceptance == "typical":
-        # Typical acceptance needs no draft distribution q: the heads draft their top
-        # candidates, as the reference's do, rather than sampling from q.
-        drafting = SamplingSettings()
-    session = drafter.new_session(target, sampling=drafting, decode=decode, generator=generator)
+    session = drafter.new_session(target, sampling=sampling, decode=decode, generator=generator)
     if decode.lookup_ngram > 0 and not isinstance(drafter, PromptLookupDrafter):
         session = CopyingSession(session, decode.lookup_ngram, decode.lookup_gamma or decode.gamma)
     stats.drafter_params = drafter.num_extra_parameters(target)

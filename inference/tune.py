@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
-from specdraft.core import DecodeConfig
+from specdraft.core import DecodeConfig, owner_of
 from specdraft.inference.measure import Run, loop_decoder, measure
 from specdraft.inference.metrics import Stats
 from specdraft.precision import dtype_name
 
-# Trees first (their width and budget decide whether stop_below or int8 apply at all), then the
-# depth, then what refines a chain, then copying.
+# The kind's own settings first (LayerSkip's exit decides what its depth is worth), then trees
+# (their width and budget decide whether stop_below or int8 apply at all), then the depth, then
+# what refines a chain, then copying.
 SEARCH_ORDER = (
-    "exit_layer",
     "tree_top_k",
     "tree_budget",
     "gamma",
@@ -60,27 +60,41 @@ def default_space(drafter, target) -> dict[str, list]:
     return space
 
 
-def parse_space(items: Sequence[str], base: Mapping[str, list]) -> dict[str, list]:
-    """`base` with KEY=V1,V2,... items replacing the values tried for KEY (a DecodeConfig key);
-    KEY= (nothing) leaves KEY out of the search. Raises ValueError naming a bad item."""
+def tunable(decode_class: type[DecodeConfig] = DecodeConfig) -> list[str]:
+    """The settings a search may race for drafters of `decode_class` (a kind's), in search
+    order: the kind's own first, then SEARCH_ORDER."""
+    return [*decode_class.own_setting_names(), *SEARCH_ORDER]
+
+
+def parse_space(
+    items: Sequence[str],
+    base: Mapping[str, list],
+    decode_class: type[DecodeConfig] = DecodeConfig,
+) -> dict[str, list]:
+    """`base` with KEY=V1,V2,... items replacing the values tried for KEY (a setting of
+    `decode_class`, the drafter's kind's); KEY= (nothing) leaves KEY out of the search. Raises
+    ValueError naming a bad item."""
     space = dict(base)
+    keys = tunable(decode_class)
     for item in items:
         key, sep, values = item.partition("=")
         key = key.strip()
-        if not sep or key not in SEARCH_ORDER:
+        if sep and key not in keys and owner_of(key) is not None:
+            raise ValueError(f"--search {item!r}: {decode_class.foreign_setting(key, values)}")
+        if not sep or key not in keys:
             raise ValueError(
-                f"--search {item!r}: expected KEY=V1,V2,... with KEY one of {', '.join(SEARCH_ORDER)}"
+                f"--search {item!r}: expected KEY=V1,V2,... with KEY one of {', '.join(keys)}"
             )
         if not values.strip():
             space.pop(key, None)
             continue
-        kind = type(getattr(DecodeConfig(), key))
+        kind = type(getattr(decode_class(), key))
         try:
             parsed = [kind(v.strip()) for v in values.split(",")]
         except ValueError:
             raise ValueError(f"--search {item!r}: {key} takes {kind.__name__} values") from None
-        for v in parsed:  # DecodeConfig's own checks, naming the key
-            DecodeConfig(**{key: v})
+        for v in parsed:  # the settings' own checks, naming the key
+            decode_class(**{key: v})
         space[key] = parsed
     return space
 
@@ -91,7 +105,7 @@ def check_space(drafter, space: Mapping[str, Sequence]) -> None:
     for key, values in space.items():
         for value in values:
             try:
-                drafter.check_decode(DecodeConfig(**{key: value}))
+                drafter.check_decode(drafter.decode_settings({key: value}))
             except ValueError as e:
                 raise ValueError(f"--search {key}: {e}; leave it out of --search") from None
 
@@ -148,29 +162,29 @@ def search_decode(
     log: Callable[[str], None] | None = None,
     **options,
 ) -> tuple[DecodeConfig, list[dict]]:
-    """The drafter's decoding settings after a search over `space` (DecodeConfig key -> values,
-    searched in SEARCH_ORDER, starting from `start`: the settings it is served with now,
-    checkpoint.load_decoding's; None: DecodeConfig()'s), and one row per candidate measured:
+    """The drafter's decoding settings after a search over `space` (setting -> values, searched
+    in `tunable`'s order, starting from `start`: the settings it is served with now,
+    checkpoint.load_decoding's; None: the kind's defaults), and one row per candidate measured:
     {"pass", "round": key, key: value, "tokens_per_s", "speedup" (vs plain decoding in the same
     round), "tau", "matches_plain" (None when sampling), "kept"}.
 
     Settings interact (LayerSkip's best depth depends on its exit layer: a shallow exit drafts
     cheaply and wrongly, so it wants short chains), and one pass tunes each setting only at the
-    values the earlier rounds left. So the search passes over SEARCH_ORDER again, `passes` times
+    values the earlier rounds left. So the search passes over the settings again, `passes` times
     at most, racing a setting again only where another one changed since its last round.
     """
     if passes < 1:
         raise ValueError(f"passes must be at least 1; got {passes}")
     greedy = options.get("temperature", 0.0) == 0
-    best, rows = (start if start is not None else DecodeConfig()), []
-    if "exit_layer" in space:  # 0 means the trained exit: name it, so it is raced once
-        best = best.replace(exit_layer=drafter.draft_exit(best))
-    defaults = DecodeConfig()
+    # a placeholder for the drafter's own choice (LayerSkip's exit 0) named, so it races once
+    best, rows = drafter.resolved_decode(drafter.decode_settings(start)), []
+    defaults = drafter.decode_settings()
     others = lambda d, key: d.replace(**{key: getattr(defaults, key)})  # noqa: E731
     # per setting, the other settings as its last round left them (a round's winner may have
     # reset some, `_fit`): it races again only once another round has moved one of them
     raced_with: dict[str, DecodeConfig] = {}
-    rounds = [(p, key) for p in range(1, passes + 1) for key in SEARCH_ORDER if key in space]
+    order = tunable(drafter.decode_class)
+    rounds = [(p, key) for p in range(1, passes + 1) for key in order if key in space]
     for number, key in rounds:
         if raced_with.get(key) == others(best, key) or (key == "tree_budget" and best.chain):
             continue
@@ -246,8 +260,8 @@ def _fit(drafter, decode: DecodeConfig, key: str, best: DecodeConfig) -> DecodeC
     could not honour is allowed; only what the change adds must go."""
     allowed = set(drafter.ignored_settings(best))
     new = lambda d: set(drafter.ignored_settings(d)) - allowed  # noqa: E731
-    defaults = DecodeConfig()
-    for f in dataclasses.fields(DecodeConfig):
+    defaults = drafter.decode_settings()
+    for f in dataclasses.fields(defaults):
         if not new(decode):
             break
         reset = decode.replace(**{f.name: getattr(defaults, f.name)})

@@ -1,5 +1,4 @@
-"""Accepting a draft tree against the target: greedy, lossless sampling, and Medusa's (lossy)
-typical acceptance.
+"""Accepting a draft tree against the target: greedy, and lossless sampling.
 
 Each returns the accepted path (node indices, root to leaf) and the one token the target adds after
 it: the correction at the first rejection, or the bonus token below an accepted leaf. Row 0 of the
@@ -12,10 +11,8 @@ p; on rejection p' <- norm(max(p' - q_i, 0)). A deterministic child is a point m
 its rejection only removes x_i's mass. If every child is rejected, the token is sampled from p'.
 Each emitted token then has exactly the distribution p, whatever the draft.
 
-Typical acceptance (Medusa, Cai et al. 2024) is LOSSY: it keeps a draft token the target finds
-plausible enough, p(x) > min(epsilon, delta * exp(-H(p))), instead of one it would have sampled,
-so output drifts from p (towards the draft's likelier tokens) in exchange for longer accepted
-paths. The loop uses it only when asked (DecodeConfig.acceptance) and records the run as lossy.
+A session may bring its own rule for temperature > 0 (`DraftSession.verify_sampled`): Medusa's
+typical acceptance, which is lossy, lives with the Medusa kind (drafters/medusa.py).
 """
 
 from __future__ import annotations
@@ -134,67 +131,3 @@ def _verify_tree(
             return path, int(torch.multinomial(p_res, 1, generator=generator).item())
         path.append(accepted)
         node = accepted
-
-
-def verify_typical(
-    tree: DraftTree,
-    p: torch.Tensor,
-    generator: torch.Generator | None,
-    *,
-    epsilon: float,
-    delta: float,
-) -> tuple[list[int], int]:
-    """Medusa's typical acceptance over the tree (module docstring): lossy, output does not
-    follow p.
-
-    p: (n + 1, vocab) the target's processed distribution at the root and at each node.
-    1. At a node whose distribution is p, the threshold is min(epsilon, delta * exp(-H(p))); a
-       child x passes when p(x) is above its parent's threshold.
-    2. Of the root-to-node paths whose every node passes, take the longest (ties: the more
-       likely child, by p, at the first place they part), as the Medusa reference does.
-    3. The token after the path is drawn from p at the last accepted node (the root when none):
-       with nothing accepted the step is plain sampling.
-
-    Against the Medusa reference (FasterDecoding/Medusa, medusa/model/utils.py,
-    `evaluate_posterior` and `generate_candidates`): the same per-token rule (strictly above
-    min(posterior_threshold, posterior_alpha * exp(-H)), p the softmax at the temperature) and
-    the same longest accepted path, but ties between equally long paths go to the likelier
-    child where they part, where the reference takes the larger sum of log p along the path;
-    its entropy adds 1e-5 inside the log, H here is exact; and
-    its default (fast=True) takes the token after the path as the argmax of p there, not a
-    draw, which would pull output towards greedy even when no draft is accepted. p here is also
-    after top-k / top-p, as everywhere in the loop.
-    """
-    n = len(tree)
-    # entr(p) = -p log p, 0 where p is 0 (tokens top-k / top-p removed)
-    entropy = torch.special.entr(p).sum(-1)  # (n + 1,)
-    threshold = (delta * torch.exp(-entropy)).clamp(max=epsilon)  # (n + 1,)
-    # one draw per row, so the walk and the token after it need a single host sync
-    draws = torch.multinomial(p, 1, generator=generator)[:, 0]  # (n + 1,)
-    if n:
-        rows = torch.tensor(tree.parents, device=p.device) + 1  # node i is scored at its parent
-        x = tree.tokens[0].to(p.device)  # (n,)
-        px = p[rows, x]  # (n,)
-        ok = (px > threshold[rows]).double()  # (n,) strictly above, as the reference
-        decided = torch.cat([ok, px.double(), draws.double()]).tolist()
-        ok_list, px_list = decided[:n], decided[n : 2 * n]
-        draw_list = [int(d) for d in decided[2 * n :]]
-    else:
-        ok_list, px_list, draw_list = [], [], draws.tolist()
-    # reach[i]: nodes on the longest passing path from node i down (0: i fails); children
-    # come after their parents, so a reverse pass has seen every child of i before i
-    reach, below = [0] * n, [0] * n  # below[i]: the longest reach among i's children
-    for i in reversed(range(n)):
-        reach[i] = 1 + below[i] if ok_list[i] else 0
-        if tree.parents[i] >= 0:
-            below[tree.parents[i]] = max(below[tree.parents[i]], reach[i])
-    children = children_of(tree.parents)
-    path: list[int] = []
-    node = -1
-    while True:
-        passing = [c for c in children.get(node, ()) if ok_list[c]]
-        if not passing:
-            return path, draw_list[node + 1]
-        nxt = max(passing, key=lambda c: (reach[c], px_list[c], -c))
-        path.append(nxt)
-        node = nxt

@@ -25,7 +25,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from specdraft.core import DecodeConfig
 from specdraft.drafters import load_target
+from specdraft.drafters.base import kinds_own_settings
 from specdraft.inference.evaluate import (
     BASELINES,
     HF_GAMMA,
@@ -72,10 +74,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="FOLDER[:KEY=VALUE,...]",
         help="a trained drafter (repeat; the same folder may come back with other settings): "
         "after a colon, decoding settings for this drafter only, over its saved defaults "
-        "(gamma, tree_top_k, tree_budget, stop_below, draft_weights, lookup_ngram, "
-        "lookup_gamma, dynamic_gamma, exit_layer, acceptance, typical_epsilon, typical_delta: "
-        "specdraft.core.DecodeConfig; "
-        "acceptance=typical, Medusa only, is lossy at temperature > 0 and marked so)",
+        "(every kind's: "
+        + ", ".join(DecodeConfig.setting_names())
+        + "; a kind's own: "
+        + ", ".join(kinds_own_settings())
+        + "; Medusa's acceptance=typical is lossy at temperature > 0 and marked so)",
     )
     parser.add_argument("--baselines", default=",".join(BASELINES))
     parser.add_argument("--prompts", default="demo", help="demo, or a .txt/.json/.jsonl file")

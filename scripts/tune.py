@@ -22,6 +22,7 @@ import json
 import sys
 from pathlib import Path
 
+from specdraft.drafters.base import kinds_own_settings
 from specdraft.drafters.checkpoint import (
     load_decoding,
     load_drafter,
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target, drafter = load(args)
         prompts = load_prompts(args.prompts, args.num_prompts, target)
-        space = parse_space(args.search, default_space(drafter, target))
+        space = parse_space(args.search, default_space(drafter, target), drafter.decode_class)
         check_space(drafter, space)
     except ValueError as e:  # TargetError, CheckpointError, ConfigError, a bad --search
         print(f"scripts/tune.py: error: {e}", file=sys.stderr)
@@ -111,7 +112,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         metavar="KEY=V1,V2",
         help="values to try for a setting instead of the defaults (KEY= leaves it out): "
-        + ", ".join(SEARCH_ORDER),
+        + ", ".join(SEARCH_ORDER)
+        + ", or the drafter kind's own ("
+        + ", ".join(kinds_own_settings())
+        + ")",
     )
     parser.add_argument("--prompts", default="demo", help="demo, or a .txt/.json/.jsonl file")
     parser.add_argument("--num-prompts", type=int, default=8)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +38,18 @@ class SamplingSettings:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """How a drafter drafts in the loop: the same keys for every kind, saved in its checkpoint as
+    """How a drafter drafts in the loop: the keys every kind takes, saved in its checkpoint as
     its defaults (`decode` section of a training config) and overridable at evaluation
-    (`--drafter FOLDER:key=value`). Never stored on a module after loading; sessions get one."""
+    (`--drafter FOLDER:key=value`). Never stored on a module after loading; sessions get one.
+
+    A kind with settings of its own (LayerSkip's exit layer, Medusa's typical acceptance, the
+    two-model draft's dynamic gamma) declares them in its file as a subclass naming its owner,
+    `class LayerSkipDecode(DecodeConfig, owner="LayerSkip")`, and sets it as the drafter's
+    `decode_class`; `of` turns any settings into that class, refusing another kind's setting
+    by the owner's name."""
+
+    # The kind whose own settings a subclass adds ("" here: every kind takes these).
+    owner: ClassVar[str] = ""
 
     # Draft depth: a chain drafts up to this many tokens, a tree grows this many levels. Also the
     # depth of the simulated tau reported during training.
@@ -69,25 +78,13 @@ class DecodeConfig:
     # verifying 3 does (BENCHMARKS.md, "Copies longer than the drafter's chains"), so a drafter
     # tuned to short chains (LayerSkip's γ 2-3) still wants long copies.
     lookup_gamma: int = 0
-    # Two-model drafts: grow gamma after a draft accepted to its full depth, shrink it otherwise.
-    dynamic_gamma: bool = False
-    # How drafts are accepted at temperature > 0. exact: lossless rejection sampling, output
-    # follows the target's distribution. typical: Medusa's typical acceptance (Medusa drafters
-    # only): a draft token is kept when the target gives it more than min(typical_epsilon,
-    # typical_delta * exp(-entropy)); more tokens per pass, but output drifts from the target's
-    # distribution (lossy; evaluate.py marks such runs). At temperature 0 both are greedy.
-    acceptance: str = choice("exact", "typical")
-    # acceptance=typical: epsilon, the threshold's cap (the Medusa reference's
-    # posterior_threshold), which applies where the target is confident; raise it to accept less.
-    typical_epsilon: float = 0.09
-    # acceptance=typical: delta, the scale of the entropy-adapted threshold delta * exp(-H(p))
-    # (the reference's posterior_alpha, suggested sqrt(typical_epsilon)), which lowers the
-    # threshold where the target is unsure (high entropy H); raise it to accept less there.
-    typical_delta: float = 0.3
-    # LayerSkip drafters only: draft with the target's first exit_layer layers (0: the exit
-    # layer the drafter was trained for). Early-exit training trains every exit, so the fastest
-    # one on the hardware at hand is a decoding choice (scripts/tune.py measures it).
-    exit_layer: int = 0
+
+    def __init_subclass__(cls, owner: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not owner:
+            raise TypeError(f"{cls.__name__}: a kind's decoding settings name their owner")
+        cls.owner = owner
+        _KIND_DECODES.append(cls)
 
     def __post_init__(self) -> None:
         integers = (
@@ -97,38 +94,84 @@ class DecodeConfig:
             ("lookup_ngram", 0),
             ("lookup_gamma", 0),
         )
-        for key, low in (*integers, ("exit_layer", 0)):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{key} must be an integer >= {low}; got {value!r}")
+        for key, low in integers:
+            check_integer(self, key, low)
         stop = self.stop_below
         if isinstance(stop, bool) or not isinstance(stop, (int, float)) or not 0 <= stop < 1:
             raise ValueError(f"stop_below must be a number in [0, 1); got {stop!r}")
-        if not isinstance(self.dynamic_gamma, bool):
-            raise ValueError(f"dynamic_gamma must be true or false; got {self.dynamic_gamma!r}")
-        for key in ("typical_epsilon", "typical_delta"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ValueError(
-                    f"{key} must be a number in (0, 1]; got {value!r} (the Medusa reference "
-                    "uses typical_epsilon=0.09, typical_delta=0.3)"
-                )
         check_choices(self)
 
     @property
     def chain(self) -> bool:
         return self.tree_top_k == 1
 
-    def replace(self, **changes: Any) -> DecodeConfig:
-        """A copy with `changes` (DecodeConfig keys; None values are ignored), checked."""
+    @classmethod
+    def setting_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def own_setting_names(cls) -> list[str]:
+        """The settings this kind's subclass adds to those every kind takes."""
+        return [k for k in cls.setting_names() if k not in DecodeConfig.setting_names()]
+
+    @classmethod
+    def of(cls, settings: DecodeConfig | Mapping[str, Any] | None, who: str = "") -> Self:
+        """`settings` (any kind's, or a saved dict) as this class: the keys it shares, and this
+        class's defaults for the rest. Another kind's setting is dropped where it is off (its
+        owner's default: a checkpoint written before the keys moved saved every one) and is
+        otherwise a ValueError naming the setting, its owner and `who` refuses it ("this
+        Medusa drafter"; default: this class's owner)."""
+        if settings is None:
+            return cls()
+        if isinstance(settings, DecodeConfig):
+            values = {k: getattr(settings, k) for k in type(settings).setting_names()}
+        else:
+            values = dict(settings)
+        ours = set(cls.setting_names())
+        for key in sorted(set(values) - ours):
+            owner = owner_of(key)
+            if owner is None or values[key] != getattr(owner(), key):
+                raise ValueError(cls.foreign_setting(key, values[key], who))
+            del values[key]
+        return cls(**values)
+
+    @classmethod
+    def foreign_setting(cls, key: str, value: Any, who: str = "") -> str:
+        """The message for `key`, which this class does not take: whose it is, and the fix."""
+        owner = owner_of(key)
+        if owner is None:
+            return f"unknown decoding setting {key}; choose from {', '.join(cls.setting_names())}"
+        mine = who or (f"this {cls.owner} drafter" if cls.owner else "this drafter")
+        return (
+            f"{key}={value!r} is a {owner.owner} drafter's decoding setting, which {mine} does "
+            f"not take: drop {key}, or use a {owner.owner} drafter"
+        )
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with `changes` (keys of this class; None values are ignored), checked."""
         changes = {k: v for k, v in changes.items() if v is not None}
-        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
-        if unknown:
-            raise ValueError(
-                f"unknown decoding setting(s) {', '.join(unknown)}; choose from "
-                f"{', '.join(f.name for f in dataclasses.fields(self))}"
-            )
+        for key in sorted(set(changes) - set(self.setting_names())):
+            raise ValueError(self.foreign_setting(key, changes[key]))
         return dataclasses.replace(self, **changes)
+
+
+# Every kind's DecodeConfig subclass, in the order they were defined (owner_of).
+_KIND_DECODES: list[type[DecodeConfig]] = []
+
+
+def owner_of(key: str) -> type[DecodeConfig] | None:
+    """The kind's DecodeConfig subclass that declares `key`, a setting of that kind's only;
+    None for a key every kind takes or none does."""
+    if key in DecodeConfig.setting_names():
+        return None
+    return next((cls for cls in _KIND_DECODES if key in cls.setting_names()), None)
+
+
+def check_integer(settings: object, key: str, low: int) -> None:
+    """Raise ValueError unless settings.`key` is an integer >= low (a bool is not)."""
+    value = getattr(settings, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{key} must be an integer >= {low}; got {value!r}")
 
 
 # --- the draft tree ---------------------------------------------------------------------------

@@ -131,7 +131,10 @@ def test_the_new_kind_trains_saves_loads_and_decodes_exactly(trained, tiny_targe
         drafted, accepted = drafted + ours.stats.drafted, accepted + ours.stats.accepted
     assert drafted > 0 and accepted > 0
     # another kind's setting is refused by the shared rules, naming its owner
-    with pytest.raises(ValueError, match=r"exit_layer=1 .* this is a bigram_test drafter"):
+    with pytest.raises(
+        ValueError,
+        match=r"exit_layer=1 is a LayerSkip .* which this bigram_test drafter does not take",
+    ):
         generate(tiny_target, prompts[0], drafter, max_new_tokens=4, exit_layer=1)
 
 

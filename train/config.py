@@ -13,10 +13,11 @@ from typing import ClassVar
 import torch
 
 from specdraft.config import ConfigError, check_choices, choice
-from specdraft.core import DecodeConfig
+from specdraft.core import DecodeConfig, owner_of
 from specdraft.data.config import DataConfig
-from specdraft.drafters.base import drafter_kinds, settings_owned_by_kinds
+from specdraft.drafters.base import drafter_kinds, kinds_own_settings
 from specdraft.inference.tune import SEARCH_ORDER as TUNABLE
+from specdraft.inference.tune import tunable
 from specdraft.precision import resolve_precision
 
 # The resolved config of a run, in output_dir and in every checkpoint folder.
@@ -76,10 +77,11 @@ class LoopEvalConfig:
                 f"eval_loop.tune_budgets must be integers >= 1; got {list(self.tune_budgets)}",
                 key="eval_loop.tune_budgets",
             )
-        unknown = [k for k in self.tune if k not in TUNABLE]
+        unknown = [k for k in self.tune if k not in TUNABLE and owner_of(k) is None]
         if unknown:
             raise ConfigError(
-                f"eval_loop.tune {unknown}: each must be one of {', '.join(TUNABLE)}",
+                f"eval_loop.tune {unknown}: each must be one of {', '.join(TUNABLE)}, or a "
+                f"setting of the drafter's own kind ({', '.join(kinds_own_settings())})",
                 key="eval_loop.tune",
             )
         for key in ("num_prompts", "max_new_tokens", "tune_prompts", "tune_passes"):
@@ -263,16 +265,16 @@ class TrainConfig:
         cls = drafter_kinds().get(self.kind)
         if cls is None:
             return
-        problem = cls.decode_problem(self.decode)
-        if problem is not None:
-            raise ConfigError(f"decode.{problem}", key=f"decode.{problem.key}")
-        owned = settings_owned_by_kinds()
+        try:  # the kind's own settings class, whatever decode was built as
+            self.decode = cls.decode_settings(self.decode)
+        except ValueError as e:
+            raise ConfigError(f"decode: {e}", key="decode") from None
         for key in self.eval_loop.tune:
-            if key in owned and key not in cls.owned_settings:
-                _, owner, _ = owned[key]
+            owner = owner_of(key)
+            if key not in tunable(cls.decode_class) and owner is not None:
                 raise ConfigError(
-                    f"eval_loop.tune has {key}, {owner}'s setting, and this trains a "
-                    f"{cls.title or cls.kind} drafter: leave it out",
+                    f"eval_loop.tune has {key}, {owner.owner}'s decoding setting, and this trains "
+                    f"a {cls.title or cls.kind} drafter: leave it out",
                     key="eval_loop.tune",
                 )
         if self.target_sharding != "none":

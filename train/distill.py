@@ -16,7 +16,7 @@ import torch
 
 from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
-from specdraft.drafters.distill import DistillConfig, DistillDrafter
+from specdraft.drafters.distill import DistillConfig, DistillDecode, DistillDrafter
 from specdraft.train.config import TrainConfig
 from specdraft.train.launch import whole_model_loading
 from specdraft.train.report import loop_prompts, report_after_training
@@ -34,6 +34,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "distill" 
 class DistillTrainConfig(TrainConfig):
     kind: ClassVar[str] = "distill"
     drafter: DistillConfig = field(default_factory=DistillConfig)
+    decode: DistillDecode = field(default_factory=DistillDecode)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
-from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
+from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDecode, LayerSkipDrafter
 from specdraft.drafters.target import load_target
 from specdraft.train.config import TrainConfig
 from specdraft.train.fine_tuned import exit_agreement, finish_layerskip, heldout_loss
@@ -31,6 +31,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "layerskip
 class LayerSkipTrainConfig(TrainConfig):
     kind: ClassVar[str] = "layerskip"
     drafter: LayerSkipConfig = field(default_factory=LayerSkipConfig)
+    decode: LayerSkipDecode = field(default_factory=LayerSkipDecode)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ import torch
 from specdraft.config import parse_cli
 from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
-from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+from specdraft.drafters.medusa import MedusaConfig, MedusaDecode, MedusaDrafter
 from specdraft.train.config import TrainConfig
 from specdraft.train.fine_tuned import finish_fine_tuning
 from specdraft.train.launch import whole_model_loading
@@ -37,6 +37,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "medusa" /
 class MedusaTrainConfig(TrainConfig):
     kind: ClassVar[str] = "medusa"
     drafter: MedusaConfig = field(default_factory=MedusaConfig)
+    decode: MedusaDecode = field(default_factory=MedusaDecode)
     # Medusa-2 (drafter.lora.rank > 0): after training, write the fine-tuned target with its
     # adapter merged to output_dir/target (a plain HF folder the heads decode with: evaluate.py
     # --target output_dir/target); off, only each checkpoint's adapter/ is written, which

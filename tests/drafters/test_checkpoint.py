@@ -12,11 +12,10 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from specdraft.core import DecodeConfig
 from specdraft.drafters import checkpoint
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.checkpoint import CheckpointError, load_decoding, load_drafter, save_drafter
-from specdraft.drafters.distill import DistillConfig, DistillDrafter
+from specdraft.drafters.distill import DistillConfig, DistillDecode, DistillDrafter
 from specdraft.drafters.target import Target
 
 
@@ -165,7 +164,7 @@ def test_decoding_defaults_round_trip_and_a_format_1_folder_is_refused_by_name(
     folder of the removed format 1 (decoding keys inside the kind's config) is an error that
     says which format it is and what to do, not a drafter with silently default settings."""
     drafter = student
-    decode = DecodeConfig(gamma=7, draft_weights="int8", lookup_ngram=2)
+    decode = DistillDecode(gamma=7, draft_weights="int8", lookup_ngram=2)
     folder = save_drafter(
         drafter, tmp_path / "d", target_fingerprint=tiny_target.fingerprint, decode=decode
     )
@@ -176,7 +175,8 @@ def test_decoding_defaults_round_trip_and_a_format_1_folder_is_refused_by_name(
     block["decode"] = {"gamma": 0}
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        CheckpointError, match=r"config\.json: its DecodeConfig is not valid: gamma must be"
+        CheckpointError,
+        match=r"config\.json: its decoding settings are not valid for a two-model drafter: gamma must be",
     ):
         load_drafter(folder, tiny_target)
 

@@ -110,7 +110,10 @@ def test_eos_inside_a_draft_and_a_chosen_exit_at_decode_time(deep_target, monkey
         assert other.tokens[0].tolist() == plain
     with pytest.raises(ValueError, match=r"exit_layer=4 is not in 1\.\.3"):
         generate(deep_target, prompt, drafter, max_new_tokens=4, exit_layer=4)
-    with pytest.raises(ValueError, match="exit_layer=2 chooses where a LayerSkip"):
+    with pytest.raises(
+        ValueError,
+        match="exit_layer=2 is a LayerSkip drafter's decoding setting, which this prompt_lookup drafter does not take",
+    ):
         generate(deep_target, prompt, "prompt_lookup", max_new_tokens=4, exit_layer=2)
 
 

@@ -18,6 +18,7 @@ from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, TargetOutp
 from specdraft.drafters.checkpoint import load_decoding, load_drafter, save_drafter
 from specdraft.drafters.medusa import (
     MedusaConfig,
+    MedusaDecode,
     MedusaDrafter,
     MedusaSession,
     expected_length,
@@ -171,7 +172,7 @@ def test_checkpoint_round_trip_keeps_weights_accuracy_and_decoding(random_target
     heads = noisy_heads(random_target, num_heads=3, num_layers=2)
     batch, out = batch_and_target_out(random_target)
     heads.finish_evaluation(heads.eval_statistics(batch, out))
-    decode = DecodeConfig(gamma=3, tree_top_k=3, tree_budget=7)
+    decode = MedusaDecode(gamma=3, tree_top_k=3, tree_budget=7)
     fingerprint = random_target.fingerprint
     save_drafter(heads, tmp_path / "heads", target_fingerprint=fingerprint, decode=decode)
     loaded = load_drafter(tmp_path / "heads", random_target)

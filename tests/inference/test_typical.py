@@ -15,11 +15,10 @@ from test_joint import CASES, FALSE_ALARM, exact_joint, sample_joint, target  # 
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, process_logits
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-from specdraft.drafters.medusa import MedusaDrafter
+from specdraft.drafters.medusa import MedusaDecode, MedusaDrafter, verify_typical
 from specdraft.inference import generate
 from specdraft.inference.evaluate import make_report, markdown
 from specdraft.inference.measure import Run, loop_decoder, measure
-from specdraft.inference.verify import verify_typical
 
 PROMPTS = MEDUSA_PROMPTS
 CHAIN = dict(gamma=3)
@@ -233,7 +232,7 @@ def test_the_report_marks_lossy_runs(random_target, heads):
     args = SimpleNamespace(max_new_tokens=12, temperature=0.7, top_p=1.0, top_k=0, gamma=None,
                            tree_top_k=None, seed=0, prompts="test")  # fmt: skip
     options = dict(max_new_tokens=12, temperature=0.7, seed=0)
-    decoding = DecodeConfig(**TREE)
+    decoding = MedusaDecode(**TREE)
     runs = [
         Run("ar", "ar", loop_decoder(random_target, None, **options)),
         Run("heads", "medusa", loop_decoder(random_target, heads, decode=decoding, **options)),
@@ -259,33 +258,35 @@ def test_the_report_marks_lossy_runs(random_target, heads):
 @pytest.mark.parametrize("value", [0, 0.0, 1.5, -0.1])
 def test_thresholds_outside_0_1_are_refused(random_target, heads, key, value):
     with pytest.raises(ValueError, match=rf"{key} must be a number in \(0, 1\]; got"):
-        DecodeConfig(**{key: value})
+        MedusaDecode(**{key: value})
     with pytest.raises(ValueError, match=rf"{key} must be a number in \(0, 1\]"):
         generate(random_target, [1, 2], heads, max_new_tokens=2, acceptance="typical",
                  **{key: value})  # fmt: skip
-    DecodeConfig(**{key: 1.0})  # 1 itself is allowed
+    MedusaDecode(**{key: 1.0})  # 1 itself is allowed
 
 
 def test_typical_acceptance_needs_a_medusa_drafter(random_target, drafts):
     eagle = EagleDrafter.build(EagleConfig(), random_target).eval()
-    for drafter, kind in [(eagle, "eagle"), (drafts["partial"], "distill"),
-                          ("prompt_lookup", "prompt_lookup")]:  # fmt: skip
+    for drafter, kind in [(eagle, "EAGLE "), (drafts["partial"], "two-model "),
+                          ("prompt_lookup", "prompt_lookup ")]:  # fmt: skip
         for temperature in (0.0, 0.7):
             with pytest.raises(ValueError, match=(
-                rf"acceptance='typical' is Medusa's typical acceptance, and this is a {kind} "
-                r"drafter.*use acceptance='exact' with it, or a Medusa drafter"
+                rf"acceptance='typical' is a Medusa drafter's decoding setting, which this {kind}"
+                r"drafter does not take: drop acceptance, or use a Medusa drafter"
             )):  # fmt: skip
                 generate(random_target, [1, 2], drafter, max_new_tokens=2,
                          temperature=temperature, acceptance="typical")  # fmt: skip
-        with pytest.raises(ValueError, match="acceptance='typical' is Medusa's"):
-            decode = DecodeConfig(acceptance="typical")
+        with pytest.raises(ValueError, match="acceptance='typical' is a Medusa drafter's"):
+            decode = MedusaDecode(acceptance="typical")
             generate(random_target, [1, 2], drafter, max_new_tokens=2, decode=decode)
-    for settings in (dict(acceptance="typical"), dict(decode=DecodeConfig(acceptance="typical"))):
+    for settings in (dict(acceptance="typical"), dict(decode=MedusaDecode(acceptance="typical"))):
         with pytest.raises(ValueError, match=(
             r"acceptance='typical' needs a Medusa drafter, and plain decoding \(drafter=None\) "
-            r"drafts nothing to accept: pass a Medusa drafter, or drop acceptance"
+            r"drafts nothing: pass a Medusa drafter, or drop acceptance"
         )):  # fmt: skip
             generate(random_target, [1, 2], None, max_new_tokens=2, **settings)
+    # settings of the kind's own left at their defaults are no error (an older checkpoint's)
+    assert EagleDrafter.decode_settings(MedusaDecode()) == DecodeConfig()
 
 
 def test_lossless_sampling_is_untouched_by_the_typical_settings(random_target, heads):

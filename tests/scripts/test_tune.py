@@ -11,6 +11,7 @@ import pytest
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.checkpoint import load_decoding
+from specdraft.drafters.layerskip import LayerSkipDecode
 from specdraft.inference import tune
 from specdraft.inference.metrics import Stats
 from specdraft.scripts.tune import main
@@ -68,7 +69,7 @@ def test_tune_saves_the_fastest_settings_with_equal_output(layerskip_folder, tmp
     assert measured["dtype"] == "float32" and "thread" in measured["hardware"]
     assert measured["before"]["decode"]["gamma"] == 4  # the hand-picked settings, raced again
     assert measured["speedup"] > 0 and measured["tau"] >= 1
-    assert load_decoding(layerskip_folder) == DecodeConfig(**result["decode"])
+    assert load_decoding(layerskip_folder) == LayerSkipDecode(**result["decode"])
     assert "now decodes with these settings" in capsys.readouterr().out
 
 
@@ -115,7 +116,7 @@ def test_a_faster_setting_that_changes_greedy_output_is_not_kept(monkeypatch):
             trials.append(tune.Trial(d, 1.0 / d.gamma, Stats(new_tokens=10), out))
         return trials
 
-    class Drafter:
+    class Drafter(_Fake):
         def ignored_settings(self, decode):
             return []
 
@@ -143,17 +144,28 @@ def test_a_faster_setting_that_changes_greedy_output_is_not_kept(monkeypatch):
 
 
 # The settings the fake races below start from.
-_START = DecodeConfig(gamma=4, exit_layer=2)
+_START = LayerSkipDecode(gamma=4, exit_layer=2)
 
 
-class _Chains:
-    """A chain drafter whose decode settings the fake races below price."""
+class _Fake:
+    """What the search asks of a drafter beyond ignored_settings, as Drafter does it."""
+
+    decode_class = DecodeConfig
+
+    def decode_settings(self, settings=None):
+        return self.decode_class.of(settings)
+
+    def resolved_decode(self, decode):
+        return decode
+
+
+class _Chains(_Fake):
+    """A chain drafter with an exit layer whose decode settings the fake races below price."""
+
+    decode_class = LayerSkipDecode
 
     def ignored_settings(self, decode):
         return []
-
-    def draft_exit(self, decode):
-        return decode.exit_layer
 
 
 def _priced_race(seconds):
@@ -189,14 +201,14 @@ def test_a_setting_is_raced_again_only_where_another_changed(monkeypatch):
     monkeypatch.setattr(tune, "race", _priced_race(lambda d: d.gamma + d.exit_layer))
     space = {"exit_layer": [1, 2], "gamma": [4, 6]}
     drafter = _Chains()
-    start = DecodeConfig(gamma=4, exit_layer=1)  # already the cheapest
+    start = LayerSkipDecode(gamma=4, exit_layer=1)  # already the cheapest
     best, rows = tune.search_decode(
         None, drafter, [], space, max_new_tokens=4, start=start, passes=3
     )
     assert best == start and {r["pass"] for r in rows} == {1}
     # gamma moves in pass 1, so pass 2 races the exit again at the new gamma; gamma itself is
     # not raced again (the exit stayed), and pass 3 has nothing left to race
-    start = DecodeConfig(gamma=6, exit_layer=1)
+    start = LayerSkipDecode(gamma=6, exit_layer=1)
     best, rows = tune.search_decode(
         None, drafter, [], space, max_new_tokens=4, start=start, passes=3
     )
@@ -209,7 +221,7 @@ def test_a_setting_reset_by_another_rounds_winner_is_not_raced_again(monkeypatch
     """A tree drops stop_below (which ends chains) when it wins: that reset is the tree round's
     own outcome, not a change under it, so neither round runs again."""
 
-    class Trees:
+    class Trees(_Fake):
         def ignored_settings(self, decode):
             return ["stop_below ends chains"] if not decode.chain and decode.stop_below else []
 
@@ -225,7 +237,7 @@ def test_the_saved_settings_stay_when_they_win_the_final_race(layerskip_folder, 
     """The search's pick must beat the saved settings once more, side by side, to replace them:
     a pick that only won a noisy round is not written."""
     saved = json.loads((layerskip_folder / "config.json").read_text())["specdraft"]["decode"]
-    pick = DecodeConfig(**{**saved, "gamma": saved["gamma"] + 1})
+    pick = LayerSkipDecode(**{**saved, "gamma": saved["gamma"] + 1})
     monkeypatch.setattr(tune, "search_decode", lambda *a, **k: (pick, [{"kept": True}]))
 
     def final_race(target, drafter, prompts, decodes, **_):
@@ -247,7 +259,7 @@ def test_a_tree_is_raced_with_the_chain_only_settings_reset():
 
     start = DecodeConfig(gamma=4, stop_below=0.3)
 
-    class Drafter:
+    class Drafter(_Fake):
         def ignored_settings(self, decode):
             return ["stop_below"] if decode.tree_top_k > 1 and decode.stop_below > 0 else []
 

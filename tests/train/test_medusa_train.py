@@ -91,10 +91,10 @@ def test_bad_input_is_a_clear_error(tiny_target_path, tmp_path, capsys):
     assert "tune_budgets must be integers >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*common, "eval_loop.tune=[depth]"])
-    assert "eval_loop.tune ['depth']: each must be one of exit_layer" in capsys.readouterr().err
+    assert "eval_loop.tune ['depth']: each must be one of tree_top_k" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*common, "eval_loop.tune=[gamma,exit_layer]"])
-    assert "LayerSkip's setting" in capsys.readouterr().err
+    assert "LayerSkip's decoding setting" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*common, "eval_loop.tune=[gamma,lookup_gamma]"])
     assert "lookup_gamma, the length of copies, but nothing copies" in capsys.readouterr().err
