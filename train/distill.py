@@ -25,7 +25,7 @@ from specdraft.train.target_setup import (
     frozen_targets,
     warn_the_loop_loads_the_whole_target,
 )
-from specdraft.train.trainer import train
+from specdraft.train.trainer import TrainResult, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "distill" / "demo.yaml"
 
@@ -36,23 +36,18 @@ class DistillTrainConfig(TrainConfig):
     drafter: DistillConfig = field(default_factory=DistillConfig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    prog = "train/distill.py"
-    cfg = parse_cli(
-        DistillTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
-    )
-    try:
-        # the student reads only the target's logits; sharded, the weights it is seeded with
-        # (drafter.init=target) are gathered for it
-        target, _ = frozen_targets(cfg, reads_weights=False)
-        train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
-        torch.manual_seed(cfg.seed)  # the student's random init; identical on every process
-        drafter = DistillDrafter.build(cfg.drafter, target)
-        prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
-        warn_the_loop_loads_the_whole_target(cfg, prompts)
-    except (ValueError, OSError) as e:  # missing data, bad target, a student of another vocab
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+def run(cfg: DistillTrainConfig) -> TrainResult:
+    """Set up, train and report one run of `cfg`: what `main` does once the command line is
+    read, and what scripts/compare.py calls. Raises ValueError or OSError for missing data, a
+    bad target or a student of another vocabulary."""
+    # the student reads only the target's logits; sharded, the weights it is seeded with
+    # (drafter.init=target) are gathered for it
+    target, _ = frozen_targets(cfg, reads_weights=False)
+    train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
+    torch.manual_seed(cfg.seed)  # the student's random init; identical on every process
+    drafter = DistillDrafter.build(cfg.drafter, target)
+    prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
+    warn_the_loop_loads_the_whole_target(cfg, prompts)
     print(summary.format(), file=sys.stderr)
     n_params = sum(p.numel() for p in drafter.parameters())
     print(
@@ -68,6 +63,19 @@ def main(argv: list[str] | None = None) -> int:
         decoder = decoding_target(cfg, target, result, prompts)
         del target  # a sharded target's memory goes before the measurement
         report_after_training(decoder, result, prompts, cfg)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "train/distill.py"
+    cfg = parse_cli(
+        DistillTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
+    )
+    try:
+        run(cfg)
+    except (ValueError, OSError) as e:  # missing data, bad target, a student of another vocab
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

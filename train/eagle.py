@@ -27,7 +27,7 @@ from specdraft.train.target_setup import (
     frozen_targets,
     warn_the_loop_loads_the_whole_target,
 )
-from specdraft.train.trainer import train
+from specdraft.train.trainer import TrainResult, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "eagle" / "demo.yaml"
 
@@ -60,33 +60,28 @@ def build_head(cfg: EagleConfig, target, train_examples) -> EagleDrafter:
     return EagleDrafter.build(cfg, target, d2t)
 
 
-def main(argv: list[str] | None = None) -> int:
-    prog = "train/eagle.py"
-    cfg = parse_cli(
-        EagleTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
-    )
-    try:
-        # offline, the target's hidden states come from the cache, and sharded, from its
-        # partitioned forward: the head's own copy of the target reads only its embedding and
-        # LM head, on every process (the decoder layers stay on the meta device)
-        target, features = frozen_targets(cfg, reads_weights=True, offline=bool(cfg.hidden_cache))
-        train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
-        torch.manual_seed(cfg.seed)  # the head's random init; identical on every process
-        head = build_head(cfg.drafter, target, train_examples)
-        if cfg.target_sharding != "none" and head.config.version == "eagle3":
-            # the sharded target computes the logits; the head copied its draft vocabulary's
-            # rows of the LM head when it was built and never reads the copy's again
-            target.release_lm_head()
-        if cfg.hidden_cache:  # offline: hidden states and p come from the cache
-            cache = HiddenStateCache(
-                cfg.hidden_cache, target, [*train_examples, *eval_examples], head.capture_layers
-            )
-            features = CachedTarget(target, cache)
-        prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
-        warn_the_loop_loads_the_whole_target(cfg, prompts)
-    except (ValueError, OSError) as e:  # missing data, bad target, bad layer ids or vocab size
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+def run(cfg: EagleTrainConfig) -> TrainResult:
+    """Set up, train and report one run of `cfg`: what `main` does once the command line is
+    read, and what scripts/compare.py calls. Raises ValueError or OSError for missing
+    data, a bad target, bad layer ids or vocabulary size."""
+    # offline, the target's hidden states come from the cache, and sharded, from its
+    # partitioned forward: the head's own copy of the target reads only its embedding and
+    # LM head, on every process (the decoder layers stay on the meta device)
+    target, features = frozen_targets(cfg, reads_weights=True, offline=bool(cfg.hidden_cache))
+    train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
+    torch.manual_seed(cfg.seed)  # the head's random init; identical on every process
+    head = build_head(cfg.drafter, target, train_examples)
+    if cfg.target_sharding != "none" and head.config.version == "eagle3":
+        # the sharded target computes the logits; the head copied its draft vocabulary's
+        # rows of the LM head when it was built and never reads the copy's again
+        target.release_lm_head()
+    if cfg.hidden_cache:  # offline: hidden states and p come from the cache
+        cache = HiddenStateCache(
+            cfg.hidden_cache, target, [*train_examples, *eval_examples], head.capture_layers
+        )
+        features = CachedTarget(target, cache)
+    prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
+    warn_the_loop_loads_the_whole_target(cfg, prompts)
     cfg.drafter = head.config  # the resolved layers and steps go into train_config.yaml
     print(summary.format(), file=sys.stderr)
     hc = head.config
@@ -104,6 +99,19 @@ def main(argv: list[str] | None = None) -> int:
     with whole_model_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
         features = None  # a sharded target's or the cache's memory goes before the whole one
         report_after_training(decoding_target(cfg, target, result, prompts), result, prompts, cfg)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "train/eagle.py"
+    cfg = parse_cli(
+        EagleTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
+    )
+    try:
+        run(cfg)
+    except (ValueError, OSError) as e:  # missing data, bad target, bad layer ids or vocab size
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

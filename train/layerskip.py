@@ -22,7 +22,7 @@ from specdraft.train.config import TrainConfig
 from specdraft.train.fine_tuned import exit_agreement, finish_layerskip, heldout_loss
 from specdraft.train.launch import whole_model_loading
 from specdraft.train.report import loop_prompts
-from specdraft.train.trainer import train
+from specdraft.train.trainer import TrainResult, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "layerskip" / "demo.yaml"
 
@@ -33,21 +33,16 @@ class LayerSkipTrainConfig(TrainConfig):
     drafter: LayerSkipConfig = field(default_factory=LayerSkipConfig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    prog = "train/layerskip.py"
-    cfg = parse_cli(
-        LayerSkipTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
-    )
-    try:
-        # the weights train: fp32 master weights (mixed_precision autocasts the products)
-        dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
-        target = load_target(cfg.target, dtype=dtype)
-        train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
-        drafter = LayerSkipDrafter.build(cfg.drafter, target)
-        prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
-    except (ValueError, OSError) as e:  # missing data, bad target, bad layer counts
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+def run(cfg: LayerSkipTrainConfig) -> TrainResult:
+    """Set up, train and report one run of `cfg`: what `main` does once the command line is
+    read, and what scripts/compare.py calls. Raises ValueError or OSError for missing data, a
+    bad target or bad layer counts."""
+    # the weights train: fp32 master weights (mixed_precision autocasts the products)
+    dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
+    target = load_target(cfg.target, dtype=dtype)
+    train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
+    drafter = LayerSkipDrafter.build(cfg.drafter, target)
+    prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
     print(summary.format(), file=sys.stderr)
     dc, layers = drafter.config, drafter.num_layers
     trained = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
@@ -68,11 +63,24 @@ def main(argv: list[str] | None = None) -> int:
         provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
     )  # fmt: skip
     if not result.main_process or result.stopped_by_signal:
-        return 0
+        return result
     as_saved = {"dtype": target.saved_dtype, "device": target.device}
     del target, drafter  # the trained model: the saved one is loaded as a user loads it
     with whole_model_loading():  # whole, also after a ZeRO-3 run
         finish_layerskip(cfg, result, as_saved, held_out, base_loss, before, prompts)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "train/layerskip.py"
+    cfg = parse_cli(
+        LayerSkipTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
+    )
+    try:
+        run(cfg)
+    except (ValueError, OSError) as e:  # missing data, bad target, bad layer counts
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

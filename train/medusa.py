@@ -28,7 +28,7 @@ from specdraft.train.target_setup import (
     frozen_targets,
     warn_the_loop_loads_the_whole_target,
 )
-from specdraft.train.trainer import train
+from specdraft.train.trainer import TrainResult, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "medusa" / "demo.yaml"
 
@@ -53,22 +53,17 @@ def build_heads(cfg: MedusaConfig, target, train_examples) -> MedusaDrafter:
     return MedusaDrafter.build(cfg, target, d2t)
 
 
-def main(argv: list[str] | None = None) -> int:
-    prog = "train/medusa.py"
-    cfg = parse_cli(
-        MedusaTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
-    )
-    try:
-        # sharded (Medusa-1 only), the heads read an embeddings-only copy of the target
-        target, frozen = frozen_targets(cfg, reads_weights=True)
-        train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
-        torch.manual_seed(cfg.seed)  # identical heads on every process
-        heads = build_heads(cfg.drafter, target, train_examples)
-        prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
-        warn_the_loop_loads_the_whole_target(cfg, prompts)
-    except (ValueError, OSError) as e:  # missing data, bad target, bad sizes
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+def run(cfg: MedusaTrainConfig) -> TrainResult:
+    """Set up, train and report one run of `cfg`: what `main` does once the command line is
+    read, and what scripts/compare.py calls. Raises ValueError or OSError for missing data, a
+    bad target or bad sizes."""
+    # sharded (Medusa-1 only), the heads read an embeddings-only copy of the target
+    target, frozen = frozen_targets(cfg, reads_weights=True)
+    train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
+    torch.manual_seed(cfg.seed)  # identical heads on every process
+    heads = build_heads(cfg.drafter, target, train_examples)
+    prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
+    warn_the_loop_loads_the_whole_target(cfg, prompts)
     print(summary.format(), file=sys.stderr)
     hc = heads.config
     print(
@@ -87,6 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     with whole_model_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
         frozen = None  # a sharded target's memory goes before the whole one
         report_after_training(decoding_target(cfg, target, result, prompts), result, prompts, cfg)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "train/medusa.py"
+    cfg = parse_cli(
+        MedusaTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
+    )
+    try:
+        run(cfg)
+    except (ValueError, OSError) as e:  # missing data, bad target, bad sizes
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
