@@ -17,7 +17,7 @@ import torch
 from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.distill import DistillConfig, DistillDrafter
-from specdraft.train.config import TrainConfig
+from specdraft.train.config import SetupError, TrainConfig, setting_up
 from specdraft.train.launch import whole_model_loading
 from specdraft.train.report import loop_prompts, report_after_training
 from specdraft.train.target_setup import (
@@ -38,16 +38,17 @@ class DistillTrainConfig(TrainConfig):
 
 def run(cfg: DistillTrainConfig) -> TrainResult:
     """Set up, train and report one run of `cfg`: what `main` does once the command line is
-    read, and what scripts/compare.py calls. Raises ValueError or OSError for missing data, a
+    read, and what scripts/compare.py calls. Raises SetupError before training for missing data, a
     bad target or a student of another vocabulary."""
-    # the student reads only the target's logits; sharded, the weights it is seeded with
-    # (drafter.init=target) are gathered for it
-    target, _ = frozen_targets(cfg, reads_weights=False)
-    train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
-    torch.manual_seed(cfg.seed)  # the student's random init; identical on every process
-    drafter = DistillDrafter.build(cfg.drafter, target)
-    prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
-    warn_the_loop_loads_the_whole_target(cfg, prompts)
+    with setting_up():
+        # the student reads only the target's logits; sharded, the weights it is seeded with
+        # (drafter.init=target) are gathered for it
+        target, _ = frozen_targets(cfg, reads_weights=False)
+        train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
+        torch.manual_seed(cfg.seed)  # the student's random init; identical on every process
+        drafter = DistillDrafter.build(cfg.drafter, target)
+        prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
+        warn_the_loop_loads_the_whole_target(cfg, prompts)
     print(summary.format(), file=sys.stderr)
     n_params = sum(p.numel() for p in drafter.parameters())
     print(
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         run(cfg)
-    except (ValueError, OSError) as e:  # missing data, bad target, a student of another vocab
+    except SetupError as e:  # missing data, bad target, a student of another vocab
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     return 0

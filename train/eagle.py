@@ -19,7 +19,7 @@ from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
 from specdraft.data.hidden_cache import CachedTarget, HiddenStateCache
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
-from specdraft.train.config import TrainConfig
+from specdraft.train.config import SetupError, TrainConfig, setting_up
 from specdraft.train.launch import whole_model_loading
 from specdraft.train.report import loop_prompts, report_after_training
 from specdraft.train.target_setup import (
@@ -62,26 +62,27 @@ def build_head(cfg: EagleConfig, target, train_examples) -> EagleDrafter:
 
 def run(cfg: EagleTrainConfig) -> TrainResult:
     """Set up, train and report one run of `cfg`: what `main` does once the command line is
-    read, and what scripts/compare.py calls. Raises ValueError or OSError for missing
+    read, and what scripts/compare.py calls. Raises SetupError before training for missing
     data, a bad target, bad layer ids or vocabulary size."""
-    # offline, the target's hidden states come from the cache, and sharded, from its
-    # partitioned forward: the head's own copy of the target reads only its embedding and
-    # LM head, on every process (the decoder layers stay on the meta device)
-    target, features = frozen_targets(cfg, reads_weights=True, offline=bool(cfg.hidden_cache))
-    train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
-    torch.manual_seed(cfg.seed)  # the head's random init; identical on every process
-    head = build_head(cfg.drafter, target, train_examples)
-    if cfg.target_sharding != "none" and head.config.version == "eagle3":
-        # the sharded target computes the logits; the head copied its draft vocabulary's
-        # rows of the LM head when it was built and never reads the copy's again
-        target.release_lm_head()
-    if cfg.hidden_cache:  # offline: hidden states and p come from the cache
-        cache = HiddenStateCache(
-            cfg.hidden_cache, target, [*train_examples, *eval_examples], head.capture_layers
-        )
-        features = CachedTarget(target, cache)
-    prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
-    warn_the_loop_loads_the_whole_target(cfg, prompts)
+    with setting_up():
+        # offline, the target's hidden states come from the cache, and sharded, from its
+        # partitioned forward: the head's own copy of the target reads only its embedding and
+        # LM head, on every process (the decoder layers stay on the meta device)
+        target, features = frozen_targets(cfg, reads_weights=True, offline=bool(cfg.hidden_cache))
+        train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
+        torch.manual_seed(cfg.seed)  # the head's random init; identical on every process
+        head = build_head(cfg.drafter, target, train_examples)
+        if cfg.target_sharding != "none" and head.config.version == "eagle3":
+            # the sharded target computes the logits; the head copied its draft vocabulary's
+            # rows of the LM head when it was built and never reads the copy's again
+            target.release_lm_head()
+        if cfg.hidden_cache:  # offline: hidden states and p come from the cache
+            cache = HiddenStateCache(
+                cfg.hidden_cache, target, [*train_examples, *eval_examples], head.capture_layers
+            )
+            features = CachedTarget(target, cache)
+        prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
+        warn_the_loop_loads_the_whole_target(cfg, prompts)
     cfg.drafter = head.config  # the resolved layers and steps go into train_config.yaml
     print(summary.format(), file=sys.stderr)
     hc = head.config
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         run(cfg)
-    except (ValueError, OSError) as e:  # missing data, bad target, bad layer ids or vocab size
+    except SetupError as e:  # missing data, bad target, bad layer ids or vocab size
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     return 0

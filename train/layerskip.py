@@ -18,7 +18,7 @@ from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
 from specdraft.drafters.target import load_target
-from specdraft.train.config import TrainConfig
+from specdraft.train.config import SetupError, TrainConfig, setting_up
 from specdraft.train.fine_tuned import exit_agreement, finish_layerskip, heldout_loss
 from specdraft.train.launch import whole_model_loading
 from specdraft.train.report import loop_prompts
@@ -35,14 +35,15 @@ class LayerSkipTrainConfig(TrainConfig):
 
 def run(cfg: LayerSkipTrainConfig) -> TrainResult:
     """Set up, train and report one run of `cfg`: what `main` does once the command line is
-    read, and what scripts/compare.py calls. Raises ValueError or OSError for missing data, a
+    read, and what scripts/compare.py calls. Raises SetupError before training for missing data, a
     bad target or bad layer counts."""
-    # the weights train: fp32 master weights (mixed_precision autocasts the products)
-    dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
-    target = load_target(cfg.target, dtype=dtype)
-    train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
-    drafter = LayerSkipDrafter.build(cfg.drafter, target)
-    prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
+    with setting_up():
+        # the weights train: fp32 master weights (mixed_precision autocasts the products)
+        dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
+        target = load_target(cfg.target, dtype=dtype)
+        train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
+        drafter = LayerSkipDrafter.build(cfg.drafter, target)
+        prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
     print(summary.format(), file=sys.stderr)
     dc, layers = drafter.config, drafter.num_layers
     trained = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         run(cfg)
-    except (ValueError, OSError) as e:  # missing data, bad target, bad layer counts
+    except SetupError as e:  # missing data, bad target, bad layer counts
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -19,7 +19,7 @@ from specdraft.config import parse_cli
 from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
-from specdraft.train.config import TrainConfig
+from specdraft.train.config import SetupError, TrainConfig, setting_up
 from specdraft.train.fine_tuned import finish_fine_tuning
 from specdraft.train.launch import whole_model_loading
 from specdraft.train.report import loop_prompts, report_after_training
@@ -55,15 +55,16 @@ def build_heads(cfg: MedusaConfig, target, train_examples) -> MedusaDrafter:
 
 def run(cfg: MedusaTrainConfig) -> TrainResult:
     """Set up, train and report one run of `cfg`: what `main` does once the command line is
-    read, and what scripts/compare.py calls. Raises ValueError or OSError for missing data, a
+    read, and what scripts/compare.py calls. Raises SetupError before training for missing data, a
     bad target or bad sizes."""
-    # sharded (Medusa-1 only), the heads read an embeddings-only copy of the target
-    target, frozen = frozen_targets(cfg, reads_weights=True)
-    train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
-    torch.manual_seed(cfg.seed)  # identical heads on every process
-    heads = build_heads(cfg.drafter, target, train_examples)
-    prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
-    warn_the_loop_loads_the_whole_target(cfg, prompts)
+    with setting_up():
+        # sharded (Medusa-1 only), the heads read an embeddings-only copy of the target
+        target, frozen = frozen_targets(cfg, reads_weights=True)
+        train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
+        torch.manual_seed(cfg.seed)  # identical heads on every process
+        heads = build_heads(cfg.drafter, target, train_examples)
+        prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
+        warn_the_loop_loads_the_whole_target(cfg, prompts)
     print(summary.format(), file=sys.stderr)
     hc = heads.config
     print(
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         run(cfg)
-    except (ValueError, OSError) as e:  # missing data, bad target, bad sizes
+    except SetupError as e:  # missing data, bad target, bad sizes
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     return 0
