@@ -276,6 +276,13 @@ class Drafter(nn.Module):
         """Values of this kind's own settings that tuning tries (LayerSkip: every exit)."""
         return {}
 
+    def predicted_tree_tau(self, decode: DecodeConfig) -> float | None:
+        """Training's prediction of the greedy tau of the tree `decode` serves (tree_top_k > 1),
+        from what its evaluation measured and saved with the drafter (Medusa: the tree's
+        expected accepted length under its heads' accuracies); None where training predicts a
+        chain's tau only, which is the default."""
+        return None
+
     @classmethod
     def sharding_problem(cls, config) -> str | None:
         """Why this kind cannot train with the target sharded (target_sharding) under `config`

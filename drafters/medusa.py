@@ -539,6 +539,16 @@ class MedusaDrafter(Drafter):
         self.accuracy_greedy.copy_(sums["greedy"] / count)
         self.accuracy_sampled.copy_(sums["sampled"] / count)
 
+    def predicted_tree_tau(self, decode: DecodeConfig) -> float | None:
+        """1 + the expected accepted length of the tree `decode` serves, under the greedy
+        per-rank accuracies the last evaluation measured (what the tree is built from); None
+        for heads that carry none."""
+        accuracy = self.accuracy_greedy.detach().float().cpu()
+        if torch.isnan(accuracy).any():
+            return None
+        paths = tree_paths(accuracy, decode.tree_budget, decode.gamma, decode.tree_top_k)
+        return 1 + expected_length(accuracy, paths)
+
     def accuracies(self, greedy: bool) -> torch.Tensor:
         """(K, R) the measured per-rank accuracies for this way of decoding; a fallback with a
         warning for heads never evaluated (eval_every=0, or a published head)."""

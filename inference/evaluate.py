@@ -1,9 +1,11 @@
 """What scripts/evaluate.py measures and how it reports it.
 
-`build_runs` lists the methods (our plain decoding `ar` first, the reference for speedups;
-transformers' generate; prompt lookup; each --drafter, with transformers' assisted decoding beside
-it); `measure` (inference/measure.py) decodes the same prompts with each; `make_report` and
-`write_report` turn them into report.json, report.md and three plots. Plots name each run by a
+An `EvalSpec` says what to measure; `build_runs` lists the methods it asks for (our plain
+decoding `ar` first, the reference for speedups; transformers' generate; prompt lookup; each
+drafter, with transformers' assisted decoding beside it); `measure` (inference/measure.py)
+decodes the same prompts with each; `make_report` turns them into report.json's rows and
+`evaluation_report` into the report inference/report.py writes: report.json, report.md and
+three plots. Plots name each run by a
 short label (`short_labels`) that report.md and report.json key to its full name; a lossy run
 (Medusa's typical acceptance at temperature > 0) has "(lossy)" after its label, a `lossy` flag
 and a line of its own in report.md, beside every run's mean log p (the target's log-likelihood
@@ -13,9 +15,9 @@ of its output: the drift).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +33,7 @@ from specdraft.drafters.checkpoint import (
 )
 from specdraft.drafters.target import Target, load_target
 from specdraft.inference.measure import Run, loop_decoder, summarize
+from specdraft.inference.report import Column, Report, acceptance_figure, markdown_table, styles
 from specdraft.precision import dtype_name, resolve_precision, to_dtype
 
 BASELINES = ("ar", "hf_ar", "prompt_lookup", "hf_assisted", "hf_prompt_lookup", "hf_early_exit")
@@ -45,21 +48,44 @@ LABEL_CHARS = 16
 SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def check_options(args) -> None:
-    """Validate scripts/evaluate.py's options; sets `args.dtypes` from --dtype (`parse_dtypes`).
-    ValueError names the bad option and what it accepts."""
-    unknown = set(args.baselines.split(",")) - set(BASELINES) - {""}
-    if unknown:
-        raise ValueError(f"unknown baselines {sorted(unknown)}; choose from {','.join(BASELINES)}")
-    for flag, value in (("--gamma", args.gamma), ("--tree-top-k", args.tree_top_k)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    if args.max_new_tokens < 1 or args.num_prompts < 1:
-        raise ValueError("--max-new-tokens and --num-prompts must be >= 1")
-    try:
-        args.dtypes = parse_dtypes(args.dtype, args.device)
-    except ValueError as e:
-        raise ValueError(f"--dtype: {e}") from None
+@dataclass(frozen=True)
+class EvalSpec:
+    """What an evaluation measures: the methods, the prompts and how each decodes them
+    (scripts/evaluate.py's options, less the target and the output; scripts/compare.py asks for
+    one per pass). ValueError names a bad value."""
+
+    # FOLDER[:KEY=VALUE,...] each: a trained drafter, with decoding settings over its saved ones
+    drafters: tuple[str, ...] = ()
+    # methods beside the drafters (BASELINES); `ar` runs whatever is asked: the reference
+    baselines: tuple[str, ...] = ("ar",)
+    prompts: str = "demo"  # demo, or a .txt/.json/.jsonl file (measure.read_prompts)
+    num_prompts: int = 20
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    # every drafter's draft depth and tree width; None: each drafter's saved setting
+    gamma: int | None = None
+    tree_top_k: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "drafters", tuple(self.drafters))
+        object.__setattr__(self, "baselines", tuple(b for b in self.baselines if b))
+        unknown = set(self.baselines) - set(BASELINES)
+        if unknown:
+            raise ValueError(
+                f"unknown baselines {sorted(unknown)}; choose from {','.join(BASELINES)}"
+            )
+        for flag, value in (("--gamma", self.gamma), ("--tree-top-k", self.tree_top_k)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.max_new_tokens < 1 or self.num_prompts < 1:
+            raise ValueError("--max-new-tokens and --num-prompts must be >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 def parse_dtypes(text: str | None, device: str | None = None) -> list[torch.dtype | None]:
@@ -77,7 +103,7 @@ def parse_dtypes(text: str | None, device: str | None = None) -> list[torch.dtyp
     return dtypes
 
 
-def runs_per_precision(args, targets: Sequence, loaded: dict | None = None) -> list[Run]:
+def runs_per_precision(spec: EvalSpec, targets: Sequence, loaded: dict | None = None) -> list[Run]:
     """`build_runs` for each loaded target (one per precision); with more than one, every run's
     name ends with its precision ("ar@fp32", "eagle@bf16"). `loaded`: as fine_tuned_target
     takes it."""
@@ -85,15 +111,15 @@ def runs_per_precision(args, targets: Sequence, loaded: dict | None = None) -> l
     for target in targets:
         name = dtype_name(target.dtype)
         suffix = f"@{SHORT_DTYPE.get(name, name)}" if len(targets) > 1 else ""
-        runs += build_runs(args, target, suffix, loaded)
+        runs += build_runs(spec, target, suffix, loaded)
     return runs
 
 
-def build_runs(args, target, suffix: str = "", loaded: dict | None = None) -> list[Run]:
-    """The methods to measure, from scripts/evaluate.py's options `args`: `ar` first, then the
-    baselines asked for, then each --drafter's runs; each run's name ends with `suffix` (the
-    precision, "@bf16", when several are measured) and carries the target's dtype."""
-    runs = _runs(args, target, loaded)
+def build_runs(spec: EvalSpec, target, suffix: str = "", loaded: dict | None = None) -> list[Run]:
+    """The methods `spec` asks for: `ar` first, then the baselines, then each drafter's runs;
+    each run's name ends with `suffix` (the precision, "@bf16", when several are measured) and
+    carries the target's dtype."""
+    runs = _runs(spec, target, loaded)
     for run in runs:
         run.name += suffix
         run.same_as = None if run.same_as is None else run.same_as + suffix
@@ -101,60 +127,60 @@ def build_runs(args, target, suffix: str = "", loaded: dict | None = None) -> li
     return runs
 
 
-def _runs(args, target, loaded: dict | None) -> list[Run]:
-    baselines = [b for b in args.baselines.split(",") if b]
-    gamma = args.gamma if args.gamma is not None else HF_GAMMA
-    runs = [Run("ar", "ar", _ours(target, args, None))]  # the reference for speedups, always run
+def _runs(spec: EvalSpec, target, loaded: dict | None) -> list[Run]:
+    baselines = spec.baselines
+    gamma = spec.gamma if spec.gamma is not None else HF_GAMMA
+    runs = [Run("ar", "ar", _ours(target, spec, None))]  # the reference for speedups, always run
     if "hf_ar" in baselines:
-        runs.append(Run("hf_ar", "hf_ar", _hf(target, args)))
+        runs.append(Run("hf_ar", "hf_ar", _hf(target, spec)))
     if "prompt_lookup" in baselines:
-        runs.append(Run("prompt_lookup", "prompt_lookup", _ours(target, args, "prompt_lookup")))
+        runs.append(Run("prompt_lookup", "prompt_lookup", _ours(target, spec, "prompt_lookup")))
     if "hf_prompt_lookup" in baselines:
-        lookup = _hf(target, args, prompt_lookup_num_tokens=gamma)
+        lookup = _hf(target, spec, prompt_lookup_num_tokens=gamma)
         runs.append(Run("hf_prompt_lookup", "hf_prompt_lookup", lookup))
-    for spec in args.drafter:
+    for drafter in spec.drafters:
         # a fine-tuned target's plain decoding (ar[...]) is run once for all its drafters
         names = {run.name for run in runs}
         runs += [
             r
-            for r in drafter_runs(spec, target, args, loaded)
+            for r in drafter_runs(drafter, target, spec, loaded)
             if r.method != "ar" or r.name not in names
         ]
     return runs
 
 
-def _ours(target, args, drafter, decode: DecodeConfig | None = None):
+def _ours(target, spec: EvalSpec, drafter, decode: DecodeConfig | None = None):
     """A decode through our loop. A trained drafter drafts with `decode`; prompt lookup with the
     global --gamma (None: its default); plain decoding (drafter None) takes no settings."""
     settings = {}
     if drafter is not None and decode is None:
-        settings = {"gamma": args.gamma}
+        settings = {"gamma": spec.gamma}
     return loop_decoder(
-        target, drafter, max_new_tokens=args.max_new_tokens, seed=args.seed,
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, decode=decode,
+        target, drafter, max_new_tokens=spec.max_new_tokens, seed=spec.seed,
+        temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, decode=decode,
         **settings,
     )  # fmt: skip
 
 
-def _hf(target, args, model_settings: dict | None = None, **options):
+def _hf(target, spec: EvalSpec, model_settings: dict | None = None, **options):
     """A decode through transformers' generate, new tokens cut after the first EOS as ours are.
     `model_settings`: generation-config values transformers reads from the model itself rather
     than from the call (an assistant's num_assistant_tokens), set for each call and put back,
     so runs sharing one model each decode with their own."""
-    sample = dict(do_sample=args.temperature > 0)
-    if args.temperature > 0:
-        sample.update(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    sample = dict(do_sample=spec.temperature > 0)
+    if spec.temperature > 0:
+        sample.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
     eos = eos_ids(target.model)
     config = target.model.generation_config
 
     def decode(ids):
-        torch.manual_seed(args.seed)  # transformers samples from the global generator
+        torch.manual_seed(spec.seed)  # transformers samples from the global generator
         saved = {k: getattr(config, k, None) for k in model_settings or {}}
         for k, v in (model_settings or {}).items():
             setattr(config, k, v)
         try:
             out = target.model.generate(
-                ids, max_new_tokens=args.max_new_tokens, **sample, **options
+                ids, max_new_tokens=spec.max_new_tokens, **sample, **options
             )
         finally:
             for k, v in saved.items():
@@ -174,13 +200,15 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
 # --- one --drafter FOLDER[:KEY=VALUE,...] ------------------------------------------------------
 
 
-def drafter_runs(spec: str, target, args, loaded: dict | None = None) -> list[Run]:
-    """The runs of one --drafter FOLDER[:KEY=VALUE,...]: the drafter in our loop with its saved
-    decoding defaults, then the global --gamma / --tree-top-k, then the KEY=VALUE decoding settings
+def drafter_runs(
+    drafter_spec: str, target, spec: EvalSpec, loaded: dict | None = None
+) -> list[Run]:
+    """The runs of one drafter FOLDER[:KEY=VALUE,...]: the drafter in our loop with its saved
+    decoding defaults, then `spec`'s gamma / tree_top_k, then the KEY=VALUE decoding settings
     (specdraft.core.DecodeConfig keys, read by the config engine as training reads them); then
-    transformers' assisted decoding with it if it is a HF model and hf_assisted is asked for.
-    Raises ValueError (a ConfigError) naming `spec` and the key for a bad setting."""
-    path, items = split_drafter_spec(spec)
+    transformers' assisted decoding doing what it does, where it has one and `spec` asks for
+    it. Raises ValueError (a ConfigError) naming `drafter_spec` and the key for a bad setting."""
+    path, items = split_drafter_spec(drafter_spec)
     runs: list[Run] = []
     tuned = fine_tuned_target(path, target, loaded)
     if tuned is not None:
@@ -189,22 +217,22 @@ def drafter_runs(spec: str, target, args, loaded: dict | None = None) -> list[Ru
         # must equal; speedups stay against `ar`, since it costs what the base does per step.
         target = tuned
         # named by the adapter: best/, final/ and each checkpoint of one run hold different ones
-        plain = Run(f"ar[adapter {tuned.fingerprint['adapter']}]", "ar", _ours(target, args, None))
+        plain = Run(f"ar[adapter {tuned.fingerprint['adapter']}]", "ar", _ours(target, spec, None))
         runs.append(plain)
     drafter = load_drafter(path, target)
-    decode = load_decoding(path).replace(gamma=args.gamma, tree_top_k=args.tree_top_k)
-    decode = override(decode, items, source=f"--drafter {spec}")
+    decode = load_decoding(path).replace(gamma=spec.gamma, tree_top_k=spec.tree_top_k)
+    decode = override(decode, items, source=f"--drafter {drafter_spec}")
     name = Path(path).name if Path(path).name not in ("final", "best") else str(path)
     if items:
         name += ":" + ",".join(items)
     params = drafter.num_extra_parameters(target)
-    decoding = _ours(target, args, drafter, decode)
+    decoding = _ours(target, spec, drafter, decode)
     runs.append(Run(name, drafter.kind, decoding, params, settings=dataclasses.asdict(decode)))
     # transformers' assisted generation doing what this drafter does, where it can
     baseline = drafter.transformers_baseline(decode)
-    if baseline is not None and baseline[0] in args.baselines.split(","):
+    if baseline is not None and baseline[0] in spec.baselines:
         method, settings, options = baseline
-        assisted = _hf(target, args, settings, **options)
+        assisted = _hf(target, spec, settings, **options)
         runs.append(Run(f"{method}[{name}]", method, assisted, params))
     if tuned is not None:  # every method on the fine-tuned target must give its plain output
         for run in runs[1:]:
@@ -293,7 +321,7 @@ def split_drafter_spec(spec: str) -> tuple[str, list[str]]:
 # --- report ------------------------------------------------------------------------------------
 
 
-def make_report(args, targets, runs: Sequence[Run]) -> dict:
+def make_report(spec: EvalSpec, targets, runs: Sequence[Run]) -> dict:
     """report.json's content: the target, the settings, and one row of figures per run, each with
     the short `label` the plots name it by. `targets`: the target, or one per precision measured
     (runs carry their dtype; each precision's `ar` comes first among its runs).
@@ -306,7 +334,7 @@ def make_report(args, targets, runs: Sequence[Run]) -> dict:
     differently from a one-token step, and the report says so as measured."""
     targets = list(targets) if isinstance(targets, (list, tuple)) else [targets]
     of_dtype = {dtype_name(t.dtype): t for t in targets}
-    greedy = args.temperature == 0
+    greedy = spec.greedy
     by_name = {run.name: run for run in runs}
     plain = {}  # dtype -> that precision's plain decoding
     for run in runs:
@@ -336,7 +364,7 @@ def make_report(args, targets, runs: Sequence[Run]) -> dict:
         "seed",
         "prompts",
     )
-    settings = {k: getattr(args, k) for k in keys}
+    settings = {k: getattr(spec, k) for k in keys}
     settings.update(
         device=str(targets[0].device),
         dtype=", ".join(of_dtype),
@@ -374,12 +402,47 @@ def short_labels(rows: Sequence[dict]) -> list[str]:
     return labels
 
 
-def write_report(report: dict, runs: Sequence[Run], out: Path) -> None:
-    """report.json, report.md and the three plots in folder `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(markdown(report))
-    plot(report, runs, out)
+# report.md's table: one row per run, named by its label
+RUN_COLUMNS = (
+    Column("label", "label"),
+    Column("name", "run"),
+    Column("dtype", "dtype"),
+    Column("tau", "tau", "{:.2f}"),
+    Column("tokens_per_s", "tokens/s", "{:.1f}"),
+    Column("speedup_vs_ar", "speedup", "{:.2f}x"),
+    Column("speedup_vs_ar_same_dtype", "same dtype", "{:.2f}x"),
+    Column("overhead", "overhead", "{:.2f}"),
+    Column("draft_time_frac", "draft time", "{:.0%}"),
+    Column("copied_share", "copied", "{:.0%}"),
+    Column("extra_params", "extra params", "{:,}"),
+    Column("matches_ar", "matches ar"),
+    Column("mean_log_p", "mean log p", "{:.3f}"),
+    Column("lossy", "lossy", lambda lossy: "yes" if lossy else "no"),
+)
+# the W&B run's table: these keys of every run
+WANDB_KEYS = ("label", "name", "method", "tau", "tokens_per_s", "speedup_vs_ar", "overhead",
+              "mean_log_p", "lossy")  # fmt: skip
+
+
+def evaluation_report(report: dict, runs: Sequence[Run]) -> Report:
+    """What scripts/evaluate.py writes (inference/report.py's write_report): `report` as
+    report.json, its markdown, and three plots: acceptance per position and the tau
+    distribution of the runs that drafted, and every run's speedup with its draft/verify split."""
+    # the runs that drafted: each in the same place of report.styles in both plots that show them
+    drafted = [
+        (r, run)
+        for r, run in zip(report["runs"], runs, strict=True)
+        if r["acceptance_per_position"]
+    ]
+    figures = {
+        "acceptance_per_position": acceptance_figure([r for r, _ in drafted]),
+        "tau_distribution": lambda plt: _tau_distribution(plt, drafted, styles(len(drafted), plt)),
+        "speedup": lambda plt: _speedup(plt, report["runs"]),
+    }
+    return Report(
+        report, markdown(report), figures, job_type="evaluate", config=report["settings"],
+        table_name="runs", table_keys=WANDB_KEYS, rows=report["runs"],
+    )  # fmt: skip
 
 
 def markdown(report: dict) -> str:
@@ -397,22 +460,16 @@ def markdown(report: dict) -> str:
         "p = the target's mean log-likelihood of the emitted tokens (temperature > 0), which "
         "lossless runs share with `ar` up to noise. The plots name each run by its label.",
         "",
-        "| label | run | dtype | tau | tokens/s | speedup | same dtype | overhead | draft time "
-        "| copied | extra params | matches ar | mean log p | lossy |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *runs_markdown(report["runs"]),
     ]
-    fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
-    for r in report["runs"]:
-        lines.append(
-            f"| {r['label']} | {r['name']} | {r.get('dtype', '-')} | {fmt(r['tau'])} | "
-            f"{r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x | "
-            f"{fmt(r.get('speedup_vs_ar_same_dtype'), '{:.2f}x')} | {fmt(r['overhead'])} | "
-            f"{fmt(r['draft_time_frac'], '{:.0%}')} | {fmt(r.get('copied_share'), '{:.0%}')} | "
-            f"{r['extra_params']:,} | "
-            f"{fmt(r['matches_ar'], '{}')} | {fmt(r['mean_log_p'], '{:.3f}')} | "
-            f"{'yes' if r['lossy'] else 'no'} |"
-        )
-    lossy = [r["label"] for r in report["runs"] if r["lossy"]]
+    return "\n".join(lines) + "\n"
+
+
+def runs_markdown(rows: Sequence[dict]) -> list[str]:
+    """The lines of report.md that show `rows` (make_report's runs): their table, which of them
+    are lossy, and each drafter's acceptance per position."""
+    lines = markdown_table(RUN_COLUMNS, rows)
+    lossy = [r["label"] for r in rows if r["lossy"]]
     if lossy:
         lines += [
             "",
@@ -421,80 +478,19 @@ def markdown(report: dict) -> str:
             "runs') for speed, so their speedup is not comparable to the exact runs'.",
         ]
     lines += ["", "Acceptance per position (alpha_i):", ""]
-    for r in report["runs"]:
+    for r in rows:
         if r["acceptance_per_position"]:
             alphas = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
             lines.append(f"- {r['label']}: {alphas}")
-    return "\n".join(lines) + "\n"
-
-
-def log_wandb(report: dict, out: Path, project: str) -> None:
-    import wandb
-
-    run = wandb.init(project=project, config=report["settings"], job_type="evaluate")
-    columns = ["label", "name", "method", "tau", "tokens_per_s", "speedup_vs_ar", "overhead",
-               "mean_log_p", "lossy"]  # fmt: skip
-    table = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in report["runs"]])
-    images = {p.stem: wandb.Image(str(p)) for p in out.glob("*.png")}
-    run.log({"runs": table, **images})
-    run.finish()
+    return lines
 
 
 # --- plots -------------------------------------------------------------------------------------
 
 
-def plot(report: dict, runs: Sequence[Run], out: Path) -> None:
-    """acceptance_per_position.png, tau_distribution.png and speedup.png in `out`. Runs are
-    named by their labels; figures grow with the number of runs rather than squeeze the axes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # the runs that drafted, each with the colour and marker it has in both plots that show them
-    drafted = [
-        (r, run)
-        for r, run in zip(report["runs"], runs, strict=True)
-        if r["acceptance_per_position"]
-    ]
-    colors, markers = plt.get_cmap("tab10").colors, "osD^v<>ph*"
-    styles = [
-        dict(color=colors[i % 10], marker=markers[(i + i // 10) % 10]) for i in range(len(drafted))
-    ]
-    figures = {
-        "acceptance_per_position": _acceptance(plt, drafted, styles),
-        "tau_distribution": _tau_distribution(plt, drafted, styles),
-        "speedup": _speedup(plt, report["runs"]),
-    }
-    for name, fig in figures.items():
-        fig.savefig(out / f"{name}.png", dpi=120, bbox_inches="tight")  # the legend, uncut
-        plt.close(fig)
-
-
-def _acceptance(plt, drafted, styles):
-    from matplotlib.ticker import MaxNLocator
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for i, ((r, _), style) in enumerate(zip(drafted, styles, strict=True)):
-        alphas = r["acceptance_per_position"]
-        # runs side by side around each position, so equal values do not hide one another
-        dodge = (i - (len(drafted) - 1) / 2) * min(0.04, 0.3 / len(drafted))
-        x = [pos + dodge for pos in range(1, len(alphas) + 1)]
-        ax.plot(x, alphas, label=r["label"], alpha=0.85, **style)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set(xlabel="draft position i", ylabel="acceptance alpha_i", ylim=(-0.03, 1.05))
-    ax.set_title("Acceptance per position")
-    ax.grid(alpha=0.3)
-    if not drafted:
-        ax.text(0.5, 0.5, "no run drafted", ha="center", transform=ax.transAxes)
-    else:  # beside the axes: the saved figure widens for it
-        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), frameon=False,
-                  ncols=math.ceil(len(drafted) / 14))  # fmt: skip
-    return fig
-
-
 def _tau_distribution(plt, drafted, styles):
-    """One small panel per run: a dozen overlaid histograms cannot be told apart."""
+    """One small panel per run that drafted: a dozen overlaid histograms cannot be told
+    apart."""
     from matplotlib.ticker import MaxNLocator
 
     n = max(len(drafted), 1)

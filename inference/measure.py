@@ -49,7 +49,15 @@ class Run:
 def load_prompts(
     source: str, n: int, target, examples: Sequence | None = None
 ) -> list[torch.Tensor]:
-    """(1, L) token ids for up to n prompts.
+    """`read_prompts` with the target's tokenizer, on the target's device."""
+    return [p.to(target.device) for p in read_prompts(source, n, target.tokenizer, examples)]
+
+
+def read_prompts(
+    source: str, n: int, tokenizer, examples: Sequence | None = None
+) -> list[torch.Tensor]:
+    """(1, L) token ids on the CPU for up to n prompts, read with `tokenizer` alone (a check
+    before any model is loaded needs no target).
 
     source: "demo" (the demo corpus's held-out prompts), "eval" (the prompt part of held-out
     training examples: the tokens before the first loss-bearing one, or the first half of a
@@ -68,7 +76,7 @@ def load_prompts(
             first = ex.loss_mask.index(1) if 1 in ex.loss_mask else len(ex.input_ids)
             cut = first if first >= 2 else len(ex.input_ids) // 2
             if cut:
-                prompts.append(torch.tensor([ex.input_ids[:cut]], device=target.device))
+                prompts.append(torch.tensor([ex.input_ids[:cut]]))
         return prompts
     if source == "demo":
         texts = demo_prompts(n)
@@ -87,7 +95,7 @@ def load_prompts(
         else:  # plain text: prompts separated by blank lines
             texts = [t for t in path.read_text().split("\n\n") if t.strip()]
         texts = texts[:n]
-    return [target.tokenizer(t, return_tensors="pt").input_ids.to(target.device) for t in texts]
+    return [tokenizer(t, return_tensors="pt").input_ids for t in texts]
 
 
 def loop_decoder(target, drafter, **options) -> Callable[[torch.Tensor], tuple[list[int], Stats]]:

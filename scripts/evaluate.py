@@ -31,38 +31,38 @@ from specdraft.drafters.base import kinds_own_settings
 from specdraft.inference.evaluate import (
     BASELINES,
     HF_GAMMA,
-    check_options,
-    log_wandb,
+    EvalSpec,
+    evaluation_report,
     make_report,
-    markdown,
+    parse_dtypes,
     runs_per_precision,
-    write_report,
 )
 from specdraft.inference.measure import load_prompts, measure
+from specdraft.inference.report import write_report
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args, spec = parse_args(argv)
     targets = [load_target(args.target, dtype=d, device=args.device) for d in args.dtypes]
     try:
-        prompts = load_prompts(args.prompts, args.num_prompts, targets[0])
+        prompts = load_prompts(spec.prompts, spec.num_prompts, targets[0])
     except ValueError as e:
         raise SystemExit(f"--prompts: {e}") from None
     try:
-        runs = runs_per_precision(args, targets, loaded={})
+        runs = runs_per_precision(spec, targets, loaded={})
     except ValueError as e:  # a bad --drafter: its folder, or a decoding setting
         raise SystemExit(str(e)) from None
     measure(runs, prompts, targets[0], log=lambda m: print(f"[evaluate] {m}", file=sys.stderr))
 
-    report = make_report(args, targets, runs)
-    write_report(report, runs, Path(args.output))
-    if args.wandb:
-        log_wandb(report, Path(args.output), args.wandb)
-    print(markdown(report))
+    report = evaluation_report(make_report(spec, targets, runs), runs)
+    write_report(report, Path(args.output), args.wandb)
+    print(report.markdown)
     return 0
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalSpec]:
+    """The options, and what to measure as an EvalSpec; the precisions asked for in
+    args.dtypes (parse_dtypes)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -115,10 +115,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to W&B")
     args = parser.parse_args(argv)
     try:
-        check_options(args)
+        spec = EvalSpec(
+            drafters=args.drafter, baselines=args.baselines.split(","), prompts=args.prompts,
+            num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, gamma=args.gamma,
+            tree_top_k=args.tree_top_k, seed=args.seed,
+        )  # fmt: skip
     except ValueError as e:
         parser.error(str(e))
-    return args
+    try:
+        args.dtypes = parse_dtypes(args.dtype, args.device)
+    except ValueError as e:
+        parser.error(f"--dtype: {e}")
+    return args, spec
 
 
 if __name__ == "__main__":

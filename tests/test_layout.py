@@ -93,11 +93,11 @@ def test_the_layer_check_sees_a_violation(tmp_path):
 
 
 # The code every kind shares knows kinds only through the Drafter hooks and the registry
-# (docs/architecture.md, "Drafter"). compare.py is not there yet (the same page says so).
+# (docs/architecture.md, "Drafter").
 SHARED = [
     "train/trainer.py", "train/config.py", "drafters/checkpoint.py", "inference/generate.py",
-    "inference/tune.py", "inference/measure.py", "inference/evaluate.py", "scripts/tune.py",
-    "scripts/evaluate.py",
+    "inference/tune.py", "inference/measure.py", "inference/evaluate.py", "inference/report.py",
+    "train/compare.py", "scripts/tune.py", "scripts/evaluate.py", "scripts/compare.py",
 ]  # fmt: skip
 
 

@@ -6,6 +6,8 @@ A kind's entry script subclasses `TrainConfig` with its drafter section and buil
 errors, --help from the comments above the fields).
 """
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -22,6 +24,20 @@ from specdraft.precision import resolve_precision
 
 # The resolved config of a run, in output_dir and in every checkpoint folder.
 CONFIG_FILENAME = "train_config.yaml"
+
+
+class SetupError(ValueError):
+    """A run that cannot start: missing data, a bad target, sizes its drafter refuses. An entry
+    script says it in one line and exits 2; an error once training runs keeps its traceback."""
+
+
+@contextlib.contextmanager
+def setting_up() -> Iterator[None]:
+    """Around a run's setup, before training: a ValueError or OSError becomes a SetupError."""
+    try:
+        yield
+    except (ValueError, OSError) as e:
+        raise SetupError(str(e)) from e
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.distill import DistillConfig, DistillDecode, DistillDrafter
-from specdraft.train.config import TrainConfig
+from specdraft.train.config import SetupError, TrainConfig, setting_up
 from specdraft.train.launch import whole_model_loading
 from specdraft.train.report import loop_prompts, report_after_training
 from specdraft.train.target_setup import (
@@ -25,7 +25,7 @@ from specdraft.train.target_setup import (
     frozen_targets,
     warn_the_loop_loads_the_whole_target,
 )
-from specdraft.train.trainer import train
+from specdraft.train.trainer import TrainResult, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "distill" / "demo.yaml"
 
@@ -37,12 +37,11 @@ class DistillTrainConfig(TrainConfig):
     decode: DistillDecode = field(default_factory=DistillDecode)
 
 
-def main(argv: list[str] | None = None) -> int:
-    prog = "train/distill.py"
-    cfg = parse_cli(
-        DistillTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
-    )
-    try:
+def run(cfg: DistillTrainConfig) -> TrainResult:
+    """Set up, train and report one run of `cfg`: what `main` does once the command line is
+    read, and what scripts/compare.py calls. Raises SetupError before training for missing data, a
+    bad target or a student of another vocabulary."""
+    with setting_up():
         # the student reads only the target's logits; sharded, the weights it is seeded with
         # (drafter.init=target) are gathered for it
         target, _ = frozen_targets(cfg, reads_weights=False)
@@ -51,9 +50,6 @@ def main(argv: list[str] | None = None) -> int:
         drafter = DistillDrafter.build(cfg.drafter, target)
         prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
         warn_the_loop_loads_the_whole_target(cfg, prompts)
-    except (ValueError, OSError) as e:  # missing data, bad target, a student of another vocab
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
     print(summary.format(), file=sys.stderr)
     n_params = sum(p.numel() for p in drafter.parameters())
     print(
@@ -69,6 +65,19 @@ def main(argv: list[str] | None = None) -> int:
         decoder = decoding_target(cfg, target, result, prompts)
         del target  # a sharded target's memory goes before the measurement
         report_after_training(decoder, result, prompts, cfg)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "train/distill.py"
+    cfg = parse_cli(
+        DistillTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
+    )
+    try:
+        run(cfg)
+    except SetupError as e:  # missing data, bad target, a student of another vocab
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

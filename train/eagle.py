@@ -19,7 +19,7 @@ from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
 from specdraft.data.hidden_cache import CachedTarget, HiddenStateCache
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
-from specdraft.train.config import TrainConfig
+from specdraft.train.config import SetupError, TrainConfig, setting_up
 from specdraft.train.launch import whole_model_loading
 from specdraft.train.report import loop_prompts, report_after_training
 from specdraft.train.target_setup import (
@@ -27,7 +27,7 @@ from specdraft.train.target_setup import (
     frozen_targets,
     warn_the_loop_loads_the_whole_target,
 )
-from specdraft.train.trainer import train
+from specdraft.train.trainer import TrainResult, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "eagle" / "demo.yaml"
 
@@ -60,12 +60,11 @@ def build_head(cfg: EagleConfig, target, train_examples) -> EagleDrafter:
     return EagleDrafter.build(cfg, target, d2t)
 
 
-def main(argv: list[str] | None = None) -> int:
-    prog = "train/eagle.py"
-    cfg = parse_cli(
-        EagleTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
-    )
-    try:
+def run(cfg: EagleTrainConfig) -> TrainResult:
+    """Set up, train and report one run of `cfg`: what `main` does once the command line is
+    read, and what scripts/compare.py calls. Raises SetupError before training for missing
+    data, a bad target, bad layer ids or vocabulary size."""
+    with setting_up():
         # offline, the target's hidden states come from the cache, and sharded, from its
         # partitioned forward: the head's own copy of the target reads only its embedding and
         # LM head, on every process (the decoder layers stay on the meta device)
@@ -84,9 +83,6 @@ def main(argv: list[str] | None = None) -> int:
             features = CachedTarget(target, cache)
         prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
         warn_the_loop_loads_the_whole_target(cfg, prompts)
-    except (ValueError, OSError) as e:  # missing data, bad target, bad layer ids or vocab size
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
     cfg.drafter = head.config  # the resolved layers and steps go into train_config.yaml
     print(summary.format(), file=sys.stderr)
     hc = head.config
@@ -104,6 +100,19 @@ def main(argv: list[str] | None = None) -> int:
     with whole_model_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
         features = None  # a sharded target's or the cache's memory goes before the whole one
         report_after_training(decoding_target(cfg, target, result, prompts), result, prompts, cfg)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "train/eagle.py"
+    cfg = parse_cli(
+        EagleTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
+    )
+    try:
+        run(cfg)
+    except SetupError as e:  # missing data, bad target, bad layer ids or vocab size
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -12,6 +12,7 @@ import sys
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
 from specdraft.inference.measure import usable_cores
@@ -20,7 +21,14 @@ from specdraft.train.config import TrainConfig
 
 def make_accelerator(cfg: TrainConfig) -> Accelerator:
     """The run's Accelerator: mixed precision, gradient accumulation, the tracker, the process
-    group a CPU or DeepSpeed run needs, and on a CPU the threads (cpu_threads) it trains with."""
+    group a CPU or DeepSpeed run needs, and on a CPU the threads (cpu_threads) it trains with.
+
+    accelerate keeps one AcceleratorState per process, fixed by its first Accelerator (a later
+    one with another mixed_precision is an error): each run starts from none, so that two runs
+    in one process (scripts/compare.py trains every family in its own) each get their own
+    config. The process group (accelerate's PartialState) is kept."""
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
     acc = Accelerator(
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=cfg.grad_accum,

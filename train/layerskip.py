@@ -18,11 +18,11 @@ from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDecode, LayerSkipDrafter
 from specdraft.drafters.target import load_target
-from specdraft.train.config import TrainConfig
+from specdraft.train.config import SetupError, TrainConfig, setting_up
 from specdraft.train.fine_tuned import exit_agreement, finish_layerskip, heldout_loss
 from specdraft.train.launch import whole_model_loading
 from specdraft.train.report import loop_prompts
-from specdraft.train.trainer import train
+from specdraft.train.trainer import TrainResult, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "layerskip" / "demo.yaml"
 
@@ -34,21 +34,17 @@ class LayerSkipTrainConfig(TrainConfig):
     decode: LayerSkipDecode = field(default_factory=LayerSkipDecode)
 
 
-def main(argv: list[str] | None = None) -> int:
-    prog = "train/layerskip.py"
-    cfg = parse_cli(
-        LayerSkipTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
-    )
-    try:
+def run(cfg: LayerSkipTrainConfig) -> TrainResult:
+    """Set up, train and report one run of `cfg`: what `main` does once the command line is
+    read, and what scripts/compare.py calls. Raises SetupError before training for missing data, a
+    bad target or bad layer counts."""
+    with setting_up():
         # the weights train: fp32 master weights (mixed_precision autocasts the products)
         dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
         target = load_target(cfg.target, dtype=dtype)
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         drafter = LayerSkipDrafter.build(cfg.drafter, target)
         prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
-    except (ValueError, OSError) as e:  # missing data, bad target, bad layer counts
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
     print(summary.format(), file=sys.stderr)
     dc, layers = drafter.config, drafter.num_layers
     trained = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
@@ -69,11 +65,24 @@ def main(argv: list[str] | None = None) -> int:
         provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
     )  # fmt: skip
     if not result.main_process or result.stopped_by_signal:
-        return 0
+        return result
     as_saved = {"dtype": target.saved_dtype, "device": target.device}
     del target, drafter  # the trained model: the saved one is loaded as a user loads it
     with whole_model_loading():  # whole, also after a ZeRO-3 run
         finish_layerskip(cfg, result, as_saved, held_out, base_loss, before, prompts)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "train/layerskip.py"
+    cfg = parse_cli(
+        LayerSkipTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
+    )
+    try:
+        run(cfg)
+    except SetupError as e:  # missing data, bad target, bad layer counts
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

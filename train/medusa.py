@@ -19,7 +19,7 @@ from specdraft.config import parse_cli
 from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.medusa import MedusaConfig, MedusaDecode, MedusaDrafter
-from specdraft.train.config import TrainConfig
+from specdraft.train.config import SetupError, TrainConfig, setting_up
 from specdraft.train.fine_tuned import finish_fine_tuning
 from specdraft.train.launch import whole_model_loading
 from specdraft.train.report import loop_prompts, report_after_training
@@ -28,7 +28,7 @@ from specdraft.train.target_setup import (
     frozen_targets,
     warn_the_loop_loads_the_whole_target,
 )
-from specdraft.train.trainer import train
+from specdraft.train.trainer import TrainResult, train
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "medusa" / "demo.yaml"
 
@@ -54,12 +54,11 @@ def build_heads(cfg: MedusaConfig, target, train_examples) -> MedusaDrafter:
     return MedusaDrafter.build(cfg, target, d2t)
 
 
-def main(argv: list[str] | None = None) -> int:
-    prog = "train/medusa.py"
-    cfg = parse_cli(
-        MedusaTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
-    )
-    try:
+def run(cfg: MedusaTrainConfig) -> TrainResult:
+    """Set up, train and report one run of `cfg`: what `main` does once the command line is
+    read, and what scripts/compare.py calls. Raises SetupError before training for missing data, a
+    bad target or bad sizes."""
+    with setting_up():
         # sharded (Medusa-1 only), the heads read an embeddings-only copy of the target
         target, frozen = frozen_targets(cfg, reads_weights=True)
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
@@ -67,9 +66,6 @@ def main(argv: list[str] | None = None) -> int:
         heads = build_heads(cfg.drafter, target, train_examples)
         prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
         warn_the_loop_loads_the_whole_target(cfg, prompts)
-    except (ValueError, OSError) as e:  # missing data, bad target, bad sizes
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
     print(summary.format(), file=sys.stderr)
     hc = heads.config
     print(
@@ -88,6 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     with whole_model_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
         frozen = None  # a sharded target's memory goes before the whole one
         report_after_training(decoding_target(cfg, target, result, prompts), result, prompts, cfg)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "train/medusa.py"
+    cfg = parse_cli(
+        MedusaTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
+    )
+    try:
+        run(cfg)
+    except SetupError as e:  # missing data, bad target, bad sizes
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -6,7 +6,6 @@ marking, and clear errors for settings it cannot honour."""
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, process_lo
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.medusa import MedusaDecode, MedusaDrafter, verify_typical
 from specdraft.inference import generate
-from specdraft.inference.evaluate import make_report, markdown
+from specdraft.inference.evaluate import EvalSpec, make_report, markdown
 from specdraft.inference.measure import Run, loop_decoder, measure
 
 PROMPTS = MEDUSA_PROMPTS
@@ -229,8 +228,7 @@ def test_the_joint_check_catches_typical_acceptance(target, monkeypatch):  # noq
 
 
 def test_the_report_marks_lossy_runs(random_target, heads):
-    args = SimpleNamespace(max_new_tokens=12, temperature=0.7, top_p=1.0, top_k=0, gamma=None,
-                           tree_top_k=None, seed=0, prompts="test")  # fmt: skip
+    spec = EvalSpec(max_new_tokens=12, temperature=0.7, seed=0, prompts="test")
     options = dict(max_new_tokens=12, temperature=0.7, seed=0)
     decoding = MedusaDecode(**TREE)
     runs = [
@@ -240,7 +238,7 @@ def test_the_report_marks_lossy_runs(random_target, heads):
             random_target, heads, decode=decoding.replace(acceptance="typical"), **options)),
     ]  # fmt: skip
     measure(runs, [torch.tensor([p]) for p in PROMPTS], random_target)
-    report = make_report(args, random_target, runs)
+    report = make_report(spec, random_target, runs)
     rows = report["runs"]
     assert [r["lossy"] for r in rows] == [False, False, True]
     assert [r["label"] for r in rows] == ["ar", "heads", "medusa#1 (lossy)"]
