@@ -24,6 +24,7 @@ import hashlib
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import ClassVar
 
 import torch
@@ -108,6 +109,12 @@ class Drafter(nn.Module):
     title: ClassVar[str] = ""
     # The fingerprint of the target a loaded drafter was trained against (None: unknown).
     target_fingerprint: dict | None = None
+    # The held-out statistics its checkpoint carries (`heldout_summary`'s, as saved; Medusa's
+    # per-rank accuracies, which shape its tree): given by load_drafter, read by its sessions.
+    heldout: Mapping = MappingProxyType({})
+    # Weight names older folders hold for what is now `heldout` (Medusa's accuracies): read
+    # into `heldout` where the folder's config carries none.
+    heldout_weights: ClassVar[tuple[str, ...]] = ()
     # Target hidden-state ids the loss needs (the trainer captures them in the target forward).
     capture_layers: Sequence[int] = ()
     # True when the loss runs the target itself (Medusa-2's adapters, LayerSkip): the trainer
@@ -217,8 +224,12 @@ class Drafter(nn.Module):
         """Held-out sums (name -> tensor) the kind keeps from evaluation; none by default."""
         return {}
 
-    def finish_evaluation(self, sums: Mapping[str, torch.Tensor]) -> None:
-        """The reduced `eval_statistics` of one evaluation, before best/ is saved."""
+    def heldout_summary(self, sums: Mapping[str, torch.Tensor]) -> dict:
+        """What the reduced `eval_statistics` of one evaluation leave for the checkpoint, in
+        plain JSON values: the trainer saves the latest with every checkpoint
+        (`save_drafter(heldout=...)`) and load_drafter hands it back as `heldout`. Nothing is
+        written on the module; none by default."""
+        return {}
 
     # -- decoding -----------------------------------------------------------------------------
 

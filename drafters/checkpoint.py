@@ -68,6 +68,7 @@ def save_drafter(
     *,
     target_fingerprint: dict,
     decode: DecodeConfig | None = None,
+    heldout: dict | None = None,
     train_config_yaml: str | None = None,
     provenance: dict | None = None,
     tokenizer: Any = None,
@@ -75,7 +76,7 @@ def save_drafter(
 ) -> Path:
     """Write `drafter` as a complete checkpoint folder at `folder`, atomically, and return it.
     `decode`: the decoding defaults saved with it, read back by load_decoding (None: its
-    kind's).
+    kind's); `heldout`: its held-out statistics (None: those it was loaded with).
 
         `extra_files` (name -> bytes, or a file on the same file system, moved in) go inside the
         folder before it is marked complete: the trainer puts its resume state there, so a checkpoint
@@ -92,6 +93,8 @@ def save_drafter(
             "format_version": FORMAT_VERSION,
             "config": dataclasses.asdict(drafter.config),
             "decode": dataclasses.asdict(drafter.decode_settings(decode)),
+            # what its evaluation measured for decoding (Drafter.heldout_summary)
+            "heldout": dict(heldout if heldout is not None else drafter.heldout),
             "target_fingerprint": target_fingerprint,
             "provenance": {"git_commit": git_commit(), **(provenance or {})},
         }
@@ -318,7 +321,9 @@ def load_drafter(
         drafter = cls.from_checkpoint(config, target, model)
     else:
         drafter = cls.from_checkpoint(config, target, None)
-        missing, unexpected = read_weights(drafter, folder, meta)
+        missing, unexpected, drafter.heldout = read_weights(
+            drafter, folder, meta, heldout_weights=cls.heldout_weights
+        )
         # weights only training uses (Medusa-2's adapters, which decoding has merged in)
         unexpected = [k for k in unexpected if not k.startswith(cls.training_only_prefixes)]
         if missing or unexpected:
@@ -363,23 +368,35 @@ def load_decoding(path: str | Path) -> DecodeConfig:
 
 
 def read_weights(
-    module: torch.nn.Module, folder: str | Path, meta: dict, *, device=None
-) -> tuple[list[str], list[str]]:
+    module: torch.nn.Module,
+    folder: str | Path,
+    meta: dict,
+    *,
+    device=None,
+    heldout_weights: tuple[str, ...] = (),
+) -> tuple[list[str], list[str], dict]:
     """Every safetensors file of `folder` loaded into `module` in place, not strictly: the
     (missing, unexpected) state-dict names, less the tensors the folder shares with the target
-    (recorded, not stored) and the tied weights saved once under another name. The one reader
-    of weights: load_drafter and a resumed run both use it. A tensor of another shape raises
-    torch's RuntimeError ("size mismatch")."""
+    (recorded, not stored) and the tied weights saved once under another name, and the held-out
+    statistics the folder carries (its config's `heldout`; in a folder written before they
+    moved there, its `heldout_weights` tensors as lists). The one reader of weights:
+    load_drafter and a resumed run both use it. A tensor of another shape raises torch's
+    RuntimeError ("size mismatch")."""
     state: dict[str, torch.Tensor] = {}
     for weights in sorted(Path(folder).glob("*.safetensors")):
         state.update(load_file(weights, device=str(device) if device is not None else "cpu"))
+    heldout = dict(meta.get("heldout") or {})
+    for name in heldout_weights:
+        tensor = state.pop(name, None)
+        if tensor is not None and name not in heldout:
+            heldout[name] = tensor.float().cpu().tolist()
     missing, unexpected = module.load_state_dict(state, strict=False)
     shared = set(meta.get("shared_with_target", ()))
     # a tied weight (the LM head of tied embeddings) is saved once, under one name
     ptrs = {k: v.data_ptr() for k, v in module.state_dict(keep_vars=True).items()}
     loaded = {ptrs[k] for k in state if k in ptrs}
     missing = [k for k in missing if k not in shared and ptrs.get(k) not in loaded]
-    return missing, list(unexpected)
+    return missing, list(unexpected), heldout
 
 
 def read_metadata(folder: str | Path) -> tuple[dict | None, dict | None]:

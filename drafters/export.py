@@ -133,10 +133,10 @@ def head_weights(drafter: MedusaDrafter) -> HeadWeights:
     def plain(t: torch.Tensor) -> torch.Tensor:  # its own storage: safetensors refuses sharing
         return t.detach().to("cpu", dtype).contiguous().clone()
 
-    measured = {"greedy": drafter.accuracy_greedy, "sampled": drafter.accuracy_sampled}
+    measured = {k: drafter.measured_accuracy(k == "greedy") for k in ("greedy", "sampled")}
     accuracy = None
-    if all(bool(torch.isfinite(a).all()) for a in measured.values()):
-        accuracy = {k: a.detach().float().cpu().tolist() for k, a in measured.items()}
+    if all(a is not None for a in measured.values()):
+        accuracy = {k: a.tolist() for k, a in measured.items()}
     return HeadWeights(
         blocks=[[(plain(w), plain(b)) for w, b in head] for head in blocks],
         out=[plain(o) for o in out],
@@ -181,10 +181,9 @@ def drafter_from(weights: HeadWeights, target: Target) -> MedusaDrafter:
         **ranks,
     )
     drafter = MedusaDrafter(config, target, d2t=weights.d2t)
+    if weights.accuracy:  # the tree the heads were measured to draw, not an assumed one
+        drafter.heldout = {f"accuracy_{k}": weights.accuracy[k] for k in ("greedy", "sampled")}
     with torch.no_grad():
-        if weights.accuracy:  # the tree the heads were measured to draw, not an assumed one
-            drafter.accuracy_greedy.copy_(torch.tensor(weights.accuracy["greedy"]))
-            drafter.accuracy_sampled.copy_(torch.tensor(weights.accuracy["sampled"]))
         for head, blocks, out in zip(drafter.heads, weights.blocks, weights.out, strict=True):
             for block, (w, b) in zip(head.blocks, blocks, strict=True):
                 block.linear.weight.copy_(w)

@@ -187,6 +187,11 @@ class MedusaDrafter(Drafter):
     # Keys of model.safetensors a drafter loaded for decoding ignores: Medusa-2's adapter
     # weights, which decoding gets merged into the target (load_target(..., adapter=...)).
     training_only_prefixes = ("lora.",)
+    # Per head and rank r < accuracy_ranks, measured on held-out data by every evaluation
+    # (heldout_summary, saved in the checkpoint's config): how often the head's r-th candidate
+    # is the target's greedy token, and the target's mean probability of it. The tree is built
+    # from them (tree_paths). Folders written before they moved there hold them as weights.
+    heldout_weights = ("accuracy_greedy", "accuracy_sampled")
     decode_class = MedusaDecode
 
     def __init__(self, config: MedusaConfig, target, d2t: torch.Tensor | None = None) -> None:
@@ -215,13 +220,6 @@ class MedusaDrafter(Drafter):
         # draft id -> target id, and target id -> draft id (-1: not in the draft vocabulary)
         self.register_buffer("d2t", d2t.clone())
         self.register_buffer("t2d", t2d)
-        # Per head and rank r < accuracy_ranks, measured on held-out data by every evaluation
-        # (finish_evaluation): how often the head's r-th candidate is the target's greedy token,
-        # and the target's mean probability of it. NaN until measured. The tree is built from
-        # them (tree_paths).
-        K, R = config.num_heads, min(config.accuracy_ranks, len(d2t))
-        self.register_buffer("accuracy_greedy", torch.full((K, R), float("nan")))
-        self.register_buffer("accuracy_sampled", torch.full((K, R), float("nan")))
         if own:
             lm = target.model.get_output_embeddings().weight
             with torch.no_grad():  # training starts from the target's next-token predictor
@@ -299,7 +297,7 @@ class MedusaDrafter(Drafter):
 
     @classmethod
     def from_checkpoint(cls, config: MedusaConfig, target, hf_model) -> MedusaDrafter:
-        # d2t and the accuracies are placeholders here; load_drafter fills them from the weights.
+        # d2t is a placeholder here; load_drafter fills it from the weights.
         return cls(config, target)
 
     @property
@@ -334,7 +332,7 @@ class MedusaDrafter(Drafter):
             )
         if not decode.chain and decode.stop_below > 0:
             ignored.append("stop_below is ignored by Medusa trees (tree_top_k > 1): it ends chains")
-        ranks = min(self.config.accuracy_ranks, len(self.d2t))
+        ranks = self.accuracy_ranks
         if decode.tree_top_k > ranks:
             ignored.append(
                 f"tree_top_k={decode.tree_top_k} is more candidates per head than these heads' "
@@ -512,10 +510,10 @@ class MedusaDrafter(Drafter):
     def eval_statistics(
         self, batch: Mapping[str, torch.Tensor], target_out
     ) -> dict[str, torch.Tensor]:
-        """Sums the trainer adds up over held-out data and hands to `finish_evaluation`: per head
+        """Sums the trainer adds up over held-out data and hands to `heldout_summary`: per head
         and rank r, how often the head's r-th candidate is the target's argmax (greedy), the
         target's probability of it summed (sampled), and the positions counted."""
-        K, R = self.accuracy_greedy.shape
+        K, R = self.config.num_heads, self.accuracy_ranks
         device = self.d2t.device
         greedy = torch.zeros(K, R, device=device)
         sampled = torch.zeros(K, R, device=device)
@@ -532,19 +530,39 @@ class MedusaDrafter(Drafter):
             count[k] = w.sum()
         return {"greedy": greedy, "sampled": sampled, "count": count}
 
-    @torch.no_grad()
-    def finish_evaluation(self, sums: Mapping[str, torch.Tensor]) -> None:
-        """Store the measured per-rank accuracies (saved with the heads; the tree's input)."""
+    def heldout_summary(self, sums: Mapping[str, torch.Tensor]) -> dict:
+        """The measured per-rank accuracies (K lists of R), saved in the checkpoint: the tree's
+        input."""
         count = sums["count"].clamp(min=1)
-        self.accuracy_greedy.copy_(sums["greedy"] / count)
-        self.accuracy_sampled.copy_(sums["sampled"] / count)
+        return {
+            "accuracy_greedy": (sums["greedy"] / count).float().cpu().tolist(),
+            "accuracy_sampled": (sums["sampled"] / count).float().cpu().tolist(),
+        }
+
+    @property
+    def accuracy_ranks(self) -> int:
+        """Ranks per head whose accuracy evaluation measures."""
+        return min(self.config.accuracy_ranks, len(self.d2t))
+
+    def measured_accuracy(self, greedy: bool) -> torch.Tensor | None:
+        """(K, R) the per-rank accuracies its checkpoint carries for this way of decoding, or
+        None for heads never evaluated (eval_every=0, a published head) or measured at another
+        shape."""
+        values = self.heldout.get("accuracy_greedy" if greedy else "accuracy_sampled")
+        if values is None:
+            return None
+        acc = torch.tensor(values, dtype=torch.float)
+        shape = (self.config.num_heads, self.accuracy_ranks)
+        if acc.shape != shape or torch.isnan(acc).any():
+            return None
+        return acc
 
     def predicted_tree_tau(self, decode: DecodeConfig) -> float | None:
         """1 + the expected accepted length of the tree `decode` serves, under the greedy
         per-rank accuracies the last evaluation measured (what the tree is built from); None
         for heads that carry none."""
-        accuracy = self.accuracy_greedy.detach().float().cpu()
-        if torch.isnan(accuracy).any():
+        accuracy = self.measured_accuracy(greedy=True)
+        if accuracy is None:
             return None
         paths = tree_paths(accuracy, decode.tree_budget, decode.gamma, decode.tree_top_k)
         return 1 + expected_length(accuracy, paths)
@@ -552,14 +570,14 @@ class MedusaDrafter(Drafter):
     def accuracies(self, greedy: bool) -> torch.Tensor:
         """(K, R) the measured per-rank accuracies for this way of decoding; a fallback with a
         warning for heads never evaluated (eval_every=0, or a published head)."""
-        acc = (self.accuracy_greedy if greedy else self.accuracy_sampled).detach().float().cpu()
-        if torch.isnan(acc).any():
+        acc = self.measured_accuracy(greedy)
+        if acc is None:
             warn_once(
                 "these Medusa heads carry no measured accuracy (trained with eval_every=0, or "
                 "imported): their tree is built from an assumed one, 0.6^(k+1) for a head's top "
                 "candidate and halving per rank; train with evaluation on for a measured tree"
             )
-            K, R = acc.shape
+            K, R = self.config.num_heads, self.accuracy_ranks
             k = torch.arange(K, dtype=torch.float)[:, None]
             r = torch.arange(R, dtype=torch.float)[None, :]
             acc = 0.6 ** (k + 1) * 0.5**r

@@ -78,11 +78,12 @@ def find_resume(resume_from: str | None, out: Path, main: bool) -> Path | None:
     return None
 
 
-def load_weights(drafter, path: Path, target_fingerprint: dict, device: torch.device) -> None:
+def load_weights(drafter, path: Path, target_fingerprint: dict, device: torch.device) -> dict:
     """The checkpoint's weights, read straight into the drafter being trained (through
     checkpoint.read_weights, the reader load_drafter uses): not through load_drafter itself,
     whose from_pretrained would build the student partitioned under ZeRO-3 (a vocabulary of 0
-    rows), and which drops training-only weights (Medusa-2's adapters). The fine-tuned
+    rows), and which drops training-only weights (Medusa-2's adapters). Returns the held-out
+    statistics it carries, which the run saves until its next evaluation. The fine-tuned
     target's adapter hash changes as it trains; the base must match."""
     meta, _ = checkpoint.read_metadata(path)
     if meta is None:
@@ -100,7 +101,9 @@ def load_weights(drafter, path: Path, target_fingerprint: dict, device: torch.de
     # a HF model folder (distill, LayerSkip) in its own names, else the drafter's own tensors
     module = drafter.as_hf_model() or drafter
     try:
-        missing, unexpected = checkpoint.read_weights(module, path, meta, device=device)
+        missing, unexpected, heldout = checkpoint.read_weights(
+            module, path, meta, device=device, heldout_weights=type(drafter).heldout_weights
+        )
     except RuntimeError as err:
         if "size mismatch" not in str(err):
             raise
@@ -108,6 +111,7 @@ def load_weights(drafter, path: Path, target_fingerprint: dict, device: torch.de
     if missing or unexpected:
         why = f"missing {missing[:5]}, unexpected {unexpected[:5]}"
         raise ResumeError(_misfit(path, meta, drafter, why))
+    return heldout
 
 
 def load_state(

@@ -5,7 +5,7 @@ only through the hooks `Drafter` declares (drafters/base.py, each with its defau
 is its loss, the sum over the batch's scored tokens, with `loss_tokens` counting them from the
 batch alone; `acceptance` gives the simulated tau of evaluation at the depth the run will serve
 (`cfg.decode`); `prepare_batch`, `begin_step`, `param_groups`, `eval_statistics` /
-`finish_evaluation`, `runs_target` and `trained_fingerprint` are there for the kinds that need
+`heldout_summary`, `runs_target` and `trained_fingerprint` are there for the kinds that need
 them. The parameters with requires_grad are what the optimizer trains.
 
 A batch is a dict of (batch, seq) tensors: input_ids, attention_mask, loss_mask.
@@ -129,8 +129,10 @@ class _Training:
         # before anything is written into output_dir
         resume = find_resume(cfg.resume_from, self.out, self.main)
         drafter.to(self.acc.device)
+        # the latest evaluation's held-out statistics, saved with every checkpoint
+        self.heldout: dict = {}
         if resume is not None:
-            load_weights(drafter, resume, target.fingerprint, self.acc.device)
+            self.heldout = load_weights(drafter, resume, target.fingerprint, self.acc.device)
         optimizer = torch.optim.AdamW(
             _param_groups(drafter, cfg), lr=lr_at(0, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2)
         )
@@ -367,7 +369,7 @@ class _Training:
         tokens = torch.zeros((), device=acc.device)
         alpha_sum = greedy_sum = count = 0.0
         # A drafter may measure more on the held-out data (Medusa: per-rank head accuracies for
-        # its tree): sums of `eval_statistics`, reduced, handed to `finish_evaluation` before
+        # its tree): sums of `eval_statistics`, reduced, summarized by `heldout_summary` before
         # best/ is saved, so a checkpoint carries what its own evaluation measured.
         extra_sums: dict[str, torch.Tensor] = {}
         model.eval()
@@ -388,7 +390,10 @@ class _Training:
         loss_sum, tokens = acc.reduce(loss_sum, "sum"), acc.reduce(tokens, "sum")
         alpha_sum, greedy_sum = acc.reduce(alpha_sum, "sum"), acc.reduce(greedy_sum, "sum")
         count = acc.reduce(count, "sum")
-        model.finish_evaluation({k: acc.reduce(v, "sum") for k, v in extra_sums.items()})
+        # saved with every checkpoint from now on (best/ below); nothing is written on the module
+        self.heldout = model.heldout_summary(
+            {k: acc.reduce(v, "sum") for k, v in extra_sums.items()}
+        )
         alphas = (alpha_sum / count.clamp(min=1)).tolist()
         agreement = (greedy_sum / count.clamp(min=1)).tolist()
         result = {
@@ -423,6 +428,7 @@ class _Training:
                     drafter,
                     folder,
                     decode=self.cfg.decode,
+                    heldout=self.heldout,
                     # a drafter that fine-tunes the target belongs to the fine-tuned one
                     target_fingerprint=drafter.trained_fingerprint(self.target),
                     train_config_yaml=self.config_yaml,

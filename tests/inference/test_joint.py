@@ -67,7 +67,7 @@ def medusa_heads(target) -> MedusaDrafter:
         "attention_mask": torch.ones_like(ids),
         "loss_mask": torch.ones_like(ids),
     }
-    heads.finish_evaluation(
+    heads.heldout = heads.heldout_summary(  # as load_drafter gives a checkpoint's
         heads.eval_statistics(batch, target.forward(ids, capture_layers=[target.num_layers]))
     )
     return heads

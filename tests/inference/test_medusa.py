@@ -148,8 +148,9 @@ def test_acceptance_and_accuracy_statistics_agree(random_target):
     torch.testing.assert_close(sums["greedy"][:, 0], greedy)
     torch.testing.assert_close(sums["count"][:, 0], count)
     assert torch.all(sums["greedy"].sum(1) <= count) and torch.all(alpha <= count)
-    heads.finish_evaluation(sums)
-    assert not torch.isnan(heads.accuracy_greedy).any()
+    summary = heads.heldout_summary(sums)
+    torch.testing.assert_close(torch.tensor(summary["accuracy_greedy"])[:, 0], greedy / count)
+    assert not torch.isnan(torch.tensor(summary["accuracy_sampled"])).any()
 
 
 def test_the_tree_is_the_best_under_the_budget():
@@ -171,12 +172,15 @@ def test_the_tree_is_the_best_under_the_budget():
 def test_checkpoint_round_trip_keeps_weights_accuracy_and_decoding(random_target, tmp_path):
     heads = noisy_heads(random_target, num_heads=3, num_layers=2)
     batch, out = batch_and_target_out(random_target)
-    heads.finish_evaluation(heads.eval_statistics(batch, out))
+    heldout = heads.heldout_summary(heads.eval_statistics(batch, out))
     decode = MedusaDecode(gamma=3, tree_top_k=3, tree_budget=7)
     fingerprint = random_target.fingerprint
-    save_drafter(heads, tmp_path / "heads", target_fingerprint=fingerprint, decode=decode)
+    save_drafter(
+        heads, tmp_path / "heads", target_fingerprint=fingerprint, decode=decode, heldout=heldout
+    )
     loaded = load_drafter(tmp_path / "heads", random_target)
     assert isinstance(loaded, MedusaDrafter) and load_decoding(tmp_path / "heads") == decode
+    assert loaded.heldout == heldout and heads.heldout == {}  # the checkpoint's, not the module's
     for (k, a), (k2, b) in zip(
         heads.state_dict().items(), loaded.state_dict().items(), strict=True
     ):

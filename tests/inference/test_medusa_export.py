@@ -18,7 +18,7 @@ from testkit import perturb
 from specdraft.core import DecodeConfig
 from specdraft.drafters.checkpoint import CheckpointError, load_drafter
 from specdraft.drafters.export import ExportError, export_drafter, medusa_choices
-from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+from specdraft.drafters.medusa import MedusaConfig, MedusaDecode, MedusaDrafter
 from specdraft.inference import generate
 
 BASE = "org/base-model"
@@ -74,7 +74,7 @@ def test_medusa_layout_has_the_reference_names_and_shapes(random_target, output,
         "config.json", "medusa_lm_head.pt", "medusa_lm_head.safetensors",
     ]  # fmt: skip
     config = json.loads((out / "config.json").read_text())
-    assert config.pop("specdraft_decoding") == dataclasses.asdict(DecodeConfig())
+    assert config.pop("specdraft_decoding") == dataclasses.asdict(MedusaDecode())
     assert config == {
         "medusa_num_heads": K,
         "medusa_num_layers": L,
@@ -118,7 +118,7 @@ def test_vllm_layout_has_the_names_and_shapes_vllm_loads(random_target, case, tm
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     config = json.loads((out / "config.json").read_text())
     # vLLM's MedusaConfig renames keys holding "num" and "heads": this one holds neither
-    assert config.pop("specdraft_decoding") == dataclasses.asdict(DecodeConfig())
+    assert config.pop("specdraft_decoding") == dataclasses.asdict(MedusaDecode())
     assert config == {
         "model_type": "medusa",
         "architectures": ["MedusaModel"],
@@ -218,8 +218,8 @@ def test_a_reference_folder_decodes_in_our_loop_as_the_original(
     heads = fitted_heads(random_target, measure)
     loaded = load_drafter(export(heads, tmp_path / fmt, fmt), random_target)
     if measure:
-        assert torch.equal(loaded.accuracy_greedy, heads.accuracy_greedy)
-        assert torch.equal(loaded.accuracy_sampled, heads.accuracy_sampled)
+        for greedy in (True, False):
+            assert torch.equal(loaded.measured_accuracy(greedy), heads.measured_accuracy(greedy))
     decoding = dict(max_new_tokens=40, tree_top_k=4, tree_budget=8, gamma=4)
     accepted = 0
     for prompt in MEDUSA_PROMPTS[:2]:
