@@ -1,7 +1,2 @@
-"""Drafters and the frozen target they serve: `load_target`, `load_drafter`, and
-`load_decoding` (the settings a drafter folder is served with)."""
-
-from specdraft.drafters.checkpoint import load_decoding, load_drafter
-from specdraft.drafters.target import Target, load_target
-
-__all__ = ["Target", "load_decoding", "load_drafter", "load_target"]
+"""Drafter kinds: the Drafter and DraftSession contracts and the kind registry (base.py), one
+file per kind (with its session module where it has one), prompt lookup and int8 drafting."""

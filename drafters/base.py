@@ -20,7 +20,6 @@ over the global batch's scored tokens, however it is split (as transformers' num
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -369,16 +368,6 @@ class LoraConfig:
             raise ValueError(f"lora.dropout must be in [0, 1); got {self.dropout}")
         if self.rank and not self.target_modules:
             raise ValueError("lora.target_modules is empty: name the layers that get adapters")
-
-
-def adapter_hash(state: Mapping[str, torch.Tensor]) -> str:
-    """A short hash of an adapter's weights (peft's saved names, fp32 values): what a target
-    fine-tuned through it is told apart from its base by (the target fingerprint's `adapter`)."""
-    digest = hashlib.sha256()
-    for key in sorted(state):
-        digest.update(key.encode())
-        digest.update(state[key].detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 # A loss's logged figures: name -> (sum, count) over the micro-batch.

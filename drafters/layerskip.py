@@ -50,7 +50,7 @@ from specdraft.drafters.base import (
     sum_and_count,
 )
 from specdraft.drafters.distill import simulated_alpha
-from specdraft.drafters.target import (
+from specdraft.targets.target import (
     TargetError,
     final_logits,
     layer_rotary,
@@ -378,7 +378,7 @@ class LayerSkipDrafter(Drafter):
         if self.peft is not None:
             from peft.utils import get_peft_model_state_dict
 
-            from specdraft.drafters.base import adapter_hash
+            from specdraft.targets.target import adapter_hash
 
             digest = adapter_hash(get_peft_model_state_dict(self.peft))
         else:

@@ -25,16 +25,16 @@ import yaml
 
 from specdraft.config import override
 from specdraft.core import DecodeConfig, eos_ids
-from specdraft.drafters.checkpoint import (
+from specdraft.formats.checkpoint import (
     drafter_class,
     load_decoding,
     load_drafter,
     read_metadata,
 )
-from specdraft.drafters.target import Target, load_target
 from specdraft.inference.measure import Run, loop_decoder, summarize
 from specdraft.inference.report import Column, Report, acceptance_figure, markdown_table, styles
 from specdraft.precision import dtype_name, resolve_precision, to_dtype
+from specdraft.targets.target import Target, load_target
 
 BASELINES = ("ar", "hf_ar", "prompt_lookup", "hf_assisted", "hf_prompt_lookup", "hf_early_exit")
 # gamma for transformers' prompt lookup when --gamma is not given: our prompt lookup's default

@@ -43,10 +43,10 @@ from specdraft.core import (
 )
 from specdraft.drafters.base import Drafter, hf_model_kind, warn_once
 from specdraft.drafters.prompt_lookup import CopyingSession, PromptLookupDrafter
-from specdraft.drafters.target import Target
 from specdraft.inference.metrics import Stats
 from specdraft.inference.tree import tree_attention
 from specdraft.inference.verify import verify_greedy, verify_sampling
+from specdraft.targets.target import Target
 
 
 @dataclass

@@ -28,8 +28,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdraft.data.demo import build_demo_tokenizer, demo_corpus_texts
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-from specdraft.drafters.target import Target
 from specdraft.inference import generate
+from specdraft.targets.target import Target
 
 SHAPES = ["512x4x1408", "384x8x1024", "256x12x704", "384x12x1024"]  # hidden x layers x mlp
 

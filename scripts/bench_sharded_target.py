@@ -46,7 +46,7 @@ def build(folder: str, layers: int, hidden: int) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from specdraft.drafters.demo_target import ensure_demo_target
+    from specdraft.targets.demo import ensure_demo_target
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_demo_target(variant="tiny"))
     torch.manual_seed(0)
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from specdraft.drafters.target import load_sharded_target, load_target
+    from specdraft.targets.target import load_sharded_target, load_target
 
     options = {}
     if args.max_live is not None:

@@ -32,7 +32,7 @@ def measure(seq: int, steps: int, dtype: str, variant: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-    from specdraft.drafters.target import Target
+    from specdraft.targets.target import Target
 
     torch.manual_seed(0)
     config = LlamaConfig(

@@ -7,7 +7,7 @@
 
 The result is a standard HF model folder (AutoModelForCausalLM / AutoTokenizer load it offline)
 cached under $SPECDRAFT_HOME/demo-target/ (default ~/.cache/specdraft); the building code is
-specdraft.drafters.demo_target.
+specdraft.targets.demo.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import contextlib
 import json
 import sys
 
-from specdraft.drafters.demo_target import (
+from specdraft.targets.demo import (
     BUDGETS,
     COMPLETE_MARKER,
     SPECS,

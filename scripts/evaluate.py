@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 
 from specdraft.core import DecodeConfig
-from specdraft.drafters import load_target
 from specdraft.drafters.base import kinds_own_settings
 from specdraft.inference.evaluate import (
     BASELINES,
@@ -39,6 +38,7 @@ from specdraft.inference.evaluate import (
 )
 from specdraft.inference.measure import load_prompts, measure
 from specdraft.inference.report import write_report
+from specdraft.targets import load_target
 
 
 def main(argv: list[str] | None = None) -> int:

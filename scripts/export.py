@@ -12,7 +12,7 @@ The drafter is loaded with the target it was trained for (its train_config.yaml'
 was loaded from) is recorded for engines that load the target themselves. OUT is written
 atomically; an existing OUT is replaced only if it is empty or a previous export, or with
 --force. Every folder is checked against the rules of the engine's own loader before it is
-renamed into place. Formats (specdraft.drafters.export.FORMATS and drafters/eagle_export.py say
+renamed into place. Formats (specdraft.formats.export.FORMATS and formats/eagle_export.py say
 what each writes and what is exact):
 """
 
@@ -24,14 +24,14 @@ from pathlib import Path
 
 import yaml
 
-from specdraft.drafters.checkpoint import (
+from specdraft.formats.checkpoint import (
     CheckpointError,
     load_decoding,
     load_drafter,
     read_metadata,
 )
-from specdraft.drafters.export import FORMATS, ExportError, check_destination, export_drafter
-from specdraft.drafters.target import TargetError, load_target
+from specdraft.formats.export import FORMATS, ExportError, check_destination, export_drafter
+from specdraft.targets.target import TargetError, load_target
 
 PROG = "scripts/export.py"
 

@@ -47,7 +47,7 @@ def build_on_meta(target: str, draft_vocab: int, ttt_steps: int):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
-    from specdraft.drafters.target import Target, target_path
+    from specdraft.targets.target import Target, target_path
 
     config = AutoConfig.from_pretrained(target_path(target))
     with torch.device("meta"):

@@ -37,8 +37,8 @@ import torch
 from specdraft.data.demo import demo_corpus_texts
 from specdraft.data.formats import Conversation, Text, parse_record
 from specdraft.data.sources import DataError, Row, SkipRow, read_rows
-from specdraft.drafters.target import TargetError, load_target
 from specdraft.inference import generate
+from specdraft.targets.target import TargetError, load_target
 
 
 def regenerate(

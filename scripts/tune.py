@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from specdraft.drafters.base import kinds_own_settings
-from specdraft.drafters.checkpoint import (
+from specdraft.formats.checkpoint import (
     load_decoding,
     load_drafter,
     set_decode,

@@ -43,11 +43,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdraft.drafters.checkpoint import CheckpointError, load_drafter
-from specdraft.drafters.export import imported_format
-from specdraft.drafters.target import TargetError, load_target, target_path
+from specdraft.formats.checkpoint import CheckpointError, load_drafter
+from specdraft.formats.export import imported_format
 from specdraft.inference import generate
 from specdraft.inference.measure import load_prompts
+from specdraft.targets.target import TargetError, load_target, target_path
 
 PROG = "scripts/verify_export.py"
 WORKER = Path(__file__).with_name("verify_export_engine.py")

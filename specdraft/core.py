@@ -240,7 +240,7 @@ class DraftContext:
 
 @dataclass
 class TargetOutput:
-    """One forward of the target (drafters/target.py) or of a stand-in (the hidden-state cache)."""
+    """One forward of the target (targets/target.py) or of a stand-in (the hidden-state cache)."""
 
     logits: torch.Tensor  # (batch, seq, vocab); only the last `logits_to_keep` positions if set
     hidden_states: dict[int, torch.Tensor] = field(

@@ -57,14 +57,14 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_target_path(specdraft_home) -> str:
     """The tiny demo target, built once per test session (about a second)."""
-    from specdraft.drafters.demo_target import ensure_demo_target
+    from specdraft.targets.demo import ensure_demo_target
 
     return str(ensure_demo_target(variant="tiny"))
 
 
 @pytest.fixture(scope="session")
 def tiny_target(tiny_target_path):
-    from specdraft.drafters.target import load_target
+    from specdraft.targets.target import load_target
 
     torch.manual_seed(0)
     return load_target(tiny_target_path)

@@ -14,14 +14,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("package", ["data", "drafters", "inference", "train", "scripts"])
+@pytest.mark.parametrize(
+    "package", ["data", "targets", "drafters", "formats", "inference", "train", "scripts"]
+)
 def test_subpackages_resolve_to_this_repository(package):
     module = importlib.import_module(f"specdraft.{package}")
     assert Path(module.__file__).resolve() == ROOT / package / "__init__.py"
 
 
 def test_imports_work_from_any_directory(tmp_path):
-    code = "import specdraft.data, specdraft.drafters.target; print(specdraft.data.__file__)"
+    code = "import specdraft.data, specdraft.targets.target; print(specdraft.data.__file__)"
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )
@@ -36,8 +38,8 @@ def test_demo_prompts_is_exported():
 
 # The layering (docs/architecture.md, "Layers"): a package may import only from the packages
 # below it.
-# specdraft (core) <- data <- drafters <- inference <- train <- scripts
-LAYERS = ["specdraft", "data", "drafters", "inference", "train", "scripts"]
+# specdraft (core) <- data <- targets <- drafters <- formats <- inference <- train <- scripts
+LAYERS = ["specdraft", "data", "targets", "drafters", "formats", "inference", "train", "scripts"]
 
 
 def _imports(path: Path) -> set[str]:
@@ -95,7 +97,7 @@ def test_the_layer_check_sees_a_violation(tmp_path):
 # The code every kind shares knows kinds only through the Drafter hooks and the registry
 # (docs/architecture.md, "Drafter").
 SHARED = [
-    "train/trainer.py", "train/config.py", "drafters/checkpoint.py", "inference/generate.py",
+    "train/trainer.py", "train/config.py", "formats/checkpoint.py", "inference/generate.py",
     "inference/tune.py", "inference/measure.py", "inference/evaluate.py", "inference/report.py",
     "train/compare.py", "scripts/tune.py", "scripts/evaluate.py", "scripts/compare.py",
 ]  # fmt: skip

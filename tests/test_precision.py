@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from specdraft import precision
-from specdraft.drafters.demo_target import demo_target_dir, resolve_spec
 from specdraft.scripts import evaluate
+from specdraft.targets.demo import demo_target_dir, resolve_spec
 from specdraft.train.config import TrainConfig
 from specdraft.train.eagle import main as train_eagle
 

@@ -34,8 +34,7 @@ import torch
 
 from specdraft.config import load_config
 from specdraft.drafters.base import drafter_kinds, hf_model_kind
-from specdraft.drafters.checkpoint import load_decoding, load_drafter, read_metadata, set_decode
-from specdraft.drafters.target import load_target, target_path
+from specdraft.formats.checkpoint import load_decoding, load_drafter, read_metadata, set_decode
 from specdraft.inference.evaluate import (
     EvalSpec,
     build_runs,
@@ -54,6 +53,7 @@ from specdraft.inference.report import (
     write_report,
 )
 from specdraft.inference.tune import default_space, search_decode
+from specdraft.targets.target import load_target, target_path
 from specdraft.train.config import TrainConfig
 from specdraft.train.trainer import TrainResult
 

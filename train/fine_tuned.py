@@ -14,11 +14,10 @@ from pathlib import Path
 import torch
 
 from specdraft.core import LOOP_TOKENS, looping_share
-from specdraft.drafters.base import adapter_hash
-from specdraft.drafters.checkpoint import save_target_folder
 from specdraft.drafters.layerskip import LayerSkipDrafter
-from specdraft.drafters.target import Target, load_target, merge_adapter
+from specdraft.formats.checkpoint import save_target_folder
 from specdraft.inference.generate import generate
+from specdraft.targets.target import Target, adapter_hash, load_target, merge_adapter
 from specdraft.train.report import report_after_training
 from specdraft.train.schedule import collate
 

@@ -17,7 +17,7 @@ from typing import ClassVar
 from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDecode, LayerSkipDrafter
-from specdraft.drafters.target import load_target
+from specdraft.targets.target import load_target
 from specdraft.train.config import SetupError, TrainConfig, setting_up
 from specdraft.train.fine_tuned import exit_agreement, finish_layerskip, heldout_loss
 from specdraft.train.launch import whole_model_loading

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from specdraft.drafters.checkpoint import load_decoding, load_drafter, set_decode
-from specdraft.drafters.target import load_target
+from specdraft.formats.checkpoint import load_decoding, load_drafter, set_decode
 from specdraft.inference.measure import load_prompts, measure_vs_plain, usable_cores
 from specdraft.inference.tune import default_space, search_decode
 from specdraft.precision import to_dtype
+from specdraft.targets.target import load_target
 
 
 def loop_prompts(eval_loop, data_path: str, target, eval_examples) -> list[torch.Tensor]:

@@ -1,7 +1,7 @@
 """Resume state: which checkpoint a run continues from, reading it back exactly, and writing the
 optimizer's part of a checkpoint (docs/architecture.md, "Trainer").
 
-A checkpoint-<step>/ folder is a drafter folder (drafters/checkpoint.py) plus `trainer_state.json`
+A checkpoint-<step>/ folder is a drafter folder (formats/checkpoint.py) plus `trainer_state.json`
 (the step, the losses and evaluations so far, the global batch and seed the data order depends
 on) and the optimizer state: `optimizer.pt`, or under DeepSpeed ZeRO one `optimizer-rank<r>.pt`
 per process, each written by its own process (none gathers another's part). Weights come back
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from specdraft.core import check_fingerprint
-from specdraft.drafters import checkpoint
+from specdraft.formats import checkpoint
 
 STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.pt"

@@ -1,7 +1,7 @@
 """The frozen target a run trains against, whole or sharded over the processes by ZeRO-3
 (`target_sharding`), and the whole one the end of a run decodes with.
 
-A sharded target (drafters/target.py `ShardedTarget`) runs forwards but holds no whole weight
+A sharded target (targets/target.py `ShardedTarget`) runs forwards but holds no whole weight
 outside them, so a drafter that reads the target's embedding or LM head while training (EAGLE,
 Medusa) gets an embeddings-only copy of them on its device, while the trainer runs the sharded
 forwards. A drafter that reads weights only when it is built (a distilled student seeded from
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from specdraft.drafters.target import Target, load_sharded_target, load_target
+from specdraft.targets.target import Target, load_sharded_target, load_target
 from specdraft.train.config import TrainConfig
 
 

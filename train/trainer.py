@@ -36,8 +36,8 @@ from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
 from specdraft.config import save_config
-from specdraft.drafters import checkpoint
 from specdraft.drafters.base import Drafter
+from specdraft.formats import checkpoint
 from specdraft.inference.metrics import simulated_tau
 from specdraft.train import launch, tracking
 from specdraft.train.config import CONFIG_FILENAME, TrainConfig

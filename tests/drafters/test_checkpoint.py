@@ -1,4 +1,4 @@
-"""drafters/checkpoint.py: the one writer and reader of drafter weights."""
+"""formats/checkpoint.py: the one writer and reader of drafter weights."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from specdraft.drafters import checkpoint
 from specdraft.drafters.base import Drafter
-from specdraft.drafters.checkpoint import CheckpointError, load_decoding, load_drafter, save_drafter
 from specdraft.drafters.distill import DistillConfig, DistillDecode, DistillDrafter
-from specdraft.drafters.target import Target
+from specdraft.formats import checkpoint
+from specdraft.formats.checkpoint import CheckpointError, load_decoding, load_drafter, save_drafter
+from specdraft.targets.target import Target
 
 
 @pytest.fixture

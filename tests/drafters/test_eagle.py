@@ -13,9 +13,9 @@ from testkit import perturb
 from transformers import LlamaForCausalLM
 
 from specdraft.core import DecodeConfig, build_draft_vocab
-from specdraft.drafters.checkpoint import CheckpointError, load_drafter, save_drafter
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
-from specdraft.drafters.target import Target, TargetError
+from specdraft.formats.checkpoint import CheckpointError, load_drafter, save_drafter
+from specdraft.targets.target import Target, TargetError
 
 
 def make_batch(target, seq: int = 10):
@@ -289,7 +289,7 @@ def test_the_unroll_without_a_mask_equals_the_dense_mask(version, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import specdraft.drafters.eagle as eagle
-    from specdraft.drafters.target import Target
+    from specdraft.targets.target import Target
 
     torch.manual_seed(0)
     config = LlamaConfig(

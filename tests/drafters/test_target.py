@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specdraft.core import fingerprint_differences
-from specdraft.drafters.target import Target, TargetError, load_target
+from specdraft.targets.target import Target, TargetError, load_target
 
 
 def test_load_demo_tiny_by_name_is_frozen_and_fingerprinted(tiny_target_path):

@@ -7,7 +7,7 @@ import copy
 import pytest
 from spec_helpers import make_target, perturbed, tiny_llama
 
-from specdraft.drafters.target import Target
+from specdraft.targets.target import Target
 
 
 @pytest.fixture(autouse=True, scope="module")

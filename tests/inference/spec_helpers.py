@@ -20,8 +20,8 @@ from transformers import (
 )
 
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
-from specdraft.drafters.target import Target
 from specdraft.inference import generate
+from specdraft.targets.target import Target
 
 
 def tiny_llama(vocab: int, seed: int, hidden: int = 32, layers: int = 2, init: float = 0.3):

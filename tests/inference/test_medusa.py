@@ -15,7 +15,6 @@ from spec_helpers import MEDUSA_PROMPTS, fitted_medusa_heads
 from testkit import perturb
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, TargetOutput
-from specdraft.drafters.checkpoint import load_decoding, load_drafter, save_drafter
 from specdraft.drafters.medusa import (
     MedusaConfig,
     MedusaDecode,
@@ -24,6 +23,7 @@ from specdraft.drafters.medusa import (
     expected_length,
     tree_paths,
 )
+from specdraft.formats.checkpoint import load_decoding, load_drafter, save_drafter
 from specdraft.inference import generate
 
 
@@ -266,7 +266,7 @@ def test_an_adapter_of_another_model_is_a_clear_error(tmp_path):
     from peft import get_peft_model
     from spec_helpers import tiny_llama
 
-    from specdraft.drafters.target import TargetError, merge_adapter
+    from specdraft.targets.target import TargetError, merge_adapter
 
     other = get_peft_model(
         tiny_llama(384, seed=0, hidden=48), PeftLoraConfig(r=4, target_modules=["q_proj"])
@@ -283,7 +283,7 @@ def test_medusa2_evaluation_reuses_one_target_pass(monkeypatch):
     from spec_helpers import make_target, tiny_llama
 
     from specdraft.drafters.base import LoraConfig
-    from specdraft.drafters.target import Target
+    from specdraft.targets.target import Target
 
     target = make_target(tiny_llama(384, seed=5))
     config = MedusaConfig(num_heads=2, lora=LoraConfig(rank=2, dropout=0.0), target_loss="lm")

@@ -1,4 +1,4 @@
-"""drafters/export.py: Medusa heads written in FasterDecoding/Medusa's and vLLM's layouts with
+"""formats/export.py: Medusa heads written in FasterDecoding/Medusa's and vLLM's layouts with
 exactly the names and shapes those readers take, the files computing our heads' logits when read
 the way the engines read them, published folders loading into our loop as the heads they hold,
 and every bad input a clear error that writes nothing."""
@@ -16,9 +16,9 @@ from spec_helpers import MEDUSA_PROMPTS, fitted_medusa_heads, make_target, tiny_
 from testkit import perturb
 
 from specdraft.core import DecodeConfig
-from specdraft.drafters.checkpoint import CheckpointError, load_drafter
-from specdraft.drafters.export import ExportError, export_drafter, medusa_choices
 from specdraft.drafters.medusa import MedusaConfig, MedusaDecode, MedusaDrafter
+from specdraft.formats.checkpoint import CheckpointError, load_drafter
+from specdraft.formats.export import ExportError, export_drafter, medusa_choices
 from specdraft.inference import generate
 
 BASE = "org/base-model"

@@ -18,9 +18,9 @@ from specdraft.core import DraftTree
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
-from specdraft.drafters.target import final_logits
 from specdraft.inference import generate
 from specdraft.inference.tree import tree_attention
+from specdraft.targets.target import final_logits
 
 pytestmark = pytest.mark.exact
 
@@ -174,7 +174,7 @@ def test_an_eagle_head_for_gemma3_rotates_as_its_global_layers_do():
 def test_an_attention_pattern_the_loop_cannot_reproduce_is_refused_at_load():
     """Chunked attention (Llama-4's local layers) is neither full nor sliding: one clear error
     when the target is built, never a wrong mask mid-decode."""
-    from specdraft.drafters.target import TargetError
+    from specdraft.targets.target import TargetError
 
     model = sliding_model("qwen2")
     model.config.layer_types = ["chunked_attention", *model.config.layer_types[1:]]

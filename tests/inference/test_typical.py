@@ -14,7 +14,8 @@ from test_joint import CASES, FALSE_ALARM, exact_joint, sample_joint, target  # 
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, process_logits
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-from specdraft.drafters.medusa import MedusaDecode, MedusaDrafter, verify_typical
+from specdraft.drafters.medusa import MedusaDecode, MedusaDrafter
+from specdraft.drafters.medusa_session import verify_typical
 from specdraft.inference import generate
 from specdraft.inference.evaluate import EvalSpec, make_report, markdown
 from specdraft.inference.measure import Run, loop_decoder, measure

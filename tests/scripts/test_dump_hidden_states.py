@@ -22,8 +22,8 @@ from specdraft.data.hidden_cache import (
     ids_hash,
     write_cache,
 )
-from specdraft.drafters.target import Target
 from specdraft.scripts.dump_hidden_states import main as dump
+from specdraft.targets.target import Target
 from specdraft.train.eagle import main as train
 
 TEXT = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(60))

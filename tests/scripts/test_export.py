@@ -12,19 +12,19 @@ import torch
 from testkit import perturb
 from transformers import LlamaForCausalLM
 
-from specdraft.core import DecodeConfig
-from specdraft.drafters.checkpoint import (
+from specdraft.drafters.base import drafter_class
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+from specdraft.formats.checkpoint import (
     CheckpointError,
     load_decoding,
     load_drafter,
     save_drafter,
     set_decode,
 )
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-from specdraft.drafters.export import FORMATS
-from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
-from specdraft.drafters.target import load_target
+from specdraft.formats.export import FORMATS
 from specdraft.scripts import export
+from specdraft.targets.target import load_target
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,9 @@ def test_an_export_carries_the_decoding_settings_it_was_tuned_to(
     source = {"medusa": heads_folder}.get(kind) or eagle_folders["eagle1" if fmt == "eagle" else "eagle3"]  # fmt: skip
     folder = tmp_path / "tuned"
     shutil.copytree(source, folder)
-    tuned = DecodeConfig(gamma=3, lookup_ngram=2, draft_weights="int8", stop_below=0.1)
+    tuned = drafter_class(kind).decode_settings(
+        gamma=3, lookup_ngram=2, draft_weights="int8", stop_below=0.1
+    )  # the kind's own settings class (MedusaDecode for heads)
     set_decode(folder, tuned)
     out = tmp_path / fmt
     assert export.main(["--format", fmt, str(folder), str(out)]) == 0

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
-from specdraft.drafters.target import load_target
 from specdraft.scripts import memory_plan
+from specdraft.targets.target import load_target
 
 
 def test_counts_equal_a_head_built_with_weights(tiny_target_path, capsys):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from specdraft.core import DecodeConfig
-from specdraft.drafters.checkpoint import load_decoding
 from specdraft.drafters.layerskip import LayerSkipDecode
+from specdraft.formats.checkpoint import load_decoding
 from specdraft.inference import tune
 from specdraft.inference.metrics import Stats
 from specdraft.scripts.tune import main

@@ -20,10 +20,10 @@ from transformers import LlamaForCausalLM
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-from specdraft.drafters.export import export_drafter
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
-from specdraft.drafters.target import load_target
+from specdraft.formats.export import export_drafter
 from specdraft.scripts import verify_export
+from specdraft.targets.target import load_target
 
 pytestmark = pytest.mark.slow
 

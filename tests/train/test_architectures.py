@@ -37,10 +37,10 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from specdraft.drafters.checkpoint import load_decoding, load_drafter
-from specdraft.drafters.export import export_drafter
-from specdraft.drafters.target import load_target
+from specdraft.formats.checkpoint import load_decoding, load_drafter
+from specdraft.formats.export import export_drafter
 from specdraft.inference import generate
+from specdraft.targets.target import load_target
 from specdraft.train import distill, eagle, layerskip, medusa
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from specdraft.drafters.distill import (
     divergence,
     simulated_alpha,
 )
-from specdraft.drafters.target import TargetOutput
+from specdraft.targets.target import TargetOutput
 from specdraft.train.distill import main
 
 

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from specdraft.config import load_config
-from specdraft.drafters.checkpoint import CheckpointError, load_drafter
 from specdraft.drafters.layerskip import (
     LayerSkipConfig,
     LayerSkipDrafter,
@@ -20,7 +19,8 @@ from specdraft.drafters.layerskip import (
     dropout_rates,
     exit_weights,
 )
-from specdraft.drafters.target import Target, load_target
+from specdraft.formats.checkpoint import CheckpointError, load_drafter
+from specdraft.targets.target import Target, load_target
 from specdraft.train import report
 from specdraft.train.layerskip import LayerSkipTrainConfig, main
 

@@ -15,7 +15,7 @@ from specdraft.drafters.distill import DistillConfig, DistillDrafter
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
-from specdraft.drafters.target import load_target
+from specdraft.targets.target import load_target
 from specdraft.train.distill import DistillTrainConfig
 from specdraft.train.eagle import EagleTrainConfig
 from specdraft.train.layerskip import LayerSkipTrainConfig

@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from specdraft.config import load_config
-from specdraft.drafters.checkpoint import CheckpointError, load_decoding, load_drafter
 from specdraft.drafters.medusa import MedusaDrafter
-from specdraft.drafters.target import TargetError, load_target
+from specdraft.formats.checkpoint import CheckpointError, load_decoding, load_drafter
 from specdraft.inference import generate
 from specdraft.scripts import evaluate
+from specdraft.targets.target import TargetError, load_target
 from specdraft.train.medusa import DEFAULT_CONFIG, MedusaTrainConfig, main
 
 RECIPES = sorted(Path(DEFAULT_CONFIG).parent.glob("*.yaml"))

@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 
 from specdraft.core import DecodeConfig
 from specdraft.data.formats import Example
-from specdraft.drafters.checkpoint import check_complete
 from specdraft.drafters.distill import DistillConfig, DistillDrafter
+from specdraft.formats.checkpoint import check_complete
 from specdraft.inference.metrics import simulated_tau
 from specdraft.train.config import TrainConfig
 from specdraft.train.distill import DistillTrainConfig

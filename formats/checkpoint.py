@@ -42,7 +42,7 @@ from transformers import AutoModelForCausalLM
 from specdraft.core import DecodeConfig, check_fingerprint
 from specdraft.drafters.base import Drafter, hf_model_kind, vocab_mismatch_error
 from specdraft.drafters.base import drafter_class as registered_class
-from specdraft.drafters.target import ADAPTER_ATTRIBUTE, Target
+from specdraft.targets.target import ADAPTER_ATTRIBUTE, Target
 
 # 2: decoding settings moved from the kind's config into their own `decode` block.
 FORMAT_VERSION = 2
@@ -258,25 +258,25 @@ def load_drafter(
     its vocabulary must be the target's. A folder written by specdraft must have been trained
     against this target: strict (the default) compares the whole fingerprint, strict=False only
     the vocabulary size. Published Medusa heads (FasterDecoding/Medusa's or vLLM's layout, no
-    `specdraft` block) load through their format's reader (drafters/export.py), their sizes
+    `specdraft` block) load through their format's reader (formats/export.py), their sizes
     checked against the target's.
     """
     folder = Path(path).expanduser()
     # lazily: the export module imports this one
-    from specdraft.drafters.export import imported_format, load_imported
+    from specdraft.formats.export import imported_format, load_imported
 
     fmt = imported_format(folder)
     if fmt is not None:
         return load_imported(folder, fmt, target, device=device, dtype=dtype, strict=strict)
     meta, hf_config = read_metadata(folder)
     if meta is None and hf_config is None:
-        from specdraft.drafters.export import FORMATS
+        from specdraft.formats.export import FORMATS
 
         raise CheckpointError(
             f"{folder / CONFIG_NAME} is in none of the layouts specdraft reads: a specdraft "
             "checkpoint (a `specdraft` block), a Hugging Face causal-LM folder (`model_type`), "
             f"or a published drafter in one of the formats {', '.join(FORMATS)} "
-            "(drafters/export.py says how each is recognised)"
+            "(formats/export.py says how each is recognised)"
         )
     device = device if device is not None else target.device
     dtype = dtype if dtype is not None else target.dtype
@@ -350,7 +350,7 @@ def load_decoding(path: str | Path) -> DecodeConfig:
     engine serves), else the kind's defaults (`Drafter.decode_class`). Handed to generate, evaluation and
     tuning as an argument; nothing keeps it on the drafter."""
     folder = Path(path).expanduser()
-    from specdraft.drafters.export import FORMATS, imported_format  # lazily: it imports this one
+    from specdraft.formats.export import FORMATS, imported_format  # lazily: it imports this one
 
     fmt = imported_format(folder)
     if fmt is not None:

@@ -19,7 +19,7 @@ import hashlib
 import inspect
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -30,8 +30,8 @@ from transformers.utils import cached_file
 
 from specdraft.attention import AttentionError, AttentionLayout
 from specdraft.core import TargetOutput
-from specdraft.drafters.demo_target import ensure_demo_target
 from specdraft.precision import to_dtype
+from specdraft.targets.demo import ensure_demo_target
 
 DEMO_TARGETS = ("demo", "demo-tiny")
 
@@ -601,8 +601,6 @@ def merge_adapter(model: PreTrainedModel, adapter: str | Path) -> PreTrainedMode
     from peft import PeftModel
     from peft.utils import get_peft_model_state_dict
 
-    from specdraft.drafters.base import adapter_hash
-
     folder = Path(adapter).expanduser()
     if not (folder / "adapter_config.json").is_file():
         raise TargetError(
@@ -621,3 +619,13 @@ def merge_adapter(model: PreTrainedModel, adapter: str | Path) -> PreTrainedMode
     merged = peft_model.merge_and_unload()
     setattr(merged.config, ADAPTER_ATTRIBUTE, digest)
     return merged
+
+
+def adapter_hash(state: Mapping[str, torch.Tensor]) -> str:
+    """A short hash of an adapter's weights (peft's saved names, fp32 values): what a target
+    fine-tuned through it is told apart from its base by (the target fingerprint's `adapter`)."""
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        digest.update(key.encode())
+        digest.update(state[key].detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -1,4 +1,4 @@
-"""What every drafter format (drafters/export.py's FORMATS) shares: the Format record, the error
+"""What every drafter format (formats/export.py's FORMATS) shares: the Format record, the error
 for a drafter a format cannot hold, and the strict checks every reader runs before it builds a
 module (sizes, exact weight names and shapes, damaged or pickled files)."""
 
@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.base import Drafter
-from specdraft.drafters.checkpoint import CONFIG_NAME, CheckpointError
-from specdraft.drafters.target import Target
+from specdraft.formats.checkpoint import CONFIG_NAME, CheckpointError
+from specdraft.targets.target import Target
 
 
 class ExportError(ValueError):

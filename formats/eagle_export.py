@@ -54,9 +54,9 @@ import torch
 from safetensors.torch import load_file
 
 from specdraft.core import DecodeConfig
-from specdraft.drafters.checkpoint import CONFIG_NAME, CheckpointError
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, llama_layer_config
-from specdraft.drafters.export_formats import (
+from specdraft.formats.checkpoint import CONFIG_NAME, CheckpointError
+from specdraft.formats.export_formats import (
     ExportError,
     Format,
     check_names_and_shapes,
@@ -65,7 +65,7 @@ from specdraft.drafters.export_formats import (
     pickle_message,
     read_weights,
 )
-from specdraft.drafters.target import Target
+from specdraft.targets.target import Target
 
 WEIGHTS = "model.safetensors"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose loader this layout was read from

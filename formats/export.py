@@ -59,15 +59,16 @@ from safetensors.torch import save_file
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.base import Drafter
-from specdraft.drafters.checkpoint import (
+from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+from specdraft.formats.checkpoint import (
     CONFIG_NAME,
     EXPORTED_DECODING,
     CheckpointError,
     _clear_leftovers,
     _replace_dir,
 )
-from specdraft.drafters.eagle_export import EAGLE_FORMATS
-from specdraft.drafters.export_formats import (
+from specdraft.formats.eagle_export import EAGLE_FORMATS
+from specdraft.formats.export_formats import (
     ExportError,
     Format,
     check_names_and_shapes,
@@ -76,8 +77,7 @@ from specdraft.drafters.export_formats import (
     pickle_message,
     read_weights,
 )
-from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
-from specdraft.drafters.target import Target
+from specdraft.targets.target import Target
 
 
 @dataclass

@@ -1,0 +1,270 @@
+"""EAGLE's drafting (drafters/eagle.py holds the kind): the head's weights as drafting runs
+them, and the session the inference loop drives (a chain, or EAGLE-2's dynamic tree).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdraft.core import (
+    DecodeConfig,
+    DraftContext,
+    DraftTree,
+    DraftVocab,
+    SamplingSettings,
+    draft_chain,
+    draft_tree,
+)
+from specdraft.drafters.base import DraftSession, warn_once
+from specdraft.drafters.lean import (
+    DraftLinear,
+    LayerWeights,
+    decode_layer,
+    rms,
+    use_int8,
+)
+
+if TYPE_CHECKING:
+    from specdraft.drafters.eagle import EagleDrafter
+
+
+# --- session (inference): chain and EAGLE-2 dynamic tree ---------------------------------------
+
+
+class EagleDraftingWeights:
+    """The head as drafting runs it: the layer's fused (and maybe int8) weights, and its input
+    and output products with the RMSNorm weights before them folded in.
+
+    fuse: the low/mid/high product (eagle3). input: the product before the layer (eagle1's fc),
+    None where the layer reads cat(embedding, feature) itself (eagle3). out_eps: the final
+    norm's before the LM head (eagle3)."""
+
+    @torch.no_grad()
+    def __init__(self, head: EagleDrafter, int8: bool) -> None:
+        self.int8 = int8
+        self.layer = LayerWeights(head.layer, int8=int8)
+        self.fuse = self.input = self.out_eps = None
+        if head.config.version == "eagle1":  # the final feature is used as it is
+            self.input = DraftLinear(head.fc.weight, head.fc.bias, int8=int8)
+            lm = head.target.model.get_output_embeddings()
+            self.output = DraftLinear(lm.weight, lm.bias, int8=int8)
+            return
+        self.fuse = DraftLinear(head.fc_fuse.weight, int8=int8)
+        self.out_eps = head.final_norm.variance_epsilon
+        self.output = DraftLinear(head.lm_head.weight, in_scale=head.final_norm.weight, int8=int8)
+
+    def memory_bytes(self) -> int:
+        """Bytes beyond the head's own parameters: the int8 copies (fp weights are shared, but
+        the fused layer and folded products are copies too)."""
+        linears = [lin for lin in (self.input, self.output, self.fuse) if lin is not None]
+        return self.layer.memory_bytes() + sum(lin.memory_bytes() for lin in linears)
+
+
+class EagleSession(DraftSession):
+    """One generate call's drafting state: the head's KV cache and the target features it needs.
+
+    Contract with the inference loop (beyond `DraftSession`):
+
+    - `capture_layers: list[int]`: the target hidden-state ids the session needs; every
+      verification forward must capture them (`Target.forward(..., capture_layers=...)`).
+    - `accept(tree, path, hidden_states)` after EVERY verification forward, also when the tree
+      was empty (the first step, which verifies the prompt, and steps at the end of generation)
+      or drafted by someone else (a copy). `hidden_states[layer]` is (batch, pending + n,
+      hidden): every position of that forward in order, i.e. the pending tokens (the whole
+      prompt at first, then the root = the context's last token), then the n tree nodes in tree
+      order.
+    - The first `propose` returns an empty tree (no features yet); the loop's first forward is
+      then a plain prefill whose hidden states go to `accept`.
+
+    State: the head's cache holds one entry per pair (f_t, x_{t+1}) for t < `fed`, built from the
+    target's true features; tree entries drafted from predicted features are cropped on accept
+    and the accepted tokens are re-fed with their true features at the next proposal (in the same
+    head call as the first draft level, so it costs no extra call).
+
+    Running the head: through drafters/lean.py's LeanLayer (fused products, norm weights folded
+    in, an in-place KV cache that a rejected draft leaves by moving a length) from weights the
+    head builds once and shares across sessions; draft_weights=int8 makes them int8 copies (CPU).
+
+    Drafting (settings from `decode`): a chain (tree_top_k = 1, core.draft_chain) or EAGLE-2's
+    dynamic tree (core.draft_tree) whose levels are fed together, each node seeing the real
+    prefix, its fed ancestors and itself.
+    """
+
+    def __init__(
+        self,
+        drafter: EagleDrafter,
+        target,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.head = drafter
+        self.sampling = sampling
+        self.generator = generator
+        self.decode = decode
+        int8 = use_int8(decode.draft_weights, target.device, "the head's full weights")
+        self.vocab = (
+            DraftVocab(drafter.d2t, drafter.target.vocab_size)
+            if drafter.config.version == "eagle3"
+            else None
+        )
+        self.capture_layers: list[int] = list(drafter.capture_layers)
+        self.w = drafter.drafting_weights(int8)  # None: run the head's modules
+        if self.w is None and int8:
+            warn_once(
+                f"draft_weights=int8 needs a layer drafters/lean.py runs ({type(drafter.layer)}"
+                " is not one); drafting with the head's full weights"
+            )
+        self.layer = None  # the head's layer and KV cache, built at the first proposal
+        self.fed = 0  # pairs (f_t, x_{t+1}) in the head's cache: t = 0 .. fed - 1
+        self.features: torch.Tensor | None = None  # (batch, m, hidden): f_fed .. f_{fed+m-1}
+        self._base = 0  # context length at the last proposal
+
+    @property
+    def _known(self) -> int:
+        return self.fed + (0 if self.features is None else self.features.shape[1])
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext) -> DraftTree:
+        seq = context.tokens  # (batch, length)
+        length = seq.shape[1]
+        self._base = length
+        depth = min(self.decode.gamma, context.max_depth)
+        if self.features is None or depth <= 0:  # no features before the prompt's forward
+            return DraftTree.empty(seq.shape[0], seq.device)
+        if self._known != length - 1:
+            raise RuntimeError(
+                f"EagleSession has the target's features of {self._known} positions but the "
+                f"context has {length}: the loop must call accept(tree, path, hidden_states) "
+                "after every verification forward, and pass the context that forward extended"
+            )
+        if self.layer is None:  # room for the whole call: prompt, new tokens, one more draft
+            self._build(capacity=length + context.max_depth + depth + 1)
+        # 1. Feed the pairs with true features not yet in the head's cache (causally, at
+        # positions fed .. length - 2); the last output (token = the root) drafts level 1.
+        n_new = length - 1 - self.fed
+        feats = self.features[:, :n_new]
+        tokens = seq[:, self.fed + 1 : length].to(feats.device)
+        h = self._step(tokens, feats, self.fed)[:, -1:]  # (batch, 1, hidden)
+        self.fed, self.features = length - 1, self.features[:, n_new:]
+        # 2. Draft below the root.
+        if self.decode.chain:
+            return self._chain(h, depth)
+        return self._tree(h, depth)
+
+    def _build(self, capacity: int) -> None:
+        """The head's layer with an in-place KV cache for this call (drafters/lean.py), from the
+        head's shared drafting weights; a layer layout LeanLayer does not know runs as modules."""
+        lean = None if self.w is None else self.w.layer
+        self.layer = decode_layer(self.head.layer, self.head.rotary, capacity, weights=lean)
+
+    def _step(self, tokens, features, positions, visible=None) -> torch.Tensor:
+        """One head pass: (1, n) tokens + (1, n, hidden) features -> (1, n, hidden) h, the keys
+        appended to the head's cache. positions and visible as `LeanLayer.__call__` takes them."""
+        w = self.w
+        if w is None:
+            return self.layer(self.head.layer_input(tokens, features), positions, visible)
+        emb = self.head.target.embed(tokens).to(features.dtype)
+        x = torch.cat([emb, features], dim=-1)  # the eagle3 layer norms them itself
+        return self.layer(x if w.input is None else w.input(x), positions, visible)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (..., draft vocab) draft logits (the target's vocab for eagle1)."""
+        w = self.w
+        if w is None:
+            return self.head.draft_logits(h)
+        return w.output(h if w.out_eps is None else rms(h, w.out_eps))
+
+    def _fuse(self, hidden_states: Mapping[int, torch.Tensor], rows: list[int]) -> torch.Tensor:
+        """The features of the given positions (rows) of a verification forward."""
+        w = self.w
+        if w is None or w.fuse is None:
+            return self.head.fuse(hidden_states)[:, rows]
+        dtype = w.layer.dtype
+        low_mid_high = [hidden_states[i][:, rows].to(dtype) for i in self.capture_layers]
+        return w.fuse(torch.cat(low_mid_high, dim=-1))
+
+    def _chain(self, h: torch.Tensor, depth: int) -> DraftTree:
+        """Each drafted token is fed back with the head's own h as its feature."""
+        pos = self._base - 1  # position id of level d is (length - 2) + d
+
+        def step(token: torch.Tensor, i: int) -> torch.Tensor:
+            nonlocal h  # level i + 1 sees the real prefix and the levels before it
+            h = self._step(token, h[:, -1:], pos + i)
+            return self._logits(h[:, -1])
+
+        return draft_chain(
+            self._logits(h[:, -1]),
+            step,
+            depth=depth,
+            sampling=self.sampling,
+            generator=self.generator,
+            stop_below=self.decode.stop_below,
+            vocab=self.vocab,
+        )
+
+    def _tree(self, h: torch.Tensor, depth: int) -> DraftTree:
+        """EAGLE-2's dynamic tree (batch 1): a node's feature is its parent's h."""
+        h_of: dict[int, torch.Tensor] = {-1: h[0, -1]}  # node -> output h, for its children
+
+        def expand(nodes, tokens, parents, visible, level):
+            # the real prefix is visible to all
+            prefix = torch.ones(len(nodes), self.fed, dtype=torch.bool)
+            feats = torch.stack([h_of[p] for p in parents])[None]  # (1, f, hidden)
+            ids = torch.tensor([tokens], device=h.device)
+            # level `level` sits at step level of the unroll from t = length - 2
+            positions = [self._base - 2 + level] * len(nodes)
+            out = self._step(ids, feats, positions, torch.cat([prefix, visible], 1))[0]
+            for row, node in enumerate(nodes):
+                h_of[node] = out[row]
+            return self._logits(out)  # (f, draft vocab)
+
+        tree, _ = draft_tree(
+            self._logits(h[0, -1]),
+            expand,
+            depth=depth,
+            top_k=self.decode.tree_top_k,
+            budget=self.decode.tree_budget,
+            vocab=self.vocab,
+        )
+        return tree
+
+    @torch.no_grad()
+    def accept(
+        self,
+        tree: DraftTree,
+        path: list[int],
+        hidden_states: Mapping[int, torch.Tensor] | None = None,
+    ) -> None:
+        """Take the true features of the verified tokens; drop the drafted entries of the cache.
+
+        `path`: accepted node indices of `tree`, root to leaf. `hidden_states`: see the class
+        docstring.
+        """
+        if hidden_states is None:
+            raise ValueError(
+                "EagleSession.accept needs hidden_states: the verification forward's hidden "
+                f"states at layers {self.capture_layers} (see the EagleSession docstring)"
+            )
+        positions = next(iter(hidden_states.values())).shape[1]
+        pending = positions - len(tree)
+        if pending < 1:
+            raise ValueError(
+                f"EagleSession.accept got hidden states for {positions} positions; expected the "
+                f"pending token(s) then the {len(tree)} tree nodes"
+            )
+        rows = list(range(pending)) + [pending + i for i in path]
+        new = self._fuse(hidden_states, rows)  # (batch, pending + accepted, hidden)
+        self.features = new if self.features is None else torch.cat([self.features, new], dim=1)
+        if self.layer is not None:  # drafted entries were built from predicted features
+            self.layer.crop(self.fed)
+
+    def extra_memory_bytes(self) -> int:
+        """The head's KV cache, plus the drafting copies of its weights (fused, folded, int8),
+        which exist from the session's start even if every draft was copied."""
+        weights = 0 if self.w is None else self.w.memory_bytes()
+        return weights + (0 if self.layer is None else self.layer.memory_bytes())

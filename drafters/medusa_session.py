@@ -1,0 +1,358 @@
+"""Medusa's drafting (drafters/medusa.py holds the kind): the tree built from the heads'
+measured accuracies, the session the inference loop drives, and Medusa's (lossy) typical
+acceptance, the session's own rule at temperature > 0.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from specdraft.core import (
+    DecodeConfig,
+    DraftContext,
+    DraftTree,
+    DraftVocab,
+    SamplingSettings,
+    children_of,
+    draft_chain,
+    process_logits,
+)
+from specdraft.drafters.base import DraftSession
+from specdraft.drafters.lean import DraftLinear, use_int8
+
+if TYPE_CHECKING:
+    from specdraft.drafters.medusa import MedusaDrafter
+
+
+# --- the tree from measured accuracy -------------------------------------------------------------
+
+
+def tree_paths(
+    accuracy: torch.Tensor, budget: int, depth: int, top_k: int
+) -> list[tuple[int, ...]]:
+    """The draft tree with the largest expected accepted length under a node budget.
+
+    A node is a path of ranks (r_1, ..., r_d): head d - 1's r_d-th candidate below the node
+    (r_1, ..., r_{d-1}). Taking the heads as independent, the node is accepted with probability
+    prod_i accuracy[i - 1, r_i], and the expected accepted length of a tree is the sum of that
+    over its nodes; a child never beats its parent, so adding the best remaining node, `budget`
+    times, gives the best tree (the Medusa paper's construction). Ranks stop at top_k (and the
+    measured ranks), depth at `depth`. Returns the paths, parents first.
+    """
+    K, R = accuracy.shape
+    depth, ranks = min(depth, K), min(top_k, R)
+    acc = accuracy.tolist()
+    chosen: list[tuple[int, ...]] = []
+    # max-heap of candidates by probability; ties to the shallower, then lower-ranked path
+    heap = [(-acc[0][r], 1, (r,)) for r in range(ranks)]
+    heapq.heapify(heap)
+    while heap and len(chosen) < budget:
+        neg, length, path = heapq.heappop(heap)
+        chosen.append(path)
+        if length < depth:
+            for r in range(ranks):
+                heapq.heappush(heap, (neg * acc[length][r], length + 1, (*path, r)))
+    return sorted(chosen, key=lambda p: (len(p), p))
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A tree of rank paths as the loop's DraftTree wants it: parents and depths in node order,
+    and per node the head (depth - 1) and rank whose candidate it holds."""
+
+    parents: list[int]
+    depths: list[int]
+    heads: torch.Tensor  # (n,) long
+    ranks: torch.Tensor  # (n,) long
+
+    @classmethod
+    def from_paths(cls, paths: list[tuple[int, ...]]) -> TreeShape:
+        index = {p: i for i, p in enumerate(paths)}
+        parents = [index[p[:-1]] if len(p) > 1 else -1 for p in paths]
+        depths = [len(p) for p in paths]
+        return cls(
+            parents,
+            depths,
+            torch.tensor([d - 1 for d in depths]),
+            torch.tensor([p[-1] for p in paths]),
+        )
+
+    @property
+    def width(self) -> int:
+        return int(self.ranks.max()) + 1 if len(self.ranks) else 0
+
+
+def expected_length(accuracy: torch.Tensor, paths: list[tuple[int, ...]]) -> float:
+    """The tree's expected accepted draft tokens per step (without the target's own token)."""
+    acc = accuracy.tolist()
+    return sum(math.prod(acc[i][r] for i, r in enumerate(p)) for p in paths)
+
+
+# --- session (inference) ---------------------------------------------------------------------------
+
+
+class MedusaDraftingWeights:
+    """The heads as drafting runs them: each block and output layer a DraftLinear (int8 copies
+    with draft_weights=int8 on a CPU)."""
+
+    @torch.no_grad()
+    def __init__(self, drafter: MedusaDrafter, int8: bool) -> None:
+        self.dtype = drafter.heads[0].blocks[0].linear.weight.dtype
+        self.blocks = [
+            [DraftLinear(b.linear.weight, b.linear.bias, int8=int8) for b in head.blocks]
+            for head in drafter.heads
+        ]
+        if drafter.config.output == "shared":
+            lm = drafter.target.model.get_output_embeddings()
+            self.shared = DraftLinear(lm.weight, lm.bias, int8=int8)
+            self.outputs = None
+        else:
+            self.shared = None
+            self.outputs = [DraftLinear(head.out.weight, int8=int8) for head in drafter.heads]
+
+    def logits(self, h: torch.Tensor, heads: int) -> torch.Tensor:
+        """(hidden,) -> (heads, draft vocab) logits of the first `heads` heads."""
+        xs = []
+        for blocks in self.blocks[:heads]:
+            x = h.to(self.dtype)
+            for lin in blocks:
+                x = x + F.silu(lin(x).to(x.dtype))
+            xs.append(x)
+        if self.shared is not None:
+            return self.shared(torch.stack(xs)).float()
+        return torch.stack([out(x).float() for out, x in zip(self.outputs, xs, strict=False)])
+
+    def memory_bytes(self) -> int:
+        linears = [lin for blocks in self.blocks for lin in blocks]
+        linears += [self.shared] if self.shared is not None else self.outputs
+        return sum(lin.memory_bytes() for lin in linears)
+
+
+class MedusaSession(DraftSession):
+    """One generate call's drafting state: the target's hidden state at the last verified token.
+
+    The first `propose` returns an empty tree (no hidden state before the prompt's forward).
+    After each verification, `accept` keeps the hidden state of the last accepted position (the
+    last pending token when nothing was accepted): its LM-head output is the token now pending
+    (the root), and head k drafts the token k + 1 below it.
+
+    Drafting (settings from `decode`): tree_top_k = 1 drafts a chain of the heads' top tokens
+    (sampled from each head's q at temperature > 0, which lossless verification needs, and
+    ending early by stop_below); tree_top_k > 1 drafts the tree of `tree_paths`, built once per
+    call from the heads' measured accuracies, with up to tree_budget nodes, gamma levels and
+    tree_top_k candidates per head: the heads' top candidates when greedy, and at temperature
+    > 0 each node's children sampled from their head's q without replacement (_sampled_tree).
+    """
+
+    def __init__(
+        self,
+        drafter: MedusaDrafter,
+        target,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.drafter = drafter
+        self.sampling = sampling
+        self.decode = decode
+        self.generator = generator
+        self.capture_layers: list[int] = list(drafter.capture_layers)
+        int8 = use_int8(decode.draft_weights, target.device, "the heads' full weights")
+        params = [*drafter.parameters(), drafter.target.model.get_output_embeddings().weight]
+        self.w = drafter._drafting.get(params, int8, lambda: MedusaDraftingWeights(drafter, int8))
+        self.vocab = DraftVocab(drafter.d2t, target.vocab_size) if drafter.reduced_vocab else None
+        self.depth = min(decode.gamma, drafter.config.num_heads)
+        self.lossy = decode.acceptance == "typical"
+        self.h: torch.Tensor | None = None  # (hidden,) at the last verified position
+        self._shapes: dict[int, TreeShape] = {}
+        if not decode.chain:
+            self.accuracy = drafter.accuracies(sampling.greedy)
+
+    def _shape(self, depth: int) -> TreeShape:
+        """The tree for drafts up to `depth` deep (shallower only at the end of generation)."""
+        if depth not in self._shapes:
+            paths = tree_paths(
+                self.accuracy, self.decode.tree_budget, depth, self.decode.tree_top_k
+            )
+            self._shapes[depth] = TreeShape.from_paths(paths)
+        return self._shapes[depth]
+
+    def verify_sampled(
+        self, tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None
+    ) -> tuple[list[int], int] | None:
+        """Typical acceptance where decode asks for it (lossy), else the loop's exact rule."""
+        if not self.lossy:
+            return None
+        return verify_typical(
+            tree, p, generator, epsilon=self.decode.typical_epsilon, delta=self.decode.typical_delta
+        )
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext) -> DraftTree:
+        seq = context.tokens
+        depth = min(self.depth, context.max_depth)
+        if self.h is None or depth <= 0:
+            return DraftTree.empty(seq.shape[0], seq.device)
+        logits = self.w.logits(self.h, depth)  # (depth, draft vocab)
+        if self.decode.chain:
+            return draft_chain(
+                logits[0:1],
+                lambda _token, i: logits[i + 1 : i + 2],
+                depth=depth,
+                sampling=self.sampling,
+                generator=self.generator,
+                stop_below=self.decode.stop_below,
+                vocab=self.vocab,
+            )
+        shape = self._shape(depth)
+        if not self.sampling.greedy:
+            return self._sampled_tree(logits, shape)
+        ranked = logits.topk(min(shape.width, logits.shape[-1]), dim=-1).indices  # (depth, width)
+        tokens = ranked[shape.heads, shape.ranks]  # (n,)
+        if self.vocab is not None:
+            tokens = self.vocab.to_target(tokens)
+        return DraftTree(tokens[None].to(seq.device), list(shape.parents), list(shape.depths))
+
+    def _sampled_tree(self, logits: torch.Tensor, shape: TreeShape) -> DraftTree:
+        """The tree's shape with its nodes sampled (temperature > 0): the children of a node are
+        drawn from their head's q (after the same temperature / top-k / top-p as the target's)
+        without replacement, child i from q with its elder siblings' tokens removed and
+        renormalised, which is the q it is verified with. Recursive rejection sampling over
+        such children keeps the output exactly the target's (Jeon et al. 2024) and accepts far
+        more than fixed top candidates where the target's distribution is flat. A child left
+        with no probability (q's support used up by its siblings) is dropped with its subtree."""
+        q_heads = process_logits(logits, self.sampling)  # (depth, draft vocab)
+        if self.vocab is not None:
+            q_heads = self.vocab.spread(q_heads)  # (depth, vocab)
+        n = len(shape.parents)
+        tokens = [0] * n
+        q = torch.zeros(n, q_heads.shape[-1], dtype=q_heads.dtype, device=q_heads.device)
+        kept = [True] * n
+        for parent, kids in children_of(shape.parents).items():
+            if parent >= 0 and not kept[parent]:
+                for c in kids:
+                    kept[c] = False
+                continue
+            left = q_heads[shape.depths[kids[0]] - 1].clone()
+            for c in kids:  # in node order: rank order
+                total = left.sum()
+                if total <= 0:
+                    kept[c] = False
+                    continue
+                q[c] = left / total
+                tokens[c] = int(torch.multinomial(q[c], 1, generator=self.generator))
+                left[tokens[c]] = 0.0
+        index = {old: new for new, old in enumerate(i for i in range(n) if kept[i])}
+        rows = list(index)
+        return DraftTree(
+            torch.tensor([[tokens[i] for i in rows]], device=q.device),
+            [index[shape.parents[i]] if shape.parents[i] >= 0 else -1 for i in rows],
+            [shape.depths[i] for i in rows],
+            q[rows][None],
+        )
+
+    @torch.no_grad()
+    def accept(
+        self,
+        tree: DraftTree,
+        path: list[int],
+        hidden_states: Mapping[int, torch.Tensor] | None = None,
+    ) -> None:
+        """Keep the hidden state of the last accepted position of this verification forward
+        (rows: the pending tokens, then the tree's nodes in node order)."""
+        if hidden_states is None:
+            raise ValueError(
+                "MedusaSession.accept needs hidden_states: the verification forward's final "
+                f"normed hidden states (layer {self.capture_layers[0]})"
+            )
+        h = hidden_states[self.capture_layers[0]]  # (1, pending + n, hidden)
+        pending = h.shape[1] - len(tree)
+        if pending < 1:
+            raise ValueError(
+                f"MedusaSession.accept got hidden states for {h.shape[1]} positions; expected the "
+                f"pending token(s) then the {len(tree)} tree nodes"
+            )
+        row = pending + path[-1] if path else pending - 1
+        self.h = h[0, row]
+
+    def extra_memory_bytes(self) -> int:
+        """The drafting copies of the heads' weights (int8 or fused); no KV cache."""
+        return self.w.memory_bytes()
+
+
+# --- typical acceptance -----------------------------------------------------------------------
+
+
+def verify_typical(
+    tree: DraftTree,
+    p: torch.Tensor,
+    generator: torch.Generator | None,
+    *,
+    epsilon: float,
+    delta: float,
+) -> tuple[list[int], int]:
+    """Medusa's typical acceptance over the tree (Cai et al. 2024). LOSSY: it keeps a draft token
+    the target finds plausible enough, p(x) > min(epsilon, delta * exp(-H(p))), instead of one
+    it would have sampled, so output drifts from p (towards the draft's likelier tokens) in
+    exchange for longer accepted paths. The loop uses it only when decode.acceptance asks
+    (MedusaDecode) and records the run as lossy.
+
+    p: (n + 1, vocab) the target's processed distribution at the root and at each node.
+    1. At a node whose distribution is p, the threshold is min(epsilon, delta * exp(-H(p))); a
+       child x passes when p(x) is above its parent's threshold.
+    2. Of the root-to-node paths whose every node passes, take the longest (ties: the more
+       likely child, by p, at the first place they part), as the Medusa reference does.
+    3. The token after the path is drawn from p at the last accepted node (the root when none):
+       with nothing accepted the step is plain sampling.
+
+    Against the Medusa reference (FasterDecoding/Medusa, medusa/model/utils.py,
+    `evaluate_posterior` and `generate_candidates`): the same per-token rule (strictly above
+    min(posterior_threshold, posterior_alpha * exp(-H)), p the softmax at the temperature) and
+    the same longest accepted path, but ties between equally long paths go to the likelier
+    child where they part, where the reference takes the larger sum of log p along the path;
+    its entropy adds 1e-5 inside the log, H here is exact; and
+    its default (fast=True) takes the token after the path as the argmax of p there, not a
+    draw, which would pull output towards greedy even when no draft is accepted. p here is also
+    after top-k / top-p, as everywhere in the loop.
+    """
+    n = len(tree)
+    # entr(p) = -p log p, 0 where p is 0 (tokens top-k / top-p removed)
+    entropy = torch.special.entr(p).sum(-1)  # (n + 1,)
+    threshold = (delta * torch.exp(-entropy)).clamp(max=epsilon)  # (n + 1,)
+    # one draw per row, so the walk and the token after it need a single host sync
+    draws = torch.multinomial(p, 1, generator=generator)[:, 0]  # (n + 1,)
+    if n:
+        rows = torch.tensor(tree.parents, device=p.device) + 1  # node i is scored at its parent
+        x = tree.tokens[0].to(p.device)  # (n,)
+        px = p[rows, x]  # (n,)
+        ok = (px > threshold[rows]).double()  # (n,) strictly above, as the reference
+        decided = torch.cat([ok, px.double(), draws.double()]).tolist()
+        ok_list, px_list = decided[:n], decided[n : 2 * n]
+        draw_list = [int(d) for d in decided[2 * n :]]
+    else:
+        ok_list, px_list, draw_list = [], [], draws.tolist()
+    # reach[i]: nodes on the longest passing path from node i down (0: i fails); children
+    # come after their parents, so a reverse pass has seen every child of i before i
+    reach, below = [0] * n, [0] * n  # below[i]: the longest reach among i's children
+    for i in reversed(range(n)):
+        reach[i] = 1 + below[i] if ok_list[i] else 0
+        if tree.parents[i] >= 0:
+            below[tree.parents[i]] = max(below[tree.parents[i]], reach[i])
+    children = children_of(tree.parents)
+    path: list[int] = []
+    node = -1
+    while True:
+        passing = [c for c in children.get(node, ()) if ok_list[c]]
+        if not passing:
+            return path, draw_list[node + 1]
+        nxt = max(passing, key=lambda c: (reach[c], px_list[c], -c))
+        path.append(nxt)
+        node = nxt
