@@ -24,7 +24,7 @@ import torch
 import yaml
 
 from specdraft.config import override
-from specdraft.core import DecodeConfig, eos_ids
+from specdraft.core import DecodeConfig, eos_ids, owner_of
 from specdraft.formats.checkpoint import (
     drafter_class,
     load_decoding,
@@ -221,6 +221,15 @@ def drafter_runs(
         runs.append(plain)
     drafter = load_drafter(path, target)
     decode = load_decoding(path).replace(gamma=spec.gamma, tree_top_k=spec.tree_top_k)
+    for item in items:  # another kind's setting: named with its owner, as everywhere
+        key, _, value = item.partition("=")
+        if key.strip() not in decode.setting_names() and owner_of(key.strip()) is not None:
+            raise ValueError(
+                f"--drafter {drafter_spec}: "
+                + drafter.decode_class.foreign_setting(
+                    key.strip(), value, f"this {drafter.kind} drafter"
+                )
+            )
     decode = override(decode, items, source=f"--drafter {drafter_spec}")
     name = Path(path).name if Path(path).name not in ("final", "best") else str(path)
     if items:

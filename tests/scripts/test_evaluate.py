@@ -176,6 +176,9 @@ def test_one_drafter_under_several_decoding_settings(tiny_target, tiny_target_pa
         f"{folder}:lookup_ngram=2.5": "lookup_ngram expects int; got '2.5'",
         f"{folder}:lookup_ngram=-1": "lookup_ngram must be an integer >= 0",
         f"{folder}:gamma=0": "gamma must be an integer >= 1",
+        # another kind's setting, named with its owner
+        f"{folder}:exit_layer=2": "exit_layer='2' is a LayerSkip drafter's decoding setting, "
+        "which this eagle drafter does not take: drop exit_layer, or use a LayerSkip drafter",
         f"{folder}:tree_top_k=0": "tree_top_k must be an integer >= 1",
         f"{folder}:gamma": "head:gamma",  # no "=": read as a folder name, which is not there
     }
