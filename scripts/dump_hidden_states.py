@@ -16,8 +16,8 @@ import sys
 
 from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
-from specdraft.data.hidden_cache import DTYPES, bytes_per_token, write_cache
 from specdraft.drafters.eagle import EagleDrafter, resolve_config
+from specdraft.targets.hidden_cache import DTYPES, bytes_per_token, write_cache
 from specdraft.targets.target import load_target
 from specdraft.train.eagle import DEFAULT_CONFIG, EagleTrainConfig
 

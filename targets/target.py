@@ -65,6 +65,9 @@ class Target:
         # its peft model (attach_lora). Decoding never needs it: a fine-tuned target is loaded
         # with its adapter merged (load_target(..., adapter=)).
         self.adapter = None
+        # whether every weight is here and a forward can run: False for an embeddings-only
+        # copy (load_target(embeddings_only=True)) and a ZeRO-3 shard (ShardedTarget)
+        self.complete = True
 
     @property
     def device(self) -> torch.device:
@@ -392,6 +395,7 @@ def load_target(
     elif device is not None:
         model.to(device)
     target = Target(model, tokenizer, name=name)
+    target.complete = not embeddings_only
     # the precision the checkpoint was saved in: what decoding "as saved" means
     target.saved_dtype = to_dtype(str(saved).removeprefix("torch.")) if saved else target.dtype
     return target
@@ -450,6 +454,7 @@ class ShardedTarget(Target):
     def __init__(self, engine, tokenizer, name: str | None = None) -> None:
         super().__init__(engine.module, tokenizer, name=name)
         self.engine = engine
+        self.complete = False  # each process holds a part of every weight outside a forward
         embedding = self.model.get_input_embeddings()
         with self.whole(embedding):  # every process builds the target: the gather is collective
             digest = weights_hash(self.model)

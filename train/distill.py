@@ -17,12 +17,12 @@ import torch
 from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.distill import DistillConfig, DistillDecode, DistillDrafter
+from specdraft.targets.frozen import frozen_targets
 from specdraft.train.config import SetupError, TrainConfig, setting_up
 from specdraft.train.launch import whole_model_loading
-from specdraft.train.report import loop_prompts, report_after_training
-from specdraft.train.target_setup import (
-    decoding_target,
-    frozen_targets,
+from specdraft.train.report import (
+    loop_prompts,
+    report_after_training,
     warn_the_loop_loads_the_whole_target,
 )
 from specdraft.train.trainer import TrainResult, train
@@ -44,7 +44,9 @@ def run(cfg: DistillTrainConfig) -> TrainResult:
     with setting_up():
         # the student reads only the target's logits; sharded, the weights it is seeded with
         # (drafter.init=target) are gathered for it
-        target, _ = frozen_targets(cfg, reads_weights=False)
+        target, _ = frozen_targets(
+            cfg.target, dtype=cfg.target_dtype(), sharding=cfg.target_sharding, reads_weights=False
+        )
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # the student's random init; identical on every process
         drafter = DistillDrafter.build(cfg.drafter, target)
@@ -62,9 +64,7 @@ def run(cfg: DistillTrainConfig) -> TrainResult:
         provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
     )  # fmt: skip
     with whole_model_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
-        decoder = decoding_target(cfg, target, result, prompts)
-        del target  # a sharded target's memory goes before the measurement
-        report_after_training(decoder, result, prompts, cfg)
+        report_after_training(target, result, prompts, cfg)
     return result
 
 

@@ -17,14 +17,14 @@ import torch
 from specdraft.config import ConfigError, parse_cli
 from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
-from specdraft.data.hidden_cache import CachedTarget, HiddenStateCache
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
+from specdraft.targets.frozen import frozen_targets
+from specdraft.targets.hidden_cache import CachedTarget, HiddenStateCache
 from specdraft.train.config import SetupError, TrainConfig, setting_up
 from specdraft.train.launch import whole_model_loading
-from specdraft.train.report import loop_prompts, report_after_training
-from specdraft.train.target_setup import (
-    decoding_target,
-    frozen_targets,
+from specdraft.train.report import (
+    loop_prompts,
+    report_after_training,
     warn_the_loop_loads_the_whole_target,
 )
 from specdraft.train.trainer import TrainResult, train
@@ -68,7 +68,13 @@ def run(cfg: EagleTrainConfig) -> TrainResult:
         # offline, the target's hidden states come from the cache, and sharded, from its
         # partitioned forward: the head's own copy of the target reads only its embedding and
         # LM head, on every process (the decoder layers stay on the meta device)
-        target, features = frozen_targets(cfg, reads_weights=True, offline=bool(cfg.hidden_cache))
+        target, features = frozen_targets(
+            cfg.target,
+            dtype=cfg.target_dtype(),
+            sharding=cfg.target_sharding,
+            reads_weights=True,
+            offline=bool(cfg.hidden_cache),
+        )
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # the head's random init; identical on every process
         head = build_head(cfg.drafter, target, train_examples)
@@ -99,7 +105,7 @@ def run(cfg: EagleTrainConfig) -> TrainResult:
     )  # fmt: skip
     with whole_model_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
         features = None  # a sharded target's or the cache's memory goes before the whole one
-        report_after_training(decoding_target(cfg, target, result, prompts), result, prompts, cfg)
+        report_after_training(target, result, prompts, cfg)
     return result
 
 

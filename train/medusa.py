@@ -19,13 +19,13 @@ from specdraft.config import parse_cli
 from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.medusa import MedusaConfig, MedusaDecode, MedusaDrafter
+from specdraft.targets.frozen import frozen_targets
 from specdraft.train.config import SetupError, TrainConfig, setting_up
 from specdraft.train.fine_tuned import finish_fine_tuning
 from specdraft.train.launch import whole_model_loading
-from specdraft.train.report import loop_prompts, report_after_training
-from specdraft.train.target_setup import (
-    decoding_target,
-    frozen_targets,
+from specdraft.train.report import (
+    loop_prompts,
+    report_after_training,
     warn_the_loop_loads_the_whole_target,
 )
 from specdraft.train.trainer import TrainResult, train
@@ -60,7 +60,9 @@ def run(cfg: MedusaTrainConfig) -> TrainResult:
     bad target or bad sizes."""
     with setting_up():
         # sharded (Medusa-1 only), the heads read an embeddings-only copy of the target
-        target, frozen = frozen_targets(cfg, reads_weights=True)
+        target, frozen = frozen_targets(
+            cfg.target, dtype=cfg.target_dtype(), sharding=cfg.target_sharding, reads_weights=True
+        )
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # identical heads on every process
         heads = build_heads(cfg.drafter, target, train_examples)
@@ -83,7 +85,7 @@ def run(cfg: MedusaTrainConfig) -> TrainResult:
         target = finish_fine_tuning(heads.peft, target, eval_examples, cfg, "Medusa-2", prompts)
     with whole_model_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
         frozen = None  # a sharded target's memory goes before the whole one
-        report_after_training(decoding_target(cfg, target, result, prompts), result, prompts, cfg)
+        report_after_training(target, result, prompts, cfg)
     return result
 
 

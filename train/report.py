@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import torch
 
-from specdraft.formats.checkpoint import load_decoding, load_drafter, set_decode
+from specdraft.formats.checkpoint import set_decode
+from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference.measure import load_prompts, measure_vs_plain, usable_cores
 from specdraft.inference.tune import default_space, search_decode
 from specdraft.precision import to_dtype
@@ -30,6 +32,17 @@ def loop_prompts(eval_loop, data_path: str, target, eval_examples) -> list[torch
     if source == "auto":
         source = "demo" if data_path == "demo" else "eval"
     return load_prompts(source, eval_loop.num_prompts, target, eval_examples)
+
+
+def warn_the_loop_loads_the_whole_target(cfg, prompts) -> None:
+    """Before a sharded run: the measurement at its end needs the target whole on one device."""
+    if cfg.target_sharding != "none" and prompts:
+        print(
+            "[specdraft] eval_loop is on: after training the main process loads the whole target "
+            "on its device to decode with the drafter; for a target that does not fit one device "
+            "set eval_loop.enabled=false (training and its checkpoints are unaffected)",
+            file=sys.stderr,
+        )
 
 
 def report_after_training(target, result, prompts, cfg) -> dict | None:
@@ -54,9 +67,11 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
         )
     if not prompts:
         return None
-    target.to(target.device)  # whole again where training placed only a part (a cache stand-in)
     dtype = target.saved_dtype if cfg.eval_loop.dtype == "auto" else to_dtype(cfg.eval_loop.dtype)
-    if dtype != target.dtype:  # e.g. trained against a bf16 copy, decoded as saved (fp32)
+    # the whole target, loaded here where training held a part of it (a ZeRO-3 shard, or the
+    # embeddings-only copy beside a hidden-state cache) or held it in another precision (e.g.
+    # trained against a bf16 copy, decoded as saved: fp32)
+    if not target.complete or dtype != target.dtype:
         tuned = target.fingerprint.get("adapter")  # Medusa-2: the base with the run's adapter
         adapter = Path(result.output_dir) / "final" / "adapter" if tuned else None
         target = load_target(cfg.target, dtype=dtype, device=target.device, adapter=adapter)

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from specdraft.data.hidden_cache import (
+from specdraft.scripts.dump_hidden_states import main as dump
+from specdraft.targets.hidden_cache import (
     CachedTarget,
     HiddenCacheError,
     HiddenStateCache,
@@ -22,7 +23,6 @@ from specdraft.data.hidden_cache import (
     ids_hash,
     write_cache,
 )
-from specdraft.scripts.dump_hidden_states import main as dump
 from specdraft.targets.target import Target
 from specdraft.train.eagle import main as train
 
