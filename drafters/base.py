@@ -286,6 +286,17 @@ class Drafter(nn.Module):
         """Values of this kind's own settings that tuning tries (LayerSkip: every exit)."""
         return {}
 
+    @classmethod
+    def served_agreement(
+        cls, decode: Mapping, alphas: Sequence[float], measured: Mapping | None
+    ) -> list[float]:
+        """The greedy agreement per draft depth that training predicts for decoding with
+        `decode` (settings as a dict, perhaps tuned away from those saved): by default `alphas`,
+        the last evaluation's. A kind whose own setting changes what drafts (LayerSkip's exit
+        layer) reads `measured`, what its run measured after training for each value of it
+        (target_quality.json; None where there is none)."""
+        return list(alphas)
+
     def predicted_tree_tau(self, decode: DecodeConfig) -> float | None:
         """Training's prediction of the greedy tau of the tree `decode` serves (tree_top_k > 1),
         from what its evaluation measured and saved with the drafter (Medusa: the tree's

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -414,6 +414,20 @@ class LayerSkipDrafter(Drafter):
 
     def check_decode(self, decode: LayerSkipDecode) -> None:
         self.draft_exit(decode)
+
+    @classmethod
+    def served_agreement(
+        cls, decode: Mapping, alphas: Sequence[float], measured: Mapping | None
+    ) -> list[float]:
+        """At an exit layer other than the one trained for (a tuned exit_layer), the top-1
+        agreement with the final layer measured there after training (the run's
+        target_quality.json, `exit_agreement.after`), taken for every depth since it was
+        measured at the first only."""
+        exit_layer = decode.get("exit_layer", 0)
+        per_exit = (measured or {}).get("exit_agreement", {}).get("after", {})
+        if exit_layer and str(exit_layer) in per_exit:
+            return [per_exit[str(exit_layer)]["agreement"]] * decode["gamma"]
+        return list(alphas)
 
     def resolved_decode(self, decode: LayerSkipDecode) -> LayerSkipDecode:
         return decode.replace(exit_layer=self.draft_exit(decode))

@@ -243,7 +243,7 @@ def git_commit() -> str | None:
 # --- reading -----------------------------------------------------------------------------------
 
 
-def load_drafter(
+def load_checkpoint(
     path: str | Path,
     target: Target,
     *,
@@ -251,32 +251,21 @@ def load_drafter(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> Drafter:
-    """Load the drafter in `path` for `target`, on the target's device and dtype unless given.
+    """The drafter in the specdraft checkpoint or plain Hugging Face causal-LM folder `path`,
+    for `target`, on the target's device and dtype unless given (formats/reading.py
+    `load_drafter` reads every layout and calls this for these two).
 
     A plain HF causal-LM folder (no `specdraft` block) loads as a two-model drafter (the kind
-    that `wraps_hf_models`);
-    its vocabulary must be the target's. A folder written by specdraft must have been trained
-    against this target: strict (the default) compares the whole fingerprint, strict=False only
-    the vocabulary size. Published Medusa heads (FasterDecoding/Medusa's or vLLM's layout, no
-    `specdraft` block) load through their format's reader (formats/export.py), their sizes
-    checked against the target's.
+    that `wraps_hf_models`); its vocabulary must be the target's. A folder written by specdraft
+    must have been trained against this target: strict (the default) compares the whole
+    fingerprint, strict=False only the vocabulary size.
     """
     folder = Path(path).expanduser()
-    # lazily: the export module imports this one
-    from specdraft.formats.export import imported_format, load_imported
-
-    fmt = imported_format(folder)
-    if fmt is not None:
-        return load_imported(folder, fmt, target, device=device, dtype=dtype, strict=strict)
     meta, hf_config = read_metadata(folder)
     if meta is None and hf_config is None:
-        from specdraft.formats.export import FORMATS
-
         raise CheckpointError(
-            f"{folder / CONFIG_NAME} is in none of the layouts specdraft reads: a specdraft "
-            "checkpoint (a `specdraft` block), a Hugging Face causal-LM folder (`model_type`), "
-            f"or a published drafter in one of the formats {', '.join(FORMATS)} "
-            "(formats/export.py says how each is recognised)"
+            f"{folder / CONFIG_NAME} is neither a specdraft checkpoint (a `specdraft` block) "
+            "nor a Hugging Face causal-LM folder (`model_type`)"
         )
     device = device if device is not None else target.device
     dtype = dtype if dtype is not None else target.dtype
@@ -308,7 +297,7 @@ def load_drafter(
         config = _config_from_dict(cls.config_class, config_values, folder)
         # a damaged decode block is refused here too, before a module is built (load_decoding
         # reads it for whoever decodes)
-        _decode_from_dict(cls, decode_values, folder)
+        decode_from_dict(cls, decode_values, folder)
     if cls.uses_target_weights:
         # the drafter is the target itself (LayerSkip): the fingerprint check above made sure the
         # target is this folder's model, so no second copy is loaded
@@ -338,33 +327,16 @@ def load_drafter(
     return drafter
 
 
-# The config.json key under which an export records the decoding settings its drafter was saved
-# or tuned with, in formats whose loaders keep unknown top-level keys (every one we write).
-EXPORTED_DECODING = "specdraft_decoding"
-
-
-def load_decoding(path: str | Path) -> DecodeConfig:
-    """The decoding settings the drafter in `path` is served with: the `decode` block its
-    checkpoint saved (set_decode rewrites it after tuning), what an imported format records
-    (our exports' `specdraft_decoding` block, and speculators' proposal length, which the
-    engine serves), else the kind's defaults (`Drafter.decode_class`). Handed to generate, evaluation and
-    tuning as an argument; nothing keeps it on the drafter."""
+def checkpoint_decoding(path: str | Path) -> DecodeConfig:
+    """The decoding settings saved in the specdraft checkpoint or plain HF folder `path`: its
+    `decode` block (set_decode rewrites it after tuning), else the kind's defaults
+    (`Drafter.decode_class`). formats/reading.py `load_decoding` reads every layout."""
     folder = Path(path).expanduser()
-    from specdraft.formats.export import FORMATS, imported_format  # lazily: it imports this one
-
-    fmt = imported_format(folder)
-    if fmt is not None:
-        config = json.loads((folder / CONFIG_NAME).read_text())
-        # what our exports record beside the format's own fields (scripts/export.py)
-        kind = registered_class(FORMATS[fmt].kinds[0])
-        decode = _decode_from_dict(kind, config.get(EXPORTED_DECODING) or {}, folder)
-        reader = FORMATS[fmt].decoding
-        return reader(config, decode) if reader is not None else decode
     meta, _ = read_metadata(folder)
     if meta is None:  # a plain HF folder records no decoding settings
         return hf_model_kind().decode_settings()
     _, values = _split_decode(meta, folder)
-    return _decode_from_dict(registered_class(meta["kind"]), values, folder)
+    return decode_from_dict(registered_class(meta["kind"]), values, folder)
 
 
 def read_weights(
@@ -468,7 +440,7 @@ def _split_decode(meta: dict, folder: Path) -> tuple[dict, dict]:
     return dict(meta.get("config") or {}), dict(meta["decode"])
 
 
-def _decode_from_dict(kind: type[Drafter], values: dict, folder: Path) -> DecodeConfig:
+def decode_from_dict(kind: type[Drafter], values: dict, folder: Path) -> DecodeConfig:
     """The kind's decoding settings saved in `folder`. Another kind's setting at its default is
     dropped (folders written before the kinds' own settings moved out of DecodeConfig saved
     every one); on, or unknown, it is a CheckpointError."""

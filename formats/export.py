@@ -62,7 +62,6 @@ from specdraft.drafters.base import Drafter
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.formats.checkpoint import (
     CONFIG_NAME,
-    EXPORTED_DECODING,
     CheckpointError,
     _clear_leftovers,
     _replace_dir,
@@ -387,6 +386,11 @@ def read_vllm(folder: Path, config: dict, target: Target, *, strict: bool = True
 
 # --- the format table ----------------------------------------------------------------------------
 
+
+# The config.json key under which an export records the decoding settings its drafter was saved
+# or tuned with, in formats whose loaders keep unknown top-level keys (every one we write);
+# formats/reading.py `load_decoding` reads it back.
+EXPORTED_DECODING = "specdraft_decoding"
 
 FORMATS: dict[str, Format] = {
     "medusa": Format(

@@ -21,20 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 
 from specdraft.config import override
 from specdraft.core import DecodeConfig, eos_ids, owner_of
-from specdraft.formats.checkpoint import (
-    drafter_class,
-    load_decoding,
-    load_drafter,
-    read_metadata,
-)
+from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
 from specdraft.inference.measure import Run, loop_decoder, summarize
 from specdraft.inference.report import Column, Report, acceptance_figure, markdown_table, styles
 from specdraft.precision import dtype_name, resolve_precision, to_dtype
-from specdraft.targets.target import Target, load_target
 
 BASELINES = ("ar", "hf_ar", "prompt_lookup", "hf_assisted", "hf_prompt_lookup", "hf_early_exit")
 # gamma for transformers' prompt lookup when --gamma is not given: our prompt lookup's default
@@ -247,76 +240,6 @@ def drafter_runs(
         for run in runs[1:]:
             run.same_as = runs[0].name
     return runs
-
-
-def fine_tuned_target(path: str, base, loaded: dict | None = None):
-    """The fine-tuned target a drafter folder decodes with, when its heads were trained with the
-    target fine-tuned (its fingerprint names an adapter, saved in FOLDER/adapter): the base
-    with that adapter merged; for a LayerSkip folder, the folder itself. None for every other
-    drafter, and where `base` already is that target. `loaded`: the fine-tuned targets a caller's
-    run has loaded so far, by (folder or base, adapter hash, dtype, device), filled in here: the
-    settings of one LayerSkip or Medusa-2 folder, and compare's passes over them, share one copy
-    instead of loading the model per spec (None: load it)."""
-    meta, _ = read_metadata(path)
-    if meta is not None and drafter_class(meta["kind"]).uses_target_weights:
-        # its own target: with --target FOLDER nothing to load; beside another target (the base
-        # it was fine-tuned from, say) it decodes with its own model, measured against that
-        # model's plain decoding, so every kind runs in one evaluation
-        own = meta.get("target_fingerprint", {}).get("adapter")
-        if base.fingerprint.get("adapter") == own:
-            return None
-        key = (str(Path(path).resolve()), own, str(base.dtype), str(base.device))
-        return _load_once(
-            loaded, key, lambda: load_target(path, dtype=base.dtype, device=base.device)
-        )
-    if not (meta or {}).get("target_fingerprint", {}).get("adapter"):
-        return None
-    adapter = Path(path) / "adapter"
-    if not adapter.is_dir():
-        raise ValueError(
-            f"--drafter {path}: its heads decode with a fine-tuned target, and the folder has no "
-            "adapter/ to build it from; pass --target the run's merged target instead"
-        )
-    if base.fingerprint.get("adapter"):  # --target is already a fine-tuned target
-        return None
-    own = meta["target_fingerprint"]["adapter"]
-    key = (base.name, own, str(base.dtype), str(base.device))
-    return _load_once(
-        loaded,
-        key,
-        lambda: load_target(base.name, dtype=base.dtype, device=base.device, adapter=adapter),
-    )
-
-
-def folder_target(
-    folder: str | Path, name: str | None = None, *, dtype=None, device=None
-) -> Target:
-    """The target a drafter folder decodes with: `name`; else the folder itself for a kind that
-    is its own target (LayerSkip); else the target its run trained against (its
-    train_config.yaml). A Medusa-2 folder gets that target with its adapter merged. Raises
-    ValueError where the folder does not say."""
-    meta, _ = read_metadata(folder)
-    if name is None:
-        if meta is not None and drafter_class(meta["kind"]).uses_target_weights:
-            name = str(folder)
-        else:
-            config = Path(folder) / "train_config.yaml"
-            if not config.is_file():
-                raise ValueError(
-                    f"{folder} does not say which target it drafts for (no train_config.yaml): "
-                    "pass --target"
-                )
-            name = str(yaml.safe_load(config.read_text())["target"])
-    target = load_target(name, dtype=dtype, device=device)
-    return fine_tuned_target(str(folder), target) or target
-
-
-def _load_once(loaded: dict | None, key: tuple, load):
-    if loaded is None:
-        return load()
-    if key not in loaded:
-        loaded[key] = load()
-    return loaded[key]
 
 
 def split_drafter_spec(spec: str) -> tuple[str, list[str]]:

@@ -24,13 +24,9 @@ from pathlib import Path
 
 import yaml
 
-from specdraft.formats.checkpoint import (
-    CheckpointError,
-    load_decoding,
-    load_drafter,
-    read_metadata,
-)
+from specdraft.formats.checkpoint import CheckpointError, read_metadata
 from specdraft.formats.export import FORMATS, ExportError, check_destination, export_drafter
+from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.targets.target import TargetError, load_target
 
 PROG = "scripts/export.py"

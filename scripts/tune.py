@@ -23,12 +23,8 @@ import sys
 from pathlib import Path
 
 from specdraft.drafters.base import kinds_own_settings
-from specdraft.formats.checkpoint import (
-    load_decoding,
-    load_drafter,
-    set_decode,
-)
-from specdraft.inference.evaluate import folder_target
+from specdraft.formats.checkpoint import set_decode
+from specdraft.formats.reading import folder_target, load_decoding, load_drafter
 from specdraft.inference.measure import load_prompts
 from specdraft.inference.tune import (
     SEARCH_ORDER,

@@ -43,8 +43,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdraft.formats.checkpoint import CheckpointError, load_drafter
+from specdraft.formats.checkpoint import CheckpointError
 from specdraft.formats.export import imported_format
+from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
 from specdraft.inference.measure import load_prompts
 from specdraft.targets.target import TargetError, load_target, target_path

@@ -20,7 +20,7 @@ from torch import nn
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings, draft_chain
 from specdraft.data.formats import Example
 from specdraft.drafters.base import Drafter, DraftSession, Metrics, sum_and_count
-from specdraft.formats.checkpoint import load_decoding, load_drafter
+from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference.generate import generate
 from specdraft.inference.measure import load_prompts
 from specdraft.scripts import evaluate

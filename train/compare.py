@@ -33,15 +33,10 @@ from pathlib import Path
 import torch
 
 from specdraft.config import load_config
-from specdraft.drafters.base import drafter_kinds, hf_model_kind
-from specdraft.formats.checkpoint import load_decoding, load_drafter, read_metadata, set_decode
-from specdraft.inference.evaluate import (
-    EvalSpec,
-    build_runs,
-    fine_tuned_target,
-    make_report,
-    runs_markdown,
-)
+from specdraft.drafters.base import Drafter, drafter_kinds, hf_model_kind
+from specdraft.formats.checkpoint import read_metadata, set_decode
+from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
+from specdraft.inference.evaluate import EvalSpec, build_runs, make_report, runs_markdown
 from specdraft.inference.measure import Run, load_prompts, measure, read_prompts
 from specdraft.inference.metrics import simulated_tau
 from specdraft.inference.report import (
@@ -324,8 +319,8 @@ def served_simulated_tau(found: Family, decode: dict) -> tuple[float | None, str
 
     A tree the kind predicts a tau for (`found.tree_tau`, Medusa's: the expected accepted length
     of that very tree under its heads' measured accuracies) is "served". Otherwise a chain of
-    decode's gamma: from the last evaluation's greedy agreement per depth, or at decode's exit
-    layer from the per-exit agreement measured at the end of training (target_quality.json);
+    decode's gamma from the greedy agreement per depth the kind predicts for decode
+    (`Drafter.served_agreement`: the last evaluation's, or LayerSkip's at decode's exit layer);
     past the deepest depth training measured, that depth's agreement carries on. A tree served
     gets its chain's figure ("chain, served as a tree": a tree accepts more than its chain).
     None where training measured nothing."""
@@ -333,11 +328,8 @@ def served_simulated_tau(found: Family, decode: dict) -> tuple[float | None, str
     if tree and found.tree_tau is not None:
         return found.tree_tau, "served"
     basis = "chain, served as a tree" if tree else "served"
-    alphas = found.alpha_greedy
-    exit_layer = decode.get("exit_layer", 0)
-    per_exit = (found.quality or {}).get("exit_agreement", {}).get("after", {})
-    if exit_layer and str(exit_layer) in per_exit:
-        alphas = [per_exit[str(exit_layer)]["agreement"]] * decode["gamma"]
+    kind = drafter_kinds().get(found.name, Drafter)
+    alphas = kind.served_agreement(decode, found.alpha_greedy, found.quality)
     if not alphas:
         return None, basis
     # deeper than training measured: its deepest agreement carried on

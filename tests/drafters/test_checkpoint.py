@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.distill import DistillConfig, DistillDecode, DistillDrafter
 from specdraft.formats import checkpoint
-from specdraft.formats.checkpoint import CheckpointError, load_decoding, load_drafter, save_drafter
+from specdraft.formats.checkpoint import CheckpointError, save_drafter
+from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.targets.target import Target
 
 

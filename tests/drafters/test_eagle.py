@@ -14,7 +14,8 @@ from transformers import LlamaForCausalLM
 
 from specdraft.core import DecodeConfig, build_draft_vocab
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
-from specdraft.formats.checkpoint import CheckpointError, load_drafter, save_drafter
+from specdraft.formats.checkpoint import CheckpointError, save_drafter
+from specdraft.formats.reading import load_drafter
 from specdraft.targets.target import Target, TargetError
 
 

@@ -18,9 +18,10 @@ from testkit import perturb
 
 from specdraft.core import DecodeConfig, float_mask
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-from specdraft.formats.checkpoint import CheckpointError, load_drafter
+from specdraft.formats.checkpoint import CheckpointError
 from specdraft.formats.eagle_export import validate_folder
 from specdraft.formats.export import ExportError, export_drafter
+from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
 
 BASE = "org/random-llama"  # the verifier as a hub id: its last part is the target's name

@@ -23,7 +23,8 @@ from specdraft.drafters.medusa import (
     expected_length,
     tree_paths,
 )
-from specdraft.formats.checkpoint import load_decoding, load_drafter, save_drafter
+from specdraft.formats.checkpoint import save_drafter
+from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference import generate
 
 

@@ -17,8 +17,9 @@ from testkit import perturb
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.medusa import MedusaConfig, MedusaDecode, MedusaDrafter
-from specdraft.formats.checkpoint import CheckpointError, load_drafter
+from specdraft.formats.checkpoint import CheckpointError
 from specdraft.formats.export import ExportError, export_drafter, medusa_choices
+from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
 
 BASE = "org/base-model"

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from testkit import ROOT, run_script
 
 from specdraft.core import DecodeConfig
-from specdraft.formats.checkpoint import load_decoding
+from specdraft.formats.reading import load_decoding
 from specdraft.scripts.compare import main
 from specdraft.train.compare import families
 

@@ -15,14 +15,9 @@ from transformers import LlamaForCausalLM
 from specdraft.drafters.base import drafter_class
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
-from specdraft.formats.checkpoint import (
-    CheckpointError,
-    load_decoding,
-    load_drafter,
-    save_drafter,
-    set_decode,
-)
+from specdraft.formats.checkpoint import CheckpointError, save_drafter, set_decode
 from specdraft.formats.export import FORMATS
+from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.scripts import export
 from specdraft.targets.target import load_target
 

@@ -11,7 +11,7 @@ import pytest
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.layerskip import LayerSkipDecode
-from specdraft.formats.checkpoint import load_decoding
+from specdraft.formats.reading import load_decoding
 from specdraft.inference import tune
 from specdraft.inference.metrics import Stats
 from specdraft.scripts.tune import main

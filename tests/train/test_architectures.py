@@ -37,8 +37,8 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from specdraft.formats.checkpoint import load_decoding, load_drafter
 from specdraft.formats.export import export_drafter
+from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference import generate
 from specdraft.targets.target import load_target
 from specdraft.train import distill, eagle, layerskip, medusa

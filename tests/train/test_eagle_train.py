@@ -12,7 +12,7 @@ import torch
 
 from specdraft.config import load_config
 from specdraft.drafters.eagle import EagleDrafter
-from specdraft.formats.checkpoint import load_decoding, load_drafter
+from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference import generate
 from specdraft.scripts import export
 from specdraft.train.eagle import DEFAULT_CONFIG, EagleTrainConfig, main

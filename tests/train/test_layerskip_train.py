@@ -19,7 +19,8 @@ from specdraft.drafters.layerskip import (
     dropout_rates,
     exit_weights,
 )
-from specdraft.formats.checkpoint import CheckpointError, load_drafter
+from specdraft.formats.checkpoint import CheckpointError
+from specdraft.formats.reading import load_drafter
 from specdraft.targets.target import Target, load_target
 from specdraft.train import report
 from specdraft.train.layerskip import LayerSkipTrainConfig, main

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from specdraft.config import load_config
 from specdraft.drafters.medusa import MedusaDrafter
-from specdraft.formats.checkpoint import CheckpointError, load_decoding, load_drafter
+from specdraft.formats.checkpoint import CheckpointError
+from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference import generate
 from specdraft.scripts import evaluate
 from specdraft.targets.target import TargetError, load_target
