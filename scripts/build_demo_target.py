@@ -23,10 +23,28 @@ from specdraft.targets.demo import (
     SPECS,
     ensure_demo_target,
     report,
+    resolve_spec,
 )
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        path = ensure_demo_target(args.variant, args.budget, args.seed, args.force, args.overrides)
+    except ValueError as err:
+        print(f"build_demo_target.py: error: {err}", file=sys.stderr)
+        return 2
+    info = json.loads((path / COMPLETE_MARKER).read_text())
+    info["path"] = str(path)
+    if args.report:
+        with contextlib.redirect_stdout(sys.stderr):
+            info["report"] = report(path, num_prompts=args.num_prompts)
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The options; args.overrides holds --set's items, checked against the build settings."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -51,17 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         if not sep:
             parser.error(f"--set takes KEY=VALUE items, got {item!r}")
         overrides[key] = _number_or_text(value)
-    try:
-        path = ensure_demo_target(args.variant, args.budget, args.seed, args.force, overrides)
+    try:  # an unknown --set key fails here, before anything is built
+        resolve_spec(args.variant, args.budget, args.seed, overrides)
     except ValueError as err:
         parser.error(str(err))
-    info = json.loads((path / COMPLETE_MARKER).read_text())
-    info["path"] = str(path)
-    if args.report:
-        with contextlib.redirect_stdout(sys.stderr):
-            info["report"] = report(path, num_prompts=args.num_prompts)
-    print(json.dumps(info, indent=2))
-    return 0
+    args.overrides = overrides
+    return args
 
 
 def _number_or_text(value: str) -> int | float | str:

@@ -120,6 +120,21 @@ def plan(
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        result = plan(
+            args.target, gpus=args.gpus, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps,
+            seq=args.seq, micro_batch=args.micro_batch,
+            activations_gib_per_1k=args.activations_gib_per_1k,
+        )  # fmt: skip
+    except (OSError, ValueError) as err:
+        print(f"memory_plan.py: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -134,17 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.gpus < 1 or args.seq < 1 or args.micro_batch < 1:
         parser.error("--gpus, --seq and --micro-batch must be at least 1")
-    try:
-        result = plan(
-            args.target, gpus=args.gpus, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps,
-            seq=args.seq, micro_batch=args.micro_batch,
-            activations_gib_per_1k=args.activations_gib_per_1k,
-        )  # fmt: skip
-    except (OSError, ValueError) as err:
-        print(f"memory_plan.py: error: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(result, indent=1))
-    return 0
+    return args
 
 
 if __name__ == "__main__":

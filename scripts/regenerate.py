@@ -184,6 +184,22 @@ def _done_sources(output: Path) -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        target = load_target(args.target, dtype=args.dtype, device=args.device)
+        counts = regenerate(
+            target, args.data, args.output, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_p=args.top_p, seed=args.seed, limit=args.limit,
+            fmt=args.format, prompt_tokens=args.prompt_tokens, stride=args.stride,
+        )  # fmt: skip
+    except (DataError, TargetError) as e:
+        print(f"regenerate.py: error: {e}", file=sys.stderr)
+        return 2
+    print(f"[specdraft] {args.output}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--data",
@@ -208,19 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args(argv)
-    try:
-        target = load_target(args.target, dtype=args.dtype, device=args.device)
-        counts = regenerate(
-            target, args.data, args.output, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, top_p=args.top_p, seed=args.seed, limit=args.limit,
-            fmt=args.format, prompt_tokens=args.prompt_tokens, stride=args.stride,
-        )  # fmt: skip
-    except (DataError, TargetError) as e:
-        print(f"regenerate.py: error: {e}", file=sys.stderr)
-        return 2
-    print(f"[specdraft] {args.output}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    return 0
+    return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
