@@ -11,8 +11,8 @@ Parameter counts are exact: the target and the head are built on the meta device
 config (no weights read). Activations are not computed: they depend on kernels and allocator,
 so they are an input, measured (--activations-gib-per-1k: per 1,024 tokens of a micro-batch,
 linear in S because the training-time test's attention builds no S x S mask; BENCHMARKS.md,
-"EAGLE"); left at 0, each total is what the GPU must hold before any activation, and the rest
-of its memory is the room they have.
+"Training-time test memory"); left at 0, each total is what the GPU must hold before any
+activation, and the rest of its memory is the room they have.
 """
 
 from __future__ import annotations

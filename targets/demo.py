@@ -60,15 +60,17 @@ class DemoSpec:
     # this machine runs, so the cache folder's hash names the precision actually used), else fp32.
     precision: str = "auto"
     # muon: Muon (torch.optim.Muon's update, RMS matched to AdamW's) for the decoder layers'
-    # matrices and AdamW for embeddings and norms; at the same tokens it learns far faster here
-    # (BENCHMARKS.md, "Demo target"). adamw: AdamW for everything (the tiny variant, v1).
+    # matrices and AdamW for embeddings and norms; at the same tokens it learned far faster here
+    # (measured while choosing demo target v2; git history of BENCHMARKS.md). adamw: AdamW for
+    # everything (the tiny variant, v1).
     optimizer: str = "muon"
     # The pseudo-repetition penalty (DITTO, Xu et al. 2022, "Learning to Break the Loop"): after
     # the likelihood steps, `repeat_steps` more steps at a constant `repeat_lr` (fresh optimizers)
     # each add `batch_size` rows that repeat a line (`repeat_unit`) of a training block. At every
     # token of a repetition the model is trained toward `repeat_decay` times its probability of
     # that token one repetition earlier, so a repeated line grows less likely instead of more.
-    # Without it a small model's greedy output falls into loops (BENCHMARKS.md, "Demo target").
+    # Without it a small model's greedy output falls into loops (BENCHMARKS.md, "Demo target,
+    # build 3").
     repeat_steps: int = 0
     repeat_lr: float = 8e-4
     repeat_decay: float = 0.5
@@ -76,7 +78,7 @@ class DemoSpec:
     # 0: the phase above, after the likelihood steps (build 3). r > 0: no extra steps; instead r of
     # the batch_size rows of each of the last `repeat_steps` likelihood steps are pseudo-repetitive,
     # trained at the schedule's lr by the same optimizers (repeat_lr unused). A cheaper build that
-    # sees r * repeat_steps fewer training blocks (BENCHMARKS.md, "Demo target").
+    # sees r * repeat_steps fewer training blocks (BENCHMARKS.md, "Demo target, build 3").
     repeat_rows: int = 0
 
 

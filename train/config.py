@@ -206,7 +206,8 @@ class TrainConfig:
     # `python` run, else the physical cores this process may use divided by the processes on this
     # machine (what `accelerate launch --cpu` picks). Plain `accelerate launch` on a machine
     # without a GPU gives every process OMP_NUM_THREADS=1, which on the demo's 2 cores trains at
-    # 0.57x the speed (BENCHMARKS.md, "EAGLE"); under accelerate, set cpu_threads to choose.
+    # 0.57x the speed (demo target v1; git history of BENCHMARKS.md); under accelerate, set
+    # cpu_threads to choose.
     cpu_threads: int = 0
     # How the drafter drafts when served: saved in its checkpoint as its decoding defaults,
     # measured with at the end of training, and the depth (gamma) of the simulated tau.
