@@ -552,3 +552,27 @@ def test_override_drops_the_followers_of_what_it_changes():
         changed = override(loaded, ["drafter.version=eagle1"])
     assert changed.drafter.ttt_steps is None and changed.lr == loaded.lr
     assert override(loaded, ["lr=1e-3"]).drafter.ttt_steps == 3  # nothing changed: all kept
+
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+KIND_RECIPES = sorted(
+    (folder.name, recipe)
+    for folder in CONFIGS.iterdir()
+    if (folder / "demo.yaml").is_file()
+    for recipe in folder.glob("*.yaml")
+)
+
+
+@pytest.mark.parametrize(
+    ("kind", "recipe"), KIND_RECIPES, ids=[f"{k}/{r.name}" for k, r in KIND_RECIPES]
+)
+def test_every_recipe_in_configs_loads_with_its_kinds_config(kind, recipe):
+    """Every configs/<kind>/*.yaml (the demo configs and the real-model recipes the README
+    lists) passes its entry script's config checks, so a renamed key in a recipe fails here
+    rather than on a GPU machine; each names its own kind's target, not the demo's, unless it is
+    a demo."""
+    from specdraft.train.compare import Recipe
+
+    cfg = load_config(Recipe.of(kind).config_class, recipe)
+    assert cfg.kind == kind
+    assert (cfg.target == "demo") == ("demo" in recipe.name), recipe
