@@ -54,9 +54,13 @@ def regenerate(
     fmt: str = "auto",
     prompt_tokens: int = 0,
     stride: int = 0,
+    name: str | None = None,
+    split: str = "train",
 ) -> Counter:
     """Append regenerated conversations of `data` to `output` (and continuations of its plain
-    text when `prompt_tokens` > 0, see the module docstring); returns counts of what happened."""
+    text when `prompt_tokens` > 0, see the module docstring); returns counts of what happened.
+    `name` and `split`: the configuration and split of a hub dataset (UltraChat's is
+    train_sft)."""
     if prompt_tokens < 0 or stride < 0:
         raise DataError(f"--prompt-tokens and --stride must be >= 0; got {prompt_tokens}, {stride}")
     output = Path(output)
@@ -64,7 +68,7 @@ def regenerate(
     counts: Counter = Counter(already_done=len(done))
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("a", encoding="utf-8") as out:
-        for index, row in enumerate(_rows(data)):
+        for index, row in enumerate(_rows(data, name, split)):
             if limit is not None and counts["written"] >= limit:
                 break
             if row.where in done:
@@ -109,10 +113,11 @@ def _write(out, record: dict) -> None:
     os.fsync(out.fileno())  # a line is either fully on disk or dropped on resume
 
 
-def _rows(data: str):
-    """read_rows(data), or the demo corpus's training files for "demo" (one row per file)."""
+def _rows(data: str, name: str | None = None, split: str = "train"):
+    """read_rows(data, name, split), or the demo corpus's training files for "demo" (one row
+    per file)."""
     if data != "demo":
-        yield from read_rows(data)
+        yield from read_rows(data, name, split)
         return
     for i, text in enumerate(demo_corpus_texts("train")):
         yield Row(where=f"demo[{i}]", record=text)
@@ -191,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             target, args.data, args.output, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_p=args.top_p, seed=args.seed, limit=args.limit,
             fmt=args.format, prompt_tokens=args.prompt_tokens, stride=args.stride,
+            name=args.name, split=args.split,
         )  # fmt: skip
     except (DataError, TargetError) as e:
         print(f"regenerate.py: error: {e}", file=sys.stderr)
@@ -205,6 +211,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--data",
         required=True,
         help="conversations or text: a local file/folder, a hub id, or demo (the demo corpus)",
+    )
+    parser.add_argument("--name", default=None, help="a hub dataset's configuration name")
+    parser.add_argument(
+        "--split", default="train", help="a hub dataset's split (UltraChat 200k: train_sft)"
     )
     parser.add_argument("--output", required=True, help="the JSON lines file to write (appended)")
     parser.add_argument("--target", default="demo", help="demo, a model folder or a hub id")

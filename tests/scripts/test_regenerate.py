@@ -110,3 +110,23 @@ def test_plain_text_is_continued_by_the_target_after_each_prompt(tiny_target, tm
 def test_negative_prompt_tokens_is_an_error(tiny_target, tmp_path):
     with pytest.raises(DataError, match="--prompt-tokens and --stride must be >= 0"):
         regenerate(tiny_target, "demo", tmp_path / "x.jsonl", prompt_tokens=-1)
+
+
+def test_a_hub_datasets_configuration_and_split_reach_the_reader(
+    tiny_target, monkeypatch, tmp_path
+):
+    """--name and --split are what the dataset is read with (UltraChat 200k has no `train`
+    split; its conversations are `train_sft`)."""
+    from specdraft.scripts import regenerate as script
+
+    asked = []
+
+    def read_rows(path, name=None, split="train"):
+        asked.append((path, name, split))
+        return iter(())
+
+    monkeypatch.setattr(script, "read_rows", read_rows)
+    args = script.parse_args(["--data", "org/chats", "--split", "train_sft", "--name", "default",
+                              "--output", str(tmp_path / "out.jsonl")])  # fmt: skip
+    regenerate(tiny_target, args.data, args.output, name=args.name, split=args.split)
+    assert asked == [("org/chats", "default", "train_sft")]
