@@ -215,12 +215,12 @@ def test_evaluate_measures_it_beside_transformers_early_exit(
     # each decodes with its own gamma, leaving the shared model's generation config as it was
     from transformers.generation.utils import GenerationMixin
 
-    import specdraft.inference.evaluate as ev
+    import specdraft.formats.reading as reading
 
     # (each evaluate run keeps its own loads: nothing is left over from the runs above)
     loads, gammas = [], []
-    real, generate = ev.load_target, GenerationMixin.generate
-    monkeypatch.setattr(ev, "load_target", lambda *a, **k: loads.append(a) or real(*a, **k))
+    real, generate = reading.load_target, GenerationMixin.generate
+    monkeypatch.setattr(reading, "load_target", lambda *a, **k: loads.append(a) or real(*a, **k))
 
     def spy(model, *args, **kwargs):
         if kwargs.get("assistant_early_exit"):
