@@ -21,6 +21,7 @@ from specdraft.drafters.base import drafter_kinds, kinds_own_settings
 from specdraft.inference.tune import SEARCH_ORDER as TUNABLE
 from specdraft.inference.tune import tunable
 from specdraft.precision import resolve_precision
+from specdraft.targets.frozen import SHARDINGS
 
 # The resolved config of a run, in output_dir and in every checkpoint folder.
 CONFIG_FILENAME = "train_config.yaml"
@@ -146,7 +147,7 @@ class TrainConfig:
     # that the drafter trains online against it; none loads it whole on every process. For the
     # kinds whose target stays frozen (eagle, medusa without LoRA, distill); the drafter's own
     # optimizer and data parallelism are the launcher's business as always.
-    target_sharding: str = choice("none", "zero3")
+    target_sharding: str = choice(*SHARDINGS)
     # Training data: source, conversation format, lengths and the held-out split.
     data: DataConfig = field(default_factory=DataConfig)
     # Where checkpoint-<step>/, best/, final/ and train_config.yaml go; None: runs/<kind>-demo.
