@@ -110,11 +110,14 @@ def test_the_step_loss_is_the_token_mean_over_the_kept_slots(tiny_target_path, t
 
 
 def test_bad_values_are_named(tiny_target_path, tmp_path, capsys):
+    data = tmp_path / "tiny.txt"
+    data.write_text("def f(x):\n    return x + 1\n" * 20)
     common = [
         f"target={tiny_target_path}",
+        f"data.path={data}",
         f"output_dir={tmp_path / 'run'}",
         "drafter.draft_vocab_size=256",
-    ]
+    ]  # fmt: skip
     assert main([*common, "drafter.mask_token_id=100000"]) == 2
     assert "mask_token_id=100000 is not a token of the target" in capsys.readouterr().err
     for bad, said in (
