@@ -348,10 +348,13 @@ class EagleDrafter(Drafter):
     title = "EAGLE"
     config_class = EagleConfig
     legacy_defaults = LEGACY_DEFAULTS
+    # The config with the defaults that depend on the target filled in (a kind built on this
+    # head with a config of its own, P-EAGLE, resolves its own).
+    resolve = staticmethod(resolve_config)
 
     def __init__(self, config: EagleConfig, target, d2t: torch.Tensor | None = None) -> None:
         super().__init__()
-        config = resolve_config(config, target)
+        config = self.resolve(config, target)
         self.config = config
         self.target = target  # not an nn.Module: not registered, not saved
         self._drafting = SharedWeights()  # drafting_weights' cache

@@ -15,6 +15,7 @@ shape, which is what the engines build whatever the target's family.
                                  default_proposal_method, verifier {name_or_path, architectures}}
                    model.safetensors  fc.weight, layers.0.*, norm.weight, lm_head.weight, and with
                                  a reduced draft vocabulary d2t and t2d
+                 (P-EAGLE heads, speculators_model_type peagle: formats/peagle_export.py)
     sglang       SGLang's LlamaForCausalLMEagle3, as SpecForge exports it (EAGLE-3 only):
                    config.json   the layer's LlamaConfig, architectures [LlamaForCausalLMEagle3],
                                  draft_vocab_size, tie_word_embeddings false, eagle_config
@@ -73,15 +74,8 @@ SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 EAGLE1_ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
 # The layer config fields that fix the head's maths beyond its weights' shapes; a published head
 # must agree with the target's on them (specdraft builds the layer in the target's shape).
-LAYER_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "rms_norm_eps",
-)
+LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "hidden_act", "rms_norm_eps")  # fmt: skip
 
 
 # What every transformers config holds and no engine reads for a draft layer (left out)
@@ -346,6 +340,8 @@ def expected_shapes(fmt: str, config: dict, vocab_size: int, *, embedding=True) 
         "norm.weight": (H,),
         "lm_head.weight": (draft_vocab, H),
     })  # fmt: skip
+    if config.get("speculators_model_type") == "peagle":  # formats/peagle_export.py
+        expected["mask_hidden"] = (1, 1, 3 * target_h)
     if fmt == "sglang" or draft_vocab < vocab_size:
         expected["d2t"] = (draft_vocab,)
         expected["t2d"] = (vocab_size,)
@@ -370,7 +366,10 @@ def layout_problems(fmt: str, config: dict, names: set[str] | None = None) -> li
         # is a speculators checkpoint
         need("model_type" not in config, "a top-level model_type hides it from vLLM's detection")
         # vllm/transformers_utils/configs/speculators/base.py and algos.py (update_eagle3)
-        need(config.get("speculators_model_type") == "eagle3", "speculators_model_type != eagle3")
+        need(
+            config.get("speculators_model_type") in ("eagle3", "peagle"),
+            "speculators_model_type != eagle3",
+        )
         layer = config.get("transformer_layer_config")
         need(
             isinstance(layer, dict) and layer.get("model_type") in ("llama", "qwen3"),
@@ -438,10 +437,11 @@ def layout_problems(fmt: str, config: dict, names: set[str] | None = None) -> li
 
 
 def read_head(
-    folder: Path, config: dict, target: Target, *, fmt: str, strict: bool = True
+    folder: Path, config: dict, target: Target, *, fmt: str, strict: bool = True, build=EagleDrafter
 ) -> EagleDrafter:
     """A published or exported head in layout `fmt`, checked against `target` (sizes, layer shape,
-    verifier, exact names and shapes, maps) before a module is built."""
+    verifier, exact names and shapes, maps) before a module is built, by `build(EagleConfig,
+    target, d2t)` (a kind built on the head gives its own: formats/peagle_export.py)."""
     where = folder / CONFIG_NAME
     problems = layout_problems(fmt, config)
     if problems:
@@ -491,7 +491,7 @@ def read_head(
         elif config["draft_vocab_size"] < V:
             raise CheckpointError(f"{where_w}: a reduced draft vocabulary needs d2t and t2d")
     head_config = _head_config(fmt, config, target, where)
-    drafter = EagleDrafter(head_config, target, d2t)
+    drafter = build(head_config, target, d2t)
     ours = {_module_name(k, head_config.version): v for k, v in state.items()}
     missing, unexpected = drafter.load_state_dict(ours, strict=False)
     missing = [k for k in missing if k not in ("d2t", "t2d")]

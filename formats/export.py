@@ -60,6 +60,7 @@ from safetensors.torch import save_file
 from specdraft.core import DecodeConfig
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+from specdraft.formats import peagle_export
 from specdraft.formats.checkpoint import (
     CONFIG_NAME,
     CheckpointError,
@@ -414,6 +415,8 @@ FORMATS: dict[str, Format] = {
 
 
 FORMATS.update(EAGLE_FORMATS)
+# speculators' layout holds P-EAGLE heads too: one entry, each kind written and read by its own
+FORMATS["speculators"] = peagle_export.speculators_format(FORMATS["speculators"])
 
 
 # --- writing -----------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ first use under SPECDRAFT_ENGINES, default ~/.cache/specdraft/engines, and reuse
 it only; --python uses an interpreter you have set up instead), since each pins a transformers
 other than ours:
 
-    speculators  speculators==0.9.0 (vLLM's format)            EAGLE-3 heads
+    speculators  speculators==0.9.0 (vLLM's format)            EAGLE-3 and P-EAGLE heads
     eagle        eagle-llm==1.2.1 (SafeAILab/EAGLE's release)  EAGLE-1 heads
     medusa       medusa-llm==0.1 (FasterDecoding/Medusa)       Medusa-1 heads
 
@@ -17,7 +17,8 @@ On held-out prompts and the target's own greedy continuation of each (what a ser
 the target's hidden states are computed once, here, and both sides draft from them: our head read
 back from the export (load_drafter), and the engine's model loaded by the engine's loader
 (scripts/verify_export_engine.py, run in the engine's environment). Per drafted step (EAGLE-3:
-each training-time-test step, teacher-forced; EAGLE-1: the head's step; Medusa: each head) it
+each training-time-test step, teacher-forced; P-EAGLE: each depth of every anchor's group, from
+PEagleDraftModel's training forward; EAGLE-1: the head's step; Medusa: each head) it
 prints the top-1 agreement and the largest |logit difference|. Where the engine has a decoding
 loop that runs on a CPU (eagenerate, medusa_generate), both decode each prompt greedily as a
 chain, and their outputs and accepted lengths per step must be equal.
@@ -275,8 +276,14 @@ def our_logits(drafter, engine: str, text, out, steps: int, i: int) -> dict[str,
         full[..., drafter.d2t] = logits.float()  # the export writes rows in target order
         return {f"logits.{i}.{k}": full[k] for k in range(len(full))}
     batch = {"input_ids": text, "loss_mask": torch.ones_like(text)}
-    unrolled = drafter.unroll(batch, out, steps if engine == "speculators" else 1)
     n = text.shape[1]
+    if drafter.kind == "peagle":  # step k: depth k of every anchor's group, from one pass
+        depths = min(steps, drafter.config.num_depths)
+        keep = torch.ones(1, depths, n - 1, dtype=torch.bool)
+        s = drafter.slots(batch, out, keep)
+        per_depth = s["logits"].float().unflatten(1, (depths, n - 1))  # (1, depths, n - 1, V)
+        return {f"logits.{i}.{k}": per_depth[:, k, : n - 1 - k] for k in range(depths)}
+    unrolled = drafter.unroll(batch, out, steps if engine == "speculators" else 1)
     return {f"logits.{i}.{k}": s["logits"][:, : n - 1 - k].float() for k, s in enumerate(unrolled)}
 
 

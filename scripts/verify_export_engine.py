@@ -73,6 +73,9 @@ def speculators(request: dict, inputs: dict, prompts: list[int]):
         )
         try:
             with torch.no_grad():
+                if config.speculators_model_type == "peagle":
+                    outputs.update(peagle(model, ids, features, request["steps"], caught, i))
+                    continue
                 model(
                     hidden_states=features[:, :-1],
                     input_ids=ids[:, 1:],
@@ -95,6 +98,34 @@ def speculators(request: dict, inputs: dict, prompts: list[int]):
         optional.add("input_norm.weight")
     notes = {"missing": sorted(set(model.state_dict()) - held - optional), "unexpected": []}
     return outputs, notes
+
+
+def peagle(model, ids, features, steps: int, caught: list, i: int) -> dict:
+    """PEagleDraftModel's training forward with every group kept to depth `steps` and position
+    0 out of the loss mask (else it drafts a group anchored before the text): its logits per
+    depth k, anchors ascending, as our drafter's depth-k slots. Its COD keeps
+    int((valid - d) * max(r^d, floor)) of a pool of valid - d + 1, so even r = 1 drops one at
+    random: a floor of 2 keeps the whole pool."""
+    from speculators.models.peagle.data import generate_cod_sample_indices
+
+    n = ids.shape[1] - 1
+    methods = model.config.speculators_config.proposal_methods
+    depths = min(steps, getattr(model.config, "num_depths", None) or methods[0].speculative_tokens)
+    loss_mask = torch.ones(1, n)
+    loss_mask[0, 0] = 0
+    kwargs = dict(num_depths=depths, down_sample_ratio=1.0, down_sample_ratio_min=2.0)
+    try:
+        model(
+            hidden_states=features[:, :-1], input_ids=ids[:, 1:], loss_mask=loss_mask,
+            document_ids=torch.zeros_like(ids[:, 1:]),
+            verifier_last_hidden_states=features[:, :-1, : model.hidden_size], **kwargs,
+        )  # fmt: skip
+    except RuntimeError as e:  # its loss, after the logits, needs Triton's fused kernels
+        if "Triton" not in str(e):
+            raise
+    _, depth = generate_cod_sample_indices(n, loss_mask, **kwargs)
+    logits = caught[0][0].float()  # (slots, draft vocab), depth-major, anchors ascending
+    return {f"logits.{i}.{k}": logits[depth == k][None] for k in range(depths)}
 
 
 # --- SafeAILab/EAGLE ------------------------------------------------------------------------------

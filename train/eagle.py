@@ -17,7 +17,7 @@ import torch
 from specdraft.config import ConfigError, parse_cli
 from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.targets.frozen import frozen_targets
 from specdraft.targets.hidden_cache import CachedTarget, HiddenStateCache
 from specdraft.train.config import SetupError, TrainConfig, setting_up
@@ -50,20 +50,28 @@ class EagleTrainConfig(TrainConfig):
             )
 
 
-def build_head(cfg: EagleConfig, target, train_examples) -> EagleDrafter:
-    """The head, with its draft vocabulary counted from the training data (eagle3)."""
-    cfg = resolve_config(cfg, target)
+def build_head(cfg: EagleConfig, target, train_examples, cls=EagleDrafter) -> EagleDrafter:
+    """The head (of `cls`: EagleDrafter, or a kind built on it), with its draft vocabulary
+    counted from the training data (eagle3)."""
+    cfg = cls.resolve(cfg, target)
     d2t = None
     if cfg.version == "eagle3" and 0 < cfg.draft_vocab_size < target.vocab_size:
         eos = eos_ids(target.model, target.tokenizer)
         d2t = build_draft_vocab(train_examples, cfg.draft_vocab_size, target.vocab_size, always=eos)
-    return EagleDrafter.build(cfg, target, d2t)
+    return cls.build(cfg, target, d2t)
 
 
-def run(cfg: EagleTrainConfig) -> TrainResult:
+def head_summary(head: EagleDrafter) -> str:
+    hc = head.config
+    return f"{hc.version} head, training-time test {hc.ttt_steps} steps"
+
+
+def run(cfg: EagleTrainConfig, build=build_head, describe=head_summary) -> TrainResult:
     """Set up, train and report one run of `cfg`: what `main` does once the command line is
     read, and what scripts/compare.py calls. Raises SetupError before training for missing
-    data, a bad target, bad layer ids or vocabulary size."""
+    data, a bad target, bad layer ids or vocabulary size. A kind built on the EAGLE head
+    (train/peagle.py) gives its own `build(drafter config, target, train examples)` and
+    `describe(head)` (the line printed before training)."""
     with setting_up():
         # offline, the target's hidden states come from the cache, and sharded, from its
         # partitioned forward: the head's own copy of the target reads only its embedding and
@@ -77,7 +85,7 @@ def run(cfg: EagleTrainConfig) -> TrainResult:
         )
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # the head's random init; identical on every process
-        head = build_head(cfg.drafter, target, train_examples)
+        head = build(cfg.drafter, target, train_examples)
         if cfg.target_sharding != "none" and head.config.version == "eagle3":
             # the sharded target computes the logits; the head copied its draft vocabulary's
             # rows of the LM head when it was built and never reads the copy's again
@@ -91,12 +99,10 @@ def run(cfg: EagleTrainConfig) -> TrainResult:
         warn_the_loop_loads_the_whole_target(cfg, prompts)
     cfg.drafter = head.config  # the resolved layers and steps go into train_config.yaml
     print(summary.format(), file=sys.stderr)
-    hc = head.config
     print(
-        f"[specdraft] {hc.version} head: {head.num_extra_parameters(target) / 1e6:.2f}M parameters "
-        f"(target {target.num_parameters() / 1e6:.2f}M), features from "
-        f"layers {head.capture_layers}, draft vocab {head.draft_vocab_size}, "
-        f"training-time test {hc.ttt_steps} steps",
+        f"[specdraft] {describe(head)}: {head.num_extra_parameters(target) / 1e6:.2f}M "
+        f"parameters (target {target.num_parameters() / 1e6:.2f}M), features from "
+        f"layers {head.capture_layers}, draft vocab {head.draft_vocab_size}",
         file=sys.stderr,
     )
     result = train(

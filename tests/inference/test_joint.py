@@ -24,6 +24,7 @@ from testkit import perturb
 from specdraft.core import SamplingSettings, process_logits
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, EagleSession
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter, MedusaSession
+from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter, PEagleSession
 from specdraft.inference import generate
 from specdraft.inference.verify import verify_sampling
 
@@ -55,6 +56,15 @@ def eagle_head(target) -> EagleDrafter:
     return head
 
 
+def peagle_head(target) -> PEagleDrafter:
+    """An untrained P-EAGLE head drafting 3 tokens per forward, its weights noisy as the EAGLE
+    head's: its parallel slots' drafts are often but not always accepted."""
+    torch.manual_seed(3)
+    head = PEagleDrafter.build(PEagleConfig(num_depths=3), target).eval()
+    perturb(head.parameters(), 0.2)
+    return head
+
+
 def medusa_heads(target) -> MedusaDrafter:
     """Untrained Medusa heads with noisy blocks, their accuracies measured on random text (so
     the tree is the one built from measurement)."""
@@ -76,6 +86,7 @@ def medusa_heads(target) -> MedusaDrafter:
 DRAFTERS = {
     "eagle": (eagle_head, EagleSession),
     "medusa": (medusa_heads, MedusaSession),
+    "peagle": (peagle_head, PEagleSession),
 }
 
 
@@ -159,6 +170,13 @@ CASES = {
         dict(tree_top_k=2, gamma=3, tree_budget=6),
         SamplingSettings(temperature=T, top_k=3),
     ),
+    # one forward drafts the 3-token chain; each slot drawn from its own q
+    "peagle-chain": ("peagle", dict(gamma=3), SamplingSettings(temperature=T)),
+    "peagle-int8-chain-top_k": (
+        "peagle",
+        dict(gamma=3, draft_weights="int8"),
+        SamplingSettings(temperature=T, top_k=4),
+    ),
     "medusa-chain-top_p": (
         "medusa",
         dict(tree_top_k=1, gamma=3),
@@ -219,8 +237,16 @@ def below_the_first_position_corrects_from_p(tree, p, generator):
         # Medusa's sampled children follow q, close to p here, so the subtle error above barely
         # moves their output; keeping every draft whatever the target says does
         (accept_every_draft, "medusa-tree"),
+        # the power check through P-EAGLE's parallel chains (its slots' q, unlike the EAGLE
+        # tree's, barely moves under the subtle error above on this target)
+        (accept_every_draft, "peagle-chain"),
     ],
-    ids=["accept-every-draft", "below-the-first-position-corrects-from-p", "medusa-tree"],
+    ids=[
+        "accept-every-draft",
+        "below-the-first-position-corrects-from-p",
+        "medusa-tree",
+        "peagle-accept-every-draft",
+    ],
 )
 def test_the_check_catches_a_lossy_verifier(target, lossy, case, monkeypatch):
     """The same check, SAMPLES seeds, fails a lossy verifier; the second is wrong only where a

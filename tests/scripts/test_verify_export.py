@@ -111,6 +111,25 @@ def test_speculators_loads_the_eagle3_export_and_drafts_as_we_do(target, tmp_pat
     assert any("missing ['embed_tokens.weight']" in p for p in report["problems"])
 
 
+@engine("speculators")
+def test_speculators_loads_the_peagle_export_and_drafts_as_we_do(target, tmp_path, capsys):
+    """speculators' PEagleDraftModel reads a P-EAGLE export (mask_hidden, mask_token_id, layers
+    given out of order) and its training forward, every group kept, gives every depth's logits
+    at every anchor of 4 prompts and their continuations: the same top-1 token everywhere."""
+    from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter
+
+    path, t = target
+    torch.manual_seed(0)
+    cfg = PEagleConfig(num_depths=4, feature_layers=[4, 1, 2], draft_vocab_size=100)
+    head = PEagleDrafter.build(cfg, t, torch.randperm(t.vocab_size)[:100].sort().values)
+    perturb(head.parameters(), 0.05)
+    folder = export(head, tmp_path / "spec", "speculators", path)
+    code, report = run(folder, "speculators", tmp_path)
+    assert code == 0 and report["ok"], capsys.readouterr().out
+    assert [s["step"] for s in report["steps"]] == [0, 1, 2]  # --steps 3: depths 0, 1, 2
+    assert all(s["agree"] == s["positions"] > 100 for s in report["steps"])
+
+
 @engine("eagle")
 def test_eagle_llm_loads_the_eagle1_export_and_decodes_as_we_do(target, tmp_path, capsys):
     """EaModel.from_pretrained reads the folder (pytorch_model.bin, the embedding its strict

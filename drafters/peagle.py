@@ -1,0 +1,411 @@
+"""P-EAGLE (parallel EAGLE): an EAGLE-3 head that drafts K tokens in one forward pass.
+
+The head is EAGLE-3's (drafters/eagle.py: low/mid/high target features fused by fc, one Llama
+decoder layer reading cat(embedding, feature), a reduced draft vocabulary), and so are its
+weights' names and its context KV cache. What P-EAGLE adds is K - 1 "parallel" slots after the
+usual step. Drafting after the context x_0 .. x_{L-1}:
+
+    slot 0        (f_{L-2}, x_{L-1}) at position L - 2, as EAGLE-3       -> predicts x_L
+    slot d >= 1   (fc(mask_hidden), x_mask) at position L - 2 + d         -> predicts x_{L+d}
+
+A parallel slot does not know its feature yet (the target has not run there) nor its token (it
+has not been drafted), so it reads a learned placeholder, `mask_hidden` (1, 1, 3 hidden: the
+raw low/mid/high width, fused by the head's own fc as real features are), and the embedding of
+`mask_token_id`. Slots attend causally to the context and to the earlier slots of their group;
+they are never kept in the head's cache (the session crops them on accept).
+
+Training (conditional drop-token sampling, COD): at anchor t (the pair (f_t, x_{t+1})) depth 0
+is the ordinary step, scored against the target's distribution at t + 1; depth d is slot d of
+the group anchored at t, scored at t + 1 + d. Depth 0 keeps every position; depth d keeps about
+n * max(r^d, r_min) of the anchors kept at depth d - 1 (n: the anchors scored at depth 0), so a
+sequence costs ~n (1 + r + r^2 ...) slots instead of K n. Each kept slot's loss is the KL from
+the target's distribution (restricted to the draft vocabulary and renormalised, as EAGLE-3) to
+the head's. The draws are per sample, from a generator seeded by the step and the sample's index
+in the training set (`prepare_batch`), so a resumed run and a two-process run draw what one does.
+
+The embedding is the target's, frozen (as our EAGLE heads; speculators trains a copy for
+P-EAGLE, `embed_requires_grad`): a V x H trainable copy and its optimizer state would be the
+largest thing in the head, and the slots already have a learned input (`mask_hidden`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdraft.core import (
+    DecodeConfig,
+    DraftContext,
+    DraftTree,
+    SamplingSettings,
+    draft_chain,
+    float_mask,
+)
+from specdraft.drafters.base import Drafter, Metrics, sum_and_count
+from specdraft.drafters.eagle import EagleDrafter, default_feature_layers
+from specdraft.drafters.eagle_session import EagleSession
+
+# --- config ------------------------------------------------------------------------------------
+
+
+@dataclass
+class PEagleConfig:
+    # K: the tokens one forward drafts (the EAGLE-3 step and K - 1 parallel slots); speculators'
+    # num_depths. Chains served are min(decode.gamma, K) long.
+    num_depths: int = 4
+    # The target hidden-state ids fused into the feature (as EAGLE-3's feature_layers); None:
+    # EAGLE-3's low/mid/high choice for the target.
+    feature_layers: list[int] | None = None
+    # Size of the draft vocabulary (the most frequent target tokens of the training data, EOS
+    # always in); 0: the target's whole vocabulary.
+    draft_vocab_size: int = 0
+    # The residual around the layer's attention is hidden_norm(feature) (True) or the feature.
+    norm_before_residual: bool = False
+    # COD sampling: depth d keeps about n * max(down_sample_ratio^d, down_sample_ratio_min) of
+    # the n scored positions; 1 keeps every one (K n slots per sequence).
+    down_sample_ratio: float = 0.7
+    down_sample_ratio_min: float = 0.2
+    # The token whose embedding the parallel slots read; None: the tokenizer's mask, pad or unk
+    # token, else the last id. Resolved when the head is built and saved with it.
+    mask_token_id: int | None = None
+
+    # What EagleDrafter reads of its config: P-EAGLE's head is always EAGLE-3's reference layer.
+    version: ClassVar[str] = "eagle3"
+    architecture: ClassVar[str] = "reference"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_depths, bool) or self.num_depths < 2:
+            raise ValueError(
+                f"drafter.num_depths must be >= 2 (K: the EAGLE-3 step and at least one "
+                f"parallel slot); got {self.num_depths}"
+            )
+        if not 0 < self.down_sample_ratio <= 1:
+            raise ValueError(
+                f"drafter.down_sample_ratio must be in (0, 1]; got {self.down_sample_ratio}"
+            )
+        if not 0 <= self.down_sample_ratio_min <= 1:
+            raise ValueError(
+                f"drafter.down_sample_ratio_min must be in [0, 1]; got {self.down_sample_ratio_min}"
+            )
+        if self.draft_vocab_size < 0:
+            raise ValueError(f"drafter.draft_vocab_size must be >= 0; got {self.draft_vocab_size}")
+        if self.feature_layers is not None and len(self.feature_layers) != 3:
+            raise ValueError(
+                f"drafter.feature_layers must name 3 target layers (low, mid, high); got "
+                f"{self.feature_layers}"
+            )
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise ValueError(f"drafter.mask_token_id must be >= 0; got {self.mask_token_id}")
+
+    def keep_ratio(self, depth: int) -> float:
+        """The share of the scored positions COD keeps at `depth` (1 at depth 0)."""
+        return max(self.down_sample_ratio**depth, self.down_sample_ratio_min) if depth else 1.0
+
+
+def mask_token(target, wanted: int | None) -> int:
+    """The mask token id: `wanted` if it is one of the target's tokens, else (None) the
+    tokenizer's mask, pad or unk token, else the vocabulary's last id."""
+    V = target.vocab_size
+    if wanted is not None:
+        if not 0 <= wanted < V:
+            raise ValueError(
+                f"drafter.mask_token_id={wanted} is not a token of the target {target.name!r} "
+                f"(ids 0..{V - 1}); pick one of its ids, or null for its mask/pad/unk token"
+            )
+        return int(wanted)
+    tokenizer = getattr(target, "tokenizer", None)
+    for name in ("mask_token_id", "pad_token_id", "unk_token_id"):
+        token = getattr(tokenizer, name, None)
+        if isinstance(token, int) and 0 <= token < V:
+            return token
+    return V - 1
+
+
+def resolve_config(config: PEagleConfig, target) -> PEagleConfig:
+    """A copy of `config` with the feature layers and the mask token filled in for `target`, or a
+    clear error."""
+    config = copy.deepcopy(config)
+    layers = config.feature_layers or default_feature_layers(target.num_layers)
+    config.feature_layers = target.check_layer_ids(layers)
+    if config.draft_vocab_size > target.vocab_size:
+        raise ValueError(
+            f"drafter.draft_vocab_size={config.draft_vocab_size} is larger than the target "
+            f"{target.name!r}'s vocabulary ({target.vocab_size} tokens); use at most "
+            f"{target.vocab_size}, or 0 for the whole vocabulary"
+        )
+    config.mask_token_id = mask_token(target, config.mask_token_id)
+    return config
+
+
+# --- COD sampling ------------------------------------------------------------------------------
+
+
+def scored(loss_mask: torch.Tensor, depths: int) -> torch.Tensor:
+    """(batch, depths, S) bool, S = seq - 1 anchors: depth d at anchor t predicts token
+    t + 2 + d, which must exist and carry loss."""
+    T = loss_mask.shape[1]
+    t = torch.arange(T - 1, device=loss_mask.device)
+    rows = []
+    for d in range(depths):
+        nxt = t + 2 + d
+        rows.append((nxt < T)[None] & loss_mask[:, nxt.clamp(max=T - 1)].bool())
+    return torch.stack(rows, dim=1)
+
+
+def cod_keep(valid: torch.Tensor, config: PEagleConfig, generator: torch.Generator) -> torch.Tensor:
+    """(depths, S) bool: the slots one sequence trains, from its `valid` (depths, S) (`scored`).
+
+    1. Depth 0 keeps every anchor (they are the context every slot attends to).
+    2. Depth d draws, without replacement, int(n * keep_ratio(d)) of the anchors kept at depth
+       d - 1 whose depth-d token is scored (all of them when fewer), n = the depth-0 scored
+       count: a slot needs its group's earlier slots, which it attends to.
+    """
+    keep = torch.zeros_like(valid)
+    keep[0] = True
+    n = int(valid[0].sum())
+    for d in range(1, valid.shape[0]):
+        candidates = (keep[d - 1] & valid[d]).nonzero().flatten()
+        size = min(len(candidates), int(n * config.keep_ratio(d)))
+        if size <= 0:
+            break
+        order = torch.randperm(len(candidates), generator=generator)[:size]
+        keep[d, candidates[order.to(candidates.device)]] = True
+    return keep
+
+
+def row_seed(row: torch.Tensor) -> int:
+    """A seed from a row's token ids (Python hashes int tuples the same in every process)."""
+    return hash(tuple(row.tolist())) % (2**63 - 1)
+
+
+# --- module ------------------------------------------------------------------------------------
+
+
+class PEagleDrafter(EagleDrafter):
+    """EAGLE-3's head (drafters/eagle.py) with the parallel slots' learned feature."""
+
+    kind = "peagle"
+    title = "P-EAGLE"
+    config_class = PEagleConfig
+    legacy_defaults: ClassVar[dict] = {}
+    resolve = staticmethod(resolve_config)
+
+    def __init__(self, config: PEagleConfig, target, d2t: torch.Tensor | None = None) -> None:
+        super().__init__(config, target, d2t)
+        H = target.hidden_size
+        # the parallel slots' feature before fc, at the width of the fused target states
+        self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * H))
+
+    @staticmethod
+    def capture_layers_for(config: PEagleConfig, target) -> list[int]:
+        return list(config.feature_layers)
+
+    def mask_feature(self) -> torch.Tensor:
+        """(1, 1, hidden): the parallel slots' feature, fc(mask_hidden)."""
+        return self.fc_fuse(self.mask_hidden.to(self.fc_fuse.weight.dtype))
+
+    # --- training ---------------------------------------------------------------------------
+
+    def prepare_batch(self, batch: dict, target, generator, shared: torch.Generator) -> dict:
+        """COD's draws for each sample (batch["cod_keep"], (batch, K, S) bool), from a generator
+        seeded by the step's seed (the same on every process) and the sample's index in the
+        training set: independent of how the global batch is split."""
+        if "example_index" in batch:
+            step_seed = shared.initial_seed()
+            valid = scored(batch["loss_mask"], self.config.num_depths).cpu()
+            batch["cod_keep"] = torch.stack([
+                cod_keep(v, self.config, torch.Generator().manual_seed(
+                    (step_seed * 1_000_003 + int(i)) % (2**63 - 1)))
+                for v, i in zip(valid, batch["example_index"].tolist(), strict=True)
+            ]).to(batch["input_ids"].device)  # fmt: skip
+        return batch
+
+    def _keep(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's COD draws; outside training (evaluation, no prepare_batch) drawn from each
+        row's own tokens, so a held-out row is scored the same in every evaluation."""
+        if "cod_keep" in batch:
+            return batch["cod_keep"]
+        valid = scored(batch["loss_mask"], self.config.num_depths).cpu()
+        rows = batch["input_ids"].cpu()
+        keep = [
+            cod_keep(v, self.config, torch.Generator().manual_seed(row_seed(r)))
+            for v, r in zip(valid, rows, strict=True)
+        ]
+        return torch.stack(keep).to(batch["input_ids"].device)
+
+    def loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The kept slots whose token carries loss (a slot whose target argmax is outside the draft
+        vocabulary adds 0 to the sum)."""
+        valid = scored(batch["loss_mask"], self.config.num_depths)
+        return (self._keep(batch) & valid).sum().float()
+
+    def slots(
+        self, batch: Mapping[str, torch.Tensor], target_out, keep: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Run the head over every kept slot of the batch at once, each row's slots flattened
+        depth by depth (padded to the longest row) with the attention P-EAGLE's drafting has:
+        a slot (anchor a, depth d) sees depth 0 at anchors <= a and its own group's depths <= d.
+
+        Returns, per flattened slot (batch, N): logits (draft vocab), p_logits (the target's at
+        a + 1 + d), depth, and valid (kept, real, its token scored).
+        """
+        input_ids = batch["input_ids"]
+        B, T = input_ids.shape
+        K = keep.shape[1]
+        device = input_ids.device
+        valid = scored(batch["loss_mask"], K) & keep
+        per_row = [keep[b].nonzero() for b in range(B)]  # (n_b, 2): (depth, anchor), depth-major
+        N = max(len(r) for r in per_row)
+        depth = torch.zeros(B, N, dtype=torch.long, device=device)
+        anchor = torch.zeros(B, N, dtype=torch.long, device=device)
+        real = torch.zeros(B, N, dtype=torch.bool, device=device)
+        for b, r in enumerate(per_row):
+            depth[b, : len(r)], anchor[b, : len(r)], real[b, : len(r)] = r[:, 0], r[:, 1], True
+        zero = depth == 0
+        features = self.fuse(target_out.hidden_states)  # (B, T, hidden)
+        feat = features.gather(1, anchor[..., None].expand(-1, -1, features.shape[-1]))
+        feat = torch.where(zero[..., None], feat, self.mask_feature().to(feat.dtype))
+        tokens = input_ids.gather(1, (anchor + 1).clamp(max=T - 1))
+        tokens = tokens.where(zero, self.config.mask_token_id)
+        a_q, a_k = anchor[:, :, None], anchor[:, None, :]
+        d_q, d_k = depth[:, :, None], depth[:, None, :]
+        allowed = ((d_k == 0) & (a_k <= a_q)) | ((a_k == a_q) & (d_k <= d_q))
+        allowed = (allowed & real[:, None, :]) | torch.eye(N, dtype=torch.bool, device=device)
+        mask = float_mask(allowed, feat.dtype)[:, None]  # (B, 1, N, N)
+        h = self.step(tokens, feat, anchor + depth, mask, None)  # (B, N, hidden)
+        p_at = (anchor + 1 + depth).clamp(max=T - 1)
+        p_logits = target_out.logits.gather(
+            1, p_at[..., None].expand(-1, -1, target_out.logits.shape[-1])
+        )  # (B, N, vocab)
+        ok = valid[torch.arange(B, device=device)[:, None], depth, anchor] & real
+        return {"logits": self.draft_logits(h), "p_logits": p_logits, "depth": depth, "valid": ok}
+
+    def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, Metrics]:
+        """Sum over the kept slots of KL(p || q): p the target's distribution at the slot's token,
+        restricted (and renormalised) to the draft vocabulary, q the head's; a slot whose target
+        argmax is outside the draft vocabulary adds 0. Over `loss_tokens(batch)` slots."""
+        s = self.slots(batch, target_out, self._keep(batch))
+        p_logits = s["p_logits"].float()
+        valid = s["valid"] & (self.t2d[p_logits.argmax(-1)] >= 0)
+        log_p = F.log_softmax(p_logits.index_select(-1, self.d2t), dim=-1)  # (B, N, Vd)
+        log_q = F.log_softmax(s["logits"].float(), dim=-1)
+        kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # (B, N)
+        agree = log_q.argmax(-1) == log_p.argmax(-1)
+        metrics: Metrics = {}
+        for d in range(self.config.num_depths):
+            at = valid & (s["depth"] == d)
+            metrics[f"loss_{d}"] = sum_and_count(kl, at)
+            metrics[f"top1_{d}"] = sum_and_count(agree, at)
+        return kl.where(valid, 0).sum(), metrics
+
+    @torch.no_grad()
+    def acceptance(
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(alpha summed, greedy agreement summed, count) per draft depth 1..min(gamma, K), with
+        every anchor's group drafted (no COD): alpha = sum_x min(p(x), q(x)), p the target's
+        softmax over the full vocabulary, q the head's mapped to it (0 outside the draft
+        vocabulary); greedy agreement: the head's argmax is the target's."""
+        depths = min(decode.gamma, self.config.num_depths)
+        S = batch["input_ids"].shape[1] - 1
+        keep = torch.ones(batch["input_ids"].shape[0], depths, S, dtype=torch.bool)
+        s = self.slots(batch, target_out, keep.to(batch["input_ids"].device))
+        p = F.softmax(s["p_logits"].float(), dim=-1)  # (B, N, V)
+        q = torch.zeros_like(p).index_copy_(-1, self.d2t, F.softmax(s["logits"].float(), -1))
+        alpha = torch.minimum(p, q).sum(-1)  # (B, N)
+        agree = self.d2t[s["logits"].argmax(-1)] == s["p_logits"].argmax(-1)
+        sums, greedy, counts = [], [], []
+        for d in range(depths):
+            at = s["valid"] & (s["depth"] == d)
+            sums.append((alpha * at).sum())
+            greedy.append((agree & at).sum().float())
+            counts.append(at.sum().float())
+        return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
+
+    # --- decoding ---------------------------------------------------------------------------
+
+    def new_session(
+        self,
+        target,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> PEagleSession:
+        return PEagleSession(self, target, sampling=sampling, decode=decode, generator=generator)
+
+    def ignored_settings(self, decode: DecodeConfig) -> list[str]:
+        ignored = Drafter.ignored_settings(self, decode)
+        K = self.config.num_depths
+        if not decode.chain:
+            ignored.append(
+                f"tree_top_k={decode.tree_top_k} is ignored by P-EAGLE: one forward drafts a "
+                "chain (tree_top_k=1)"
+            )
+        if decode.gamma > K:
+            ignored.append(
+                f"gamma={decode.gamma} is more than the {K} tokens one P-EAGLE forward drafts "
+                f"(drafter.num_depths): chains stop at {K}"
+            )
+        return ignored
+
+
+class PEagleSession(EagleSession):
+    """EAGLE-3's session (drafters/eagle_session.py: the head's context cache fed the target's
+    true features, cropped to them on every accept), whose proposal is one head pass: the
+    pending true pairs, then depth - 1 parallel slots; the slots' cache entries go with the crop.
+    """
+
+    def __init__(self, drafter: PEagleDrafter, target, **kwargs) -> None:
+        super().__init__(drafter, target, **kwargs)
+        with torch.no_grad():
+            w = self.w
+            if w is None:
+                self.mask_feature = drafter.mask_feature()
+            else:  # as the true features are fused while drafting
+                self.mask_feature = w.fuse(drafter.mask_hidden.to(w.layer.dtype))
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext) -> DraftTree:
+        seq = context.tokens  # (batch, length)
+        length = seq.shape[1]
+        self._base = length
+        K = self.head.config.num_depths
+        depth = min(self.decode.gamma, K, context.max_depth)
+        if self.features is None or depth <= 0:  # no features before the prompt's forward
+            return DraftTree.empty(seq.shape[0], seq.device)
+        if self._known != length - 1:
+            raise RuntimeError(
+                f"PEagleSession has the target's features of {self._known} positions but the "
+                f"context has {length}: the loop must call accept(tree, path, hidden_states) "
+                "after every verification forward"
+            )
+        if self.layer is None:  # room for the whole call and one group of slots
+            self._build(capacity=length + context.max_depth + K + 1)
+        # 1. One pass: the pairs with true features not yet cached (positions fed .. length - 2;
+        # the last holds the root), then depth - 1 slots at length - 1 .. length + depth - 3.
+        n_new, slots = length - 1 - self.fed, depth - 1
+        feats = self.features[:, :n_new]
+        feats = torch.cat([feats, self.mask_feature.to(feats.dtype).expand(1, slots, -1)], dim=1)
+        mask = torch.full((1, slots), self.head.config.mask_token_id, dtype=seq.dtype)
+        tokens = torch.cat([seq[:, self.fed + 1 : length], mask], dim=1).to(feats.device)
+        h = self._step(tokens, feats, self.fed)[:, -depth:]  # (1, depth, hidden)
+        self.fed, self.features = length - 1, self.features[:, n_new:]
+        logits = self._logits(h)  # (1, depth, draft vocab): slot d predicts x_{length + d}
+        # 2. The chain, drawn slot by slot (q recorded when sampling); a slot does not read the
+        # token drawn before it, so the step only hands over the next slot's logits.
+        return draft_chain(
+            logits[:, 0],
+            lambda token, i: logits[:, i + 1],
+            depth=depth,
+            sampling=self.sampling,
+            generator=self.generator,
+            stop_below=self.decode.stop_below,
+            vocab=self.vocab,
+        )
