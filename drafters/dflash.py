@@ -264,6 +264,12 @@ class DFlashDrafter(Drafter):
     def _copy_target_layers(self) -> None:
         """Start from the target's last num_layers layers: every tensor whose name and shape
         match (a Llama target has no q_norm/k_norm; they stay ones), and its final norm."""
+        if not self.target.complete:
+            raise ValueError(
+                f"drafter.init=target copies the target's decoder layers, and this copy of "
+                f"{self.target.name!r} holds only its embedding and LM head (offline or sharded "
+                "training): use drafter.init=random"
+            )
         top = list(self.target.layers)[-len(self.layers) :]
         for ours, theirs in zip(self.layers, top, strict=True):
             source = theirs.state_dict()

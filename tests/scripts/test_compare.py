@@ -37,7 +37,7 @@ SMALL = [
     "--target", "demo-tiny", "--budget-tokens", "2000", "--num-prompts", "2",
     "--max-new-tokens", "10", "--tune-prompts", "1",
 ]  # fmt: skip
-for family in ("distill", "eagle", "medusa", "layerskip"):
+for family in ("dflash", "distill", "eagle", "medusa", "layerskip"):
     # one thread each: the same arithmetic as the entry script's own process below
     SMALL += ["--set", f"{family}:data.max_samples=40", "--set", f"{family}:eval_batches=2",
               "--set", f"{family}:cpu_threads=1"]  # fmt: skip
@@ -47,16 +47,16 @@ PRECISIONS = ["--set", "distill:mixed_precision=bf16", "--set", "eagle:mixed_pre
 
 def test_every_family_trained_tuned_measured_and_reported(tmp_path, capsys):
     out = tmp_path / "compare"
-    # Medusa given a setting it refuses: reported as failed, the other three still run
+    # Medusa given a setting it refuses: reported as failed, the others still run
     bad = ["--set", "medusa:drafter.num_heads=0"]
     assert main([*SMALL, *TINY, *PRECISIONS, *bad, "--output", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
     rows = {r["family"]: r for r in report["families"]}
-    assert list(rows) == families() == ["distill", "eagle", "layerskip", "medusa"]
+    assert list(rows) == families() == ["dflash", "distill", "eagle", "layerskip", "medusa"]
     error = rows["medusa"]["error"]
     assert error.startswith("medusa: ConfigError:") and "num_heads" in error
     assert "Traceback" in (out / "medusa.log").read_text()  # the whole story, in its log
-    trained = ("distill", "eagle", "layerskip")
+    trained = ("dflash", "distill", "eagle", "layerskip")
     greedy = {r["name"]: r for r in report["greedy"]["runs"]}
     for family in trained:
         r = rows[family]
