@@ -66,6 +66,7 @@ from specdraft.formats.checkpoint import (
     _clear_leftovers,
     _replace_dir,
 )
+from specdraft.formats.dflash_export import speculators_format
 from specdraft.formats.eagle_export import EAGLE_FORMATS
 from specdraft.formats.export_formats import (
     ExportError,
@@ -414,6 +415,8 @@ FORMATS: dict[str, Format] = {
 
 
 FORMATS.update(EAGLE_FORMATS)
+# speculators' layout holds DFlash drafters too: one entry, each kind written and read by its own
+FORMATS["speculators"] = speculators_format(EAGLE_FORMATS["speculators"])
 
 
 # --- writing -----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from testkit import perturb
 
 from specdraft.core import DecodeConfig, DraftContext, SamplingSettings
 from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
-from specdraft.formats.checkpoint import save_drafter
+from specdraft.formats.checkpoint import CheckpointError, save_drafter
 from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
 from specdraft.targets.target import TargetError
@@ -276,3 +276,51 @@ def test_slot_weights_decay_from_slot_one(tiny_target):
 
     assert torch.allclose(weights(2.0), torch.exp(-torch.arange(3) / 2.0))
     assert torch.equal(weights(0.0), torch.ones(3))
+
+
+# -- export ----------------------------------------------------------------------------------
+
+
+def test_speculators_export_reads_back_with_identical_drafts(tiny_target, tmp_path):
+    """The speculators layout (speculators' own weight names, embedding and LM head left to the
+    verifier, fc's feature blocks in ascending layer order) loads back through load_drafter as
+    the same drafter: the same drafts and decoding settings, key for key."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from specdraft.formats.export import export_drafter
+    from specdraft.formats.export_formats import ExportError
+    from specdraft.formats.reading import load_decoding
+
+    torch.manual_seed(1)
+    drafter = DFlashDrafter.build(DFlashConfig(block_size=4, aux_layers=[1, 0]), tiny_target)
+    perturb(drafter.parameters(), 0.05)
+    drafter.eval()
+    decode = DecodeConfig(gamma=3, lookup_ngram=2)
+    out = export_drafter(drafter, tmp_path / "spec", "speculators",
+                         base_model_name_or_path=tiny_target.name, decode=decode)  # fmt: skip
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["block_size"] == 4
+    assert config["aux_hidden_state_layer_ids"] == [0, 1] and config["sample_from_anchor"] is False
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 1
+    names = set(load_file(out / "model.safetensors"))
+    assert names == set(drafter.state_dict()) and "embed_tokens.weight" not in names
+    back = load_drafter(out, tiny_target)
+    assert isinstance(back, DFlashDrafter) and back.config.aux_layers == [0, 1]
+    assert load_decoding(out) == decode
+    for temperature in (0.0, 1.0):
+        a = generate(tiny_target, PROMPTS[0], drafter, max_new_tokens=16, temperature=temperature, seed=2, gamma=3)  # fmt: skip
+        b = generate(tiny_target, PROMPTS[0], back, max_new_tokens=16, temperature=temperature, seed=2, gamma=3)  # fmt: skip
+        assert a.tokens.tolist() == b.tokens.tolist() and a.stats.drafted > 0
+        assert (a.stats.drafted, a.stats.accepted) == (b.stats.drafted, b.stats.accepted)
+    # a drafter reading one layer twice cannot be served: the engines capture each once
+    twice = DFlashDrafter.build(DFlashConfig(block_size=4, aux_layers=[1, 1]), tiny_target)
+    with pytest.raises(ExportError, match="a layer twice"):
+        export_drafter(twice, tmp_path / "bad", "speculators", base_model_name_or_path="x")
+    # a damaged folder is named, not misread
+    config["block_size"] = 1
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="block_size must be an integer >= 2"):
+        load_drafter(out, tiny_target)
