@@ -127,8 +127,8 @@ def test_every_family_trained_tuned_measured_and_reported(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--families", "eagle,speculators"], "choose from distill"),
-        (["--folder", "speculators=x"], "choose from distill"),
+        (["--families", "eagle,speculators"], "choose from dflash, distill"),
+        (["--folder", "speculators=x"], "choose from dflash, distill"),
         (["--budget-tokens", "0"], "must be >= 1"),
         (["--folder", "eagle"], "expected FAMILY=FOLDER"),
         (["--set", "eagle=lr=1"], "expected FAMILY:KEY=VALUE"),

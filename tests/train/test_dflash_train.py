@@ -71,6 +71,29 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tiny_target_path, tmp_path):
     assert states[0] == states[1] and len(states[0]) == 4
 
 
+def test_offline_training_from_the_hidden_cache_equals_online(tiny_target_path, tmp_path):
+    """scripts/dump_hidden_states.py --kind dflash stores the aux layers and the final state;
+    training from that cache gives the online run's losses and weights."""
+    from specdraft.scripts import dump_hidden_states
+
+    args = [
+        f"target={tiny_target_path}", "max_steps=2", "eval_every=2", "eval_batches=1",
+        "save_every=2", "eval_loop.enabled=false", *COMMON,
+    ]  # fmt: skip
+    cache = tmp_path / "cache"
+    assert dump_hidden_states.main(["--kind", "dflash", "--out", str(cache), "--dtype", "fp32", *args]) == 0  # fmt: skip
+    assert main([*args, f"output_dir={tmp_path / 'online'}"]) == 0
+    assert main([*args, f"output_dir={tmp_path / 'offline'}", f"hidden_cache={cache}"]) == 0
+    on, off = (
+        json.loads((tmp_path / d / "checkpoint-2" / "trainer_state.json").read_text())
+        for d in ("online", "offline")
+    )
+    assert off["losses"] == pytest.approx(on["losses"], rel=1e-5)
+    assert off["evals"][-1]["tau"] == pytest.approx(on["evals"][-1]["tau"], rel=1e-5)
+    a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("online", "offline"))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
 def test_the_step_loss_is_the_mean_over_every_scored_slot(tiny_target, tmp_path):
     """Two micro-batches of very different lengths: the trainer's first loss equals the sum of
     each example's loss alone (with the anchors prepare_batch gives it) over their scored slots."""
