@@ -19,6 +19,7 @@ from testkit import perturb
 from transformers import LlamaForCausalLM
 
 from specdraft.core import DecodeConfig
+from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.formats.export import export_drafter
@@ -127,6 +128,22 @@ def test_speculators_loads_the_peagle_export_and_drafts_as_we_do(target, tmp_pat
     code, report = run(folder, "speculators", tmp_path)
     assert code == 0 and report["ok"], capsys.readouterr().out
     assert [s["step"] for s in report["steps"]] == [0, 1, 2]  # --steps 3: depths 0, 1, 2
+    assert all(s["agree"] == s["positions"] > 100 for s in report["steps"])
+
+
+@engine("speculators")
+def test_speculators_loads_the_dflash_export_and_drafts_as_we_do(target, tmp_path, capsys):
+    """speculators' own DFlashDraftModel, on the same fused hidden states: every slot of the
+    block after every anchor of 4 prompts and their continuations, the same top-1 token, with
+    the aux layers given out of order (the export sorts them and fc's blocks with them)."""
+    path, t = target
+    torch.manual_seed(0)
+    drafter = DFlashDrafter.build(DFlashConfig(block_size=4, num_layers=2, aux_layers=[4, 1, 2]), t)
+    perturb(drafter.parameters(), 0.05)
+    folder = export(drafter, tmp_path / "spec", "speculators", path)
+    code, report = run(folder, "speculators", tmp_path)
+    assert code == 0 and report["ok"], capsys.readouterr().out
+    assert [s["step"] for s in report["steps"]] == [0, 1, 2]
     assert all(s["agree"] == s["positions"] > 100 for s in report["steps"])
 
 
