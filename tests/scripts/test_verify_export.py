@@ -153,20 +153,30 @@ def test_eagle_llm_loads_the_eagle1_export_and_decodes_as_we_do(target, tmp_path
     loader needs); the head's logits agree at every position, and eagenerate on a chain of 3
     gives our greedy output with the same accepted length at every step."""
     path, t = target
-    head = EagleDrafter.build(EagleConfig(version="eagle1"), t)
-    H = t.hidden_size
-    with torch.no_grad():  # h = f_t: drafts what the target just predicted
-        head.fc.weight.copy_(torch.cat([torch.zeros(H, H), torch.eye(H)], 1))
-        head.fc.bias.zero_()
-        head.layer.self_attn.o_proj.weight.zero_()
-        head.layer.mlp.down_proj.weight.zero_()
-    repeating(list(head.parameters()), 0.1)
-    code, report = run(export(head, tmp_path / "e1", "eagle", path), "eagle", tmp_path)
-    assert code == 0 and report["ok"], capsys.readouterr().out
-    assert report["steps"][0]["agree"] == report["steps"][0]["positions"] > 100
-    assert all(d["equal"] and d["accepted_equal"] for d in report["decoded"])
-    assert sum(d["drafted"] for d in report["decoded"]) > 0
-    varied(report)
+    # Where drafts are accepted in varied lengths sits on a knife edge of the noise, and the edge
+    # moves with the CPU's arithmetic (on an AVX2 EPYC 0.1 accepts exactly 1 token every step,
+    # 0.05 accepts 2 or 3): every level tried must agree with eagenerate, and one must vary.
+    reports = []
+    for noise in (0.05, 0.1, 0.03):
+        torch.manual_seed(0)
+        head = EagleDrafter.build(EagleConfig(version="eagle1"), t)
+        H = t.hidden_size
+        with torch.no_grad():  # h = f_t: drafts what the target just predicted
+            head.fc.weight.copy_(torch.cat([torch.zeros(H, H), torch.eye(H)], 1))
+            head.fc.bias.zero_()
+            head.layer.self_attn.o_proj.weight.zero_()
+            head.layer.mlp.down_proj.weight.zero_()
+        repeating(list(head.parameters()), noise)
+        folder = export(head, tmp_path / f"e1-{noise}", "eagle", path)
+        code, report = run(folder, "eagle", tmp_path)
+        assert code == 0 and report["ok"], capsys.readouterr().out
+        assert report["steps"][0]["agree"] == report["steps"][0]["positions"] > 100
+        assert all(d["equal"] and d["accepted_equal"] for d in report["decoded"])
+        assert sum(d["drafted"] for d in report["decoded"]) > 0
+        reports.append(report)
+        if len({a for d in report["decoded"] for a in d["ours"]}) > 1:
+            break
+    varied(reports[-1])
 
 
 @engine("medusa")
