@@ -95,7 +95,7 @@ def test_chunked_losses_and_gradients_equal_the_naive_ones(kind, chunk):
 def test_labels_only_and_given_target_logits(chunk):
     """Cross-entropy alone (hits against the label), and a target given as logits rather than
     states (target_head=None), over the whole vocabulary."""
-    hidden, weight, target, tw, labels, _ = setup(9, seed=1)
+    hidden, weight, target, _, labels, _ = setup(9, seed=1)
     out = token_losses(hidden, lambda h: h @ weight.T, labels=labels, top_k=1, chunk_tokens=chunk)
     log_q = F.log_softmax(hidden @ weight.T, -1)
     ce = (-log_q.gather(-1, labels.clamp(min=0)[:, None])[:, 0]).where(labels >= 0, 0)
