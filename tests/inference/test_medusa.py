@@ -147,7 +147,7 @@ def test_the_loss_equals_a_naive_per_head_loop(random_target, config):
     ],
     ids=["ce-draft-vocab", "kl-draft-vocab", "kl", "ce-shared"],
 )
-def test_the_chunked_loss_and_its_gradients_equal_the_naive_ones(random_target, config):
+def test_the_chunked_loss_and_its_gradients_equal_the_naive_ones(one_thread, random_target, config):
     """Chunks of every size give the unchunked loss and gradients (heads and the target's final
     states), masked positions and tokens outside the draft vocabulary included."""
     d2t = None

@@ -93,7 +93,9 @@ def test_loss_counts_only_loss_tokens_and_adds_cross_entropy(tiny_target):
 
 
 @pytest.mark.parametrize("divergence", ["fkl", "jsd", "tvd", "none"])
-def test_the_chunked_loss_and_its_gradients_equal_the_naive_ones(tiny_target, divergence):
+def test_the_chunked_loss_and_its_gradients_equal_the_naive_ones(
+    one_thread, tiny_target, divergence
+):
     """The divergence and cross-entropy computed a chunk of positions at a time, the target's
     logits made from its final states: the loss and gradients (the student's weights, the
     target's states) of the loss on whole logits, at temperature 2 with a masked prompt."""

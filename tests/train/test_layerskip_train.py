@@ -304,7 +304,7 @@ def test_the_loss_equals_a_per_sample_reference_loop(tiny_target, distill):
 
 
 @pytest.mark.parametrize("distill", [0.0, 0.6])
-def test_the_chunked_loss_and_its_gradients_equal_the_naive_ones(tiny_target, distill):
+def test_the_chunked_loss_and_its_gradients_equal_the_naive_ones(one_thread, tiny_target, distill):
     """Every exit's cross-entropy (and the self-distillation to the final exit) computed a chunk
     of positions at a time: the same loss and gradients for every weight, the shared LM head
     included, with padding, a prompt without loss and layer dropout."""
