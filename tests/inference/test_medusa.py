@@ -322,3 +322,24 @@ def test_medusa2_evaluation_reuses_one_target_pass(monkeypatch):
         given = heads(batch, out)[0]
     assert calls == []
     torch.testing.assert_close(given, trained.detach())
+
+
+@pytest.mark.parametrize("target_loss", ["lm", "kl"])
+def test_medusa2_chunked_loss_and_gradients_equal_the_naive_ones(one_thread, target_loss):
+    """Medusa-2's whole loss, its target term (the fine-tuned target's cross-entropy, or its KL
+    from the base with the adapters off) included, computed a chunk of positions at a time:
+    the unchunked loss and gradients, the adapters' and the heads'."""
+    from spec_helpers import make_target, tiny_llama
+
+    from specdraft.drafters.base import LoraConfig
+
+    target = make_target(tiny_llama(384, seed=5))
+    config = MedusaConfig(
+        num_heads=2, lora=LoraConfig(rank=2, dropout=0.0), target_loss=target_loss
+    )
+    torch.manual_seed(0)
+    heads = MedusaDrafter.build(config, target).train()
+    perturb(heads.parameters(), 0.1)  # the adapters' B starts at 0: let them matter
+    batch, _ = batch_and_target_out(target)
+    assert any(n.startswith("lora.") for n, p in heads.named_parameters() if p.requires_grad)
+    assert_chunking_exact(heads, lambda: heads(batch, None)[0])
