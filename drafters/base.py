@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
+from specdraft.losses import DEFAULT_CHUNK_TOKENS
 
 
 class DraftSession:
@@ -119,6 +120,14 @@ class Drafter(nn.Module):
     # True when the loss runs the target itself (Medusa-2's adapters, LayerSkip): the trainer
     # then hands it no target forward while training.
     runs_target: bool = False
+    # Positions whose vocabulary-wide logits the loss computes at once (specdraft/losses.py);
+    # 0: all of them. The trainer sets the run's `loss_chunk_tokens`.
+    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    # False: the loss computes the target's logits itself, a chunk at a time, from the target's
+    # final normed state (layer L), which the trainer then captures beside `capture_layers`;
+    # its training forward keeps only the last position's logits, so the target's
+    # (batch, seq, vocab) logits are never made. Evaluation's forward gives them all.
+    reads_target_logits: bool = True
     # The drafter is the target itself (LayerSkip): load_drafter builds it on the target given,
     # whose fingerprint must be the folder's, and a folder of it is its own target.
     uses_target_weights: ClassVar[bool] = False

@@ -9,9 +9,9 @@ a plain HF model folder, so it also serves as `generate(assistant_model=...)` in
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,8 @@ from specdraft.drafters.lean import (
     lean_model_supported,
     use_int8,
 )
+from specdraft.losses import divergence_per_row, token_losses
+from specdraft.targets.target import final_logits
 
 # --- config ------------------------------------------------------------------------------------
 
@@ -207,12 +209,22 @@ class DistillDrafter(Drafter):
     # drafts as this kind. The loss needs only the target's logits, no hidden states.
     wraps_hf_models = True
 
-    def __init__(self, hf_model: PreTrainedModel, config: DistillConfig | None = None) -> None:
+    def __init__(
+        self, hf_model: PreTrainedModel, config: DistillConfig | None = None, target=None
+    ) -> None:
         super().__init__()
         self.hf_model = hf_model
         # A plain HF folder loaded for inference has no training config: the defaults describe it.
         self.config = config if config is not None else DistillConfig()
         self._drafting = SharedWeights()  # drafting_weights' cache
+        # The target whose LM head the loss applies to the target's final states, a chunk at a
+        # time: a plain attribute, neither trained nor saved. Without one (a student loaded to
+        # decode) or with a ZeRO-3 shard of it (no whole LM head) the loss reads the target's
+        # logits from its forward instead.
+        self.target = target if target is not None and target.complete else None
+        if self.target is not None:
+            self.capture_layers = [self.target.num_layers]
+            self.reads_target_logits = False
 
     def as_hf_model(self) -> PreTrainedModel:
         return self.hf_model
@@ -284,7 +296,7 @@ class DistillDrafter(Drafter):
 
     @classmethod
     def build(cls, config: DistillConfig, target) -> DistillDrafter:
-        return cls(build_student(config, target), config)
+        return cls(build_student(config, target), config, target)
 
     @classmethod
     def from_checkpoint(cls, config: DistillConfig, target, hf_model) -> DistillDrafter:
@@ -297,24 +309,37 @@ class DistillDrafter(Drafter):
     def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, Metrics]:
         """Sum over the batch's loss tokens of the divergence (+ ce_weight * cross-entropy), over
         `loss_tokens(batch)` tokens. Position t's logits predict token t + 1, so the loss at t
-        counts where loss_mask[t + 1].
+        counts where loss_mask[t + 1]. The student's LM head (and the target's, on its final
+        states) run inside specdraft/losses.py, `loss_chunk_tokens` positions at a time.
         """
         cfg = self.config
-        student_logits, target_logits, labels = self._aligned(batch, target_out)
+        input_ids, mask = batch["input_ids"], batch["attention_mask"]
+        keep = batch["loss_mask"][:, 1:].bool()  # (b, s - 1): token t + 1 is a target
+        out = self.hf_model(
+            input_ids=input_ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1
+        )
+        student = out.hidden_states[-1][:, :-1][keep]  # (n, hidden): the final normed states
+        final = target_out.hidden_states.get(self.target.num_layers) if self.target else None
+        if final is not None:
+            target, target_head = final[:, :-1][keep], self.target.lm_head
+        else:  # the target's logits as its forward gave them
+            target, target_head = target_out.logits[:, :-1][keep], None
+        scored = token_losses(
+            student, partial(final_logits, self.hf_model), labels=input_ids[:, 1:][keep],
+            target=target, target_head=target_head,
+            divergence="fkl" if cfg.divergence == "none" else cfg.divergence,
+            temperature=cfg.temperature, beta=cfg.jsd_beta, top_k=1,
+            chunk_tokens=self.loss_chunk_tokens,
+        )  # fmt: skip
         metrics: Metrics = {}
-        loss = student_logits.new_zeros((), dtype=torch.float32)
+        loss = scored.ce.new_zeros(())
         if cfg.divergence != "none":
-            div = divergence(
-                target_logits, student_logits, cfg.divergence, cfg.temperature, cfg.jsd_beta
-            )
-            metrics[f"loss_{cfg.divergence}"] = sum_and_count(div)
-            loss = loss + div.sum()
-        ce = F.cross_entropy(student_logits.float(), labels, reduction="none")
-        metrics["loss_ce"] = sum_and_count(ce)
+            metrics[f"loss_{cfg.divergence}"] = sum_and_count(scored.divergence)
+            loss = loss + scored.divergence.sum()
+        metrics["loss_ce"] = sum_and_count(scored.ce)
         if cfg.ce_weight > 0:
-            loss = loss + cfg.ce_weight * ce.sum()
-        agree = student_logits.argmax(-1) == target_logits.argmax(-1)
-        metrics["top1_agreement"] = sum_and_count(agree)
+            loss = loss + cfg.ce_weight * scored.ce.sum()
+        metrics["top1_agreement"] = sum_and_count(scored.hits[:, 0])
         return loss, metrics
 
     @torch.no_grad()
@@ -401,23 +426,7 @@ def divergence(
     """
     log_p = F.log_softmax(target_logits.float() / temperature, dim=-1)
     log_q = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    p, q = log_p.exp(), log_q.exp()
-    if kind == "fkl":
-        return (p * (log_p - log_q)).sum(-1)
-    if kind == "rkl":
-        return (q * (log_q - log_p)).sum(-1)
-    if kind == "jsd":
-        if beta in (0.0, 1.0):
-            return torch.zeros_like(log_p[..., 0])  # m equals p or q: both terms vanish
-        log_m = torch.logsumexp(
-            torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), dim=0
-        )
-        kl_pm = (p * (log_p - log_m)).sum(-1)
-        kl_qm = (q * (log_q - log_m)).sum(-1)
-        return beta * kl_pm + (1 - beta) * kl_qm
-    if kind == "tvd":
-        return 0.5 * (p - q).abs().sum(-1)
-    raise ValueError(f"unknown divergence {kind!r}; use fkl | rkl | jsd | tvd")
+    return divergence_per_row(log_p, log_q, kind, beta)
 
 
 def simulated_alpha(target_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:

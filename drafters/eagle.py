@@ -52,6 +52,7 @@ from specdraft.drafters.lean import (
     SharedWeights,
     lean_supported,
 )
+from specdraft.losses import token_losses
 
 # --- config ------------------------------------------------------------------------------------
 
@@ -501,7 +502,13 @@ class EagleDrafter(Drafter):
     # --- loss: training-time test ----------------------------------------------------------------
 
     def unroll(
-        self, batch: Mapping[str, torch.Tensor], target_out, steps: int, *, dense: bool = False
+        self,
+        batch: Mapping[str, torch.Tensor],
+        target_out,
+        steps: int,
+        *,
+        dense: bool = False,
+        logits: bool = True,
     ) -> list[dict[str, torch.Tensor]]:
         """Run the head `steps` steps on its own outputs, all positions at once.
 
@@ -509,8 +516,10 @@ class EagleDrafter(Drafter):
         f_t for k = 0, else the head's own h from step k - 1 at t; it attends to step 0's keys at
         positions <= t and to steps 1..k at t only (exactly what the head's KV cache holds while
         drafting), at position id t + k. Its target is the target's distribution at t + 1 + k.
-        Returns per step: h (batch, S, hidden), logits (batch, S, draft vocab), p_logits
-        (batch, S, vocab), valid (batch, S) bool, and the next true feature (batch, S, hidden).
+        Returns per step: h (batch, S, hidden), logits (batch, S, draft vocab; logits=False:
+        left out, for the loss, which makes them a chunk at a time), p_at (S,) the position of
+        the target's distribution each position learns, valid (batch, S) bool, and the next
+        true feature (batch, S, hidden).
 
         Step k's attention runs through `ttt_attention`, which knows this structure (causal over
         step 0, one key per earlier step at t itself) and never builds the (S, (k + 1) S) mask;
@@ -541,13 +550,10 @@ class EagleDrafter(Drafter):
                 mask = float_mask(allowed, dtype)[None, None].expand(B, 1, -1, -1)
             positions = (t + k)[None].expand(B, S)
             h = self.step(input_ids[:, idx], feature, positions, mask, cache)  # (B, S, hidden)
-            out.append({
-                "h": h,
-                "logits": self.draft_logits(h),
-                "p_logits": target_out.logits[:, idx],
-                "valid": valid,
-                "next_feature": features[:, idx],
-            })  # fmt: skip
+            step = {"h": h, "p_at": idx, "valid": valid, "next_feature": features[:, idx]}
+            if logits:
+                step["logits"] = self.draft_logits(h)
+            out.append(step)
             feature = h
         return out
 
@@ -559,39 +565,63 @@ class EagleDrafter(Drafter):
         eagle3: soft cross-entropy to the target distribution restricted (and renormalised) to
         the draft vocabulary; positions whose target argmax is outside it add 0.
         eagle1: reg_weight * smooth-L1(h, next feature) + cls_weight * soft cross-entropy to p.
+        The head's logits and the target's (from its final states and LM head) are made inside
+        specdraft/losses.py, `loss_chunk_tokens` positions of a step at a time.
         """
         cfg = self.config
         total = None
         metrics: Metrics = {}
-        for k, s in enumerate(self.unroll(batch, target_out, cfg.ttt_steps)):
-            per_token, agree, valid = self._step_loss(s)
-            step_sum = per_token.where(valid, 0).sum() * cfg.ttt_decay**k
+        for k, s in enumerate(self.unroll(batch, target_out, cfg.ttt_steps, logits=False)):
+            valid = s["valid"]  # (B, S)
+            rows, at = valid.nonzero(as_tuple=True)  # the scored positions, (n,) each
+            target, target_head = self._target_rows(target_out, rows, s["p_at"][at])
+            scored = token_losses(
+                s["h"][valid], self.draft_logits, target=target, target_head=target_head,
+                target_rows=self.d2t if self.reduced_vocab else None, divergence="soft_ce",
+                top_k=1, chunk_tokens=self.loss_chunk_tokens,
+            )  # fmt: skip
+            # eagle3: the target's argmax must be draftable, else the restricted target is
+            # meaningless
+            keep = scored.target_token >= 0
+            per_token = scored.divergence  # (n,)
+            if cfg.version == "eagle1":
+                reg = F.smooth_l1_loss(
+                    s["h"][valid].float(), s["next_feature"][valid].float(), reduction="none"
+                ).mean(-1)
+                per_token = cfg.reg_weight * reg + cfg.cls_weight * per_token
+            step_sum = per_token.where(keep, 0).sum() * cfg.ttt_decay**k
             total = step_sum if total is None else total + step_sum
-            metrics[f"loss_{k}"] = sum_and_count(per_token, valid)
-            metrics[f"top1_{k}"] = sum_and_count(agree, valid)
+            metrics[f"loss_{k}"] = sum_and_count(per_token, keep)
+            metrics[f"top1_{k}"] = sum_and_count(scored.hits[:, 0], keep)
         return total, metrics
 
     def loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Step 0 scores token t + 2 from position t: the loss tokens from the third on."""
         return batch["loss_mask"][:, 2:].sum().float()
 
-    def _step_loss(self, s: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """(loss, top-1 agreement, valid) per position of one unrolled step, each (B, S)."""
-        cfg = self.config
-        p_logits = s["p_logits"].float()  # (B, S, V)
-        valid = s["valid"]
-        if cfg.version == "eagle3":
-            # the target's argmax must be draftable, else the restricted target is meaningless
-            valid = valid & (self.t2d[p_logits.argmax(-1)] >= 0)
-            p_logits = p_logits.index_select(-1, self.d2t)  # (B, S, Vd): restricted
-        log_q = F.log_softmax(s["logits"].float(), dim=-1)
-        p = F.softmax(p_logits, dim=-1)
-        ce = -(p * log_q).sum(-1)  # (B, S)
-        agree = log_q.argmax(-1) == p_logits.argmax(-1)
-        if cfg.version == "eagle3":
-            return ce, agree, valid
-        reg = F.smooth_l1_loss(s["h"].float(), s["next_feature"].float(), reduction="none").mean(-1)
-        return cfg.reg_weight * reg + cfg.cls_weight * ce, agree, valid
+    @property
+    def reduced_vocab(self) -> bool:
+        """An EAGLE-3 head whose draft vocabulary is part of the target's."""
+        return self.config.version == "eagle3" and len(self.d2t) < self.target.vocab_size
+
+    @property
+    def reads_target_logits(self) -> bool:
+        """The loss makes the target's logits from its final state with the LM head of the
+        head's copy of the target, unless that copy let its LM head go (a ZeRO-3 EAGLE-3 run,
+        train/eagle.py: the sharded forward gives the logits)."""
+        return self.target.model.get_output_embeddings().weight.is_meta
+
+    def _target_rows(self, target_out, rows: torch.Tensor, at: torch.Tensor):
+        """(the target's final states at batch rows `rows`, positions `at`, the function that
+        makes its logits), or its logits there and None where the forward brought no final
+        state or this head's copy of the target has no LM head."""
+        final = target_out.hidden_states.get(self.target.num_layers)
+        if final is None or self.reads_target_logits:
+            return target_out.logits[rows, at], None
+        return final[rows, at], self._target_logits
+
+    def _target_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.target.lm_head(h.to(self.target.dtype))
 
     @torch.no_grad()
     def acceptance(
@@ -607,7 +637,8 @@ class EagleDrafter(Drafter):
         """
         sums, greedy, counts = [], [], []
         for s in self.unroll(batch, target_out, decode.gamma):
-            p = F.softmax(s["p_logits"].float(), dim=-1)  # (B, S, V)
+            p_logits = target_out.logits[:, s["p_at"]]  # (B, S, V)
+            p = F.softmax(p_logits.float(), dim=-1)
             q_draft = F.softmax(s["logits"].float(), dim=-1)
             if self.config.version == "eagle3":
                 q = torch.zeros_like(p).index_copy_(-1, self.d2t, q_draft)
@@ -616,7 +647,7 @@ class EagleDrafter(Drafter):
             alpha = torch.minimum(p, q).sum(-1)  # (B, S)
             best = s["logits"].argmax(-1)
             best = self.d2t[best] if self.config.version == "eagle3" else best
-            agree = best == s["p_logits"].argmax(-1)  # (B, S)
+            agree = best == p_logits.argmax(-1)  # (B, S)
             sums.append((alpha * s["valid"]).sum())
             greedy.append((agree & s["valid"]).sum().float())
             counts.append(s["valid"].sum().float())

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdraft.attention import FULL, SLIDING, AttentionLayout, causal_masks
@@ -50,6 +49,7 @@ from specdraft.drafters.base import (
     sum_and_count,
 )
 from specdraft.drafters.distill import simulated_alpha
+from specdraft.losses import token_losses
 from specdraft.targets.target import (
     TargetError,
     final_logits,
@@ -499,7 +499,9 @@ class LayerSkipDrafter(Drafter):
     ) -> tuple[torch.Tensor, Metrics]:
         """The weighted early-exit cross-entropy summed over the loss tokens (position t
         predicts t + 1 where loss_mask[t + 1]); with exit_distill d, a non-final exit's is
-        (1 - d) * CE(labels) + d * CE(the final layer's distribution, detached)."""
+        (1 - d) * CE(labels) + d * CE(the final layer's distribution, detached). The shared LM
+        head runs inside specdraft/losses.py, `loss_chunk_tokens` positions at a time, once per
+        exit: no exit's (tokens, vocab) logits exist whole."""
         if self.training:
             exits = active_exits(self.config, self.num_layers, self._step, self._max_steps)
         else:
@@ -514,19 +516,19 @@ class LayerSkipDrafter(Drafter):
         loss = states[exits[-1]].new_zeros((), dtype=torch.float32)
         metrics: Metrics = {}
         last, distill = exits[-1], self.config.exit_distill
-        final = lm_head(states[last][:, :-1][keep]).float()
-        soft_target = None
-        if distill > 0 and len(exits) > 1:
-            soft_target = F.softmax(final.detach(), dim=-1)
+        final = states[last][:, :-1][keep]  # (tokens, hidden)
         for e in exits:
-            logits = final if e == last else lm_head(states[e][:, :-1][keep]).float()
-            log_q = F.log_softmax(logits, dim=-1)  # once per exit: (tokens, vocab) is large
-            ce = F.nll_loss(log_q, labels, reduction="none")
+            soft = e != last and distill > 0
+            scored = token_losses(
+                final if e == last else states[e][:, :-1][keep], lm_head, labels=labels,
+                target=final.detach() if soft else None, target_head=lm_head,
+                divergence="soft_ce", chunk_tokens=self.loss_chunk_tokens,
+            )  # fmt: skip
+            ce = scored.ce
             metrics[f"loss_exit{e}"] = sum_and_count(ce)
-            if e != last and soft_target is not None:
-                soft = -(soft_target * log_q).sum(-1)
-                metrics[f"distill_exit{e}"] = sum_and_count(soft)
-                ce = (1 - distill) * ce + distill * soft
+            if soft:
+                metrics[f"distill_exit{e}"] = sum_and_count(scored.divergence)
+                ce = (1 - distill) * ce + distill * scored.divergence
             loss = loss + weights[e] * ce.sum()
         return loss, metrics
 

@@ -37,6 +37,7 @@ from specdraft.drafters.base import (
 )
 from specdraft.drafters.lean import SharedWeights
 from specdraft.drafters.medusa_session import MedusaSession, expected_length, tree_paths
+from specdraft.losses import token_losses
 from specdraft.targets.target import adapter_hash
 
 # --- config ------------------------------------------------------------------------------------
@@ -185,6 +186,8 @@ class MedusaDrafter(Drafter):
     # from them (tree_paths). Folders written before they moved there hold them as weights.
     heldout_weights = ("accuracy_greedy", "accuracy_sampled")
     decode_class = MedusaDecode
+    # the loss (kl) makes the target's logits from its final state, which it reads anyway
+    reads_target_logits = False
 
     def __init__(self, config: MedusaConfig, target, d2t: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -338,11 +341,25 @@ class MedusaDrafter(Drafter):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(..., hidden) final normed target states -> (num_heads, ..., draft vocab) logits."""
+        x = self.features(h)
+        return torch.stack([self.output(k)(x[k]) for k in range(len(self.heads))])
+
+    def features(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) final normed target states -> (num_heads, ..., hidden): each head's
+        blocks, before its output layer."""
         dtype = self.heads[0].blocks[0].linear.weight.dtype
-        x = torch.stack([head.features(h.to(dtype)) for head in self.heads])
+        return torch.stack([head.features(h.to(dtype)) for head in self.heads])
+
+    def output(self, k: int):
+        """Head k's output layer, (..., hidden) -> (..., draft vocab) logits: its own, or the
+        target's LM head (output=shared)."""
         if self.config.output == "shared":
-            return self.target.lm_head(x.to(self.target.dtype)).to(x.dtype)
-        return torch.stack([head.out(x[k]) for k, head in enumerate(self.heads)])
+            return lambda x: self.target.lm_head(x.to(self.target.dtype)).to(x.dtype)
+        return self.heads[k].out
+
+    def _target_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's logits from its final normed states (the teacher of loss=kl)."""
+        return self.target.lm_head(h.to(self.target.dtype))
 
     def forward(
         self, batch: Mapping[str, torch.Tensor], target_out=None
@@ -355,13 +372,13 @@ class MedusaDrafter(Drafter):
         if self.peft is None:
             return self.loss(batch, target_out)
         out = target_out
-        if out is None:
+        if out is None:  # the logits come from the final state, a chunk at a time (_target_term)
             out = self.target.forward_with_grad(
                 batch["input_ids"], attention_mask=batch["attention_mask"],
-                capture_layers=self.capture_layers,
+                capture_layers=self.capture_layers, logits_to_keep=1,
             )  # fmt: skip
         heads_sum, metrics = self.loss(batch, out)
-        target_sum = self._target_term(batch, out.logits)
+        target_sum = self._target_term(batch, out)
         metrics["loss_heads"] = (heads_sum.detach(), batch["loss_mask"][:, 2:].sum().float())
         metrics["loss_target"] = (target_sum.detach(), batch["loss_mask"][:, 1:].sum().float())
         return target_sum + self.config.heads_weight * heads_sum, metrics
@@ -371,21 +388,34 @@ class MedusaDrafter(Drafter):
         third on; Medusa-2: its target term scores every loss token."""
         return batch["loss_mask"][:, 1 if self.peft is not None else 2 :].sum().float()
 
-    def _target_term(self, batch: Mapping[str, torch.Tensor], logits: torch.Tensor) -> torch.Tensor:
+    def _target_term(self, batch: Mapping[str, torch.Tensor], out) -> torch.Tensor:
         """Medusa-2's term for the fine-tuned target's own next-token predictions, summed over
-        the loss tokens: cross-entropy on the data (lm) or KL from the frozen base (kl)."""
-        log_q = F.log_softmax(logits[:, :-1].float(), dim=-1)  # (B, T - 1, V)
+        the loss tokens: cross-entropy on the data (lm) or KL from the frozen base (kl). The
+        logits come from the final states (`out`'s, and the base's), a chunk at a time."""
         keep = batch["loss_mask"][:, 1:].bool()
+        L = self.target.num_layers
+        h = out.hidden_states[L][:, :-1][keep]  # (n, hidden), with gradients into the adapters
         if self.config.target_loss == "lm":
-            per_token = -log_q.gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
-        else:
-            with torch.no_grad(), self.peft.disable_adapter():
-                base = self.target.forward(
-                    batch["input_ids"], attention_mask=batch["attention_mask"]
-                )
-            log_p = F.log_softmax(base.logits[:, :-1].float(), dim=-1)
-            per_token = (log_p.exp() * (log_p - log_q)).sum(-1)
-        return per_token.where(keep, 0).sum()
+            labels = batch["input_ids"][:, 1:][keep]
+            scored = token_losses(
+                h, self.target.lm_head, labels=labels, chunk_tokens=self.loss_chunk_tokens
+            )
+            return scored.ce.sum()
+        with torch.no_grad(), self.peft.disable_adapter():
+            base = self.target.forward(
+                batch["input_ids"], attention_mask=batch["attention_mask"], capture_layers=[L],
+                logits_to_keep=1,
+            )  # fmt: skip
+
+        def base_logits(x: torch.Tensor) -> torch.Tensor:
+            with self.peft.disable_adapter():  # an adapter on the LM head is off for the base
+                return self.target.lm_head(x)
+
+        scored = token_losses(
+            h, self.target.lm_head, target=base.hidden_states[L][:, :-1][keep],
+            target_head=base_logits, divergence="fkl", chunk_tokens=self.loss_chunk_tokens,
+        )  # fmt: skip
+        return scored.divergence.sum()
 
     def _target_out(self, batch: Mapping[str, torch.Tensor], target_out):
         """The target's output for measuring: the one given, or (Medusa-2) the fine-tuned
@@ -436,17 +466,47 @@ class MedusaDrafter(Drafter):
         renormalised to the draft vocabulary as EAGLE-3 does.
         Logged per head: loss_k, top1_k and top5_k (the data's token, or the target's argmax for
         kl, among the head's best 1 / 5).
+        The heads' output layers (and, for kl, the target's LM head on its final states) run
+        inside specdraft/losses.py, `loss_chunk_tokens` positions at a time.
         """
         cfg = self.config
+        target_out = self._target_out(batch, target_out)
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        T = input_ids.shape[1]
+        h = target_out.hidden_states[self.capture_layers[0]]  # (batch, T, hidden)
+        x = self.features(h[:, : max(T - 2, 0)])  # (K, batch, T - 2, hidden)
         total = None
         metrics: Metrics = {}
-        for k, s in enumerate(self.per_head(batch, target_out)):
-            per_token, top1, top5, valid = self._head_loss(s)
-            weighted = per_token.where(valid, 0).sum() * cfg.loss_decay**k
+        for k in range(cfg.num_heads):
+            S = T - 2 - k
+            if S <= 0:  # sequences too short for this head
+                break
+            valid = loss_mask[:, 2 + k : 2 + k + S]  # (batch, S): x_{t+2+k} is a loss token
+            if cfg.loss == "ce":
+                label = self.t2d[input_ids[:, 2 + k : 2 + k + S][valid]]  # -1: not draftable
+                scored = token_losses(
+                    x[k, :, :S][valid], self.output(k), labels=label, top_k=5,
+                    chunk_tokens=self.loss_chunk_tokens,
+                )  # fmt: skip
+                per_token = scored.ce
+            else:
+                # the target's distribution at t + 1 + k, which predicts the same token: a
+                # teacher, also when the target trains (detached). Its argmax must be
+                # draftable, else the restricted target is meaningless (label -1).
+                scored = token_losses(
+                    x[k, :, :S][valid], self.output(k),
+                    target=h[:, 1 + k : 1 + k + S][valid].detach(),
+                    target_head=self._target_logits,
+                    target_rows=self.d2t if self.reduced_vocab else None, divergence="fkl",
+                    top_k=5, chunk_tokens=self.loss_chunk_tokens,
+                )  # fmt: skip
+                per_token, label = scored.divergence, scored.target_token
+            keep = label >= 0  # (n,)
+            weighted = per_token.where(keep, 0).sum() * cfg.loss_decay**k
             total = weighted if total is None else total + weighted
-            metrics[f"loss_{k}"] = sum_and_count(per_token, valid)
-            metrics[f"top1_{k}"] = sum_and_count(top1, valid)
-            metrics[f"top5_{k}"] = sum_and_count(top5, valid)
+            metrics[f"loss_{k}"] = sum_and_count(per_token, keep)
+            metrics[f"top1_{k}"] = sum_and_count(scored.hits[:, 0], keep)
+            metrics[f"top5_{k}"] = sum_and_count(scored.hits.any(-1), keep)
         if total is None:
             raise ValueError(
                 f"the batch's sequences ({batch['input_ids'].shape[1]} tokens) are too short for "
@@ -457,25 +517,6 @@ class MedusaDrafter(Drafter):
             for name in ("loss", "top1", "top5"):  # reduces the same figures, so none waits
                 metrics.setdefault(f"{name}_{k}", (zero, zero))
         return total, metrics
-
-    def _head_loss(self, s: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """(loss, top-1 hit, top-5 hit, valid) per position of one head, each (B, S)."""
-        log_q = F.log_softmax(s["logits"].float(), dim=-1)  # (B, S, Vd)
-        valid = s["valid"]
-        if self.config.loss == "ce":
-            label = self.t2d[s["labels"]]  # (B, S) draft ids, -1 outside the draft vocabulary
-            valid = valid & (label >= 0)
-            per_token = -log_q.gather(-1, label.clamp(min=0)[..., None])[..., 0]
-        else:
-            p_logits = s["p_logits"].float()
-            # the target's argmax must be draftable, else the restricted target is meaningless
-            label = self.t2d[p_logits.argmax(-1)]
-            valid = valid & (label >= 0)
-            log_p = F.log_softmax(p_logits.index_select(-1, self.d2t), dim=-1)
-            per_token = (log_p.exp() * (log_p - log_q)).sum(-1)  # KL(p || q), (B, S)
-        top5 = log_q.topk(min(5, log_q.shape[-1]), dim=-1).indices  # (B, S, 5)
-        hit = top5 == label.clamp(min=0)[..., None]
-        return per_token, hit[..., 0], hit.any(-1), valid
 
     # --- what evaluation measures -----------------------------------------------------------------
 

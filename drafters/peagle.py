@@ -50,6 +50,7 @@ from specdraft.core import (
 from specdraft.drafters.base import Drafter, Metrics, sum_and_count
 from specdraft.drafters.eagle import EagleDrafter, default_feature_layers
 from specdraft.drafters.eagle_session import EagleSession
+from specdraft.losses import token_losses
 
 # --- config ------------------------------------------------------------------------------------
 
@@ -246,14 +247,20 @@ class PEagleDrafter(EagleDrafter):
         return (self._keep(batch) & valid).sum().float()
 
     def slots(
-        self, batch: Mapping[str, torch.Tensor], target_out, keep: torch.Tensor
+        self,
+        batch: Mapping[str, torch.Tensor],
+        target_out,
+        keep: torch.Tensor,
+        logits: bool = True,
     ) -> dict[str, torch.Tensor]:
         """Run the head over every kept slot of the batch at once, each row's slots flattened
         depth by depth (padded to the longest row) with the attention P-EAGLE's drafting has:
         a slot (anchor a, depth d) sees depth 0 at anchors <= a and its own group's depths <= d.
 
-        Returns, per flattened slot (batch, N): logits (draft vocab), p_logits (the target's at
-        a + 1 + d), depth, and valid (kept, real, its token scored).
+        Returns, per flattened slot (batch, N): h (hidden), logits (draft vocab; logits=False:
+        left out, for the loss, which makes them a chunk at a time), p_at (the position
+        a + 1 + d of the target's distribution it learns), depth, and valid (kept, real, its
+        token scored).
         """
         input_ids = batch["input_ids"]
         B, T = input_ids.shape
@@ -279,29 +286,32 @@ class PEagleDrafter(EagleDrafter):
         allowed = (allowed & real[:, None, :]) | torch.eye(N, dtype=torch.bool, device=device)
         mask = float_mask(allowed, feat.dtype)[:, None]  # (B, 1, N, N)
         h = self.step(tokens, feat, anchor + depth, mask, None)  # (B, N, hidden)
-        p_at = (anchor + 1 + depth).clamp(max=T - 1)
-        p_logits = target_out.logits.gather(
-            1, p_at[..., None].expand(-1, -1, target_out.logits.shape[-1])
-        )  # (B, N, vocab)
+        p_at = (anchor + 1 + depth).clamp(max=T - 1)  # (B, N)
         ok = valid[torch.arange(B, device=device)[:, None], depth, anchor] & real
-        return {"logits": self.draft_logits(h), "p_logits": p_logits, "depth": depth, "valid": ok}
+        out = {"h": h, "p_at": p_at, "depth": depth, "valid": ok}
+        if logits:
+            out["logits"] = self.draft_logits(h)
+        return out
 
     def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, Metrics]:
         """Sum over the kept slots of KL(p || q): p the target's distribution at the slot's token,
         restricted (and renormalised) to the draft vocabulary, q the head's; a slot whose target
         argmax is outside the draft vocabulary adds 0. Over `loss_tokens(batch)` slots."""
-        s = self.slots(batch, target_out, self._keep(batch))
-        p_logits = s["p_logits"].float()
-        valid = s["valid"] & (self.t2d[p_logits.argmax(-1)] >= 0)
-        log_p = F.log_softmax(p_logits.index_select(-1, self.d2t), dim=-1)  # (B, N, Vd)
-        log_q = F.log_softmax(s["logits"].float(), dim=-1)
-        kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # (B, N)
-        agree = log_q.argmax(-1) == log_p.argmax(-1)
+        s = self.slots(batch, target_out, self._keep(batch), logits=False)
+        rows, slot = s["valid"].nonzero(as_tuple=True)  # the scored slots, (n,) each
+        target, target_head = self._target_rows(target_out, rows, s["p_at"][rows, slot])
+        scored = token_losses(
+            s["h"][rows, slot], self.draft_logits, target=target, target_head=target_head,
+            target_rows=self.d2t if self.reduced_vocab else None, divergence="fkl", top_k=1,
+            chunk_tokens=self.loss_chunk_tokens,
+        )  # fmt: skip
+        valid = scored.target_token >= 0  # (n,): the target's argmax is draftable
+        kl, depth = scored.divergence, s["depth"][rows, slot]
         metrics: Metrics = {}
         for d in range(self.config.num_depths):
-            at = valid & (s["depth"] == d)
+            at = valid & (depth == d)
             metrics[f"loss_{d}"] = sum_and_count(kl, at)
-            metrics[f"top1_{d}"] = sum_and_count(agree, at)
+            metrics[f"top1_{d}"] = sum_and_count(scored.hits[:, 0], at)
         return kl.where(valid, 0).sum(), metrics
 
     @torch.no_grad()
@@ -316,10 +326,13 @@ class PEagleDrafter(EagleDrafter):
         S = batch["input_ids"].shape[1] - 1
         keep = torch.ones(batch["input_ids"].shape[0], depths, S, dtype=torch.bool)
         s = self.slots(batch, target_out, keep.to(batch["input_ids"].device))
-        p = F.softmax(s["p_logits"].float(), dim=-1)  # (B, N, V)
+        p_logits = target_out.logits.gather(
+            1, s["p_at"][..., None].expand(-1, -1, target_out.logits.shape[-1])
+        )  # (B, N, vocab)
+        p = F.softmax(p_logits.float(), dim=-1)
         q = torch.zeros_like(p).index_copy_(-1, self.d2t, F.softmax(s["logits"].float(), -1))
         alpha = torch.minimum(p, q).sum(-1)  # (B, N)
-        agree = self.d2t[s["logits"].argmax(-1)] == s["p_logits"].argmax(-1)
+        agree = self.d2t[s["logits"].argmax(-1)] == p_logits.argmax(-1)
         sums, greedy, counts = [], [], []
         for d in range(depths):
             at = s["valid"] & (s["depth"] == d)

@@ -292,7 +292,7 @@ class CachedTarget:
 
     @torch.no_grad()
     def forward(
-        self, input_ids, *, attention_mask=None, capture_layers=(), **_ignored
+        self, input_ids, *, attention_mask=None, capture_layers=(), logits_to_keep=0, **_ignored
     ) -> TargetOutput:
         B, T = input_ids.shape
         lengths = attention_mask.sum(1).tolist() if attention_mask is not None else [T] * B
@@ -306,7 +306,8 @@ class CachedTarget:
             cached = self.cache.example(input_ids[b, :n].tolist())
             for layer, h in states.items():
                 h[b, :n] = cached[layer].to(device=device, dtype=dtype)
-        logits = self.target.lm_head(states[self.num_layers])  # (B, T, vocab)
+        # (B, T, vocab), or only the last logits_to_keep positions', as a model's forward
+        logits = self.target.lm_head(states[self.num_layers][:, -logits_to_keep:])
         return TargetOutput(logits=logits, hidden_states={i: states[i] for i in capture_layers})
 
     __call__ = forward

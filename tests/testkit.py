@@ -32,3 +32,35 @@ def run_script(args: list[str], cwd: Path = ROOT, env: dict | None = None) -> st
     proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
+
+
+def assert_chunking_exact(
+    drafter: torch.nn.Module,
+    loss_fn,
+    inputs: Iterable[torch.Tensor] = (),
+    chunks: Iterable[int] = (1, 5, 100_000),
+) -> None:
+    """The drafter's loss (`loss_fn()`, a scalar, called once per setting) and its gradients
+    w.r.t. its trainable parameters and `inputs` (leaves with requires_grad: the target's hidden
+    states) with the loss's vocabulary-wide logits computed `chunk` positions at a time
+    (loss_chunk_tokens, specdraft/losses.py) equal those of the naive, unchunked loss within
+    1e-5 relative (float32). Chunks of 1, of 5 (a remainder) and larger than the batch."""
+    inputs = list(inputs)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+
+    def run(chunk: int):
+        drafter.loss_chunk_tokens = chunk
+        loss = loss_fn()
+        grads = torch.autograd.grad(loss, [*params, *inputs], allow_unused=True)
+        return loss.detach(), grads
+
+    want_loss, want = run(0)
+    assert want_loss.dtype == torch.float32 and any(g is not None for g in want)
+    for chunk in chunks:
+        loss, got = run(chunk)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
+        for g, w in zip(got, want, strict=True):
+            assert (g is None) == (w is None)
+            if w is not None:
+                scale = float(w.abs().max())
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * scale + 1e-12)

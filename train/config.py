@@ -20,6 +20,7 @@ from specdraft.data.config import DataConfig
 from specdraft.drafters.base import drafter_kinds, kinds_own_settings
 from specdraft.inference.tune import SEARCH_ORDER as TUNABLE
 from specdraft.inference.tune import tunable
+from specdraft.losses import DEFAULT_CHUNK_TOKENS, check_chunk_tokens
 from specdraft.precision import resolve_precision
 from specdraft.targets.frozen import SHARDINGS
 
@@ -198,6 +199,12 @@ class TrainConfig:
     # None: start fresh; "latest": the newest complete checkpoint in output_dir; or a
     # checkpoint-<step> folder.
     resume_from: str | None = None
+    # Positions whose vocabulary-wide logits a loss computes at once: the LM head runs inside
+    # the loss over this many positions at a time and again in the backward pass, so no
+    # (tokens, vocab) float32 tensor exists for a whole batch (specdraft/losses.py). 0 or null:
+    # the whole micro-batch at once (fastest, and the most memory: 4.2 GB per float32 copy at
+    # a 128k vocabulary and 8k tokens). The loss is the same either way.
+    loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
     # Autocast precision of training (accelerate's values): auto | no | bf16 | fp16. auto: bf16
     # where the device has native bf16 (GPUs that support it; CPUs with AVX-512 BF16 or AMX,
     # where it trains 1.6-2.5x faster, BENCHMARKS.md "Precision"), else no (fp32). The saved
@@ -253,6 +260,10 @@ class TrainConfig:
         ):
             if getattr(self, key) < low:
                 raise ConfigError(f"{key} must be >= {low}; got {getattr(self, key)}", key=key)
+        try:
+            self.loss_chunk_tokens = check_chunk_tokens(self.loss_chunk_tokens)
+        except ValueError as e:
+            raise ConfigError(str(e), key="loss_chunk_tokens") from None
         if not self.lr > 0:
             raise ConfigError(f"lr must be > 0; got {self.lr}", key="lr")
         for key in ("min_lr_ratio", "adam_beta1", "adam_beta2"):

@@ -17,6 +17,7 @@ from specdraft.core import LOOP_TOKENS, looping_share
 from specdraft.drafters.layerskip import LayerSkipDrafter
 from specdraft.formats.checkpoint import save_target_folder
 from specdraft.inference.generate import generate
+from specdraft.losses import token_losses
 from specdraft.targets.target import Target, adapter_hash, load_target, merge_adapter
 from specdraft.train.report import report_after_training
 from specdraft.train.schedule import collate
@@ -38,9 +39,13 @@ def finish_fine_tuning(
     peft_model.eval()
     tokens = cfg.eval_loop.max_new_tokens
     with peft_model.disable_adapter():
-        base = heldout_loss(target, eval_examples, cfg.micro_batch_size, cfg.eval_batches)
+        base = heldout_loss(
+            target, eval_examples, cfg.micro_batch_size, cfg.eval_batches, cfg.loss_chunk_tokens
+        )
         base_looping = greedy_looping(target, prompts, tokens)
-    tuned = heldout_loss(target, eval_examples, cfg.micro_batch_size, cfg.eval_batches)
+    tuned = heldout_loss(
+        target, eval_examples, cfg.micro_batch_size, cfg.eval_batches, cfg.loss_chunk_tokens
+    )
     looping = looping_figures(
         base_looping, greedy_looping(target, prompts, tokens), prompts, tokens
     )
@@ -101,19 +106,29 @@ def looping_figures(base: float | None, tuned: float | None, prompts, max_new_to
 
 
 @torch.no_grad()
-def heldout_loss(target: Target, examples, batch_size: int, batches: int) -> float:
+def heldout_loss(
+    target: Target, examples, batch_size: int, batches: int, chunk_tokens: int = 0
+) -> float:
     """The target's mean next-token cross-entropy over the loss tokens of the first `batches`
-    held-out micro-batches (0: all)."""
+    held-out micro-batches (0: all), from its final states and LM head `chunk_tokens` positions
+    at a time (specdraft/losses.py; 0: all at once): its (batch, seq, vocab) logits are never
+    made."""
     n = len(examples) if not batches else min(len(examples), batches * batch_size)
+    L = target.num_layers
     total = count = 0.0
     for start in range(0, n, batch_size):
         batch = collate(examples[start : min(n, start + batch_size)], target.device)
-        logits = target.forward(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        log_q = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        nll = -log_q.gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
-        w = batch["loss_mask"][:, 1:].float()
-        total += float((nll * w).sum())
-        count += float(w.sum())
+        out = target.forward(
+            batch["input_ids"], attention_mask=batch["attention_mask"], capture_layers=[L],
+            logits_to_keep=1,
+        )  # fmt: skip
+        keep = batch["loss_mask"][:, 1:].bool()
+        scored = token_losses(
+            out.hidden_states[L][:, :-1][keep], target.lm_head,
+            labels=batch["input_ids"][:, 1:][keep], chunk_tokens=chunk_tokens,
+        )  # fmt: skip
+        total += float(scored.ce.sum())
+        count += float(keep.sum())
     return total / max(count, 1.0)
 
 
@@ -148,7 +163,7 @@ def finish_layerskip(
     tuned = load_target(result.output_dir / "final", **as_saved)
     # "as saved" is the base's precision (a DeepSpeed bf16 run saves bf16 weights)
     tuned.saved_dtype = as_saved["dtype"]
-    loss = heldout_loss(tuned, *held_out)
+    loss = heldout_loss(tuned, *held_out, chunk_tokens=cfg.loss_chunk_tokens)
     after = exit_agreement(LayerSkipDrafter(cfg.drafter, tuned.model), *held_out)
     print(exit_table(before, after, cfg.drafter.exit_layer), file=sys.stderr)
     extra = {"exit_agreement": {"before": before, "after": after}}

@@ -58,7 +58,7 @@ def run(cfg: LayerSkipTrainConfig) -> TrainResult:
         file=sys.stderr,
     )
     held_out = (eval_examples, cfg.micro_batch_size, cfg.eval_batches)
-    base_loss = heldout_loss(target, *held_out)
+    base_loss = heldout_loss(target, *held_out, chunk_tokens=cfg.loss_chunk_tokens)
     before = exit_agreement(drafter, *held_out)
     result = train(
         cfg, drafter, target, train_examples, eval_examples, tokenizer=target.tokenizer,

@@ -129,6 +129,7 @@ class _Training:
         # before anything is written into output_dir
         resume = find_resume(cfg.resume_from, self.out, self.main)
         drafter.to(self.acc.device)
+        drafter.loss_chunk_tokens = cfg.loss_chunk_tokens  # a memory setting: the loss is the same
         # the latest evaluation's held-out statistics, saved with every checkpoint
         self.heldout: dict = {}
         if resume is not None:
@@ -349,10 +350,14 @@ class _Training:
         loss, the acceptance and the statistics."""
         if training and drafter.runs_target:
             return None
+        layers, keep = list(drafter.capture_layers), 0
+        if not drafter.reads_target_logits:  # the loss makes them from the final state
+            layers += [] if self.target.num_layers in layers else [self.target.num_layers]
+            keep = 1 if training else 0  # evaluation's acceptance reads them all
         with self.acc.autocast():
             return self.target.forward(
                 batch["input_ids"], attention_mask=batch["attention_mask"],
-                capture_layers=drafter.capture_layers,
+                capture_layers=layers, logits_to_keep=keep,
             )  # fmt: skip
 
     # -- evaluation ---------------------------------------------------------------------------

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from testkit import perturb
+from testkit import assert_chunking_exact, perturb
 from transformers import LlamaForCausalLM
 
-from specdraft.core import DecodeConfig, build_draft_vocab
+from specdraft.core import DecodeConfig, TargetOutput, build_draft_vocab
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
 from specdraft.formats.checkpoint import CheckpointError, save_drafter
 from specdraft.formats.reading import load_drafter
@@ -161,6 +161,37 @@ def test_ttt_loss_and_acceptance_equal_naive_step_by_step_reference(tiny_target,
     assert set(metrics) >= {"loss_0", "loss_2", "top1_0"}
     top1_sum, top1_count = metrics["top1_0"]
     assert top1_count.item() <= ref_count[0] and 0 <= top1_sum.item() <= top1_count.item()
+
+
+def leaf_states(target, batch, layers):
+    """The target's forward as the trainer's training pass gives it: the hidden states at
+    `layers` and the final one (leaves with gradients, for the test to follow them) and only
+    the last position's logits."""
+    L = target.num_layers
+    out = target.forward(batch["input_ids"], capture_layers=[*layers, L], logits_to_keep=1)
+    states = {i: h.clone().requires_grad_() for i, h in out.hidden_states.items()}
+    return TargetOutput(logits=out.logits, hidden_states=states), list(states.values())
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(version="eagle3", ttt_steps=3, draft_vocab_size=60),
+        dict(version="eagle3", ttt_steps=2),
+        dict(version="eagle1", ttt_steps=2, reg_weight=0.7, cls_weight=0.3, feature_noise=0.0),
+    ],
+    ids=["eagle3-draft-vocab", "eagle3", "eagle1"],
+)
+def test_the_chunked_loss_and_its_gradients_equal_the_naive_ones(one_thread, tiny_target, cfg):
+    """Every unrolled step's loss computed a chunk of positions at a time, the target's logits
+    made from its final states: the loss and the gradients (the head's weights, the target's
+    states it reads) of the unchunked loss, with padding, a masked prompt token and tokens
+    outside the draft vocabulary."""
+    head = head_for(tiny_target, **cfg).train()
+    batch = make_batch(tiny_target)
+    out, states = leaf_states(tiny_target, batch, head.capture_layers)
+    assert not head.reads_target_logits
+    assert_chunking_exact(head, lambda: head(batch, out)[0], states)
 
 
 def test_eagle3_masks_positions_whose_target_argmax_is_not_draftable(tiny_target):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from testkit import perturb
+from testkit import assert_chunking_exact, perturb
 
-from specdraft.core import DecodeConfig, float_mask
+from specdraft.core import DecodeConfig, TargetOutput, float_mask
 from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter, cod_keep, scored
 from specdraft.formats.checkpoint import save_drafter
 from specdraft.formats.reading import load_drafter
@@ -100,6 +100,24 @@ def test_loss_and_acceptance_equal_a_naive_slot_by_slot_loop(tiny_target, draft_
     valid = scored(batch["loss_mask"], 3)
     assert counts.tolist() == valid.sum((0, 2)).float().tolist()
     assert len(head.acceptance(batch, out, DecodeConfig(gamma=8))[0]) == 3  # at most K deep
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 60])
+def test_the_chunked_loss_and_its_gradients_equal_the_naive_ones(
+    one_thread, tiny_target, draft_vocab
+):
+    """The slots' KL computed a chunk of slots at a time, the target's logits made from its
+    final states: the unchunked loss and gradients (the head, mask_hidden, the target's
+    states it reads)."""
+    head = head_for(tiny_target, draft_vocab, num_depths=3, down_sample_ratio=0.5).train()
+    batch = make_batch(tiny_target)
+    L = tiny_target.num_layers
+    out = tiny_target.forward(
+        batch["input_ids"], capture_layers=[*head.capture_layers, L], logits_to_keep=1
+    )
+    states = {i: h.clone().requires_grad_() for i, h in out.hidden_states.items()}
+    out = TargetOutput(logits=out.logits, hidden_states=states)
+    assert_chunking_exact(head, lambda: head(batch, out)[0], list(states.values()))
 
 
 def test_cod_keeps_depth_zero_and_about_n_r_to_the_d_of_the_groups_before():

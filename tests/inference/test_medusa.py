@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from spec_helpers import MEDUSA_PROMPTS, fitted_medusa_heads
-from testkit import perturb
+from testkit import assert_chunking_exact, perturb
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, TargetOutput
 from specdraft.drafters.medusa import (
@@ -135,6 +135,31 @@ def test_the_loss_equals_a_naive_per_head_loop(random_target, config):
     )  # fmt: skip
     loss.backward()  # every head's blocks are trained
     assert all(b.linear.weight.grad is not None for head in heads.heads for b in head.blocks)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(num_heads=3, num_layers=2, loss="ce", draft_vocab_size=200),
+        dict(num_heads=2, loss="kl", draft_vocab_size=100),
+        dict(num_heads=2, loss="kl"),
+        dict(num_heads=2, loss="ce", output="shared"),
+    ],
+    ids=["ce-draft-vocab", "kl-draft-vocab", "kl", "ce-shared"],
+)
+def test_the_chunked_loss_and_its_gradients_equal_the_naive_ones(one_thread, random_target, config):
+    """Chunks of every size give the unchunked loss and gradients (heads and the target's final
+    states), masked positions and tokens outside the draft vocabulary included."""
+    d2t = None
+    if config.get("draft_vocab_size"):
+        d2t = torch.randperm(random_target.vocab_size)[: config["draft_vocab_size"]].sort().values
+    heads = MedusaDrafter.build(MedusaConfig(**config), random_target, d2t)
+    perturb(heads.parameters(), 0.1)
+    batch, out = batch_and_target_out(random_target)
+    L = random_target.num_layers
+    h = out.hidden_states[L].clone().requires_grad_()
+    out = TargetOutput(logits=out.logits[:, -1:], hidden_states={L: h})  # as the trainer's
+    assert_chunking_exact(heads, lambda: heads(batch, out)[0], [h])
 
 
 def test_acceptance_and_accuracy_statistics_agree(random_target):
@@ -297,3 +322,24 @@ def test_medusa2_evaluation_reuses_one_target_pass(monkeypatch):
         given = heads(batch, out)[0]
     assert calls == []
     torch.testing.assert_close(given, trained.detach())
+
+
+@pytest.mark.parametrize("target_loss", ["lm", "kl"])
+def test_medusa2_chunked_loss_and_gradients_equal_the_naive_ones(one_thread, target_loss):
+    """Medusa-2's whole loss, its target term (the fine-tuned target's cross-entropy, or its KL
+    from the base with the adapters off) included, computed a chunk of positions at a time:
+    the unchunked loss and gradients, the adapters' and the heads'."""
+    from spec_helpers import make_target, tiny_llama
+
+    from specdraft.drafters.base import LoraConfig
+
+    target = make_target(tiny_llama(384, seed=5))
+    config = MedusaConfig(
+        num_heads=2, lora=LoraConfig(rank=2, dropout=0.0), target_loss=target_loss
+    )
+    torch.manual_seed(0)
+    heads = MedusaDrafter.build(config, target).train()
+    perturb(heads.parameters(), 0.1)  # the adapters' B starts at 0: let them matter
+    batch, _ = batch_and_target_out(target)
+    assert any(n.startswith("lora.") for n, p in heads.named_parameters() if p.requires_grad)
+    assert_chunking_exact(heads, lambda: heads(batch, None)[0])

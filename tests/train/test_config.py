@@ -576,3 +576,19 @@ def test_every_recipe_in_configs_loads_with_its_kinds_config(kind, recipe):
     cfg = load_config(Recipe.of(kind).config_class, recipe)
     assert cfg.kind == kind
     assert (cfg.target == "demo") == ("demo" in recipe.name), recipe
+
+
+def test_loss_chunk_tokens_default_null_and_bad_values():
+    """The loss's chunk size: on by default, null or 0 for the whole batch at once, and a value
+    that is no size an error naming the key and the fix."""
+    from specdraft.losses import DEFAULT_CHUNK_TOKENS
+
+    assert load_config(TrainConfig, None, []).loss_chunk_tokens == DEFAULT_CHUNK_TOKENS > 0
+    assert load_config(TrainConfig, None, ["loss_chunk_tokens=null"]).loss_chunk_tokens == 0
+    assert load_config(TrainConfig, None, ["loss_chunk_tokens=256"]).loss_chunk_tokens == 256
+    with pytest.raises(ConfigError) as err:
+        load_config(TrainConfig, None, ["loss_chunk_tokens=-8"])
+    assert err.value.key == "loss_chunk_tokens"
+    assert "loss_chunk_tokens=0" in str(err.value) and "-8" in str(err.value)
+    with pytest.raises(ConfigError, match="loss_chunk_tokens"):
+        load_config(TrainConfig, None, ["loss_chunk_tokens=1.5"])

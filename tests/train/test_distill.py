@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from testkit import assert_chunking_exact
 from transformers import AutoModelForCausalLM
 
 from specdraft.drafters.distill import (
@@ -89,6 +90,32 @@ def test_loss_counts_only_loss_tokens_and_adds_cross_entropy(tiny_target):
     t_other[:, :5] = torch.randn_like(t_other[:, :5])
     assert drafter(batch, TargetOutput(logits=t_other))[0].item() == pytest.approx(loss.item())
     assert set(metrics) == {"loss_rkl", "loss_ce", "top1_agreement"}
+
+
+@pytest.mark.parametrize("divergence", ["fkl", "jsd", "tvd", "none"])
+def test_the_chunked_loss_and_its_gradients_equal_the_naive_ones(
+    one_thread, tiny_target, divergence
+):
+    """The divergence and cross-entropy computed a chunk of positions at a time, the target's
+    logits made from its final states: the loss and gradients (the student's weights, the
+    target's states) of the loss on whole logits, at temperature 2 with a masked prompt."""
+    torch.manual_seed(0)
+    cfg = DistillConfig(init="random", divergence=divergence, ce_weight=0.5, temperature=2.0)
+    drafter = DistillDrafter.build(cfg, tiny_target)
+    assert drafter.capture_layers == [tiny_target.num_layers] and not drafter.reads_target_logits
+    ids = torch.randint(0, tiny_target.vocab_size, (2, 9))
+    mask = torch.zeros_like(ids)
+    mask[0, 3:], mask[1, 5:] = 1, 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask}
+    L = tiny_target.num_layers
+    out = tiny_target(ids, capture_layers=[L])
+    h = out.hidden_states[L].clone().requires_grad_()
+    drafter.loss_chunk_tokens = 0
+    on_logits = drafter(batch, TargetOutput(logits=out.logits))[0]  # as the target gave them
+    chunked_out = TargetOutput(logits=out.logits[:, -1:], hidden_states={L: h})  # the trainer's
+    assert_chunking_exact(drafter, lambda: drafter(batch, chunked_out)[0], [h])
+    drafter.loss_chunk_tokens = 3
+    torch.testing.assert_close(drafter(batch, chunked_out)[0], on_logits, rtol=1e-5, atol=0)
 
 
 def test_student_presets(tiny_target):

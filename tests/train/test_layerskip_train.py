@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from testkit import assert_chunking_exact
 from transformers import AutoModelForCausalLM
 
 from specdraft.config import load_config
@@ -300,6 +301,24 @@ def test_the_loss_equals_a_per_sample_reference_loop(tiny_target, distill):
     drafter.loss({**batch, "layer_skip": skip_all})[0].backward()
     q = model.model.layers[0].self_attn.q_proj.weight.grad
     assert q is not None and torch.count_nonzero(q) == 0
+
+
+@pytest.mark.parametrize("distill", [0.0, 0.6])
+def test_the_chunked_loss_and_its_gradients_equal_the_naive_ones(one_thread, tiny_target, distill):
+    """Every exit's cross-entropy (and the self-distillation to the final exit) computed a chunk
+    of positions at a time: the same loss and gradients for every weight, the shared LM head
+    included, with padding, a prompt without loss and layer dropout."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_target.model.name_or_path)
+    cfg = LayerSkipConfig(exit_layer=1, layer_dropout=0.5, exit_distill=distill)
+    drafter = LayerSkipDrafter(cfg, model).train()
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(5))
+    attention = torch.ones_like(ids)
+    attention[1, 6:] = 0
+    loss_mask = attention.clone()
+    loss_mask[:, :3] = 0
+    skip = torch.tensor([[False, True], [False, False]])
+    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+    assert_chunking_exact(drafter, lambda: drafter.loss({**batch, "layer_skip": skip})[0])
 
 
 def test_self_distilled_exits_leave_the_final_layers_gradient_alone(tiny_target):
