@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from specdraft.attention import model_inputs
 from specdraft.config import choice
 from specdraft.core import (
     DecodeConfig,
@@ -339,8 +340,10 @@ class DistillDrafter(Drafter):
 
     def _aligned(self, batch, target_out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(student logits, target logits, next tokens) at the loss positions: (n, vocab) x2, (n,)."""
-        input_ids, mask = batch["input_ids"], batch["attention_mask"]
-        logits = self.hf_model(input_ids=input_ids, attention_mask=mask).logits  # (b, s, vocab)
+        input_ids = batch["input_ids"]
+        # packed rows: each document attends to itself only (specdraft/attention.py), which
+        # transformers applies in a forward without a cache
+        logits = self.hf_model(input_ids=input_ids, **model_inputs(batch), use_cache=False).logits
         keep = batch["loss_mask"][:, 1:].bool()  # (b, s - 1): token t + 1 is a target
         return logits[:, :-1][keep], target_out.logits[:, :-1][keep], input_ids[:, 1:][keep]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from specdraft.attention import target_inputs
 from specdraft.core import LOOP_TOKENS, looping_share
 from specdraft.drafters.layerskip import LayerSkipDrafter
 from specdraft.formats.checkpoint import save_target_folder
@@ -108,7 +109,7 @@ def heldout_loss(target: Target, examples, batch_size: int, batches: int) -> flo
     total = count = 0.0
     for start in range(0, n, batch_size):
         batch = collate(examples[start : min(n, start + batch_size)], target.device)
-        logits = target.forward(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = target.forward(batch["input_ids"], **target_inputs(batch)).logits
         log_q = torch.log_softmax(logits[:, :-1].float(), dim=-1)
         nll = -log_q.gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
         w = batch["loss_mask"][:, 1:].float()

@@ -8,7 +8,8 @@ batch alone; `acceptance` gives the simulated tau of evaluation at the depth the
 `heldout_summary`, `runs_target` and `trained_fingerprint` are there for the kinds that need
 them. The parameters with requires_grad are what the optimizer trains.
 
-A batch is a dict of (batch, seq) tensors: input_ids, attention_mask, loss_mask.
+A batch is a dict of (batch, seq) tensors: input_ids, attention_mask, loss_mask, and for packed
+rows (data.pack) document_ids and position_ids (specdraft/attention.py, "Packed rows").
 
 Reproducibility rests on one rule: everything random or scheduled is a pure function of the step.
 The learning rate is `lr_at(step)`, the examples of a step are a seeded permutation indexed by
@@ -35,6 +36,7 @@ import torch
 from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
+from specdraft.attention import target_inputs
 from specdraft.config import save_config
 from specdraft.drafters.base import Drafter
 from specdraft.formats import checkpoint
@@ -351,9 +353,8 @@ class _Training:
             return None
         with self.acc.autocast():
             return self.target.forward(
-                batch["input_ids"], attention_mask=batch["attention_mask"],
-                capture_layers=drafter.capture_layers,
-            )  # fmt: skip
+                batch["input_ids"], **target_inputs(batch), capture_layers=drafter.capture_layers
+            )
 
     # -- evaluation ---------------------------------------------------------------------------
 
