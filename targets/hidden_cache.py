@@ -108,8 +108,8 @@ def write_cache(
                 ids[r, : len(e.input_ids)] = torch.tensor(e.input_ids)
                 mask[r, : len(e.input_ids)] = 1
             batch = {"attention_mask": mask}
-            if any(e.document_lengths is not None for e in rows):  # packed rows (data.pack)
-                lengths = [e.document_lengths or [len(e.input_ids)] for e in rows]
+            if any(getattr(e, "document_lengths", None) for e in rows):  # packed rows (data.pack)
+                lengths = [getattr(e, "document_lengths", None) or [len(e.input_ids)] for e in rows]
                 batch["document_ids"], batch["position_ids"] = document_layout(lengths, length)
             inputs = {
                 k: v.to(target.device) for k, v in target_inputs(batch).items() if v is not None

@@ -91,8 +91,8 @@ def collate(examples: Sequence[Any], device: torch.device) -> dict[str, torch.Te
         loss_mask[i, :n] = torch.tensor(e.loss_mask)
     loss_mask[:, 0] = 0  # the first token has nothing before it to predict it from
     batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
-    if any(e.document_lengths is not None for e in examples):
-        lengths = [e.document_lengths or [len(e.input_ids)] for e in examples]
+    if any(getattr(e, "document_lengths", None) for e in examples):
+        lengths = [getattr(e, "document_lengths", None) or [len(e.input_ids)] for e in examples]
         batch["document_ids"], batch["position_ids"] = document_layout(lengths, length)
         loss_mask[batch["position_ids"] == 0] = 0  # each document's first token, likewise
     return {k: v.to(device) for k, v in batch.items()}
