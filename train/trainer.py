@@ -36,7 +36,7 @@ import torch
 from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
-from specdraft.attention import target_inputs
+from specdraft.attention import flash_varlen, target_inputs
 from specdraft.config import save_config
 from specdraft.drafters.base import Drafter
 from specdraft.formats import checkpoint
@@ -119,6 +119,11 @@ class _Training:
         self.rank = self.acc.process_index
         self.out = Path(cfg.output_dir)
         self.target = target.to(self.acc.device)  # a cache stand-in moves only what it uses
+        if cfg.data.pack and flash_varlen(self.target.model, self.acc.device) and self.main:
+            print(
+                "[specdraft] packed rows: the target runs flash-attention's varlen kernel",
+                file=sys.stderr,
+            )
         self.train_examples, self.eval_examples = train_examples, eval_examples
         self.tokenizer = tokenizer
         self.provenance = {"target": cfg.target, "data": cfg.data.path, **(provenance or {})}

@@ -14,6 +14,7 @@ from specdraft.config import ConfigError
 from specdraft.data import DataConfig
 from specdraft.data.formats import Example
 from specdraft.data.packing import pack_documents
+from specdraft.targets.hidden_cache import CachedTarget, HiddenStateCache, write_cache
 from specdraft.targets.target import load_target
 from specdraft.train.peagle import PEagleTrainConfig
 from specdraft.train.schedule import collate
@@ -134,3 +135,26 @@ def test_p_eagle_refuses_packed_rows_by_the_key():
     with pytest.raises(ConfigError, match=r"data\.pack=true: P-EAGLE .*set data\.pack=false") as e:
         PEagleTrainConfig(data=DataConfig(pack=True))
     assert e.value.key == "data.pack"
+
+
+def test_the_hidden_state_cache_stores_packed_rows_as_their_conversations_alone(
+    tiny_target, tmp_path
+):
+    examples = _ragged(tiny_target.vocab_size)
+    rows = pack_documents(examples, 24)
+    layers = [1, tiny_target.num_layers]
+    write_cache(tmp_path, tiny_target, rows, layers, dtype="fp32", batch_size=2)
+    cache = CachedTarget(tiny_target, HiddenStateCache(tmp_path, tiny_target, rows, layers))
+    batch = collate(rows, "cpu")
+    cached = cache.forward(batch["input_ids"], **target_inputs(batch), capture_layers=layers)
+    for r, row in enumerate(rows):
+        start = 0
+        for n in row.document_lengths:
+            ids = torch.tensor([row.input_ids[start : start + n]])
+            alone = tiny_target.forward(ids, capture_layers=layers)
+            for layer in layers:
+                torch.testing.assert_close(
+                    cached.hidden_states[layer][r, start : start + n], alone.hidden_states[layer][0],
+                    rtol=1e-5, atol=1e-6,
+                )  # fmt: skip
+            start += n
