@@ -60,7 +60,7 @@ from safetensors.torch import save_file
 from specdraft.core import DecodeConfig
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
-from specdraft.formats import peagle_export
+from specdraft.formats import dflash_export, peagle_export
 from specdraft.formats.checkpoint import (
     CONFIG_NAME,
     CheckpointError,
@@ -415,8 +415,11 @@ FORMATS: dict[str, Format] = {
 
 
 FORMATS.update(EAGLE_FORMATS)
-# speculators' layout holds P-EAGLE heads too: one entry, each kind written and read by its own
-FORMATS["speculators"] = peagle_export.speculators_format(FORMATS["speculators"])
+# speculators' layout holds P-EAGLE heads and DFlash drafters too: one entry, each kind written,
+# read and checked by its own module
+FORMATS["speculators"] = peagle_export.speculators_format(
+    dflash_export.speculators_format(EAGLE_FORMATS["speculators"])
+)
 
 
 # --- writing -----------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ module (sizes, exact weight names and shapes, damaged or pickled files)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,43 @@ class Format:
     # settings the folder is served with, where the format's own fields say some (speculators'
     # speculative_tokens); None: the format's fields say none
     decoding: Callable[[dict, DecodeConfig], DecodeConfig] | None = None
+
+
+def also_holding(
+    inner: Format,
+    kind: str,
+    model_type: str,
+    architecture: str,
+    write: Callable[[Drafter, str, DecodeConfig], tuple[dict, dict[str, torch.Tensor]]],
+    read: Callable[..., Drafter],
+    validate: Callable[[Path, int], list[str]],
+) -> Format:
+    """speculators' entry `inner` holding drafters of `kind` too: a folder whose config.json says
+    speculators_model_type `model_type` is read and checked by `read` and `validate`, a drafter of
+    `kind` is written by `write`, and everything else goes to `inner`, as before. One speculators
+    layout holds every kind it serves, each kind's code in its own module."""
+
+    def ours(config: dict) -> bool:
+        return config.get("speculators_model_type") == model_type
+
+    def write_any(drafter: Drafter, base_model: str, decode: DecodeConfig):
+        return (write if drafter.kind == kind else inner.write)(drafter, base_model, decode)
+
+    def read_any(folder, config: dict, target: Target, *, strict: bool = True) -> Drafter:
+        return (read if ours(config) else inner.read)(folder, config, target, strict=strict)
+
+    def validate_any(folder: Path, vocab_size: int) -> list[str]:
+        config = json.loads((Path(folder) / CONFIG_NAME).read_text())
+        return (validate if ours(config) else inner.validate)(folder, vocab_size)
+
+    return dataclasses.replace(
+        inner,
+        help=inner.help.replace("Eagle3Speculator", f"Eagle3Speculator or {architecture}", 1),
+        kinds=(*inner.kinds, kind),
+        write=write_any,
+        read=read_any,
+        validate=validate_any,
+    )
 
 
 def count(config: dict, key: str, folder: Path, also: str | None = None) -> int:

@@ -29,7 +29,7 @@ from specdraft.core import DecodeConfig
 from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter
 from specdraft.formats import eagle_export
 from specdraft.formats.checkpoint import CONFIG_NAME, CheckpointError
-from specdraft.formats.export_formats import Format
+from specdraft.formats.export_formats import Format, also_holding
 from specdraft.targets.target import Target
 
 ARCHITECTURE = "PEagleSpeculator"
@@ -130,35 +130,13 @@ def validate_folder(folder: str | Path, vocab_size: int) -> list[str]:
 
 
 def speculators_format(inner: Format) -> Format:
-    """The speculators entry of FORMATS holding P-EAGLE heads too: `inner` (the entry for the
-    kinds it holds already) writes and reads everything else."""
-
-    def peagle(config: dict) -> bool:
-        return config.get("speculators_model_type") == "peagle"
-
-    def write(drafter, base_model: str, decode: DecodeConfig):
-        if drafter.kind == PEagleDrafter.kind:
-            return write_speculators(drafter, base_model, decode)
-        return inner.write(drafter, base_model, decode)
-
-    def read(folder, config, target, *, strict: bool = True):
-        if peagle(config):
-            return read_speculators(folder, config, target, strict=strict)
-        return inner.read(folder, config, target, strict=strict)
-
-    def validate(folder, vocab_size: int) -> list[str]:
-        if peagle(json.loads((Path(folder) / CONFIG_NAME).read_text())):
-            return validate_folder(folder, vocab_size)
-        return inner.validate(folder, vocab_size)
-
-    return Format(
-        help=inner.help.replace("Eagle3Speculator", f"Eagle3Speculator or {ARCHITECTURE}"),
-        kinds=(*inner.kinds, PEagleDrafter.kind),
-        weights_file=inner.weights_file,
-        write=write,
-        read=read,
-        detect=inner.detect,
-        decoding=inner.decoding,  # speculative_tokens: the chain served
-        validate=validate,
-        pickle_copy=inner.pickle_copy,
+    """speculators' FORMATS entry `inner`, holding P-EAGLE heads too."""
+    return also_holding(
+        inner,
+        PEagleDrafter.kind,
+        "peagle",
+        ARCHITECTURE,
+        write_speculators,
+        read_speculators,
+        validate_folder,
     )

@@ -9,7 +9,7 @@ first use under SPECDRAFT_ENGINES, default ~/.cache/specdraft/engines, and reuse
 it only; --python uses an interpreter you have set up instead), since each pins a transformers
 other than ours:
 
-    speculators  speculators==0.9.0 (vLLM's format)            EAGLE-3 and P-EAGLE heads
+    speculators  speculators==0.9.0 (vLLM's format)            EAGLE-3 and P-EAGLE heads, DFlash drafters
     eagle        eagle-llm==1.2.1 (SafeAILab/EAGLE's release)  EAGLE-1 heads
     medusa       medusa-llm==0.1 (FasterDecoding/Medusa)       Medusa-1 heads
 
@@ -275,6 +275,13 @@ def our_logits(drafter, engine: str, text, out, steps: int, i: int) -> dict[str,
         full = torch.full((*logits.shape[:-1], drafter.target.vocab_size), float("-inf"))
         full[..., drafter.d2t] = logits.float()  # the export writes rows in target order
         return {f"logits.{i}.{k}": full[k] for k in range(len(full))}
+    if drafter.kind == "dflash":  # every anchor with context before it and room for a block
+        ones = torch.ones_like(text)
+        B, n = drafter.block_size, text.shape[1]
+        anchors = torch.arange(1, n - B)[None]
+        batch = {"input_ids": text, "attention_mask": ones, "loss_mask": ones, "anchors": anchors}
+        logits = drafter.slots(batch, out)["logits"]  # (1, anchors, B - 1, vocab)
+        return {f"logits.{i}.{k}": logits[:, :, k].float() for k in range(B - 1)}
     batch = {"input_ids": text, "loss_mask": torch.ones_like(text)}
     n = text.shape[1]
     if drafter.kind == "peagle":  # step k: depth k of every anchor's group, from one pass

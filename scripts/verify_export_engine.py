@@ -8,7 +8,10 @@ drafts on the inputs verify_export.py saved:
 
     speculators  SpeculatorModel.from_pretrained (speculators 0.9.0); the draft logits of each
                  training-time-test step on the given fused target hidden states, teacher-forced
-                 (step k at position t reads token t + 1 + k and step k - 1's output)
+                 (step k at position t reads token t + 1 + k and step k - 1's output); for a
+                 DFlash folder, the logits of block slot k + 1 for every anchor the model's own
+                 anchor selection takes with every position scored (all that leave room for a
+                 block, in order), its block masked as it trains (eager attention)
     eagle        SafeAILab/EAGLE's EaModel.from_pretrained (eagle-llm); the head's logits on the
                  given final hidden states, and eagenerate's greedy output and accepted lengths
                  on a chain
@@ -64,6 +67,8 @@ def speculators(request: dict, inputs: dict, prompts: list[int]):
     config.transformer_layer_config._attn_implementation = "eager"
     model = SpeculatorModel.from_pretrained(request["folder"], config=config, dtype=torch.float32)
     model = model.eval()
+    if getattr(config, "speculators_model_type", None) == "dflash":
+        return dflash(model, request, inputs, prompts)
     outputs = {}
     for i in prompts:
         ids, features = inputs[f"ids.{i}"], inputs[f"features.{i}"]
@@ -126,6 +131,37 @@ def peagle(model, ids, features, steps: int, caught: list, i: int) -> dict:
     _, depth = generate_cod_sample_indices(n, loss_mask, **kwargs)
     logits = caught[0][0].float()  # (slots, draft vocab), depth-major, anchors ascending
     return {f"logits.{i}.{k}": logits[depth == k][None] for k in range(depths)}
+
+
+def dflash(model, request: dict, inputs: dict, prompts: list[int]):
+    """A DFlash model's block logits: with every position scored and room for as many anchors
+    as positions, its anchor selection takes every position that leaves room for a block
+    (0 .. n - block_size - 1, ascending): logits.{i}.{k} (1, anchors 1.., vocab) is slot k + 1."""
+    B = model.block_size
+    outputs = {}
+    for i in prompts:
+        ids, features = inputs[f"ids.{i}"], inputs[f"features.{i}"]
+        n = ids.shape[1]
+        ones = torch.ones_like(ids)
+        with torch.no_grad():
+            _, logits, _, _, _ = model._backbone_forward(
+                features, ids, ones, torch.zeros(*ids.shape, model.config.transformer_layer_config.hidden_size),
+                torch.zeros_like(ids), max_anchors=n - B,
+            )  # fmt: skip
+        blocks = logits.view(n - B, B, -1)  # (anchors, B, vocab)
+        for k in range(B - 1):  # anchor 0 has no context, and is never drafted from: left out
+            outputs[f"logits.{i}.{k}"] = blocks[None, 1:, k + 1].float()
+    held = {
+        k
+        for f in os.listdir(request["folder"])
+        if f.endswith(".safetensors")
+        for k in load_file(os.path.join(request["folder"], f))
+    }
+    # taken from the verifier, as the layout intends (load_verifier_weights)
+    shared = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
+              "verifier_norm.weight", "d2t", "t2d"}  # fmt: skip
+    notes = {"missing": sorted(set(model.state_dict()) - held - shared), "unexpected": []}
+    return outputs, notes
 
 
 # --- SafeAILab/EAGLE ------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ SMALL = [
     "--target", "demo-tiny", "--budget-tokens", "2000", "--num-prompts", "2",
     "--max-new-tokens", "10", "--tune-prompts", "1",
 ]  # fmt: skip
-for family in ("distill", "eagle", "medusa", "layerskip", "peagle"):
+for family in ("dflash", "distill", "eagle", "medusa", "layerskip", "peagle"):
     # one thread each: the same arithmetic as the entry script's own process below
     SMALL += ["--set", f"{family}:data.max_samples=40", "--set", f"{family}:eval_batches=2",
               "--set", f"{family}:cpu_threads=1"]  # fmt: skip
@@ -53,11 +53,13 @@ def test_every_family_trained_tuned_measured_and_reported(tmp_path, capsys):
     assert main([*SMALL, *TINY, *PRECISIONS, *bad, "--output", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
     rows = {r["family"]: r for r in report["families"]}
-    assert list(rows) == families() == ["distill", "eagle", "layerskip", "medusa", "peagle"]
+    assert (
+        list(rows) == families() == ["dflash", "distill", "eagle", "layerskip", "medusa", "peagle"]
+    )
     error = rows["medusa"]["error"]
     assert error.startswith("medusa: ConfigError:") and "num_heads" in error
     assert "Traceback" in (out / "medusa.log").read_text()  # the whole story, in its log
-    trained = ("distill", "eagle", "layerskip", "peagle")
+    trained = ("dflash", "distill", "eagle", "layerskip", "peagle")
     greedy = {r["name"]: r for r in report["greedy"]["runs"]}
     for family in trained:
         r = rows[family]
@@ -128,8 +130,8 @@ def test_every_family_trained_tuned_measured_and_reported(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--families", "eagle,speculators"], "choose from distill"),
-        (["--folder", "speculators=x"], "choose from distill"),
+        (["--families", "eagle,speculators"], "choose from dflash, distill"),
+        (["--folder", "speculators=x"], "choose from dflash, distill"),
         (["--budget-tokens", "0"], "must be >= 1"),
         (["--folder", "eagle"], "expected FAMILY=FOLDER"),
         (["--set", "eagle=lr=1"], "expected FAMILY:KEY=VALUE"),

@@ -15,6 +15,9 @@ MEDUSA = ["drafter.num_heads=2", "drafter.loss=ce", "decode.gamma=2"]
 # case -> (the training script, its settings)
 KINDS = {
     "distill": ("distill", []),
+    # anchors are drawn from each example's index and the step (evaluation's from each row's
+    # tokens), so the split into processes does not change them
+    "dflash": ("dflash", ["drafter.block_size=4", "drafter.anchors=6", "decode.gamma=3"]),
     "eagle": ("eagle", ["drafter.draft_vocab_size=256", "drafter.ttt_steps=2", "decode.gamma=3"]),
     "medusa": ("medusa", [*MEDUSA, "drafter.draft_vocab_size=256"]),
     # the target's LoRA adapters train inside the drafter's forward, under DDP too (dropout 0:

@@ -1,0 +1,613 @@
+"""DFlash: a few decoder layers that draft a whole block of tokens in one non-causal pass.
+
+DFlash (block diffusion drafting, as vllm-project/speculators 0.9.0 trains it and vLLM serves it):
+the target's hidden states at a few layers (`aux_layers`, EAGLE-3's low/mid/high by default) are
+concatenated, projected (`fc`, no bias) and normed (`hidden_norm`): the context's features. A
+block of `block_size` B positions holds the anchor token in slot 0 (the context's last token,
+whose hidden state the target has not computed yet) and `mask_token_id` in slots 1..B-1, embedded
+by the target's own (shared, frozen) embedding at positions anchor + 0..B-1. Each of `num_layers`
+Qwen3-style layers (q/k/v/o, per-head q_norm/k_norm, SiLU MLP, pre-norms) lets the block's
+queries attend to the context's features, projected by that layer's k_proj/v_proj as keys and
+values, and to the whole block (not causally). After the final `norm`, the target's (shared,
+frozen) LM head gives slot i's distribution over the token at anchor + i: one pass drafts B - 1
+tokens.
+
+Training: anchors are drawn per sequence among positions with room for a whole block (`anchors`
+of them per sequence per step, from a generator seeded by the step and the example's index:
+`prepare_batch`); slot i learns the target's own distribution at anchor + i - 1 (KL), weighted by
+exp(-(i - 1) / position_decay). The loss sum is over the anchors' scored slots, which the batch
+alone counts (`loss_tokens`).
+
+Decoding (DFlashSession): the context's keys and values per layer are computed once, from the
+verification forward's hidden states of the accepted positions (`accept`); `propose` runs the
+block once and returns a chain of min(gamma, B - 1) tokens: each slot's argmax, or at temperature
+> 0 a draw from each slot's own processed distribution q_i, recorded for lossless verification
+(the slots are drawn independently, a valid proposal distribution for the chain).
+
+Read top to bottom: the config, the layers, the module (features, context keys, the block), the
+loss and acceptance, the session. Weight names are speculators' (formats/dflash_export.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
+
+from specdraft.config import choice
+from specdraft.core import (
+    DecodeConfig,
+    DraftContext,
+    DraftTree,
+    SamplingSettings,
+    draft_token,
+)
+from specdraft.drafters.base import Drafter, DraftSession, Metrics, sum_and_count
+from specdraft.drafters.eagle import default_feature_layers, head_rope
+
+# --- config ------------------------------------------------------------------------------------
+
+
+@dataclass
+class DFlashConfig:
+    # Decoder layers of the drafter (Qwen3-style, in the target's shape).
+    num_layers: int = 1
+    # Positions B of a block: slot 0 holds the anchor, slots 1..B-1 the mask token; one pass
+    # drafts B - 1 tokens. At least 2.
+    block_size: int = 8
+    # The target hidden-state ids whose concatenation is the context's feature (0 = embeddings,
+    # i = output of decoder layer i, L = final normed state). None: EAGLE-3's low/mid/high choice
+    # for the target (drafters/eagle.py default_feature_layers).
+    aux_layers: list[int] | None = None
+    # The token id in slots 1..B-1 (its embedding is the target's). None: the tokenizer's mask
+    # token, else its pad, else its unk, else the last id; the resolved id is saved.
+    mask_token_id: int | None = None
+    # Anchors drawn per sequence per training step (fewer where a sequence has fewer positions
+    # with room for a whole block). Each costs B drafter positions.
+    anchors: int = 16
+    # Slot i's loss is weighted exp(-(i - 1) / position_decay) (speculators' default 4: early
+    # slots matter most, since a chain stops at its first rejection); 0: every slot alike.
+    position_decay: float = 4.0
+    # random: layers as nn.Linear initialises them. target: copy the target's last num_layers
+    # decoder layers' matching weights (projections, MLP, norms) and its final norm.
+    init: str = choice("random", "target")
+
+    def __post_init__(self) -> None:
+        for key, low in (("num_layers", 1), ("block_size", 2), ("anchors", 1)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                why = " (slot 0 holds the anchor, so a block drafts block_size - 1 tokens)"
+                raise ValueError(
+                    f"drafter.{key} must be an integer >= {low}"
+                    f"{why if key == 'block_size' else ''}; got {value!r}"
+                )
+        if not self.position_decay >= 0:
+            raise ValueError(
+                f"drafter.position_decay must be >= 0 (0: every slot weighted alike); got "
+                f"{self.position_decay}"
+            )
+        if self.aux_layers is not None and not self.aux_layers:
+            raise ValueError("drafter.aux_layers is empty: name target layers, or null")
+
+
+def resolve_config(config: DFlashConfig, target) -> DFlashConfig:
+    """A copy of `config` with the target-dependent defaults filled in (aux layers, mask id),
+    or a clear error for values the target cannot have."""
+    config = copy.deepcopy(config)
+    layers = config.aux_layers or default_feature_layers(target.num_layers)
+    config.aux_layers = target.check_layer_ids(layers)
+    if config.mask_token_id is None:
+        config.mask_token_id = default_mask_token(target.tokenizer, target.vocab_size)
+    mask = config.mask_token_id
+    if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < target.vocab_size:
+        raise ValueError(
+            f"drafter.mask_token_id={mask!r} is outside the target {target.name!r}'s vocabulary "
+            f"(0..{target.vocab_size - 1}); use a token id it has, or null to pick one"
+        )
+    return config
+
+
+def default_mask_token(tokenizer, vocab_size: int) -> int:
+    """The tokenizer's mask token, else pad, else unk, else the last id of the vocabulary."""
+    for name in ("mask_token_id", "pad_token_id", "unk_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int) and 0 <= value < vocab_size:
+            return value
+    return vocab_size - 1
+
+
+def layer_config(target_config, num_layers: int) -> Qwen3Config:
+    """The drafter's layers as a Qwen3Config in the target's shape (what speculators'
+    transformer_layer_config holds), with num_hidden_layers the drafter's layer count."""
+    c = target_config
+    heads = c.num_attention_heads
+    return Qwen3Config(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        hidden_act=getattr(c, "hidden_act", "silu"),
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+        rope_parameters=head_rope(c),
+        attention_bias=False,
+        tie_word_embeddings=False,
+        bos_token_id=getattr(c, "bos_token_id", None),
+        eos_token_id=getattr(c, "eos_token_id", None),
+        pad_token_id=getattr(c, "pad_token_id", None),
+    )
+
+
+# --- the layers --------------------------------------------------------------------------------
+
+# Per layer, the keys and values the block attends to besides its own: (batch, kv_heads, n, dim).
+ContextKV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x (batch, heads, n, dim) with cos/sin (batch, n, dim)."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys and values from the context's features and the block, both
+    through this layer's k_proj/v_proj and per-head k_norm, rotated at their positions."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        H, D = config.hidden_size, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            D,
+        )
+        self.q_proj = nn.Linear(H, self.heads * D, bias=False)
+        self.k_proj = nn.Linear(H, self.kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(H, self.kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(self.heads * D, H, bias=False)
+        self.q_norm = Qwen3RMSNorm(D, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(D, eps=config.rms_norm_eps)
+
+    def keys_values(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch, n, hidden) -> keys, values (batch, kv_heads, n, head_dim), keys rotated."""
+        B, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, n, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        return rotate(k, cos, sin), v
+
+    def forward(self, x, context: tuple[torch.Tensor, torch.Tensor], cos, sin, mask):
+        """x (batch, n, hidden) the block's normed states; context: this layer's keys/values of
+        the context; mask None (all visible) or bool (batch, 1, n, context + n)."""
+        B, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, n, self.heads, self.head_dim)).transpose(1, 2)
+        q = rotate(q, cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        k = torch.cat([context[0].to(k.dtype), k], dim=2)  # (batch, kv_heads, context + n, dim)
+        v = torch.cat([context[1].to(v.dtype), v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, n, -1))
+
+
+class DFlashLayer(nn.Module):
+    """A Qwen3 decoder layer whose attention also reads the context's keys and values."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = DFlashAttention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(H, eps=eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(H, eps=eps)
+
+    def forward(self, x, context, cos, sin, mask) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), context, cos, sin, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# --- module ------------------------------------------------------------------------------------
+
+
+class DFlashDrafter(Drafter):
+    """The DFlash drafter. The target's embedding and LM head are used, not owned: `self.target`
+    is a plain attribute, so they are neither trained nor saved."""
+
+    kind = "dflash"
+    title = "DFlash"
+    config_class = DFlashConfig
+
+    def __init__(self, config: DFlashConfig, target, *, init: bool = True) -> None:
+        super().__init__()
+        config = resolve_config(config, target)
+        self.config = config
+        self.target = target  # not an nn.Module: not registered, not saved
+        H = target.hidden_size
+        self.capture_layers: list[int] = list(config.aux_layers)
+        self.layer_config = layer_config(target.config, config.num_layers)
+        eps = self.layer_config.rms_norm_eps
+        self.layers = nn.ModuleList(
+            DFlashLayer(self.layer_config) for _ in range(config.num_layers)
+        )
+        self.fc = nn.Linear(len(config.aux_layers) * H, H, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(H, eps=eps)
+        self.norm = Qwen3RMSNorm(H, eps=eps)
+        self.rotary = Qwen3RotaryEmbedding(config=self.layer_config)
+        self._inv_freq = self.rotary.inv_freq.detach().float().cpu().clone()  # see _apply
+        if init and config.init == "target":
+            self._copy_target_layers()
+
+    @classmethod
+    def build(cls, config: DFlashConfig, target) -> DFlashDrafter:
+        return cls(config, target)
+
+    @classmethod
+    def from_checkpoint(cls, config: DFlashConfig, target, hf_model) -> DFlashDrafter:
+        return cls(config, target, init=False)  # load_drafter loads the weights
+
+    @torch.no_grad()
+    def _copy_target_layers(self) -> None:
+        """Start from the target's last num_layers layers: every tensor whose name and shape
+        match (a Llama target has no q_norm/k_norm; they stay ones), and its final norm."""
+        if not self.target.complete:
+            raise ValueError(
+                f"drafter.init=target copies the target's decoder layers, and this copy of "
+                f"{self.target.name!r} holds only its embedding and LM head (offline or sharded "
+                "training): use drafter.init=random"
+            )
+        top = list(self.target.layers)[-len(self.layers) :]
+        for ours, theirs in zip(self.layers, top, strict=True):
+            source = theirs.state_dict()
+            for name, tensor in ours.state_dict().items():
+                if name in source and source[name].shape == tensor.shape:
+                    tensor.copy_(source[name])
+        self.norm.weight.copy_(self.target.norm.weight)
+
+    def _apply(self, fn, recurse: bool = True):
+        """Casts and moves, with the rotary frequencies kept in float32 (as the target keeps its
+        own), as EagleDrafter does."""
+        out = super()._apply(fn, recurse)
+        if self.rotary.inv_freq.dtype != torch.float32:
+            self.rotary.inv_freq = self._inv_freq.to(self.rotary.inv_freq.device)
+        return out
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    # The pieces training, acceptance and drafting are built from.
+
+    def features(self, hidden_states: Mapping[int, torch.Tensor]) -> torch.Tensor:
+        """The target's hidden states at `capture_layers` -> (batch, seq, hidden) features."""
+        dtype = self.fc.weight.dtype
+        aux = torch.cat([hidden_states[i].to(dtype) for i in self.capture_layers], dim=-1)
+        return self.hidden_norm(self.fc(aux))  # (batch, seq, hidden)
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> ContextKV:
+        """Each layer's keys and values of (batch, n, hidden) features at (batch, n) positions."""
+        cos, sin = self.rotary(features, positions)
+        return [layer.self_attn.keys_values(features, cos, sin) for layer in self.layers]
+
+    def block_states(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        context: ContextKV,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """(batch, n) block tokens at (batch, n) positions, attending to `context` and to the
+        block (mask None: everything; else bool (batch, 1, n, context + n)) -> (batch, n,
+        hidden) final-normed states."""
+        x = self.target.embed(tokens).to(self.fc.weight.dtype)  # (batch, n, hidden)
+        cos, sin = self.rotary(x, positions)
+        for layer, kv in zip(self.layers, context, strict=True):
+            x = layer(x, kv, cos, sin, mask)
+        return self.norm(x)
+
+    def block_tokens(self, anchors: torch.Tensor) -> torch.Tensor:
+        """(...,) anchor tokens -> (..., B) blocks: the anchor, then the mask token."""
+        block = anchors.new_full((*anchors.shape, self.block_size), self.config.mask_token_id)
+        block[..., 0] = anchors
+        return block
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (..., vocab) logits through the target's LM head."""
+        return self.target.lm_head(h.to(self.target.dtype)).to(h.dtype)
+
+    # --- training -------------------------------------------------------------------------------
+
+    def prepare_batch(self, batch: dict, target, generator, shared: torch.Generator) -> dict:
+        """Each row's anchors (batch["anchors"], (batch, anchors), -1 where a row has fewer),
+        drawn from a generator seeded by the step's shared seed and the row's index in the
+        training set: the same whatever the split into processes and micro-batches, and on
+        resume."""
+        step_seed = shared.initial_seed()
+        seeds = [(step_seed * 1_000_003 + int(i)) % (2**63 - 1) for i in batch["example_index"]]
+        batch["anchors"] = self.choose_anchors(batch, seeds)
+        return batch
+
+    def choose_anchors(self, batch: Mapping[str, torch.Tensor], seeds: list[int]) -> torch.Tensor:
+        """(batch, anchors) anchor positions, ascending, -1 padded: per row, up to `anchors`
+        positions a >= 1 whose block fits in the row (a + B - 1 < its length) and whose first
+        drafted token (a + 1) is scored, drawn without replacement from a generator of its seed."""
+        lengths = batch["attention_mask"].sum(1).tolist()
+        scored = batch["loss_mask"].bool().cpu()
+        N, B = self.config.anchors, self.block_size
+        rows = []
+        for row, (n, seed) in enumerate(zip(lengths, seeds, strict=True)):
+            a = torch.arange(1, max(1, int(n) - B + 1))  # a + B - 1 <= n - 1
+            a = a[scored[row, a + 1]]
+            pick = torch.randperm(len(a), generator=torch.Generator().manual_seed(seed))[:N]
+            chosen = torch.full((N,), -1, dtype=torch.long)
+            chosen[: len(pick)] = a[pick].sort().values
+            rows.append(chosen)
+        return torch.stack(rows).to(batch["input_ids"].device)
+
+    def anchors_of(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's anchors: prepare_batch's, or (held-out batches, which it never sees) a
+        draw seeded by each row's own tokens, so evaluation picks the same anchors however the
+        rows are batched."""
+        if "anchors" in batch:
+            return batch["anchors"]
+        ids, lengths = batch["input_ids"].cpu(), batch["attention_mask"].sum(1).tolist()
+        seeds = [
+            int((ids[r, : int(n)] * torch.arange(1, int(n) + 1)).sum()) % (2**63 - 1)
+            for r, n in enumerate(lengths)
+        ]
+        return self.choose_anchors(batch, seeds)
+
+    def slot_valid(self, batch: Mapping[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
+        """(batch, anchors, B - 1) bool: slot i of an anchor's block predicts a scored token
+        (at a + i)."""
+        T = batch["input_ids"].shape[1]
+        slots = torch.arange(1, self.block_size, device=anchors.device)
+        at = anchors[..., None] + slots  # (batch, anchors, B - 1) predicted token positions
+        inside = (anchors[..., None] >= 0) & (at < T)
+        scored = batch["loss_mask"].bool().gather(1, at.clamp(0, T - 1).flatten(1)).view_as(at)
+        return inside & scored
+
+    def slots(self, batch: Mapping[str, torch.Tensor], target_out) -> dict[str, torch.Tensor]:
+        """Every anchor's block in one pass: logits (batch, anchors, B - 1, vocab) of slots
+        1..B-1, the target's p_logits at a + i - 1 for slot i (same shape), valid (batch,
+        anchors, B - 1).
+
+        The blocks of a row are laid side by side as queries; keys are the row's context
+        features then every block. Block j's positions see the context before its anchor
+        (and inside the row) and the whole of block j: the mask that makes each block see
+        exactly what it sees while drafting after that anchor."""
+        ids = batch["input_ids"]
+        Bt, T = ids.shape
+        Bs = self.block_size
+        anchors = self.anchors_of(batch)  # (batch, anchors)
+        N = anchors.shape[1]
+        device = ids.device
+        start = anchors.clamp(min=0)  # an absent anchor computes a block that scores nothing
+        features = self.features(target_out.hidden_states)  # (batch, T, hidden)
+        context = self.context_kv(features, torch.arange(T, device=device)[None].expand(Bt, T))
+        tokens = self.block_tokens(ids.gather(1, start)).flatten(1)  # (batch, N * B)
+        offsets = torch.arange(Bs, device=device)
+        positions = (start[..., None] + offsets).flatten(1)  # (batch, N * B)
+        # who sees whom: (batch, N * B, T) context part, (N * B, N * B) block-diagonal part
+        anchor_of = start.repeat_interleave(Bs, dim=1)  # (batch, N * B)
+        before = torch.arange(T, device=device)[None, None, :] < anchor_of[..., None]
+        sees_context = before & batch["attention_mask"].bool()[:, None, :]
+        block_of = torch.arange(N * Bs, device=device) // Bs
+        same_block = (block_of[:, None] == block_of[None, :]).expand(Bt, -1, -1)
+        mask = torch.cat([sees_context, same_block], dim=2)[:, None]  # (batch, 1, NB, T + NB)
+        h = self.block_states(tokens, positions, context, mask)  # (batch, N * B, hidden)
+        h = h.view(Bt, N, Bs, -1)[:, :, 1:]  # slots 1..B-1
+        at = (start[..., None] + offsets[: Bs - 1]).clamp(max=T - 1)  # a + i - 1
+        rows = torch.arange(Bt, device=device)[:, None, None]
+        return {
+            "logits": self.draft_logits(h),
+            "p_logits": target_out.logits[rows, at],
+            "valid": self.slot_valid(batch, anchors),
+        }
+
+    def slot_weights(self, device) -> torch.Tensor:
+        """(B - 1,) the loss weight of slots 1..B-1: exp(-(i - 1) / position_decay)."""
+        decay = self.config.position_decay
+        i = torch.arange(self.block_size - 1, device=device, dtype=torch.float32)
+        return torch.exp(-i / decay) if decay > 0 else torch.ones_like(i)
+
+    def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, Metrics]:
+        """Sum over every anchor's scored slots of w_i * KL(p || q_i), p the target's
+        distribution at a + i - 1 and q_i slot i's; over `loss_tokens(batch)` slots."""
+        s = self.slots(batch, target_out)
+        log_q = F.log_softmax(s["logits"].float(), dim=-1)  # (batch, N, B - 1, vocab)
+        log_p = F.log_softmax(s["p_logits"].float(), dim=-1)
+        kl = F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)  # (batch, N, B-1)
+        valid = s["valid"]
+        weights = self.slot_weights(kl.device)
+        total = (kl * weights).where(valid, 0).sum()
+        agree = log_q.argmax(-1) == log_p.argmax(-1)
+        metrics: Metrics = {}
+        for i in range(self.block_size - 1):
+            metrics[f"loss_{i + 1}"] = sum_and_count(kl[..., i], valid[..., i])
+            metrics[f"top1_{i + 1}"] = sum_and_count(agree[..., i], valid[..., i])
+        return total, metrics
+
+    def loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The scored slots of the batch's anchors (from the batch alone: the anchors are
+        prepare_batch's, or drawn from each row's tokens)."""
+        return self.slot_valid(batch, self.anchors_of(batch)).sum().float()
+
+    @torch.no_grad()
+    def acceptance(
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(alpha summed, greedy agreement summed, count) per draft depth 1..gamma.
+
+        A chain from one block is accepted to depth d only if every slot before d was, and the
+        slots do not see each other's drafts: so depth d counts the anchors whose slots 1..d-1
+        all agree with the target's argmax (greedy agreement, the accepted prefix), and of
+        those, how many agree at slot d and their alpha_d = sum_x min(p(x), q_d(x)). Depths
+        beyond B - 1 are never drafted (0 of 0)."""
+        s = self.slots(batch, target_out)
+        p = F.softmax(s["p_logits"].float(), dim=-1)
+        q = F.softmax(s["logits"].float(), dim=-1)
+        alpha = torch.minimum(p, q).sum(-1)  # (batch, N, B - 1)
+        agree = s["logits"].argmax(-1) == s["p_logits"].argmax(-1)
+        valid = s["valid"]
+        reach = torch.ones_like(valid)
+        sums, greedy, counts = [], [], []
+        zero = alpha.new_zeros(())
+        for d in range(decode.gamma):
+            if d >= self.block_size - 1:
+                sums.append(zero), greedy.append(zero), counts.append(zero)
+                continue
+            here = reach[..., d] & valid[..., d]
+            sums.append((alpha[..., d] * here).sum())
+            greedy.append((agree[..., d] & here).sum().float())
+            counts.append(here.sum().float())
+            if d + 1 < self.block_size - 1:
+                reach[..., d + 1] = here & agree[..., d]
+        return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
+
+    # --- decoding -------------------------------------------------------------------------------
+
+    def new_session(
+        self,
+        target,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> DFlashSession:
+        return DFlashSession(self, sampling=sampling, decode=decode, generator=generator)
+
+    def ignored_settings(self, decode: DecodeConfig) -> list[str]:
+        ignored = super().ignored_settings(decode)
+        drafts = self.block_size - 1
+        if not decode.chain:
+            ignored.append(
+                f"tree_top_k={decode.tree_top_k} is ignored by DFlash: one pass drafts a chain "
+                "(each slot's best token)"
+            )
+        if decode.gamma > drafts:
+            ignored.append(
+                f"gamma={decode.gamma} is capped at {drafts} by this DFlash drafter: a block of "
+                f"{self.block_size} drafts block_size - 1 tokens"
+            )
+        if decode.draft_weights == "int8":
+            ignored.append(
+                "draft_weights=int8 is ignored by DFlash: it drafts with its full weights"
+            )
+        return ignored
+
+
+# --- session (inference) -----------------------------------------------------------------------
+
+
+class DFlashSession(DraftSession):
+    """One generate call's drafting state: per layer, the keys and values of the context's
+    features (positions 0 .. known - 1, from the target's hidden states as they arrive).
+
+    `accept` gets the verification forward's hidden states at `capture_layers`, (batch, pending
+    + n, hidden): the pending tokens, then the tree's n nodes; it keeps the pending rows and the
+    accepted path's (what the target verified, in order) and appends their keys and values.
+    Every position of the context but its last token (the anchor, pending) is then known.
+    `propose` runs the block after the anchor once; the first proposal (before the prompt's
+    forward) is empty, as is one after a one-token prompt (no context to draft from).
+    """
+
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.drafter = drafter
+        self.sampling = sampling
+        self.decode = decode
+        self.generator = generator
+        self.capture_layers: list[int] = list(drafter.capture_layers)
+        self.context: ContextKV | None = None
+        self.known = 0  # context positions whose keys and values are in `context`
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext) -> DraftTree:
+        seq = context.tokens  # (batch, length)
+        length = seq.shape[1]
+        depth = min(self.decode.gamma, self.drafter.block_size - 1, context.max_depth)
+        if self.context is None or self.known == 0 or depth <= 0:
+            return DraftTree.empty(seq.shape[0], seq.device)
+        if self.known != length - 1:
+            raise RuntimeError(
+                f"DFlashSession has the target's features of {self.known} positions but the "
+                f"context has {length}: the loop must call accept(tree, path, hidden_states) "
+                "after every verification forward, and pass the context that forward extended"
+            )
+        d = self.drafter
+        device = d.fc.weight.device
+        tokens = d.block_tokens(seq[:, -1].to(device))  # (batch, B)
+        positions = (length - 1 + torch.arange(d.block_size, device=device))[None]
+        h = d.block_states(tokens, positions.expand(tokens.shape[0], -1), self.context)
+        logits = d.draft_logits(h[0, 1 : 1 + depth])  # (depth, vocab): slots 1..depth
+        # each slot drawn from its own q_i: one draft_token call over the slots as rows
+        drafted, q = draft_token(logits, self.sampling, self.generator)  # (depth, 1)
+        n = depth
+        if self.decode.stop_below > 0:  # end after the first slot the drafter is unsure of
+            top = q.max(-1).values if q is not None else logits.float().softmax(-1).max(-1).values
+            unsure = (top < self.decode.stop_below).nonzero()
+            n = int(unsure[0]) + 1 if len(unsure) else depth
+        tokens_out = drafted[:n, 0][None].to(seq.device)  # (1, n)
+        return DraftTree.chain(tokens_out, None if q is None else q[None, :n])
+
+    @torch.no_grad()
+    def accept(
+        self,
+        tree: DraftTree,
+        path: list[int],
+        hidden_states: Mapping[int, torch.Tensor] | None = None,
+    ) -> None:
+        if hidden_states is None:
+            raise ValueError(
+                "DFlashSession.accept needs hidden_states: the verification forward's hidden "
+                f"states at layers {self.capture_layers} (see the DFlashSession docstring)"
+            )
+        positions = next(iter(hidden_states.values())).shape[1]
+        pending = positions - len(tree)
+        if pending < 1:
+            raise ValueError(
+                f"DFlashSession.accept got hidden states for {positions} positions; expected the "
+                f"pending token(s) then the {len(tree)} tree nodes"
+            )
+        rows = list(range(pending)) + [pending + i for i in path]
+        d = self.drafter
+        device = d.fc.weight.device
+        index = torch.tensor(rows, device=next(iter(hidden_states.values())).device)
+        kept = {i: hidden_states[i].index_select(1, index).to(device) for i in self.capture_layers}
+        at = self.known + torch.arange(len(rows), device=device)[None]  # (1, kept)
+        new = d.context_kv(d.features(kept), at)
+        if self.context is None:
+            self.context = new
+        else:
+            self.context = [
+                (torch.cat([k, k2], dim=2), torch.cat([v, v2], dim=2))
+                for (k, v), (k2, v2) in zip(self.context, new, strict=True)
+            ]
+        self.known += len(rows)
+
+    def extra_memory_bytes(self) -> int:
+        """The context's keys and values."""
+        if self.context is None:
+            return 0
+        return sum(t.numel() * t.element_size() for kv in self.context for t in kv)
