@@ -16,6 +16,7 @@ from specdraft.data.formats import Example
 from specdraft.data.packing import pack_documents
 from specdraft.targets.hidden_cache import CachedTarget, HiddenStateCache, write_cache
 from specdraft.targets.target import load_target
+from specdraft.train.dflash import DFlashTrainConfig
 from specdraft.train.peagle import PEagleTrainConfig
 from specdraft.train.schedule import collate
 from specdraft.train.trainer import train
@@ -131,9 +132,14 @@ def test_one_trainer_step_on_packed_rows_equals_one_on_padded_conversations(
         torch.testing.assert_close(results["packed"][1][name], weight, rtol=1e-5, atol=1e-5)
 
 
-def test_p_eagle_refuses_packed_rows_by_the_key():
-    with pytest.raises(ConfigError, match=r"data\.pack=true: P-EAGLE .*set data\.pack=false") as e:
-        PEagleTrainConfig(data=DataConfig(pack=True))
+@pytest.mark.parametrize("config_class", [PEagleTrainConfig, DFlashTrainConfig])
+def test_kinds_that_draw_per_row_refuse_packed_rows_by_the_key(config_class):
+    """P-EAGLE (COD slots) and DFlash (anchors) draw per row, so packing would change what
+    they train: an error naming data.pack, not a silent difference."""
+    with pytest.raises(
+        ConfigError, match=r"data\.pack=true: .* per row.*set data\.pack=false"
+    ) as e:
+        config_class(data=DataConfig(pack=True))
     assert e.value.key == "data.pack"
 
 
