@@ -177,8 +177,9 @@ def ttt_attention(
 
     Given no mask and keys of (k + 1) S positions for S queries (step 0's keys, then one block
     per later step), query t attends to step 0's keys 0..t and to key t of every later block:
-    a causal attention plus k keys per query; with `documents` (batch, S), the document ids of a
-    packed row, step 0's keys are only those of the query's document. Scores are computed a block of queries at a time
+    a causal attention plus k keys per query; with `documents` (batch, S), the document ids of
+    packed rows (data.pack), step 0's keys are only those of the query's document. Scores are
+    computed a block of queries at a time
     (recomputed in the backward pass when training), so memory grows as S x block, not as the
     dense mask's and scores' S x (k + 1) S. With a mask (drafting through the modules), or a
     layout it does not know (sliding windows, soft-capping), it is transformers' SDPA attention.
@@ -231,7 +232,7 @@ def _ttt_block(
     rows = start + torch.arange(C, device=q.device)
     future = torch.arange(end, device=q.device)[None, :] > rows[:, None]  # (C, end)
     if other is not None:
-        future = future | other
+        future = future | other  # hidden alike: (B, 1, 1, C, end)
     scores = scores.masked_fill(future, float("-inf"))
     p = torch.cat([scores, diag.float()], dim=-1).softmax(-1)
     if p_drop > 0:
@@ -525,6 +526,8 @@ class EagleDrafter(Drafter):
         f_t for k = 0, else the head's own h from step k - 1 at t; it attends to step 0's keys at
         positions <= t and to steps 1..k at t only (exactly what the head's KV cache holds while
         drafting), at position id t + k. Its target is the target's distribution at t + 1 + k.
+        In packed rows (data.pack) t counts from its document's start and the keys are its
+        document's only; a position whose target lies in the next document is not valid.
         Returns per step: h (batch, S, hidden), logits (batch, S, draft vocab), p_logits
         (batch, S, vocab), valid (batch, S) bool, and the next true feature (batch, S, hidden).
 
