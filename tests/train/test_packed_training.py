@@ -164,3 +164,25 @@ def test_the_hidden_state_cache_stores_packed_rows_as_their_conversations_alone(
                     rtol=1e-5, atol=1e-6,
                 )  # fmt: skip
             start += n
+
+
+def test_resume_on_packed_rows_equals_an_uninterrupted_run(tiny_target_path, tmp_path):
+    """Rows are the trainer's examples: the data order, and so resume, see nothing else."""
+    config_cls, drafter_cls, drafter_cfg, _ = KINDS["eagle3"]
+    target = load_target(tiny_target_path)
+    rows = pack_documents(_ragged(target.vocab_size), 24)
+
+    def run(name, steps, **extra):
+        cfg = config_cls(
+            target="tiny", output_dir=str(tmp_path / name), max_steps=steps, micro_batch_size=1,
+            grad_accum=1, lr=1e-2, lr_schedule="constant", warmup_steps=0, eval_every=0,
+            save_every=0, log_every=1, seed=0, drafter=drafter_cfg, mixed_precision="no", **extra,
+        )  # fmt: skip
+        drafter = _build(drafter_cls, drafter_cfg, target)
+        return train(cfg, drafter, target, rows, [], tokenizer=target.tokenizer), drafter
+
+    straight, a = run("straight", 4)  # 4 steps over 3 rows: into the second epoch
+    run("cut", 2)
+    resumed, b = run("cut", 4, resume_from="latest")
+    assert resumed.losses == straight.losses
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
