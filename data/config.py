@@ -23,8 +23,14 @@ class DataConfig:
     split: str = "train"
     # auto | sharegpt | messages | ultrachat | text. "auto" detects per row.
     format: str = choice(*FORMATS)
-    # Tokens per sample (conversations) or per packed block (plain text).
+    # Tokens per sample (conversations), per packed row (conversations with pack: true) or
+    # per packed block (plain text).
     max_length: int = 512
+    # Pack several conversations into each row of max_length tokens, each attending only to
+    # itself (document masks, position ids restarting per conversation; data/packing.py),
+    # instead of one conversation per row padded to the micro-batch's longest. Training is the
+    # same, token for token; the rows carry no padding.
+    pack: bool = False
     # What to do with a conversation longer than max_length: truncate | drop.
     overlong: str = choice(*OVERLONG)
     # Held-out share for evaluation, taken after a seeded shuffle.

@@ -6,7 +6,8 @@
    by row, before tokenization, so the same data and seed give the same split for any tokenizer,
    and text documents never straddle the two splits.
 4. Tokenize conversations with an assistant-only loss mask (chat.py) and pack texts into blocks
-   (packing.py), per split; shuffle each split's examples with the same seeded generator.
+   (packing.py), per split; with `pack`, pack the conversations into rows of whole
+   conversations too (packing.py); shuffle each split's examples with the same seeded generator.
 5. Return the examples and a `DataSummary`, which is also logged: INFO for the counts, WARNING
    when rows were skipped. Zero usable training examples is a `DataError` naming the reasons.
 """
@@ -22,7 +23,7 @@ from specdraft.data.chat import encode_conversation
 from specdraft.data.config import FORMATS, OVERLONG, DataConfig
 from specdraft.data.demo import demo_corpus_texts
 from specdraft.data.formats import Conversation, Example, Text, parse_record
-from specdraft.data.packing import pack_texts
+from specdraft.data.packing import pack_documents, pack_texts
 from specdraft.data.sources import DataError, Row, SkipRow, read_rows
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class DataSummary:
     skipped_where: dict[str, list[str]] = field(default_factory=dict)  # reason -> "where: detail"
     truncated: int = 0  # conversations cut to max_length
     tail_tokens_dropped: int = 0  # packed text after the last full block (packing.py)
+    packed_conversations: int = 0  # conversations packed into rows (data.pack)
+    packed_rows: int = 0  # the rows they fill
     train_examples: int = 0
     eval_examples: int = 0
     tokens: int = 0  # all tokens in train + eval examples
@@ -68,6 +71,11 @@ class DataSummary:
         if self.tail_tokens_dropped:
             lines.append(
                 f"  {self.tail_tokens_dropped} packed text tokens after the last full block dropped"
+            )
+        if self.packed_rows:
+            lines.append(
+                f"  {self.packed_conversations} conversations packed into {self.packed_rows} rows "
+                f"of at most max_length tokens"
             )
         for reason, count in self.skipped.most_common():
             lines.append(f"  skipped {count} x {reason}, e.g.")
@@ -123,6 +131,14 @@ def _check_config(cfg: DataConfig, tokenizer) -> None:
         problems.append(f"data.format must be one of {', '.join(FORMATS)}, got {cfg.format!r}")
     if cfg.overlong not in OVERLONG:
         problems.append(f"data.overlong must be 'truncate' or 'drop', got {cfg.overlong!r}")
+    if cfg.pack and (cfg.path == "demo" or cfg.format == "text"):
+        problems.append(
+            "data.pack packs conversations, and "
+            + ("data.path demo is the plain-text demo corpus" if cfg.path == "demo" else
+               "data.format text reads plain text")
+            + ", which is always packed into max_length blocks: set data.pack=false, or point "
+            "data.path at conversations"
+        )  # fmt: skip
     if not isinstance(cfg.max_length, int) or cfg.max_length < 2:
         problems.append(f"data.max_length must be an integer >= 2, got {cfg.max_length!r}")
     if not 0 <= cfg.eval_fraction < 1:
@@ -174,7 +190,7 @@ def _eval_count(n: int, fraction: float) -> int:
 def _encode(
     items: list[tuple[str, Conversation | Text]], tokenizer, cfg: DataConfig, summary: DataSummary
 ) -> list[Example]:
-    examples, texts = [], []
+    conversations, texts = [], []
     for where, item in items:
         if isinstance(item, Text):
             texts.append(item.text)
@@ -184,9 +200,14 @@ def _encode(
         except SkipRow as e:
             summary.skip(e.reason, where, e.detail)
             continue
-        examples.append(example)
+        conversations.append(example)
         summary.rows_kept += 1
         summary.truncated += example.truncated
+    examples = conversations
+    if cfg.pack and conversations:
+        examples = pack_documents(conversations, cfg.max_length)
+        summary.packed_conversations += len(conversations)
+        summary.packed_rows += len(examples)
     if texts:
         blocks, dropped = pack_texts(texts, tokenizer, cfg.max_length)
         examples.extend(blocks)

@@ -115,6 +115,51 @@ def demo_prompts(n: int, lines: int = 12) -> list[str]:
     return prompts
 
 
+def demo_conversations(n: int, split: str = "train", max_lines: int = 40) -> list[dict]:
+    """n chat rows ({"messages": [...]}) cut from the corpus files of `split`: a user asks for a
+    function by its signature line, and the assistant answers with the function's source (up to
+    `max_lines` lines). Their lengths are as ragged as the library's functions, which is what
+    packing conversations is measured on (scripts/bench_packing.py). Deterministic; taken
+    round-robin over files, like `demo_prompts`."""
+    if n < 1:
+        raise ValueError(f"demo_conversations needs n >= 1, got {n}")
+    per_file: list[list[dict]] = []
+    for text in demo_corpus_texts(split):
+        src = text.splitlines()
+        rows = []
+        for i, line in enumerate(src):
+            stripped = line.lstrip()
+            if not (stripped.startswith("def ") and stripped.rstrip().endswith(":")):
+                continue
+            indent = len(line) - len(stripped)
+            end = i + 1
+            while (
+                end < len(src)
+                and end - i < max_lines
+                and (not src[end].strip() or len(src[end]) - len(src[end].lstrip()) > indent)
+            ):
+                end += 1
+            body = "\n".join(s[indent:] for s in src[i:end]).rstrip()
+            ask = f"Write this Python function:\n{stripped.rstrip()}"
+            rows.append({"messages": [
+                {"role": "user", "content": ask}, {"role": "assistant", "content": body},
+            ]})  # fmt: skip
+        if rows:
+            per_file.append(rows)
+    out: list[dict] = []
+    depth = 0
+    while len(out) < n:
+        added = False
+        for rows in per_file:
+            if depth < len(rows) and len(out) < n:
+                out.append(rows[depth])
+                added = True
+        if not added:
+            raise ValueError(f"the {split} demo files yield only {len(out)} conversations")
+        depth += 1
+    return out
+
+
 def build_demo_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     """Train the demo's byte-level BPE on `texts` and wrap it as a HF fast tokenizer with the
     demo chat template. Deterministic for the same texts and vocab_size."""

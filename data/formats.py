@@ -57,17 +57,30 @@ class Example:
 
     input_ids[t] is the t-th token; loss_mask[t] == 1 means token t is a training target (the
     model is trained to predict it from the tokens before it). Same length, at most max_length.
+
+    A packed row (data.pack) holds several documents end to end: `document_lengths` are their
+    lengths in order, and each attends only to itself, its positions starting at 0 (a token is
+    predicted only from the tokens before it in its own document). None: the row is one
+    document.
     """
 
     input_ids: list[int]
     loss_mask: list[int]
     source: str = ""  # where it came from: a row's location, or "packed text block 7"
     truncated: bool = False  # cut to max_length (overlong: truncate)
+    document_lengths: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.input_ids) != len(self.loss_mask):
             raise ValueError(
                 f"input_ids ({len(self.input_ids)}) and loss_mask ({len(self.loss_mask)}) differ in length"
+            )
+        if self.document_lengths is not None and (
+            sum(self.document_lengths) != len(self.input_ids) or min(self.document_lengths) < 1
+        ):
+            raise ValueError(
+                f"document_lengths {self.document_lengths} do not split the row's "
+                f"{len(self.input_ids)} tokens into non-empty documents"
             )
 
 

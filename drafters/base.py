@@ -319,6 +319,12 @@ class Drafter(nn.Module):
         (its drafter config), or None when it can: the target must be frozen."""
         return None
 
+    @classmethod
+    def packing_problem(cls, config) -> str | None:
+        """Why this kind cannot train on packed rows (data.pack) under `config` (its drafter
+        config), or None when it can: its loss keeps each document of a row to itself."""
+        return None
+
     def num_extra_parameters(self, target) -> int:
         """Parameters this drafter adds on top of the target (shared tensors not counted)."""
         target_params = {p.data_ptr() for p in target.model.parameters()}

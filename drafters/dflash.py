@@ -260,6 +260,14 @@ class DFlashDrafter(Drafter):
     def from_checkpoint(cls, config: DFlashConfig, target, hf_model) -> DFlashDrafter:
         return cls(config, target, init=False)  # load_drafter loads the weights
 
+    @classmethod
+    def packing_problem(cls, config) -> str | None:
+        return (
+            "DFlash does not train on packed rows yet: it draws its anchors per row, and its "
+            "context keys span the whole row, so a packed row would train other blocks than its "
+            "conversations would on their own"
+        )
+
     @torch.no_grad()
     def _copy_target_layers(self) -> None:
         """Start from the target's last num_layers layers: every tensor whose name and shape

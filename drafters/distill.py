@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from specdraft.attention import model_inputs
 from specdraft.config import choice
 from specdraft.core import (
     DecodeConfig,
@@ -313,11 +314,14 @@ class DistillDrafter(Drafter):
         states) run inside specdraft/losses.py, `loss_chunk_tokens` positions at a time.
         """
         cfg = self.config
-        input_ids, mask = batch["input_ids"], batch["attention_mask"]
+        input_ids = batch["input_ids"]
         keep = batch["loss_mask"][:, 1:].bool()  # (b, s - 1): token t + 1 is a target
+        # packed rows: each document attends to itself only (specdraft/attention.py), which
+        # transformers applies in a forward without a cache
         out = self.hf_model(
-            input_ids=input_ids, attention_mask=mask, output_hidden_states=True, logits_to_keep=1
-        )
+            input_ids=input_ids, **model_inputs(batch), use_cache=False,
+            output_hidden_states=True, logits_to_keep=1,
+        )  # fmt: skip
         student = out.hidden_states[-1][:, :-1][keep]  # (n, hidden): the final normed states
         final = target_out.hidden_states.get(self.target.num_layers) if self.target else None
         if final is not None:
@@ -364,8 +368,10 @@ class DistillDrafter(Drafter):
 
     def _aligned(self, batch, target_out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(student logits, target logits, next tokens) at the loss positions: (n, vocab) x2, (n,)."""
-        input_ids, mask = batch["input_ids"], batch["attention_mask"]
-        logits = self.hf_model(input_ids=input_ids, attention_mask=mask).logits  # (b, s, vocab)
+        input_ids = batch["input_ids"]
+        # packed rows: each document attends to itself only (specdraft/attention.py), which
+        # transformers applies in a forward without a cache
+        logits = self.hf_model(input_ids=input_ids, **model_inputs(batch), use_cache=False).logits
         keep = batch["loss_mask"][:, 1:].bool()  # (b, s - 1): token t + 1 is a target
         return logits[:, :-1][keep], target_out.logits[:, :-1][keep], input_ids[:, 1:][keep]
 

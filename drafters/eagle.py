@@ -40,6 +40,7 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
 )
 
+from specdraft.attention import loss_targets
 from specdraft.config import choice, follows
 from specdraft.core import (
     DecodeConfig,
@@ -177,15 +178,20 @@ def ttt_attention(
 
     Given no mask and keys of (k + 1) S positions for S queries (step 0's keys, then one block
     per later step), query t attends to step 0's keys 0..t and to key t of every later block:
-    a causal attention plus k keys per query. Scores are computed a block of queries at a time
+    a causal attention plus k keys per query; with `documents` (batch, S), the document ids of
+    packed rows (data.pack), step 0's keys are only those of the query's document. Scores are
+    computed a block of queries at a time
     (recomputed in the backward pass when training), so memory grows as S x block, not as the
     dense mask's and scores' S x (k + 1) S. With a mask (drafting through the modules), or a
     layout it does not know (sliding windows, soft-capping), it is transformers' SDPA attention.
     query (batch, heads, S, head_dim); key, value (batch, kv_heads, keys, head_dim).
     """
     S, n_keys = query.shape[2], key.shape[2]
+    documents = kwargs.pop("documents", None)
     plain = attention_mask is not None or n_keys % S or kwargs.get("sliding_window")
     if plain or kwargs.get("softcap") or getattr(module, "is_causal", True) is False:
+        if attention_mask is None and documents is not None:
+            raise ValueError("ttt_attention's fallback takes packed rows as a mask, not documents")
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -202,8 +208,11 @@ def ttt_attention(
     outs = []
     for start in range(0, S, TTT_BLOCK):
         end = min(S, start + TTT_BLOCK)
+        other = None  # (B, 1, 1, C, end): keys of another document than the query's
+        if documents is not None:
+            other = (documents[:, start:end, None] != documents[:, None, :end])[:, None, None]
         args = (q[:, :, :, start:end], k0[:, :, :end], v0[:, :, :end],
-                diag[:, :, :, start:end], vd[:, :, :, start:end], start, scale, p_drop)  # fmt: skip
+                diag[:, :, :, start:end], vd[:, :, :, start:end], start, scale, p_drop, other)  # fmt: skip
         if torch.is_grad_enabled() and query.requires_grad:
             outs.append(checkpoint(_ttt_block, *args, use_reentrant=False))
         else:
@@ -212,14 +221,19 @@ def ttt_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _ttt_block(q, k0, v0, diag, vd, start: int, scale: float, p_drop: float) -> torch.Tensor:
+def _ttt_block(
+    q, k0, v0, diag, vd, start: int, scale: float, p_drop: float, other=None
+) -> torch.Tensor:
     """Queries start .. start + C of every head group: causal scores over step 0's keys 0..end
-    and their k keys of the later blocks, one softmax over both, in float32.
+    (less those of `other` documents, packed rows) and their k keys of the later blocks, one
+    softmax over both, in float32.
     q (B, KVH, G, C, D); k0, v0 (B, KVH, end, D); diag (B, KVH, G, C, k); vd (B, KVH, k, C, D)."""
     C, end = q.shape[3], k0.shape[2]
     scores = (q @ k0[:, :, None].transpose(-1, -2)).float() * scale  # (B, KVH, G, C, end)
     rows = start + torch.arange(C, device=q.device)
     future = torch.arange(end, device=q.device)[None, :] > rows[:, None]  # (C, end)
+    if other is not None:
+        future = future | other  # hidden alike: (B, 1, 1, C, end)
     scores = scores.masked_fill(future, float("-inf"))
     p = torch.cat([scores, diag.float()], dim=-1).softmax(-1)
     if p_drop > 0:
@@ -473,15 +487,18 @@ class EagleDrafter(Drafter):
         positions: torch.Tensor,
         attention_mask: torch.Tensor,
         cache: DynamicCache | None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One head pass: (batch, n) next tokens + (batch, n, hidden) features of the positions
         before them -> (batch, n, hidden) h, the predicted next features. `attention_mask` is a
-        float 4D mask (batch, 1, n, cached + n); the keys are appended to `cache`."""
+        float 4D mask (batch, 1, n, cached + n); the keys are appended to `cache`. `documents`
+        (batch, n): the unrolled training's packed rows, for `ttt_attention` without a mask."""
         x = self.layer_input(tokens, features)
         cos_sin = self.rotary(x, positions)
+        extra = {} if documents is None else {"documents": documents}
         out = self.layer(
             x, attention_mask=attention_mask, position_ids=positions, cache=cache,
-            use_cache=cache is not None, position_embeddings=cos_sin,
+            use_cache=cache is not None, position_embeddings=cos_sin, **extra,
         )  # fmt: skip
         return out[0] if isinstance(out, tuple) else out
 
@@ -516,6 +533,8 @@ class EagleDrafter(Drafter):
         f_t for k = 0, else the head's own h from step k - 1 at t; it attends to step 0's keys at
         positions <= t and to steps 1..k at t only (exactly what the head's KV cache holds while
         drafting), at position id t + k. Its target is the target's distribution at t + 1 + k.
+        In packed rows (data.pack) t counts from its document's start and the keys are its
+        document's only; a position whose target lies in the next document is not valid.
         Returns per step: h (batch, S, hidden), logits (batch, S, draft vocab; logits=False:
         left out, for the loss, which makes them a chunk at a time), p_at (S,) the position of
         the target's distribution each position learns, valid (batch, S) bool, and the next
@@ -526,7 +545,7 @@ class EagleDrafter(Drafter):
         dense=True passes that dense float mask to the layer's own attention instead, the
         reference the lean path is tested and measured against (BENCHMARKS.md, "EAGLE").
         """
-        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        input_ids = batch["input_ids"]
         B, T = input_ids.shape
         S = T - 1
         features = self.fuse(target_out.hidden_states)  # (batch, T, hidden)
@@ -536,20 +555,31 @@ class EagleDrafter(Drafter):
             feature = feature + (torch.rand_like(feature) * 2 - 1) * a
         device, dtype = feature.device, feature.dtype
         t = torch.arange(S, device=device)
-        causal = t[None, :] <= t[:, None]  # (S, S)
-        eye = torch.eye(S, dtype=torch.bool, device=device)
+        # Packed rows (data.pack): positions restart at each document, and step 0's keys are
+        # those of the query's own document; a later step's key at t is the query's own.
+        documents = batch.get("document_ids")
+        start = t[None].expand(B, S) if documents is None else batch["position_ids"][:, :S]
+        if documents is not None:
+            documents = documents[:, :S]
+        if dense:
+            causal = (t[None, :] <= t[:, None])[None]  # (1 or B, S, S)
+            if documents is not None:
+                causal = causal & (documents[:, :, None] == documents[:, None, :])
+            eye = torch.eye(S, dtype=torch.bool, device=device).expand(causal.shape[0], S, S)
         cache = DynamicCache()
         out = []
         for k in range(steps):
             idx = (t + 1 + k).clamp(max=T - 1)  # (S,) token / target position; clamped = invalid
-            nxt = t + 2 + k  # the token position the step predicts
-            valid = (nxt < T)[None, :] & loss_mask[:, nxt.clamp(max=T - 1)]  # (B, S)
+            # (B, S): the token the step predicts, t + 2 + k, exists, carries loss and lies in
+            # position t's document
+            scored = loss_targets(batch, 2 + k)  # (B, max(0, T - 2 - k))
+            valid = F.pad(scored, (0, S - scored.shape[1]))
             mask = None  # ttt_attention: the structure, without a mask
             if dense:
-                allowed = torch.cat([causal] + [eye] * k, dim=1)  # (S, (k + 1) S)
-                mask = float_mask(allowed, dtype)[None, None].expand(B, 1, -1, -1)
-            positions = (t + k)[None].expand(B, S)
-            h = self.step(input_ids[:, idx], feature, positions, mask, cache)  # (B, S, hidden)
+                allowed = torch.cat([causal] + [eye] * k, dim=2)  # (1 or B, S, (k + 1) S)
+                mask = float_mask(allowed, dtype)[:, None].expand(B, 1, -1, -1)
+            positions = start + k
+            h = self.step(input_ids[:, idx], feature, positions, mask, cache, documents)
             step = {"h": h, "p_at": idx, "valid": valid, "next_feature": features[:, idx]}
             if logits:
                 step["logits"] = self.draft_logits(h)
@@ -597,7 +627,7 @@ class EagleDrafter(Drafter):
 
     def loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Step 0 scores token t + 2 from position t: the loss tokens from the third on."""
-        return batch["loss_mask"][:, 2:].sum().float()
+        return loss_targets(batch, 2).sum().float()
 
     @property
     def reduced_vocab(self) -> bool:

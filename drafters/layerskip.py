@@ -31,7 +31,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from specdraft.attention import FULL, SLIDING, AttentionLayout, causal_masks
+from specdraft.attention import FULL, SLIDING, AttentionLayout, causal_masks, model_inputs
 from specdraft.core import (
     DecodeConfig,
     DraftContext,
@@ -468,14 +468,19 @@ class LayerSkipDrafter(Drafter):
         config = self.hf_model.config
         ids = batch["input_ids"]
         hidden = embed(ids)
-        positions = torch.arange(ids.shape[1], device=ids.device)[None]
+        # packed rows (data.pack): positions restart at each document, and the masks keep each
+        # document to itself (specdraft/attention.py, model_inputs)
+        inputs = model_inputs(batch)
+        positions = inputs["position_ids"]
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device)[None]
         # the masks the model's own forward builds, one per layer type: a sliding-window layer
         # trains on its window, as it computes when served
         layout = AttentionLayout.of(config)
         build = {FULL: create_causal_mask, SLIDING: create_sliding_window_causal_mask}
         masks = {
             kind: build[kind](
-                config=config, inputs_embeds=hidden, attention_mask=batch.get("attention_mask"),
+                config=config, inputs_embeds=hidden, attention_mask=inputs["attention_mask"],
                 cache=None, position_ids=positions,
             )
             for kind in set(layout.layer_types)

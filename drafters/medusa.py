@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdraft.attention import loss_targets, target_inputs
 from specdraft.config import choice
 from specdraft.core import (
     DecodeConfig,
@@ -374,19 +375,19 @@ class MedusaDrafter(Drafter):
         out = target_out
         if out is None:  # the logits come from the final state, a chunk at a time (_target_term)
             out = self.target.forward_with_grad(
-                batch["input_ids"], attention_mask=batch["attention_mask"],
+                batch["input_ids"], **target_inputs(batch),
                 capture_layers=self.capture_layers, logits_to_keep=1,
             )  # fmt: skip
         heads_sum, metrics = self.loss(batch, out)
         target_sum = self._target_term(batch, out)
-        metrics["loss_heads"] = (heads_sum.detach(), batch["loss_mask"][:, 2:].sum().float())
+        metrics["loss_heads"] = (heads_sum.detach(), loss_targets(batch, 2).sum().float())
         metrics["loss_target"] = (target_sum.detach(), batch["loss_mask"][:, 1:].sum().float())
         return target_sum + self.config.heads_weight * heads_sum, metrics
 
     def loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Medusa-1: head 0 scores token t + 2 from position t, so the loss tokens from the
         third on; Medusa-2: its target term scores every loss token."""
-        return batch["loss_mask"][:, 1 if self.peft is not None else 2 :].sum().float()
+        return loss_targets(batch, 1 if self.peft is not None else 2).sum().float()
 
     def _target_term(self, batch: Mapping[str, torch.Tensor], out) -> torch.Tensor:
         """Medusa-2's term for the fine-tuned target's own next-token predictions, summed over
@@ -403,9 +404,8 @@ class MedusaDrafter(Drafter):
             return scored.ce.sum()
         with torch.no_grad(), self.peft.disable_adapter():
             base = self.target.forward(
-                batch["input_ids"], attention_mask=batch["attention_mask"], capture_layers=[L],
-                logits_to_keep=1,
-            )  # fmt: skip
+                batch["input_ids"], **target_inputs(batch), capture_layers=[L], logits_to_keep=1
+            )
 
         def base_logits(x: torch.Tensor) -> torch.Tensor:
             with self.peft.disable_adapter():  # an adapter on the LM head is off for the base
@@ -423,9 +423,8 @@ class MedusaDrafter(Drafter):
         if target_out is not None:
             return target_out
         return self.target.forward(
-            batch["input_ids"], attention_mask=batch["attention_mask"],
-            capture_layers=self.capture_layers,
-        )  # fmt: skip
+            batch["input_ids"], **target_inputs(batch), capture_layers=self.capture_layers
+        )
 
     # --- loss -----------------------------------------------------------------------------------
 
@@ -437,7 +436,7 @@ class MedusaDrafter(Drafter):
         p_logits (batch, S_k, vocab) the target's logits at t + 1 + k, which predict the same
         token; valid (batch, S_k) bool where x_{t+2+k} is a loss token."""
         target_out = self._target_out(batch, target_out)
-        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        input_ids = batch["input_ids"]
         T = input_ids.shape[1]
         h = target_out.hidden_states[self.capture_layers[0]]  # (batch, T, hidden)
         p_logits = target_out.logits.detach()  # a teacher, also when the target trains
@@ -452,7 +451,7 @@ class MedusaDrafter(Drafter):
                 "logits": logits[k, :, :S],
                 "labels": input_ids[:, 2 + k : 2 + k + S],
                 "p_logits": p_logits[:, 1 + k : 1 + k + S],
-                "valid": loss_mask[:, 2 + k : 2 + k + S],
+                "valid": loss_targets(batch, 2 + k),  # (batch, S): in t's own document
             })  # fmt: skip
         return out
 

@@ -203,6 +203,14 @@ class PEagleDrafter(EagleDrafter):
         # the parallel slots' feature before fc, at the width of the fused target states
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * H))
 
+    @classmethod
+    def packing_problem(cls, config) -> str | None:
+        return (
+            "P-EAGLE does not train on packed rows yet: COD draws its slots per row (their count "
+            "from the row's scored tokens), so a packed row would train other slots than its "
+            "conversations would on their own"
+        )
+
     @staticmethod
     def capture_layers_for(config: PEagleConfig, target) -> list[int]:
         return list(config.feature_layers)

@@ -16,7 +16,7 @@ stopping at its window (memory, not time: the window's mask hides the rest).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -111,3 +111,78 @@ def causal_masks(layout: AttentionLayout, past: int, new: int, dtype: torch.dtyp
     queries = torch.arange(past, past + new, device=device)
     keys = torch.arange(past + new, device=device)
     return layout.masks(allowed, queries, keys, dtype)
+
+
+# --- packed rows ---------------------------------------------------------------------------------
+#
+# A packed row holds several documents end to end (data.pack; data/packing.py). Its batch carries
+# document_ids and position_ids, both (batch, seq): each document attends only to itself, causally,
+# with its positions starting at 0, so every token is computed exactly as in a row of its own.
+
+
+def document_layout(
+    lengths: Sequence[Sequence[int]], seq: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(document ids, position ids), each (batch, seq) long, for rows whose documents have
+    `lengths`. A row's padding after its documents is one more document with positions from 0,
+    so every query, padding included, has a key to attend to (itself)."""
+    documents = torch.zeros(len(lengths), seq, dtype=torch.long)
+    positions = torch.zeros(len(lengths), seq, dtype=torch.long)
+    for row, row_lengths in enumerate(lengths):
+        start = 0
+        for doc, n in enumerate([*row_lengths, seq - sum(row_lengths)]):
+            documents[row, start : start + n] = doc
+            positions[row, start : start + n] = torch.arange(n)
+            start += n
+    return documents, positions
+
+
+def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    """The attention_mask and position_ids a Hugging Face model's forward takes for `batch`.
+
+    Rows of one document: the (batch, seq) padding mask. Packed rows: no mask, and the position
+    ids that restart at each document, from which transformers' packed-sequence path builds the
+    block-diagonal causal mask (SDPA and eager attention, each layer's sliding window applied by
+    position) or, for a model loaded with flash-attention, calls its varlen kernel. It does so
+    only in a forward without a cache: pass use_cache=False (a model whose config says use_cache
+    makes one otherwise, and its rows would attend across their documents)."""
+    if "document_ids" in batch:
+        return {"attention_mask": None, "position_ids": batch["position_ids"]}
+    return {"attention_mask": batch.get("attention_mask"), "position_ids": None}
+
+
+def target_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    """The keyword arguments a target's forward (targets/target.py) takes for `batch`: its
+    padding mask, and for packed rows their document and position ids."""
+    return {
+        "attention_mask": batch["attention_mask"],
+        "position_ids": batch.get("position_ids"),
+        "document_ids": batch.get("document_ids"),
+    }
+
+
+def loss_targets(batch: Mapping[str, torch.Tensor], offset: int) -> torch.Tensor:
+    """(batch, seq - offset) bool: token t + offset carries loss and is predicted from position
+    t of its own document. For rows of one document that is loss_mask[:, offset:]; in a packed
+    row position t must also lie in that token's document, as it always does in a row of its
+    own. (For offset 1 that holds already: no document's first token carries loss.)"""
+    keep = batch["loss_mask"][:, offset:].bool()
+    documents = batch.get("document_ids")
+    if documents is not None and offset > 0:
+        keep = keep & (documents[:, offset:] == documents[:, : max(0, documents.shape[1] - offset)])
+    return keep
+
+
+def flash_varlen(model, device: torch.device) -> bool:
+    """Switch a Hugging Face model to flash-attention 2, whose varlen kernel runs packed rows
+    without a mask, where that can run: a CUDA device, half-precision weights and the flash_attn
+    package installed. Returns whether it did; elsewhere the model keeps its attention (SDPA with
+    the block-diagonal mask). Not run on this project's CPU machines."""
+    if torch.device(device).type != "cuda" or model.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        import flash_attn  # noqa: F401  (only whether it is installed)
+    except ImportError:
+        return False
+    model.set_attn_implementation("flash_attention_2")
+    return True

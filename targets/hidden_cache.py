@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from specdraft.attention import document_layout, target_inputs
 from specdraft.core import TargetOutput, check_fingerprint
 
 FORMAT_VERSION = 1
@@ -106,9 +107,14 @@ def write_cache(
             for r, e in enumerate(rows):
                 ids[r, : len(e.input_ids)] = torch.tensor(e.input_ids)
                 mask[r, : len(e.input_ids)] = 1
-            out = target.forward(
-                ids.to(target.device), attention_mask=mask.to(target.device), capture_layers=layers
-            )
+            batch = {"attention_mask": mask}
+            if any(getattr(e, "document_lengths", None) for e in rows):  # packed rows (data.pack)
+                lengths = [getattr(e, "document_lengths", None) or [len(e.input_ids)] for e in rows]
+                batch["document_ids"], batch["position_ids"] = document_layout(lengths, length)
+            inputs = {
+                k: v.to(target.device) for k, v in target_inputs(batch).items() if v is not None
+            }
+            out = target.forward(ids.to(target.device), **inputs, capture_layers=layers)
             for r, e in enumerate(rows):
                 i, n = start + b + r, len(e.input_ids)
                 tensors[f"{i}.input_ids"] = ids[r, :n].clone()

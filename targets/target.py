@@ -184,13 +184,19 @@ class Target:
         use_cache: bool = False,
         capture_layers: Sequence[int] = (),
         logits_to_keep: int = 0,
+        document_ids: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Run the target and return logits plus the hidden states at `capture_layers`, with
         gradients where its parameters want them (LoRA adapters that a drafter kind trains).
 
         `attention_mask` may be the usual (batch, seq) padding mask or a float 4D mask
         (batch, 1, seq, past + seq) with 0 where attention is allowed, as tree verification uses.
+        Packed rows (data.pack) pass their `document_ids` and `position_ids`: each document then
+        attends only to itself (specdraft/attention.py, `model_inputs`), and the padding mask,
+        which a packed row's padding (a document of its own) does not need, is not used.
         """
+        if document_ids is not None:
+            attention_mask = None  # transformers' packed-sequence path, from position_ids
         layer_ids = self.check_layer_ids(capture_layers)
         captured: dict[int, torch.Tensor] = {}
         hooks = self._capture_hooks(layer_ids, captured)

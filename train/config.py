@@ -289,8 +289,8 @@ class TrainConfig:
 
     def _check_kind_rules(self) -> None:
         """The drafter kind's own rules (drafters/base.py): no other kind's decoding setting in
-        decode or eval_loop.tune, and target_sharding only where the kind keeps the target
-        frozen. A config of no registered kind (the base, a test's) has none."""
+        decode or eval_loop.tune, data.pack only where the kind's loss keeps a packed row's
+        documents apart, and target_sharding only where the kind keeps the target frozen. A config of no registered kind (the base, a test's) has none."""
         cls = drafter_kinds().get(self.kind)
         if cls is None:
             return
@@ -306,6 +306,10 @@ class TrainConfig:
                     f"a {cls.title or cls.kind} drafter: leave it out",
                     key="eval_loop.tune",
                 )
+        if self.data.pack:
+            why = cls.packing_problem(getattr(self, "drafter", None))
+            if why is not None:
+                raise ConfigError(f"data.pack=true: {why}; set data.pack=false", key="data.pack")
         if self.target_sharding != "none":
             why = cls.sharding_problem(getattr(self, "drafter", None))
             if why is not None:

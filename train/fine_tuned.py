@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from specdraft.attention import target_inputs
 from specdraft.core import LOOP_TOKENS, looping_share
 from specdraft.drafters.layerskip import LayerSkipDrafter
 from specdraft.formats.checkpoint import save_target_folder
@@ -119,9 +120,8 @@ def heldout_loss(
     for start in range(0, n, batch_size):
         batch = collate(examples[start : min(n, start + batch_size)], target.device)
         out = target.forward(
-            batch["input_ids"], attention_mask=batch["attention_mask"], capture_layers=[L],
-            logits_to_keep=1,
-        )  # fmt: skip
+            batch["input_ids"], **target_inputs(batch), capture_layers=[L], logits_to_keep=1
+        )
         keep = batch["loss_mask"][:, 1:].bool()
         scored = token_losses(
             out.hidden_states[L][:, :-1][keep], target.lm_head,

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from specdraft.attention import document_layout
 from specdraft.train.config import TrainConfig
 
 
@@ -74,7 +75,11 @@ def _epoch_order(seed: int, epoch: int, n: int) -> torch.Tensor:
 
 
 def collate(examples: Sequence[Any], device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-pad examples (input_ids, loss_mask lists) into a batch of (batch, seq) tensors."""
+    """Right-pad examples (input_ids, loss_mask lists) into a batch of (batch, seq) tensors.
+
+    Packed rows (examples with `document_lengths`, data.pack) also get document_ids and
+    position_ids (specdraft/attention.py, "Packed rows"), and no document's first token carries
+    loss, as no row's does."""
     length = max(len(e.input_ids) for e in examples)
     ids = torch.zeros(len(examples), length, dtype=torch.long)
     attention = torch.zeros_like(ids)
@@ -85,8 +90,9 @@ def collate(examples: Sequence[Any], device: torch.device) -> dict[str, torch.Te
         attention[i, :n] = 1
         loss_mask[i, :n] = torch.tensor(e.loss_mask)
     loss_mask[:, 0] = 0  # the first token has nothing before it to predict it from
-    return {
-        "input_ids": ids.to(device),
-        "attention_mask": attention.to(device),
-        "loss_mask": loss_mask.to(device),
-    }
+    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+    if any(getattr(e, "document_lengths", None) for e in examples):
+        lengths = [getattr(e, "document_lengths", None) or [len(e.input_ids)] for e in examples]
+        batch["document_ids"], batch["position_ids"] = document_layout(lengths, length)
+        loss_mask[batch["position_ids"] == 0] = 0  # each document's first token, likewise
+    return {k: v.to(device) for k, v in batch.items()}

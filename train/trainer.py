@@ -8,7 +8,8 @@ batch alone; `acceptance` gives the simulated tau of evaluation at the depth the
 `heldout_summary`, `runs_target` and `trained_fingerprint` are there for the kinds that need
 them. The parameters with requires_grad are what the optimizer trains.
 
-A batch is a dict of (batch, seq) tensors: input_ids, attention_mask, loss_mask.
+A batch is a dict of (batch, seq) tensors: input_ids, attention_mask, loss_mask, and for packed
+rows (data.pack) document_ids and position_ids (specdraft/attention.py, "Packed rows").
 
 Reproducibility rests on one rule: everything random or scheduled is a pure function of the step.
 The learning rate is `lr_at(step)`, the examples of a step are a seeded permutation indexed by
@@ -35,6 +36,7 @@ import torch
 from accelerate.utils import DistributedType
 from tqdm.auto import tqdm
 
+from specdraft.attention import flash_varlen, target_inputs
 from specdraft.config import save_config
 from specdraft.drafters.base import Drafter
 from specdraft.formats import checkpoint
@@ -117,6 +119,11 @@ class _Training:
         self.rank = self.acc.process_index
         self.out = Path(cfg.output_dir)
         self.target = target.to(self.acc.device)  # a cache stand-in moves only what it uses
+        if cfg.data.pack and flash_varlen(self.target.model, self.acc.device) and self.main:
+            print(
+                "[specdraft] packed rows: the target runs flash-attention's varlen kernel",
+                file=sys.stderr,
+            )
         self.train_examples, self.eval_examples = train_examples, eval_examples
         self.tokenizer = tokenizer
         self.provenance = {"target": cfg.target, "data": cfg.data.path, **(provenance or {})}
@@ -356,7 +363,7 @@ class _Training:
             keep = 1 if training else 0  # evaluation's acceptance reads them all
         with self.acc.autocast():
             return self.target.forward(
-                batch["input_ids"], attention_mask=batch["attention_mask"],
+                batch["input_ids"], **target_inputs(batch),
                 capture_layers=layers, logits_to_keep=keep,
             )  # fmt: skip
 
