@@ -145,6 +145,14 @@ def along_positions(values: torch.Tensor, depth: int) -> torch.Tensor:
     return values[:, at.clamp(max=T - 1)]
 
 
+def one_later(values: torch.Tensor, fill) -> torch.Tensor:
+    """(batch, S, ...) values at position t -> (batch, S + 1, ...) at c = t + 1, `fill` at 0: a
+    drafter fed the target's state at the token before the context's last (EAGLE, Medusa)
+    drafts after a context ending at c from what it computed at c - 1."""
+    first = torch.full_like(values[:, :1], fill)
+    return torch.cat([first, values], dim=1)
+
+
 # kind -> class, filled as each kind's class is defined (Drafter.__init_subclass__).
 _KINDS: dict[str, type[Drafter]] = {}
 _BUILTIN_IMPORTED: list[bool] = []

@@ -32,6 +32,10 @@ from specdraft.drafters.base import (
     Drafter,
     LoraConfig,
     Metrics,
+    ServedDrafts,
+    chain_drafts,
+    greedy_confidence,
+    one_later,
     sum_and_count,
     warn_once,
 )
@@ -174,6 +178,7 @@ class MedusaDrafter(Drafter):
     a plain attribute, so it is neither trained nor saved."""
 
     kind = "medusa"
+    drafts_after_prefill = True  # the heads read the target's state at the last verified token
     title = "Medusa"
     config_class = MedusaConfig
     # Keys of model.safetensors a drafter loaded for decoding ignores: Medusa-2's adapter
@@ -497,6 +502,23 @@ class MedusaDrafter(Drafter):
             greedy.append((agree & s["valid"]).sum().float())
             counts.append(s["valid"].sum().float())
         return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
+
+    @torch.no_grad()
+    def served_drafts(
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
+    ) -> ServedDrafts | None:
+        """The chain the session drafts after every position: after a context ending at c,
+        head k reads the target's state at c - 1 and drafts depth k + 1."""
+        if not decode.chain:
+            return None
+        h = self._target_out(batch, target_out).hidden_states[self.capture_layers[0]]
+        depth = min(decode.gamma, self.config.num_heads)
+        logits = self.logits(h[:, :-1])[:depth].permute(1, 2, 0, 3)  # (batch, seq - 1, depth, Vd)
+        best = self.d2t[logits.argmax(-1)]
+        confident = greedy_confidence(logits, decode.stop_below)
+        return chain_drafts(
+            one_later(best, -1), one_later(confident, True), batch["input_ids"], decode.gamma
+        )
 
     @torch.no_grad()
     def eval_statistics(
