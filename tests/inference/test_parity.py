@@ -88,3 +88,23 @@ def test_simulated_equals_served_at_temperature_0(random_target, examples, draft
             assert (sim.reached_at, sim.accepted_at) == (real.reached_at, real.accepted_at)
             assert sim.emitted_per_pass == real.emitted_per_pass
         assert sum(s.drafted for s in served) > 0 and sum(s.accepted for s in served) > 0
+
+
+def test_medusa_trees_simulated_equal_served(random_target, examples):
+    """Medusa's tree, as its session builds it from the heads' measured accuracies."""
+    heads = build("medusa", random_target, examples)
+    for decode in (
+        DecodeConfig(gamma=3, tree_top_k=3, tree_budget=8),
+        DecodeConfig(gamma=2, tree_top_k=2),
+    ):
+        decode = heads.decode_settings(decode)
+        simulated = simulate(random_target, heads, examples, decode)
+        served = serve(random_target, heads, examples, decode)
+        for sim, real in zip(simulated, served, strict=True):
+            assert (sim.tau, sim.reached_at, sim.accepted_at) == (
+                real.tau,
+                real.reached_at,
+                real.accepted_at,
+            )
+            assert sim.drafted == real.drafted
+        assert sum(s.accepted for s in served) > 0
