@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdraft.core import DecodeConfig, DraftContext
 from specdraft.drafters.base import ServedDrafts
+from specdraft.drafters.prompt_lookup import PromptLookupSession
 
 
 @dataclass
@@ -151,7 +153,10 @@ def simulated_tau(alphas: Sequence[float]) -> float:
 
 
 def simulate_serving(
-    drafts: ServedDrafts, loss_mask: torch.Tensor, lengths: torch.Tensor, after_prefill: bool
+    drafts: ServedDrafts,
+    batch: dict[str, torch.Tensor],
+    decode: DecodeConfig,
+    after_prefill: bool,
 ) -> list[Stats]:
     """The loop's statistics at temperature 0, per row of a batch of the target's own greedy
     continuations (each row: its prompt, then the target's continuation, scored by loss_mask up
@@ -164,11 +169,19 @@ def simulate_serving(
     as generate does (a draft no deeper than the tokens left allow, none before the prompt is
     verified for a drafter that needs its hidden states, output cut at the EOS), and records
     them with the loop's own `Stats.record_step`: tau and the acceptance per position equal the
-    served ones. lengths: (batch,) each row's real length (its attention mask's sum), prompt
-    plus every continuation token, including those past an EOS (which a draft may still match).
+    served ones. With copying (decode.lookup_ngram) a step copies where the loop's copying
+    session would (drafters/prompt_lookup.py decides, on the same context). A row's real
+    length (its attention mask's sum) is its prompt plus every continuation token, including
+    those past an EOS (which a draft may still match).
     """
     rows = []
     accepted, depth, size = (t.tolist() for t in (drafts.accepted, drafts.depth, drafts.size))
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    lengths = batch["attention_mask"].sum(1)
+    lookup = None
+    if decode.lookup_ngram > 0:  # as generate builds its CopyingSession
+        ngram = decode.lookup_ngram
+        lookup = PromptLookupSession(max(3, ngram), ngram, decode.lookup_gamma or decode.gamma)
     for b in range(loss_mask.shape[0]):
         scored = loss_mask[b].nonzero()
         if not len(scored):
@@ -178,7 +191,16 @@ def simulate_serving(
         stats, length = Stats(), start
         while length < stop:
             cap = min(drafts.gamma, end - length - 1)
-            if cap > 0 and not (after_prefill and length == start):
+            copy = None
+            if lookup is not None and end - length > 1:
+                context = DraftContext(ids[b : b + 1, :length], max_depth=end - length - 1)
+                copy = lookup.propose(context).tokens[0]
+            if copy is not None and len(copy):  # copied from the context: no drafter pass
+                truth = ids[b, length : length + len(copy)]
+                k = int((copy == truth).long().cumprod(0).sum())
+                d = n = len(copy)
+                stats.copied_passes += 1
+            elif cap > 0 and not (after_prefill and length == start):
                 c = length - 1  # the context's last token
                 k, d, n = accepted[b][c][cap - 1], depth[b][c][cap - 1], size[b][c][cap - 1]
             else:  # nothing drafted: the step emits the target's token alone
@@ -186,5 +208,6 @@ def simulate_serving(
             emitted = min(k + 1, stop - length)
             stats.record_step(n, d, k, emitted)
             length += emitted
+        stats.copies = lookup is not None
         rows.append(stats)
     return rows

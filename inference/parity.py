@@ -37,10 +37,8 @@ def simulate(
 ) -> list[Stats] | None:
     """Per example (the target's greedy continuation of a prompt, inference/continuations.py):
     the loop's statistics as the drafter's training path predicts them; None where its kind or
-    `decode` has no simulation (Drafter.served_drafts), or `decode` copies from the context."""
+    `decode` has no simulation (Drafter.served_drafts)."""
     decode = drafter.decode_settings(decode)
-    if decode.lookup_ngram > 0:
-        return None
     out = []
     for example in examples:
         batch = example_batch(example, target.device)
@@ -51,8 +49,7 @@ def simulate(
         drafts = drafter.served_drafts(batch, target_out, decode)
         if drafts is None:
             return None
-        lengths = batch["attention_mask"].sum(1)
-        out += simulate_serving(drafts, batch["loss_mask"], lengths, drafter.drafts_after_prefill)
+        out += simulate_serving(drafts, batch, decode, drafter.drafts_after_prefill)
     return out
 
 

@@ -79,7 +79,12 @@ def drafter(request, random_target, examples):
 
 
 def test_simulated_equals_served_at_temperature_0(random_target, examples, drafter):
-    for decode in (DecodeConfig(gamma=3), DecodeConfig(gamma=4, stop_below=0.4)):
+    settings = (
+        DecodeConfig(gamma=3),
+        DecodeConfig(gamma=4, stop_below=0.4),
+        DecodeConfig(gamma=3, lookup_ngram=1, lookup_gamma=5),  # copies where the context repeats
+    )
+    for decode in settings:
         decode = drafter.decode_settings(decode)
         simulated = simulate(random_target, drafter, examples, decode)
         served = serve(random_target, drafter, examples, decode)
@@ -87,7 +92,10 @@ def test_simulated_equals_served_at_temperature_0(random_target, examples, draft
             assert sim.tau == real.tau
             assert (sim.reached_at, sim.accepted_at) == (real.reached_at, real.accepted_at)
             assert sim.emitted_per_pass == real.emitted_per_pass
+            assert sim.copied_passes == real.copied_passes
         assert sum(s.drafted for s in served) > 0 and sum(s.accepted for s in served) > 0
+        if decode.lookup_ngram:
+            assert 0 < sum(s.copied_passes for s in served) < sum(s.target_passes for s in served)
 
 
 def test_medusa_trees_simulated_equal_served(random_target, examples):
