@@ -66,3 +66,97 @@ def serve(target, drafter, examples: Sequence[Example], decode: DecodeConfig) ->
         )
         out.append(run.stats)
     return out
+
+
+class _Recording:
+    """A drafting session, recorded: every verification's hidden states the session is handed
+    (the pending rows and the accepted path's, at their positions in the sequence) and every
+    draft with the context length it was drafted after. Everything else goes to the session."""
+
+    def __init__(self, session, record: dict) -> None:
+        self._session, self._record = session, record
+        record["capture_layers"] = list(session.capture_layers)
+        self._verified = 0  # positions verified so far: the next forward's first row is there
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    def propose(self, context):
+        tree = self._session.propose(context)
+        self._record["drafts"].append((context.tokens.shape[1], tree.tokens[0].tolist(), tree))
+        return tree
+
+    def accept(self, tree, path, hidden_states=None):
+        if hidden_states:  # rows: the pending tokens, then the tree's nodes
+            pending = next(iter(hidden_states.values())).shape[1] - len(tree)
+            keep = list(range(pending)) + [pending + i for i in path]
+            for layer, h in hidden_states.items():
+                for offset, row in enumerate(keep):
+                    self._record["hidden"].setdefault(layer, {})[self._verified + offset] = h[
+                        0, row
+                    ]
+            self._verified += len(keep)
+        return self._session.accept(tree, path, hidden_states)
+
+
+def first_difference(
+    target, drafter, example: Example, decode: DecodeConfig, atol: float = 1e-4
+) -> str | None:
+    """Where the drafter's training and serving paths part on one example (the target's greedy
+    continuation of a prompt): decode its prompt with the loop, recording what the session was
+    handed, and compare it at the same positions with what the training path reads, in the
+    order the drafter uses them. Names the first that differs and by how much: the target
+    layers captured, then each layer's hidden states, then the drafts themselves (the
+    drafter's output: its inputs agreed, so the difference is inside its computation when
+    served, e.g. positions, masks, norms or scales). None: in parity."""
+    decode = drafter.decode_settings(decode)
+    record: dict = {"drafts": [], "hidden": {}}
+    make = drafter.new_session
+
+    def recorded(*args, **kwargs):
+        return _Recording(make(*args, **kwargs), record)
+
+    drafter.new_session = recorded  # an instance attribute, removed below
+    try:
+        start = example.loss_mask.index(1)
+        new = len(example.input_ids) - start
+        generate(target, example.input_ids[:start], drafter, max_new_tokens=new, decode=decode)
+    finally:
+        del drafter.new_session
+    trained = list(drafter.capture_layers)
+    if sorted(record["capture_layers"]) != sorted(trained):
+        return (
+            f"captured hidden states: serving captures target layers {record['capture_layers']}, "
+            f"training reads {trained}"
+        )
+    batch = example_batch(example, target.device)
+    target_out = target.forward(batch["input_ids"], capture_layers=trained)
+    for layer in trained:
+        for position, served in sorted(record["hidden"].get(layer, {}).items()):
+            h = target_out.hidden_states[layer][0, position].to(served.dtype)
+            diff = float((h - served).abs().max())
+            if diff > atol * max(1.0, float(h.abs().max())):
+                return (
+                    f"captured hidden states, target layer {layer}, position {position}: served "
+                    f"and training values differ by up to {diff:.3g}"
+                )
+    drafts = drafter.served_drafts(batch, target_out, decode)
+    ids = example.input_ids
+    for length, tokens, tree in record["drafts"]:
+        if not tokens or drafts is None or not tree.is_chain:
+            continue
+        # the served chain's accepted prefix against the one the training path predicts for a
+        # draft asked for at most as many tokens as the loop asked for then
+        truth = ids[length : length + len(tokens)]
+        served = 0
+        while served < len(truth) and tokens[served] == truth[served]:
+            served += 1
+        cap = min(decode.gamma, len(ids) - length - 1)
+        predicted = int(drafts.accepted[0, length - 1, cap - 1])
+        if served != predicted:
+            return (
+                f"the drafter's drafts after position {length - 1}: served drafts {tokens} accept "
+                f"{served}, the training path's {predicted}; the captured inputs agree, so the "
+                "drafter computes differently when served (its positions, masks, norms or scales)"
+            )
+    return None

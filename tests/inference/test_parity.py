@@ -12,11 +12,11 @@ from spec_helpers import fitted_medusa_heads, perturbed
 from specdraft.core import DecodeConfig
 from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
 from specdraft.drafters.distill import DistillDrafter
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter, EagleSession
 from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
 from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter
 from specdraft.inference.continuations import served_examples
-from specdraft.inference.parity import serve, simulate
+from specdraft.inference.parity import first_difference, serve, simulate
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = pytest.mark.exact
@@ -116,3 +116,47 @@ def test_medusa_trees_simulated_equal_served(random_target, examples):
             )
             assert sim.drafted == real.drafted
         assert sum(s.accepted for s in served) > 0
+
+
+def test_a_correct_drafter_is_in_parity(random_target, examples, drafter):
+    decode = drafter.decode_settings(DecodeConfig(gamma=3, lookup_ngram=1))
+    assert first_difference(random_target, drafter, examples[0], decode) is None
+
+
+@pytest.fixture(scope="module")
+def eagle1(random_target, examples):
+    return build("eagle1", random_target, examples)
+
+
+def test_a_wrong_capture_layer_is_named(random_target, examples, monkeypatch):
+    """An EAGLE-3 head served the final normed state (layer 2) where it trained on layer 1."""
+    head = build("eagle3", random_target, examples)
+    init = EagleSession.__init__
+
+    def planted(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.capture_layers = [2, 2, 2]
+
+    monkeypatch.setattr(EagleSession, "__init__", planted)
+    decode = DecodeConfig(gamma=3)
+    found = first_difference(random_target, head, examples[0], decode)
+    assert found == (
+        "captured hidden states: serving captures target layers [2, 2, 2], training reads [1, 1, 1]"
+    )
+
+
+def test_a_scale_inside_the_drafter_is_named(random_target, examples, eagle1, monkeypatch):
+    """The head's input features scaled when served (as a norm or an embedding scale missing on
+    one path would): what it was handed agrees, its drafts do not."""
+    step = EagleSession._step
+
+    def planted(self, tokens, features, positions, visible=None):
+        return step(self, tokens, features * 3, positions, visible)
+
+    monkeypatch.setattr(EagleSession, "_step", planted)
+    decode = DecodeConfig(gamma=3)
+    sim, real = (f(random_target, eagle1, examples, decode) for f in (simulate, serve))
+    assert [s.tau for s in sim] != [s.tau for s in real]
+    found = first_difference(random_target, eagle1, examples[0], decode)
+    assert found.startswith("the drafter's drafts after position")
+    assert "computes differently" in found
