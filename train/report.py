@@ -172,4 +172,16 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
         f"{m['ar_tokens_per_s']:.1f} tokens/s, same process, {m['torch_threads']} CPU "
         f"thread(s)){notes}; {path}"
     )
+    # The parity check that costs nothing more: on the same prompts, greedy, with the settings
+    # trained for, the walk of the loop's steps predicts the measured tau exactly
+    exact = m["simulation"] == "served" and m["simulated_on"] == SERVED_GREEDY
+    if exact and tuning is None and m["decode"] == dataclasses.asdict(cfg.decode):
+        gap = simulated / m["tau"] - 1
+        print(
+            "[specdraft] training predicts serving: simulated and measured tau agree"
+            if abs(gap) < 1e-9
+            else f"[specdraft] simulated tau is {gap:+.2%} off the measured one on the same "
+            f"prompts: `python scripts/parity.py {final}` names where training and serving part "
+            "(precision differs where training ran in bf16)"
+        )
     return m
