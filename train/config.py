@@ -184,8 +184,9 @@ class TrainConfig:
     # own continuations of the eval_loop prompts, eval_loop.max_new_tokens long, greedy or
     # sampled at eval_loop.temperature as the drafter is served, generated once and cached under
     # SPECDRAFT_HOME/continuations; at temperature 0 the simulated tau there is the loop's own) |
-    # corpus (the held-out split's text) | auto (served where this process can decode with the
-    # target: not from a hidden_cache, not sharded).
+    # corpus (the held-out split's text) | auto (served where the run measures the drafter in the
+    # loop, eval_loop.enabled, and can decode with the target: not from a hidden_cache, not
+    # sharded).
     eval_on: str = choice("auto", "served", "corpus")
     # Held-out micro-batches per process per evaluation (the same examples for any process count);
     # 0 uses the whole held-out split.

@@ -43,7 +43,8 @@ def heldout_examples(cfg, target, eval_examples) -> tuple[list, str]:
     eval_loop prompts (cached; the first process decodes them, the others wait and read the
     cache), so the simulated tau is for the prompts and lengths the loop is measured on."""
     whole = getattr(target, "complete", False) and not isinstance(target, CachedTarget)
-    if cfg.eval_on == "corpus" or cfg.eval_every == 0 or (cfg.eval_on == "auto" and not whole):
+    auto_corpus = cfg.eval_on == "auto" and not (whole and cfg.eval_loop.enabled)
+    if cfg.eval_on == "corpus" or cfg.eval_every == 0 or auto_corpus:
         return list(eval_examples), CORPUS
     if not whole:
         raise ValueError(
