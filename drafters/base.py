@@ -89,6 +89,71 @@ class DraftSession:
         return 0
 
 
+@dataclass
+class ServedDrafts:
+    """What a drafter drafts when served greedily, after every position of a batch: the input of
+    the simulation of serving (`inference.metrics.simulate_serving`), which walks these the way
+    the loop walks its steps. Index [b, c, d - 1]: row b, a context whose last token is at c,
+    a draft asked for at most d tokens (the loop asks for fewer near the end). Drafted on the
+    batch's own tokens (teacher-forced): while a draft agrees with them it is what the session
+    drafts, and after its first disagreement nothing it drafts is accepted."""
+
+    accepted: torch.Tensor  # (batch, seq, gamma) long: the path greedy verification accepts
+    depth: torch.Tensor  # (batch, seq, gamma) long: the draft's depth (0: none)
+    size: torch.Tensor  # (batch, seq, gamma) long: its nodes
+
+    @property
+    def gamma(self) -> int:
+        return self.accepted.shape[-1]
+
+
+def chain_drafts(
+    drafts: torch.Tensor, confident: torch.Tensor, input_ids: torch.Tensor, gamma: int
+) -> ServedDrafts:
+    """A chain drafter's ServedDrafts: drafts (batch, seq, D) target ids, [b, c, i] the token
+    drafted at depth i + 1 after a context ending at c whose depths before it agreed with the
+    batch; confident (batch, seq, D) bool, whether that draft's top probability is at least
+    stop_below (core.draft_chain ends the chain after the first that is not). D may be less
+    than gamma (a kind that drafts at most D)."""
+    T, D = drafts.shape[1], min(drafts.shape[2], gamma)
+    c = torch.arange(T, device=drafts.device)
+    at = c[:, None] + 1 + torch.arange(D, device=drafts.device)[None]  # (T, D) token compared
+    truth = input_ids[:, at.clamp(max=T - 1)]  # (B, T, D)
+    agree = (drafts[..., :D] == truth) & (at < T)
+    leading = agree.long().cumprod(-1).sum(-1)  # (B, T) depths accepted of the whole chain
+    # the chain's length: it ends after its first unconfident depth
+    length = confident[..., : D - 1].long().cumprod(-1).sum(-1) + 1  # (B, T)
+    caps = torch.arange(1, gamma + 1, device=drafts.device)
+    depth = torch.minimum(length[..., None], caps)  # (B, T, gamma)
+    accepted = torch.minimum(leading[..., None], depth)
+    return ServedDrafts(accepted, depth, depth.clone())
+
+
+def greedy_confidence(logits: torch.Tensor, stop_below: float) -> torch.Tensor:
+    """(..., vocab) draft logits -> (...) bool: the top probability is at least stop_below, as
+    core.draft_chain decides whether a greedy chain goes on."""
+    if stop_below <= 0:
+        return torch.ones(logits.shape[:-1], dtype=torch.bool, device=logits.device)
+    return logits.float().softmax(-1).max(-1).values >= stop_below
+
+
+def along_positions(values: torch.Tensor, depth: int) -> torch.Tensor:
+    """(batch, seq) per-position values -> (batch, seq, depth): [b, c, i] = values[b, c + i]
+    (the last position's where c + i runs past the end), what a drafter that predicts the next
+    token from each position drafts at depth i + 1 after a context ending at c."""
+    T = values.shape[1]
+    at = torch.arange(T, device=values.device)[:, None] + torch.arange(depth, device=values.device)
+    return values[:, at.clamp(max=T - 1)]
+
+
+def one_later(values: torch.Tensor, fill) -> torch.Tensor:
+    """(batch, S, ...) values at position t -> (batch, S + 1, ...) at c = t + 1, `fill` at 0: a
+    drafter fed the target's state at the token before the context's last (EAGLE, Medusa)
+    drafts after a context ending at c from what it computed at c - 1."""
+    first = torch.full_like(values[:, :1], fill)
+    return torch.cat([first, values], dim=1)
+
+
 # kind -> class, filled as each kind's class is defined (Drafter.__init_subclass__).
 _KINDS: dict[str, type[Drafter]] = {}
 _BUILTIN_IMPORTED: list[bool] = []
@@ -115,6 +180,10 @@ class Drafter(nn.Module):
     # Weight names older folders hold for what is now `heldout` (Medusa's accuracies): read
     # into `heldout` where the folder's config carries none.
     heldout_weights: ClassVar[tuple[str, ...]] = ()
+    # The session's first proposal, before the target has verified the prompt, is empty: a
+    # drafter fed by the target's hidden states has none yet (EAGLE, Medusa, DFlash). The
+    # simulation of serving starts the same way.
+    drafts_after_prefill: ClassVar[bool] = False
     # Target hidden-state ids the loss needs (the trainer captures them in the target forward).
     capture_layers: Sequence[int] = ()
     # True when the loss runs the target itself (Medusa-2's adapters, LayerSkip): the trainer
@@ -215,6 +284,18 @@ class Drafter(nn.Module):
         """Per draft depth 1..gamma: (acceptance alpha summed, greedy agreement summed, count),
         on held-out data, for the simulated tau of training's evaluation."""
         raise NotImplementedError(f"the {self.kind} drafter has no simulated acceptance")
+
+    def served_drafts(
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
+    ) -> ServedDrafts | None:
+        """What greedy decoding with `decode` drafts after every position of the batch, through
+        the training path (the modules the loss runs, teacher-forced) unrolled as the session
+        drafts (chain or tree, gamma, stop rule, draft vocabulary): walked by
+        `inference.metrics.simulate_serving` on the target's own greedy continuation it gives
+        the served tau exactly. None where this kind or these settings have no such
+        simulation (the default; copying, a dynamic gamma): evaluation then estimates tau
+        from the per-depth agreement of `acceptance`."""
+        return None
 
     def prepare_batch(self, batch: dict, target, generator, shared) -> dict:
         """A training batch before its loss: swap data (on-policy) or draw per-sample randomness

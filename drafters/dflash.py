@@ -53,7 +53,15 @@ from specdraft.core import (
     SamplingSettings,
     draft_token,
 )
-from specdraft.drafters.base import Drafter, DraftSession, Metrics, sum_and_count
+from specdraft.drafters.base import (
+    Drafter,
+    DraftSession,
+    Metrics,
+    ServedDrafts,
+    chain_drafts,
+    greedy_confidence,
+    sum_and_count,
+)
 from specdraft.drafters.eagle import default_feature_layers, head_rope
 
 # --- config ------------------------------------------------------------------------------------
@@ -229,6 +237,7 @@ class DFlashDrafter(Drafter):
     is a plain attribute, so they are neither trained nor saved."""
 
     kind = "dflash"
+    drafts_after_prefill = True  # the block reads the target's features of the context
     title = "DFlash"
     config_class = DFlashConfig
 
@@ -486,6 +495,20 @@ class DFlashDrafter(Drafter):
             if d + 1 < self.block_size - 1:
                 reach[..., d + 1] = here & agree[..., d]
         return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
+
+    @torch.no_grad()
+    def served_drafts(
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
+    ) -> ServedDrafts | None:
+        """The chain one block drafts after every position: every position is an anchor, and
+        the block after anchor c drafts depth i from its slot i."""
+        ids = batch["input_ids"]
+        B, T = ids.shape
+        anchors = torch.arange(T, device=ids.device)[None].expand(B, T)
+        logits = self.slots({**batch, "anchors": anchors}, target_out)["logits"]
+        logits = logits[:, :, : min(decode.gamma, self.block_size - 1)]  # (B, T, depth, V)
+        confident = greedy_confidence(logits, decode.stop_below)
+        return chain_drafts(logits.argmax(-1), confident, ids, decode.gamma)
 
     # --- decoding -------------------------------------------------------------------------------
 

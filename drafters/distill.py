@@ -35,6 +35,10 @@ from specdraft.drafters.base import (
     Drafter,
     DraftSession,
     Metrics,
+    ServedDrafts,
+    along_positions,
+    chain_drafts,
+    greedy_confidence,
     sum_and_count,
     vocab_mismatch_error,
     warn_once,
@@ -365,6 +369,25 @@ class DistillDrafter(Drafter):
         count = torch.tensor(float(student_logits.shape[0]), device=alpha.device)
         gamma = decode.gamma
         return alpha.repeat(gamma), agree.repeat(gamma), count.repeat(gamma)
+
+    @torch.no_grad()
+    def served_drafts(
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DistillDecode
+    ) -> ServedDrafts | None:
+        """The student's greedy chain after every position: its argmax at c + i - 1 is depth
+        i's draft after a context ending at c (its cache then holds the batch's tokens). Trees
+        and a dynamic gamma are not simulated."""
+        if not decode.chain or getattr(decode, "dynamic_gamma", False):
+            return None
+        ids = batch["input_ids"]
+        logits = self.hf_model(input_ids=ids, attention_mask=batch["attention_mask"]).logits
+        confident = greedy_confidence(logits, decode.stop_below)  # (batch, seq)
+        return chain_drafts(
+            along_positions(logits.argmax(-1), decode.gamma),
+            along_positions(confident, decode.gamma),
+            ids,
+            decode.gamma,
+        )
 
     def _aligned(self, batch, target_out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(student logits, target logits, next tokens) at the loss positions: (n, vocab) x2, (n,)."""

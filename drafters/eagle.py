@@ -47,7 +47,15 @@ from specdraft.core import (
     SamplingSettings,
     float_mask,
 )
-from specdraft.drafters.base import Drafter, Metrics, sum_and_count
+from specdraft.drafters.base import (
+    Drafter,
+    Metrics,
+    ServedDrafts,
+    chain_drafts,
+    greedy_confidence,
+    one_later,
+    sum_and_count,
+)
 from specdraft.drafters.eagle_session import EagleDraftingWeights, EagleSession
 from specdraft.drafters.lean import (
     SharedWeights,
@@ -362,6 +370,7 @@ class EagleDrafter(Drafter):
     kind = "eagle"
     title = "EAGLE"
     config_class = EagleConfig
+    drafts_after_prefill = True  # the head reads the target's features of the context
     legacy_defaults = LEGACY_DEFAULTS
     # The config with the defaults that depend on the target filled in (a kind built on this
     # head with a config of its own, P-EAGLE, resolves its own).
@@ -682,3 +691,24 @@ class EagleDrafter(Drafter):
             greedy.append((agree & s["valid"]).sum().float())
             counts.append(s["valid"].sum().float())
         return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
+
+    @torch.no_grad()
+    def served_drafts(
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
+    ) -> ServedDrafts | None:
+        """The chain the session drafts after every position, from the training-time test's
+        unroll: after a context ending at c, step k at t = c - 1 drafts depth k + 1 (its cache
+        holds the true features of positions < c - 1, as the session's does). EAGLE-2's
+        dynamic tree is not simulated."""
+        if not decode.chain:
+            return None
+        logits = torch.stack(
+            [s["logits"] for s in self.unroll(batch, target_out, decode.gamma)], dim=2
+        )  # (batch, seq - 1, gamma, draft vocab)
+        best = logits.argmax(-1)
+        if self.config.version == "eagle3":
+            best = self.d2t[best]
+        confident = greedy_confidence(logits, decode.stop_below)
+        return chain_drafts(
+            one_later(best, -1), one_later(confident, True), batch["input_ids"], decode.gamma
+        )

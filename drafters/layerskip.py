@@ -46,6 +46,10 @@ from specdraft.drafters.base import (
     DraftSession,
     LoraConfig,
     Metrics,
+    ServedDrafts,
+    along_positions,
+    chain_drafts,
+    greedy_confidence,
     sum_and_count,
 )
 from specdraft.drafters.distill import simulated_alpha
@@ -555,6 +559,23 @@ class LayerSkipDrafter(Drafter):
         count = torch.tensor(float(q_logits.shape[0]), device=alpha.device)
         gamma = decode.gamma
         return alpha.repeat(gamma), agree.repeat(gamma), count.repeat(gamma)
+
+    @torch.no_grad()
+    def served_drafts(
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
+    ) -> ServedDrafts | None:
+        """The chain the first E layers draft after every position: the exit layer's argmax at
+        c + i - 1 is depth i's draft after a context ending at c (the early layers' cache then
+        holds the batch's tokens, as the shared cache does)."""
+        e = self.draft_exit(decode)
+        state = self.exit_states(batch, [e])[e]
+        logits = final_logits(self.hf_model, state)  # (batch, seq, vocab)
+        confident = greedy_confidence(logits, decode.stop_below)
+        g = decode.gamma
+        return chain_drafts(
+            along_positions(logits.argmax(-1), g), along_positions(confident, g),
+            batch["input_ids"], g,
+        )  # fmt: skip
 
     @torch.no_grad()
     def agreement_per_exit(self, batch: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:

@@ -33,6 +33,10 @@ from specdraft.drafters.base import (
     Drafter,
     LoraConfig,
     Metrics,
+    ServedDrafts,
+    chain_drafts,
+    greedy_confidence,
+    one_later,
     sum_and_count,
     warn_once,
 )
@@ -176,6 +180,7 @@ class MedusaDrafter(Drafter):
     a plain attribute, so it is neither trained nor saved."""
 
     kind = "medusa"
+    drafts_after_prefill = True  # the heads read the target's state at the last verified token
     title = "Medusa"
     config_class = MedusaConfig
     # Keys of model.safetensors a drafter loaded for decoding ignores: Medusa-2's adapter
@@ -537,6 +542,47 @@ class MedusaDrafter(Drafter):
             greedy.append((agree & s["valid"]).sum().float())
             counts.append(s["valid"].sum().float())
         return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
+
+    @torch.no_grad()
+    def served_drafts(
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
+    ) -> ServedDrafts | None:
+        """What the session drafts after every position: after a context ending at c, head k
+        reads the target's state at c - 1 and drafts depth k + 1; a chain of the heads' best
+        tokens, or (tree_top_k > 1) the tree of `tree_paths` over their ranked candidates, built
+        from the accuracies the heads carry (`heldout`), as the session builds it."""
+        h = self._target_out(batch, target_out).hidden_states[self.capture_layers[0]]
+        depth = min(decode.gamma, self.config.num_heads)
+        logits = self.logits(h[:, :-1])[:depth].permute(1, 2, 0, 3)  # (batch, seq - 1, depth, Vd)
+        ids = batch["input_ids"]
+        if decode.chain:
+            best = self.d2t[logits.argmax(-1)]
+            confident = greedy_confidence(logits, decode.stop_below)
+            return chain_drafts(one_later(best, -1), one_later(confident, True), ids, decode.gamma)
+        # the rank of the batch's token among head d's candidates after each context (-1: not one)
+        accuracy = self.accuracies(greedy=True)
+        width = min(decode.tree_top_k, accuracy.shape[1], logits.shape[-1])
+        ranked = one_later(self.d2t[logits.topk(width, dim=-1).indices], -1)  # (B, T, depth, w)
+        B, T = ids.shape
+        at = (
+            torch.arange(T, device=ids.device)[:, None] + 1 + torch.arange(depth, device=ids.device)
+        )
+        truth = ids[:, at.clamp(max=T - 1)]  # (B, T, depth)
+        hit = (ranked == truth[..., None]) & (at < T)[None, :, :, None]
+        rank = torch.where(hit.any(-1), hit.float().argmax(-1), -1).tolist()  # (B, T, depth)
+        shape = torch.zeros(3, B, T, decode.gamma, dtype=torch.long)  # accepted, depth, size
+        for cap in range(1, decode.gamma + 1):
+            paths = tree_paths(accuracy, decode.tree_budget, min(cap, depth), decode.tree_top_k)
+            nodes, deepest = set(paths), max(map(len, paths), default=0)
+            shape[1, ..., cap - 1], shape[2, ..., cap - 1] = deepest, len(paths)
+            for b in range(B):
+                for c in range(T):
+                    k = 0  # greedy verification walks the one child holding the next token
+                    while k < deepest and tuple(rank[b][c][: k + 1]) in nodes:
+                        k += 1
+                    shape[0, b, c, cap - 1] = k
+        shape = shape.to(ids.device)
+        return ServedDrafts(shape[0], shape[1], shape[2])
 
     @torch.no_grad()
     def eval_statistics(

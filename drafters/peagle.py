@@ -47,7 +47,15 @@ from specdraft.core import (
     draft_chain,
     float_mask,
 )
-from specdraft.drafters.base import Drafter, Metrics, sum_and_count
+from specdraft.drafters.base import (
+    Drafter,
+    Metrics,
+    ServedDrafts,
+    chain_drafts,
+    greedy_confidence,
+    one_later,
+    sum_and_count,
+)
 from specdraft.drafters.eagle import EagleDrafter, default_feature_layers
 from specdraft.drafters.eagle_session import EagleSession
 from specdraft.losses import token_losses
@@ -348,6 +356,22 @@ class PEagleDrafter(EagleDrafter):
             greedy.append((agree & at).sum().float())
             counts.append(at.sum().float())
         return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
+
+    @torch.no_grad()
+    def served_drafts(
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
+    ) -> ServedDrafts | None:
+        """The chain one head pass drafts after every position: after a context ending at c,
+        the slots at anchor c - 1, depth 0 fed the true pair and the rest the mask."""
+        ids = batch["input_ids"]
+        B, T = ids.shape
+        depths, S = min(decode.gamma, self.config.num_depths), T - 1
+        keep = torch.ones(B, depths, S, dtype=torch.bool, device=ids.device)
+        logits = self.slots(batch, target_out, keep)["logits"]  # (B, depths * S), depth-major
+        logits = logits.view(B, depths, S, -1).transpose(1, 2)  # (B, S, depths, Vd)
+        best = self.d2t[logits.argmax(-1)]
+        confident = greedy_confidence(logits, decode.stop_below)
+        return chain_drafts(one_later(best, -1), one_later(confident, True), ids, decode.gamma)
 
     # --- decoding ---------------------------------------------------------------------------
 

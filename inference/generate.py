@@ -67,6 +67,7 @@ def generate(
     top_k: int = 0,
     seed: int = 0,
     decode: DecodeConfig | None = None,
+    stop_at_eos: bool = True,
     **settings,
 ) -> GenerateOutput:
     """Decode up to `max_new_tokens` after `input_ids` (batch 1), stopping after an EOS token.
@@ -81,6 +82,8 @@ def generate(
     or tuned with are `load_decoding(path)`: pass them to decode as it was tuned. settings:
     decoding keys that override `decode` for this call, e.g. gamma=8, tree_top_k=4,
     lookup_ngram=2, or a kind's own (exit_layer=3 for LayerSkip).
+    stop_at_eos=False decodes max_new_tokens whatever they hold: the continuation past an EOS,
+    which the simulation of serving compares drafts with (inference/continuations.py).
     """
     seq_ids = _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k)
     sampling = SamplingSettings(temperature=float(temperature), top_k=int(top_k), top_p=top_p)
@@ -91,7 +94,7 @@ def generate(
     # every rule is greedy verification: exact, nothing to mark
     stats.lossy = session is not None and session.lossy and not sampling.greedy
     log_p = torch.zeros((), dtype=torch.float64, device=device)  # sum of log p(emitted), T > 0
-    eos = eos_ids(target.model)
+    eos = eos_ids(target.model) if stop_at_eos else set()
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
     # 1. Buffers: the whole sequence lives in one preallocated row; the cache starts empty.

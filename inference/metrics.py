@@ -27,6 +27,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
+from specdraft.core import DecodeConfig, DraftContext
+from specdraft.drafters.base import ServedDrafts
+from specdraft.drafters.prompt_lookup import PromptLookupSession
+
 
 @dataclass
 class Stats:
@@ -144,3 +150,64 @@ def simulated_tau(alphas: Sequence[float]) -> float:
         reach *= alpha
         tau += reach
     return tau
+
+
+def simulate_serving(
+    drafts: ServedDrafts,
+    batch: dict[str, torch.Tensor],
+    decode: DecodeConfig,
+    after_prefill: bool,
+) -> list[Stats]:
+    """The loop's statistics at temperature 0, per row of a batch of the target's own greedy
+    continuations (each row: its prompt, then the target's continuation, scored by loss_mask up
+    to and including the EOS that ends the served output, and unscored after it), from what
+    the drafter drafts after each position (`Drafter.served_drafts`).
+
+    Speculative decoding of a prompt at temperature 0 is a function of the target's greedy
+    continuation and the drafter: each step drafts after the context, accepts the drafts that
+    equal the continuation, and emits them and the target's next token. This walks those steps
+    as generate does (a draft no deeper than the tokens left allow, none before the prompt is
+    verified for a drafter that needs its hidden states, output cut at the EOS), and records
+    them with the loop's own `Stats.record_step`: tau and the acceptance per position equal the
+    served ones. With copying (decode.lookup_ngram) a step copies where the loop's copying
+    session would (drafters/prompt_lookup.py decides, on the same context). A row's real
+    length (its attention mask's sum) is its prompt plus every continuation token, including
+    those past an EOS (which a draft may still match).
+    """
+    rows = []
+    accepted, depth, size = (t.tolist() for t in (drafts.accepted, drafts.depth, drafts.size))
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    lengths = batch["attention_mask"].sum(1)
+    lookup = None
+    if decode.lookup_ngram > 0:  # as generate builds its CopyingSession
+        ngram = decode.lookup_ngram
+        lookup = PromptLookupSession(max(3, ngram), ngram, decode.lookup_gamma or decode.gamma)
+    for b in range(loss_mask.shape[0]):
+        scored = loss_mask[b].nonzero()
+        if not len(scored):
+            continue
+        start, end = int(scored[0]), int(lengths[b])  # the prompt's length, the row's
+        stop = start + int(loss_mask[b].sum())  # where the served output ends
+        stats, length = Stats(), start
+        while length < stop:
+            cap = min(drafts.gamma, end - length - 1)
+            copy = None
+            if lookup is not None and end - length > 1:
+                context = DraftContext(ids[b : b + 1, :length], max_depth=end - length - 1)
+                copy = lookup.propose(context).tokens[0]
+            if copy is not None and len(copy):  # copied from the context: no drafter pass
+                truth = ids[b, length : length + len(copy)]
+                k = int((copy == truth).long().cumprod(0).sum())
+                d = n = len(copy)
+                stats.copied_passes += 1
+            elif cap > 0 and not (after_prefill and length == start):
+                c = length - 1  # the context's last token
+                k, d, n = accepted[b][c][cap - 1], depth[b][c][cap - 1], size[b][c][cap - 1]
+            else:  # nothing drafted: the step emits the target's token alone
+                k = d = n = 0
+            emitted = min(k + 1, stop - length)
+            stats.record_step(n, d, k, emitted)
+            length += emitted
+        stats.copies = lookup is not None
+        rows.append(stats)
+    return rows

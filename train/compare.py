@@ -36,6 +36,7 @@ from specdraft.config import load_config
 from specdraft.drafters.base import Drafter, drafter_kinds, hf_model_kind
 from specdraft.formats.checkpoint import read_metadata, set_decode
 from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
+from specdraft.inference.continuations import CORPUS
 from specdraft.inference.evaluate import EvalSpec, build_runs, make_report, runs_markdown
 from specdraft.inference.measure import Run, load_prompts, measure, read_prompts
 from specdraft.inference.metrics import simulated_tau
@@ -114,6 +115,9 @@ class Family:
     train_peak_memory_mb: float | None = None
     simulated: list[dict] = field(default_factory=list)  # step, served simulated tau
     alpha_greedy: list[float] = field(default_factory=list)  # the last evaluation's, per depth
+    # the text the last evaluation ran on (inference/continuations.py's names: served-greedy,
+    # served-sampled, corpus), which the simulated tau is for
+    simulated_on: str | None = None
     quality: dict | None = None  # target_quality.json: the target's held-out loss before/after
     tuned: dict | None = None  # the decoding settings chosen, and what changed
     # training's prediction for the tree the drafter is served with (Drafter.predicted_tree_tau)
@@ -232,6 +236,8 @@ def _read_evals(found: Family, evals: Sequence[dict]) -> None:
     """The simulated tau over training and the last evaluation's greedy agreement per depth."""
     found.simulated = [{"step": e["step"], "tau": e["served"]} for e in evals]
     found.alpha_greedy = list(evals[-1].get("alpha_greedy") or []) if evals else []
+    # runs from before evaluation could run on the target's continuations ran on the corpus
+    found.simulated_on = evals[-1].get("eval_on", CORPUS) if evals else None
 
 
 def _quality(run: Path) -> dict | None:
@@ -369,6 +375,7 @@ def family_rows(families: Sequence[Family], greedy: dict, sampled: dict | None) 
             train_tokens_per_s=found.train_tokens_per_s,
             train_peak_memory_mb=found.train_peak_memory_mb, quality_cost_nats=quality,
             tau_alone=alone["tau"], simulated_tau=simulated, simulated_basis=basis,
+            simulated_on=found.simulated_on,
             tau_gap=(simulated / alone["tau"] - 1) if simulated and alone["tau"] else None,
             simulated_over_training=found.simulated, tuned=found.tuned,
         )  # fmt: skip
@@ -407,6 +414,7 @@ COLUMNS = (
     Column("tau_alone", "τ without copying", "{:.2f}", max),
     Column("simulated_tau", "simulated τ", "{:.2f}", note=_chain_note),
     Column("tau_gap", "simulated vs measured", "{:+.0%}", note=_gap_note),
+    Column("simulated_on", "simulated on"),
 )
 
 

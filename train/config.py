@@ -181,6 +181,14 @@ class TrainConfig:
     log_every: int = 10
     # Steps between evaluations on the held-out split (loss and simulated tau); 0 disables.
     eval_every: int = 500
+    # What held-out evaluation (its loss, its simulated tau, best/) runs on: served (the target's
+    # own continuations of the eval_loop prompts, eval_loop.max_new_tokens long, greedy or
+    # sampled at eval_loop.temperature as the drafter is served, generated once and cached under
+    # SPECDRAFT_HOME/continuations; at temperature 0 the simulated tau there is the loop's own) |
+    # corpus (the held-out split's text) | auto (served where the run measures the drafter in the
+    # loop, eval_loop.enabled, and can decode with the target: not from a hidden_cache, not
+    # sharded).
+    eval_on: str = choice("auto", "served", "corpus")
     # Held-out micro-batches per process per evaluation (the same examples for any process count);
     # 0 uses the whole held-out split.
     eval_batches: int = 50

@@ -12,12 +12,15 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 
 from specdraft.formats.checkpoint import set_decode
 from specdraft.formats.reading import load_decoding, load_drafter
+from specdraft.inference.continuations import CORPUS, SERVED_GREEDY, SERVED_SAMPLED, served_examples
 from specdraft.inference.measure import load_prompts, measure_vs_plain, usable_cores
 from specdraft.inference.tune import default_space, search_decode
 from specdraft.precision import to_dtype
+from specdraft.targets.hidden_cache import CachedTarget
 from specdraft.targets.target import load_target
 
 
@@ -32,6 +35,33 @@ def loop_prompts(eval_loop, data_path: str, target, eval_examples) -> list[torch
     if source == "auto":
         source = "demo" if data_path == "demo" else "eval"
     return load_prompts(source, eval_loop.num_prompts, target, eval_examples)
+
+
+def heldout_examples(cfg, target, eval_examples) -> tuple[list, str]:
+    """(the examples held-out evaluation runs on, which text they are: continuations.SERVED_GREEDY,
+    SERVED_SAMPLED or CORPUS), for `cfg.eval_on`. Served: the target's own continuations of the
+    eval_loop prompts (cached; the first process decodes them, the others wait and read the
+    cache), so the simulated tau is for the prompts and lengths the loop is measured on."""
+    whole = getattr(target, "complete", False) and not isinstance(target, CachedTarget)
+    auto_corpus = cfg.eval_on == "auto" and not (whole and cfg.eval_loop.enabled)
+    if cfg.eval_on == "corpus" or cfg.eval_every == 0 or auto_corpus:
+        return list(eval_examples), CORPUS
+    if not whole:
+        raise ValueError(
+            "eval_on=served decodes with the target, and this run holds only part of it (a "
+            "hidden_cache or target_sharding): set eval_on=corpus or auto"
+        )
+    loop = cfg.eval_loop
+    source = loop.prompts
+    if source == "auto":
+        source = "demo" if cfg.data.path == "demo" else "eval"
+    prompts = load_prompts(source, loop.num_prompts, target, eval_examples)
+    state = PartialState()
+    with state.main_process_first():  # one process decodes; the others read its cache
+        examples = served_examples(
+            target, prompts, loop.max_new_tokens, loop.temperature, seed=cfg.seed
+        )
+    return examples, SERVED_GREEDY if loop.temperature == 0 else SERVED_SAMPLED
 
 
 def warn_the_loop_loads_the_whole_target(cfg, prompts) -> None:
@@ -122,9 +152,12 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
     finally:
         torch.set_num_threads(threads)
     m["simulated_tau"] = simulated
+    # which text the simulation ran on, and whether it walked the loop's steps
+    m["simulated_on"] = result.evals[-1].get("eval_on", CORPUS) if result.evals else None
+    m["simulation"] = result.evals[-1].get("greedy_simulation") if result.evals else None
     path = Path(result.output_dir) / "eval_loop.json"
     path.write_text(json.dumps(m, indent=2) + "\n")
-    sim = "none" if simulated is None else f"{simulated:.3f}"
+    sim = "none" if simulated is None else f"{simulated:.3f} on {m['simulated_on']} text"
     notes = ""
     if m.get("copied_share") is not None:  # a hybrid: say how much of it was the model
         notes = f", {m['copied_share']:.0%} of passes verified a draft copied from the context"
@@ -140,4 +173,16 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
         f"{m['ar_tokens_per_s']:.1f} tokens/s, same process, {m['torch_threads']} CPU "
         f"thread(s)){notes}; {path}"
     )
+    # The parity check that costs nothing more: on the same prompts, greedy, with the settings
+    # trained for, the walk of the loop's steps predicts the measured tau exactly
+    exact = m["simulation"] == "served" and m["simulated_on"] == SERVED_GREEDY
+    if exact and tuning is None and m["decode"] == dataclasses.asdict(cfg.decode):
+        gap = simulated / m["tau"] - 1
+        print(
+            "[specdraft] training predicts serving: simulated and measured tau agree"
+            if abs(gap) < 1e-9
+            else f"[specdraft] simulated tau is {gap:+.2%} off the measured one on the same "
+            f"prompts: `python scripts/parity.py {final}` names where training and serving part "
+            "(precision differs where training ran in bf16)"
+        )
     return m

@@ -21,6 +21,7 @@ scored tokens divided by their all-reduced count, so it is the same exact token 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -40,9 +41,11 @@ from specdraft.attention import flash_varlen, target_inputs
 from specdraft.config import save_config
 from specdraft.drafters.base import Drafter
 from specdraft.formats import checkpoint
-from specdraft.inference.metrics import simulated_tau
+from specdraft.inference.continuations import SERVED_GREEDY
+from specdraft.inference.metrics import Stats, simulate_serving, simulated_tau
 from specdraft.train import launch, tracking
 from specdraft.train.config import CONFIG_FILENAME, TrainConfig
+from specdraft.train.report import heldout_examples
 from specdraft.train.resume import (
     STATE_NAME,
     ResumeError,
@@ -124,7 +127,9 @@ class _Training:
                 "[specdraft] packed rows: the target runs flash-attention's varlen kernel",
                 file=sys.stderr,
             )
-        self.train_examples, self.eval_examples = train_examples, eval_examples
+        self.train_examples = train_examples
+        # the target's own continuations where the drafter is evaluated on what it serves
+        self.eval_examples, self.eval_on = heldout_examples(cfg, self.target, eval_examples)
         self.tokenizer = tokenizer
         self.provenance = {"target": cfg.target, "data": cfg.data.path, **(provenance or {})}
         self.losses: list[float] = []
@@ -415,7 +420,14 @@ class _Training:
             "alpha": alphas,
             "tau_greedy": simulated_tau(agreement),
             "alpha_greedy": agreement,
+            "eval_on": self.eval_on,
+            "greedy_simulation": "agreement",  # the product of agreement per depth
         }
+        served = self._simulate_serving(model, n) if self.eval_on == SERVED_GREEDY else None
+        if served is not None:  # the loop's own steps on the target's greedy continuations
+            result["tau_greedy"] = served.tau
+            result["alpha_greedy"] = served.acceptance_per_position
+            result["greedy_simulation"] = "served"
         result["served"] = result[cfg.served_tau_key()]
         self.evals.append(result)
         tracking.log_evaluation(self.acc, self.cfg, result, bar, label)
@@ -425,6 +437,46 @@ class _Training:
                 self.out / "best", step, extra_provenance={"simulated_tau": result["served"]}
             )
         return result
+
+    def _simulate_serving(self, model: Drafter, n: int) -> Stats | None:
+        """The loop's statistics at temperature 0 over the held-out continuations, simulated
+        through the drafter's training path (`served_drafts`, metrics.simulate_serving) with
+        the decoding settings the run saves; None where the kind or settings have none.
+
+        It reads the drafter as its checkpoint would load: with the held-out statistics this
+        evaluation just measured (Medusa's tree is built from them) on a shallow copy, so
+        nothing is written on the module."""
+        cfg, acc = self.cfg, self.acc
+        total = Stats()
+        model.eval()
+        loaded = copy.copy(model)  # after eval(): its flag is copied, its modules are shared
+        loaded.heldout = self.heldout
+        try:
+            # every process runs as many forwards (see eval_chunks); its padding counts nothing
+            for chunk, weight in eval_chunks(n, self.rank, self.world, cfg.micro_batch_size):
+                batch = collate([self.eval_examples[i] for i in chunk], acc.device)
+                target_out = self._target_out(model, batch, training=False)
+                with acc.autocast():
+                    drafts = loaded.served_drafts(batch, target_out, cfg.decode)
+                if drafts is None:
+                    return None
+                after_prefill = model.drafts_after_prefill
+                for stats in simulate_serving(drafts, batch, cfg.decode, after_prefill):
+                    total = total.merge(stats) if weight else total
+        finally:
+            model.train()
+        if self.world > 1:  # the sums of every process
+            depth = torch.tensor([len(total.reached_at)], device=acc.device)
+            depth = int(acc.gather(depth).max())
+            pad = [0] * (depth - len(total.reached_at))
+            sums = torch.tensor(
+                [total.new_tokens, total.target_passes, *(total.reached_at + pad),
+                 *(total.accepted_at + pad)], device=acc.device, dtype=torch.float64,
+            )  # fmt: skip
+            sums = acc.reduce(sums, "sum").long().tolist()
+            total = Stats(new_tokens=sums[0], target_passes=sums[1])
+            total.reached_at, total.accepted_at = sums[2 : 2 + depth], sums[2 + depth :]
+        return total if total.target_passes else None
 
     # -- saving -------------------------------------------------------------------------------
 

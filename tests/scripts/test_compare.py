@@ -85,6 +85,8 @@ def test_every_family_trained_tuned_measured_and_reported(tmp_path, capsys):
         ]
         assert len(r["simulated_over_training"]) >= 2 and r["simulated_tau"] is not None
         assert r["train_tokens_per_s"] > 0 and r["tau_gap"] is not None
+        # evaluated on what it serves: the target's own greedy continuations
+        assert r["simulated_on"] == state["evals"][-1]["eval_on"] == "served-greedy"
     # what only some families cost: weights beside the target, or the target's own quality
     assert rows["eagle"]["extra_params"] > 0 and rows["layerskip"]["extra_params"] == 0
     assert rows["layerskip"]["quality_cost_nats"] is not None

@@ -29,6 +29,7 @@ def test_training_lowers_the_loss_and_final_loads(tiny_target, tiny_target_path,
         "data.max_length=32", "warmup_steps=1", "lr=3e-3", f"drafter.version={version}",
         "drafter.draft_vocab_size=256", "drafter.ttt_steps=2", "decode.gamma=3",
         "eval_loop.num_prompts=2", "eval_loop.max_new_tokens=12", "eval_loop.threads=1",
+        "mixed_precision=no",
     ])  # fmt: skip
     assert code == 0
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
@@ -50,6 +51,10 @@ def test_training_lowers_the_loss_and_final_loads(tiny_target, tiny_target_path,
     assert served["matches_ar"] is True  # greedy: the same tokens as plain greedy decoding
     # the simulated tau beside it is the greedy one, as it was measured greedy
     assert served["speedup_vs_ar"] > 0 and served["simulated_tau"] == after["tau_greedy"]
+    # evaluated on the target's own greedy continuations of the same prompts, the simulation
+    # walks the loop's steps: training predicts serving exactly (fp32 here)
+    assert after["eval_on"] == "served-greedy" and after["greedy_simulation"] == "served"
+    assert served["simulated_on"] == "served-greedy" and served["simulated_tau"] == served["tau"]
     assert served["torch_threads"] == 1  # as asked, and stated beside the speedup
     # the trained head goes to the serving engines' layouts and comes back the same head
     prompt = tiny_target.tokenizer("def add(a, b):")["input_ids"]

@@ -1,0 +1,162 @@
+"""Training predicts serving: the simulation of serving beside the loop itself, on the same
+prompts (docs/architecture.md, "Training predicts serving"; scripts/parity.py prints it).
+
+`simulate` runs the drafter's training path (`Drafter.served_drafts`, teacher-forced on the
+target's own continuation) and walks it as the loop steps (`metrics.simulate_serving`); `serve`
+decodes the same prompts with the loop. At temperature 0 the two agree exactly for a drafter
+whose training and serving paths compute the same thing; where they do not, `first_difference`
+compares what the drafter saw in each path at the same positions and names the first tensor
+that differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdraft.core import DecodeConfig
+from specdraft.data.formats import Example
+from specdraft.inference.generate import generate
+from specdraft.inference.metrics import Stats, simulate_serving
+
+
+def example_batch(example: Example, device) -> dict[str, torch.Tensor]:
+    """One example as a batch of one (no padding)."""
+    ids = torch.tensor([example.input_ids], device=device)
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "loss_mask": torch.tensor([example.loss_mask], device=device),
+    }
+
+
+@torch.no_grad()
+def simulate(
+    target, drafter, examples: Sequence[Example], decode: DecodeConfig
+) -> list[Stats] | None:
+    """Per example (the target's greedy continuation of a prompt, inference/continuations.py):
+    the loop's statistics as the drafter's training path predicts them; None where its kind or
+    `decode` has no simulation (Drafter.served_drafts)."""
+    decode = drafter.decode_settings(decode)
+    out = []
+    for example in examples:
+        batch = example_batch(example, target.device)
+        target_out = target.forward(
+            batch["input_ids"], attention_mask=batch["attention_mask"],
+            capture_layers=list(drafter.capture_layers),
+        )  # fmt: skip
+        drafts = drafter.served_drafts(batch, target_out, decode)
+        if drafts is None:
+            return None
+        out += simulate_serving(drafts, batch, decode, drafter.drafts_after_prefill)
+    return out
+
+
+@torch.no_grad()
+def serve(target, drafter, examples: Sequence[Example], decode: DecodeConfig) -> list[Stats]:
+    """Per example: the loop's statistics decoding its prompt greedily for as many new tokens
+    as its continuation holds."""
+    out = []
+    for example in examples:
+        start = example.loss_mask.index(1)
+        new = len(example.input_ids) - start
+        run = generate(
+            target, example.input_ids[:start], drafter, max_new_tokens=new, decode=decode
+        )
+        out.append(run.stats)
+    return out
+
+
+class _Recording:
+    """A drafting session, recorded: every verification's hidden states the session is handed
+    (the pending rows and the accepted path's, at their positions in the sequence) and every
+    draft with the context length it was drafted after. Everything else goes to the session."""
+
+    def __init__(self, session, record: dict) -> None:
+        self._session, self._record = session, record
+        record["capture_layers"] = list(session.capture_layers)
+        self._verified = 0  # positions verified so far: the next forward's first row is there
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+    def propose(self, context):
+        tree = self._session.propose(context)
+        self._record["drafts"].append((context.tokens.shape[1], tree.tokens[0].tolist(), tree))
+        return tree
+
+    def accept(self, tree, path, hidden_states=None):
+        if hidden_states:  # rows: the pending tokens, then the tree's nodes
+            pending = next(iter(hidden_states.values())).shape[1] - len(tree)
+            keep = list(range(pending)) + [pending + i for i in path]
+            for layer, h in hidden_states.items():
+                for offset, row in enumerate(keep):
+                    self._record["hidden"].setdefault(layer, {})[self._verified + offset] = h[
+                        0, row
+                    ]
+            self._verified += len(keep)
+        return self._session.accept(tree, path, hidden_states)
+
+
+def first_difference(
+    target, drafter, example: Example, decode: DecodeConfig, atol: float = 1e-4
+) -> str | None:
+    """Where the drafter's training and serving paths part on one example (the target's greedy
+    continuation of a prompt): decode its prompt with the loop, recording what the session was
+    handed, and compare it at the same positions with what the training path reads, in the
+    order the drafter uses them. Names the first that differs and by how much: the target
+    layers captured, then each layer's hidden states, then the drafts themselves (the
+    drafter's output: its inputs agreed, so the difference is inside its computation when
+    served, e.g. positions, masks, norms or scales). None: in parity."""
+    decode = drafter.decode_settings(decode)
+    record: dict = {"drafts": [], "hidden": {}}
+    make = drafter.new_session
+
+    def recorded(*args, **kwargs):
+        return _Recording(make(*args, **kwargs), record)
+
+    drafter.new_session = recorded  # an instance attribute, removed below
+    try:
+        start = example.loss_mask.index(1)
+        new = len(example.input_ids) - start
+        generate(target, example.input_ids[:start], drafter, max_new_tokens=new, decode=decode)
+    finally:
+        del drafter.new_session
+    trained = list(drafter.capture_layers)
+    if sorted(record["capture_layers"]) != sorted(trained):
+        return (
+            f"captured hidden states: serving captures target layers {record['capture_layers']}, "
+            f"training reads {trained}"
+        )
+    batch = example_batch(example, target.device)
+    target_out = target.forward(batch["input_ids"], capture_layers=trained)
+    for layer in trained:
+        for position, served in sorted(record["hidden"].get(layer, {}).items()):
+            h = target_out.hidden_states[layer][0, position].to(served.dtype)
+            diff = float((h - served).abs().max())
+            if diff > atol * max(1.0, float(h.abs().max())):
+                return (
+                    f"captured hidden states, target layer {layer}, position {position}: served "
+                    f"and training values differ by up to {diff:.3g}"
+                )
+    drafts = drafter.served_drafts(batch, target_out, decode)
+    ids = example.input_ids
+    for length, tokens, tree in record["drafts"]:
+        if not tokens or drafts is None or not tree.is_chain:
+            continue
+        # the served chain's accepted prefix against the one the training path predicts for a
+        # draft asked for at most as many tokens as the loop asked for then
+        truth = ids[length : length + len(tokens)]
+        served = 0
+        while served < len(truth) and tokens[served] == truth[served]:
+            served += 1
+        cap = min(decode.gamma, len(ids) - length - 1)
+        predicted = int(drafts.accepted[0, length - 1, cap - 1])
+        if served != predicted:
+            return (
+                f"the drafter's drafts after position {length - 1}: served drafts {tokens} accept "
+                f"{served}, the training path's {predicted}; the captured inputs agree, so the "
+                "drafter computes differently when served (its positions, masks, norms or scales)"
+            )
+    return None

@@ -1,0 +1,91 @@
+"""Does training predict serving? A trained drafter's simulated and served tau side by side.
+
+    python scripts/parity.py runs/eagle-demo/final
+    python scripts/parity.py runs/medusa-demo/final --prompts demo --num-prompts 8 \\
+        --max-new-tokens 128 --tolerance 0.02
+
+On the target's own greedy continuations of the prompts (inference/continuations.py, cached),
+the drafter's training path simulates the loop (`Drafter.served_drafts`, walked by
+metrics.simulate_serving) and the loop decodes the same prompts; at temperature 0 the two agree
+exactly when the drafter computes the same thing in both paths. Prints tau and the acceptance
+per position of each. Where they differ by more than --tolerance (relative, on tau, or any
+acceptance), it compares, prompt by prompt, what the drafter was given in each path at the same
+positions (the target layers captured, their hidden states, then its drafts) and names the first
+that differs. Exits 1 on a difference, 0 in parity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specdraft.formats.reading import folder_target, load_decoding, load_drafter
+from specdraft.inference.continuations import served_examples
+from specdraft.inference.measure import load_prompts
+from specdraft.inference.metrics import Stats
+from specdraft.inference.parity import first_difference, serve, simulate
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    target = folder_target(args.folder, args.target)
+    drafter = load_drafter(args.folder, target).eval()
+    decode = drafter.decode_settings(load_decoding(args.folder), gamma=args.gamma)
+    prompts = load_prompts(args.prompts, args.num_prompts, target)
+    examples = served_examples(target, prompts, args.max_new_tokens, seed=0)
+    simulated = simulate(target, drafter, examples, decode)
+    if simulated is None:
+        print(f"{args.folder}: this {drafter.kind} drafter has no simulation for {decode}")
+        return 2
+    served = serve(target, drafter, examples, decode)
+    sim, real = _total(simulated), _total(served)
+    print(f"{args.folder} ({drafter.kind}, gamma {decode.gamma}), {len(examples)} prompts x "
+          f"{args.max_new_tokens} tokens of the target's greedy continuation")  # fmt: skip
+    print(f"  tau         simulated {sim.tau:.4f}   served {real.tau:.4f}")
+    print("  depth  simulated  served")
+    for i, (a, b) in enumerate(
+        zip(sim.acceptance_per_position, real.acceptance_per_position, strict=False)
+    ):
+        print(f"  {i + 1:5d}  {a:9.4f}  {b:6.4f}")
+    gap = abs(sim.tau / real.tau - 1)
+    apart = len(sim.reached_at) != len(real.reached_at) or any(
+        abs(a - b) > args.tolerance
+        for a, b in zip(sim.acceptance_per_position, real.acceptance_per_position, strict=False)
+    )
+    if gap <= args.tolerance and not apart:
+        print("  in parity")
+        return 0
+    print(f"  NOT in parity: tau differs by {gap:.2%}")
+    for i, example in enumerate(examples):
+        if simulated[i].emitted_per_pass == served[i].emitted_per_pass:
+            continue
+        where = first_difference(target, drafter, example, decode)
+        print(f"  prompt {i}: {where or 'the inputs and drafts agree (numerics)'}")
+        break
+    return 1
+
+
+def _total(stats: list[Stats]) -> Stats:
+    total = Stats()
+    for s in stats:
+        total = total.merge(s)
+    return total
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="scripts/parity.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    p.add_argument("folder", help="a trained drafter folder (e.g. runs/eagle-demo/final)")
+    p.add_argument("--target", default=None, help="the target; default: the folder's own")
+    p.add_argument("--prompts", default="demo", help="demo | a .txt/.json/.jsonl prompt file")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--gamma", type=int, default=None, help="default: the folder's decoding")
+    p.add_argument("--tolerance", type=float, default=0.0, help="relative tau gap allowed")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
