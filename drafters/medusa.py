@@ -475,7 +475,7 @@ class MedusaDrafter(Drafter):
         """
         cfg = self.config
         target_out = self._target_out(batch, target_out)
-        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+        input_ids = batch["input_ids"]
         T = input_ids.shape[1]
         h = target_out.hidden_states[self.capture_layers[0]]  # (batch, T, hidden)
         x = self.features(h[:, : max(T - 2, 0)])  # (K, batch, T - 2, hidden)
@@ -485,7 +485,8 @@ class MedusaDrafter(Drafter):
             S = T - 2 - k
             if S <= 0:  # sequences too short for this head
                 break
-            valid = loss_mask[:, 2 + k : 2 + k + S]  # (batch, S): x_{t+2+k} is a loss token
+            # (batch, S): x_{t+2+k} is a loss token of t's own document
+            valid = loss_targets(batch, 2 + k)
             if cfg.loss == "ce":
                 label = self.t2d[input_ids[:, 2 + k : 2 + k + S][valid]]  # -1: not draftable
                 scored = token_losses(

@@ -181,7 +181,9 @@ def train_family(
             cfg = recipe.config([
                 f"target={target}", f"output_dir={run_dir}", f"max_steps={steps}",
                 f"eval_every={max(1, steps // 4)}", "save_every=0", "eval_loop.enabled=false",
-                "report_to=none", *overrides,
+                # the loop is measured here, not by the run: its simulation still runs on what
+                # the drafter serves (the target's own continuations, cached once per target)
+                "eval_on=served", "report_to=none", *overrides,
             ])  # fmt: skip
             result = recipe.run(cfg)
         except Exception as e:
