@@ -63,6 +63,7 @@ from specdraft.drafters.base import (
     sum_and_count,
 )
 from specdraft.drafters.eagle import default_feature_layers, head_rope
+from specdraft.losses import token_losses
 
 # --- config ------------------------------------------------------------------------------------
 
@@ -240,6 +241,8 @@ class DFlashDrafter(Drafter):
     drafts_after_prefill = True  # the block reads the target's features of the context
     title = "DFlash"
     config_class = DFlashConfig
+    # the loss makes the target's logits from its final state (it holds the target's LM head)
+    reads_target_logits = False
 
     def __init__(self, config: DFlashConfig, target, *, init: bool = True) -> None:
         super().__init__()
@@ -398,10 +401,14 @@ class DFlashDrafter(Drafter):
         scored = batch["loss_mask"].bool().gather(1, at.clamp(0, T - 1).flatten(1)).view_as(at)
         return inside & scored
 
-    def slots(self, batch: Mapping[str, torch.Tensor], target_out) -> dict[str, torch.Tensor]:
-        """Every anchor's block in one pass: logits (batch, anchors, B - 1, vocab) of slots
-        1..B-1, the target's p_logits at a + i - 1 for slot i (same shape), valid (batch,
-        anchors, B - 1).
+    def slots(
+        self, batch: Mapping[str, torch.Tensor], target_out, logits: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """Every anchor's block in one pass: h (batch, anchors, B - 1, hidden) the states of
+        slots 1..B-1, at (same but hidden) the position a + i - 1 of the target's distribution
+        slot i learns, valid (batch, anchors, B - 1); with `logits`, also the slots' logits
+        (batch, anchors, B - 1, vocab) and the target's there, p_logits (the loss leaves both
+        out and makes them a chunk at a time, specdraft/losses.py).
 
         The blocks of a row are laid side by side as queries; keys are the row's context
         features then every block. Block j's positions see the context before its anchor
@@ -429,12 +436,12 @@ class DFlashDrafter(Drafter):
         h = self.block_states(tokens, positions, context, mask)  # (batch, N * B, hidden)
         h = h.view(Bt, N, Bs, -1)[:, :, 1:]  # slots 1..B-1
         at = (start[..., None] + offsets[: Bs - 1]).clamp(max=T - 1)  # a + i - 1
-        rows = torch.arange(Bt, device=device)[:, None, None]
-        return {
-            "logits": self.draft_logits(h),
-            "p_logits": target_out.logits[rows, at],
-            "valid": self.slot_valid(batch, anchors),
-        }
+        out = {"h": h, "at": at, "valid": self.slot_valid(batch, anchors)}
+        if logits:
+            rows = torch.arange(Bt, device=device)[:, None, None]
+            out["logits"] = self.draft_logits(h)
+            out["p_logits"] = target_out.logits[rows, at]
+        return out
 
     def slot_weights(self, device) -> torch.Tensor:
         """(B - 1,) the loss weight of slots 1..B-1: exp(-(i - 1) / position_decay)."""
@@ -444,20 +451,34 @@ class DFlashDrafter(Drafter):
 
     def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, Metrics]:
         """Sum over every anchor's scored slots of w_i * KL(p || q_i), p the target's
-        distribution at a + i - 1 and q_i slot i's; over `loss_tokens(batch)` slots."""
-        s = self.slots(batch, target_out)
-        log_q = F.log_softmax(s["logits"].float(), dim=-1)  # (batch, N, B - 1, vocab)
-        log_p = F.log_softmax(s["p_logits"].float(), dim=-1)
-        kl = F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)  # (batch, N, B-1)
-        valid = s["valid"]
-        weights = self.slot_weights(kl.device)
-        total = (kl * weights).where(valid, 0).sum()
-        agree = log_q.argmax(-1) == log_p.argmax(-1)
+        distribution at a + i - 1 and q_i slot i's; over `loss_tokens(batch)` slots. Both sides'
+        logits are made inside specdraft/losses.py, `loss_chunk_tokens` slots at a time: the
+        target's from its final states where the forward captured them (the trainer does, as
+        `reads_target_logits` is False), else taken from its logits."""
+        s = self.slots(batch, target_out, logits=False)
+        valid = s["valid"]  # (batch, N, B - 1)
+        rows, _, slot = valid.nonzero(as_tuple=True)  # the scored slots, (n,) each
+        at = s["at"][valid]
+        final = target_out.hidden_states.get(self.target.num_layers)
+        if final is None:
+            target, target_head = target_out.logits[rows, at], None
+        else:
+            target, target_head = final[rows, at], self._target_logits
+        scored = token_losses(
+            s["h"][valid], self.draft_logits, target=target, target_head=target_head,
+            divergence="fkl", top_k=1, chunk_tokens=self.loss_chunk_tokens,
+        )  # fmt: skip
+        kl = scored.divergence  # (n,)
+        total = (kl * self.slot_weights(kl.device)[slot]).sum()
         metrics: Metrics = {}
         for i in range(self.block_size - 1):
-            metrics[f"loss_{i + 1}"] = sum_and_count(kl[..., i], valid[..., i])
-            metrics[f"top1_{i + 1}"] = sum_and_count(agree[..., i], valid[..., i])
+            here = slot == i
+            metrics[f"loss_{i + 1}"] = sum_and_count(kl, here)
+            metrics[f"top1_{i + 1}"] = sum_and_count(scored.hits[:, 0], here)
         return total, metrics
+
+    def _target_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.target.lm_head(h.to(self.target.dtype))
 
     def loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The scored slots of the batch's anchors (from the batch alone: the anchors are

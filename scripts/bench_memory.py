@@ -34,7 +34,7 @@ import resource
 import subprocess
 import sys
 
-KINDS = ("medusa", "layerskip", "distill", "eagle")
+KINDS = ("medusa", "layerskip", "distill", "eagle", "dflash")
 HIDDEN = 64
 DRAFT_VOCAB = 32000  # EAGLE-3's reduced draft vocabulary (the speculators/SpecForge recipes')
 
@@ -81,12 +81,20 @@ def build(kind: str, vocab: int, seq: int):
         draft = min(DRAFT_VOCAB, vocab)
         cfg = EagleConfig(version="eagle3", draft_vocab_size=draft, ttt_steps=7)
         drafter = EagleDrafter.build(cfg, target, torch.arange(draft))
+    elif kind == "dflash":  # the Llama-3.1-8B recipe's blocks: 256 anchors x 15 scored slots
+        from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
+
+        cfg = DFlashConfig(num_layers=1, block_size=16, anchors=256, mask_token_id=vocab - 1)
+        drafter = DFlashDrafter.build(cfg, target)
     else:
         raise ValueError(f"unknown kind {kind!r}; use one of {', '.join(KINDS)}")
     ids = torch.randint(0, vocab, (1, seq))
     loss_mask = torch.ones_like(ids)
     loss_mask[:, : seq // 10] = 0  # a prompt without loss
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+    if kind == "dflash":  # its anchors, drawn as the trainer's step draws them
+        batch["example_index"] = torch.zeros(1, dtype=torch.long)
+        batch = drafter.prepare_batch(batch, target, None, torch.Generator().manual_seed(0))
     return drafter.train(), target, batch
 
 

@@ -131,6 +131,34 @@ def test_loss_and_acceptance_equal_a_naive_loop_over_anchors(tiny_target, traine
         assert c[2] > 0
 
 
+def test_chunked_loss_from_the_final_state_equals_the_whole_one(tiny_target):
+    """Training's way (the target's final state captured, its logits made inside the loss a
+    few slots at a time) gives the loss and gradients of the whole-vocabulary loss on the
+    forward's logits."""
+    torch.manual_seed(5)
+    drafter = DFlashDrafter.build(DFlashConfig(block_size=4, anchors=8), tiny_target)
+    perturb(drafter.parameters(), 0.3)
+    ids = torch.randint(3, tiny_target.vocab_size, (3, 22))
+    batch = batch_of(ids, [22, 15, 9])
+    layers = [*drafter.capture_layers, tiny_target.num_layers]
+    results = []
+    for chunk, keep in ((0, 0), (5, 1)):  # whole, from the logits; chunks of 5, from the state
+        drafter.loss_chunk_tokens = chunk
+        out = tiny_target.forward(ids, capture_layers=layers, logits_to_keep=keep)
+        if keep:
+            assert out.logits.shape[1] == 1  # no (batch, seq, vocab) logits of the target
+        else:
+            out.hidden_states.pop(tiny_target.num_layers)
+        drafter.zero_grad()
+        loss, _ = drafter(batch, out)
+        loss.backward()
+        results.append((float(loss.detach()), [p.grad.clone() for p in drafter.parameters()]))
+    (whole, g_whole), (chunked, g_chunked) = results
+    assert chunked == pytest.approx(whole, rel=1e-5)
+    for a, b in zip(g_whole, g_chunked, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
 def test_anchors_depend_on_the_step_and_the_example_alone(tiny_target, trained):
     """prepare_batch draws each row's anchors from its example index and the step's shared
     seed: the same in any batch, padded or not; blocks fit inside the row."""

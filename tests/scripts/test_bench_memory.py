@@ -27,13 +27,13 @@ def test_json_lines_name_the_kind_and_both_peaks(one_thread, monkeypatch, capsys
         return bench_memory.measure(kind, vocab, seq, chunk)
 
     monkeypatch.setattr(bench_memory, "run_one", in_process)
-    argv = ["--vocab", "64", "--seq", "10", "--chunk", "3", "--kinds", "medusa", "eagle"]
+    argv = ["--vocab", "64", "--seq", "20", "--chunk", "3", "--kinds", "medusa", "eagle", "dflash"]
     assert bench_memory.main([*argv, "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["kind"] for r in rows] == ["medusa", "eagle"] and calls == [0, 3, 0, 3]
+    assert [r["kind"] for r in rows] == ["medusa", "eagle", "dflash"] and calls == [0, 3] * 3
     for row in rows:
         assert row["peak_bytes_naive"] >= 0 and row["peak_bytes_chunked"] >= 0
-        assert row["vocab"] == 64 and row["seq"] == 10 and row["loss_chunk_tokens"] == 3
+        assert row["vocab"] == 64 and row["seq"] == 20 and row["loss_chunk_tokens"] == 3
 
 
 def test_bad_arguments_are_refused():
