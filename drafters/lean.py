@@ -7,9 +7,9 @@ the same weights with one fused q/k/v product, one fused gate/up product, the RM
 folded into the products after them, a rotary table computed once, and preallocated key/value
 buffers that a rejected draft leaves by moving a length instead of copying the cache. With
 `DraftLinear`'s int8 weights the products read a quarter of the bytes, which is what pays on a
-CPU: `scripts/bench_head_cost.py` on the demo shape measured a head pass at 1.36-1.44 ms through
-the HF modules, 1.29-1.51 ms lean in fp32 and 0.84-0.97 ms lean with int8 weights (BENCHMARKS.md,
-"EAGLE").
+CPU. `scripts/bench_head_cost.py` times a head pass through the HF modules, lean in fp32 and
+lean with int8 weights, side by side (its figures for the current demo target are still to be
+recorded in BENCHMARKS.md).
 
 It covers Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and Mistral without a sliding
 window, and EAGLE's reference layers (drafters/eagle.py: EAGLE-3's, fed cat(embedding, feature)
@@ -132,8 +132,9 @@ class DraftLinear:
 
     `in_scale` (in_features,) is folded into W's columns: a preceding RMSNorm's weight, so the
     norm itself costs no multiply. On a CPU a drafting step streams every weight once per token,
-    so int8 weights cut a head's matrix products ~3x (BENCHMARKS.md, "EAGLE"); the draft changes
-    slightly and verification keeps the output exact.
+    so int8 weights cut the bytes a head's matrix products read 4x (scripts/bench_head_cost.py
+    measures what that buys in time); the draft changes slightly and verification keeps the
+    output exact.
     """
 
     def __init__(
