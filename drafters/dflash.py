@@ -63,6 +63,7 @@ from specdraft.drafters.base import (
     sum_and_count,
 )
 from specdraft.drafters.eagle import default_feature_layers, head_rope
+from specdraft.drafters.eagle_session import verified_rows
 from specdraft.losses import token_losses
 
 # --- config ------------------------------------------------------------------------------------
@@ -630,19 +631,7 @@ class DFlashSession(DraftSession):
         path: list[int],
         hidden_states: Mapping[int, torch.Tensor] | None = None,
     ) -> None:
-        if hidden_states is None:
-            raise ValueError(
-                "DFlashSession.accept needs hidden_states: the verification forward's hidden "
-                f"states at layers {self.capture_layers} (see the DFlashSession docstring)"
-            )
-        positions = next(iter(hidden_states.values())).shape[1]
-        pending = positions - len(tree)
-        if pending < 1:
-            raise ValueError(
-                f"DFlashSession.accept got hidden states for {positions} positions; expected the "
-                f"pending token(s) then the {len(tree)} tree nodes"
-            )
-        rows = list(range(pending)) + [pending + i for i in path]
+        rows = verified_rows(self, tree, path, hidden_states)
         d = self.drafter
         device = d.fc.weight.device
         index = torch.tensor(rows, device=next(iter(hidden_states.values())).device)

@@ -63,6 +63,28 @@ class EagleDraftingWeights:
         return self.layer.memory_bytes() + sum(lin.memory_bytes() for lin in linears)
 
 
+def verified_rows(
+    session, tree: DraftTree, path: list[int], hidden_states: Mapping[int, torch.Tensor] | None
+) -> list[int]:
+    """The rows of the verification forward's `hidden_states` that hold verified tokens: the
+    pending token(s), then the accepted nodes of `tree` along `path`. For a session whose
+    drafter reads the target's features (EAGLE's, DFlash's), whose `accept` needs them."""
+    name = type(session).__name__
+    if hidden_states is None:
+        raise ValueError(
+            f"{name}.accept needs hidden_states: the verification forward's hidden states at "
+            f"layers {session.capture_layers} (see the {name} docstring)"
+        )
+    positions = next(iter(hidden_states.values())).shape[1]
+    pending = positions - len(tree)
+    if pending < 1:
+        raise ValueError(
+            f"{name}.accept got hidden states for {positions} positions; expected the pending "
+            f"token(s) then the {len(tree)} tree nodes"
+        )
+    return list(range(pending)) + [pending + i for i in path]
+
+
 class EagleSession(DraftSession):
     """One generate call's drafting state: the head's KV cache and the target features it needs.
 
@@ -245,19 +267,7 @@ class EagleSession(DraftSession):
         `path`: accepted node indices of `tree`, root to leaf. `hidden_states`: see the class
         docstring.
         """
-        if hidden_states is None:
-            raise ValueError(
-                "EagleSession.accept needs hidden_states: the verification forward's hidden "
-                f"states at layers {self.capture_layers} (see the EagleSession docstring)"
-            )
-        positions = next(iter(hidden_states.values())).shape[1]
-        pending = positions - len(tree)
-        if pending < 1:
-            raise ValueError(
-                f"EagleSession.accept got hidden states for {positions} positions; expected the "
-                f"pending token(s) then the {len(tree)} tree nodes"
-            )
-        rows = list(range(pending)) + [pending + i for i in path]
+        rows = verified_rows(self, tree, path, hidden_states)
         new = self._fuse(hidden_states, rows)  # (batch, pending + accepted, hidden)
         self.features = new if self.features is None else torch.cat([self.features, new], dim=1)
         if self.layer is not None:  # drafted entries were built from predicted features
