@@ -9,7 +9,7 @@ import pytest
 import torch
 from testkit import perturb
 
-from specdraft.core import DecodeConfig, DraftContext, SamplingSettings
+from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
 from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
 from specdraft.formats.checkpoint import CheckpointError, save_drafter
 from specdraft.formats.reading import load_drafter
@@ -245,6 +245,20 @@ def test_sampled_drafts_record_each_slots_q(tiny_target, trained):
     assert len(tree) == 3 and tree.q.shape == (1, 3, tiny_target.vocab_size)
     assert torch.allclose(tree.q.sum(-1), torch.ones(1, 3))
     assert (tree.q[0].gather(-1, tree.tokens[0][:, None]) > 0).all()
+
+
+def test_accept_without_the_verified_features_is_named(tiny_target, trained):
+    session = trained.new_session(
+        tiny_target, sampling=SamplingSettings(temperature=0.0), decode=DecodeConfig(gamma=3)
+    )
+    prompt = torch.tensor([PROMPTS[0]])
+    first = session.propose(DraftContext(prompt, max_depth=8))
+    with pytest.raises(ValueError, match=r"DFlashSession.accept needs hidden_states"):
+        session.accept(first, [], None)
+    tree = DraftTree.chain(torch.tensor([[7, 8]]))  # two drafted nodes, no pending token
+    states = {layer: torch.zeros(1, 2, tiny_target.hidden_size) for layer in trained.capture_layers}
+    with pytest.raises(ValueError, match=r"hidden states for 2 positions; expected the pending"):
+        session.accept(tree, [0], states)
 
 
 # -- checkpoint and config -------------------------------------------------------------------
