@@ -81,7 +81,8 @@ def generate(
     `drafter.decode_class`); None: the kind's defaults. The settings a trained drafter was saved
     or tuned with are `load_decoding(path)`: pass them to decode as it was tuned. settings:
     decoding keys that override `decode` for this call, e.g. gamma=8, tree_top_k=4,
-    lookup_ngram=2, or a kind's own (exit_layer=3 for LayerSkip).
+    lookup_ngram=2, or a kind's own (exit_layer=3 for LayerSkip). Then the batch_schedule
+    entry for the batch decoded applies (off: plain decoding, and stats.drafter_off says so).
     stop_at_eos=False decodes max_new_tokens whatever they hold: the continuation past an EOS,
     which the simulation of serving compares drafts with (inference/continuations.py).
     """
@@ -89,7 +90,9 @@ def generate(
     sampling = SamplingSettings(temperature=float(temperature), top_k=int(top_k), top_p=top_p)
     device = target.device
     generator = torch.Generator(device=device).manual_seed(seed)
-    session, stats, decode = _start_session(target, drafter, sampling, generator, decode, settings)
+    session, stats, decode = _start_session(
+        target, drafter, sampling, generator, decode, settings, seq_ids.shape[0]
+    )
     # a session's own acceptance rule (Medusa's typical) applies at temperature > 0 only; at 0
     # every rule is greedy verification: exact, nothing to mark
     stats.lossy = session is not None and session.lossy and not sampling.greedy
@@ -225,9 +228,10 @@ def _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k):
     return ids
 
 
-def _start_session(target, drafter, sampling, generator, decode, settings):
+def _start_session(target, drafter, sampling, generator, decode, settings, batch_size):
     """The drafting session for this call (None for plain decoding), fresh stats and the
-    resolved decoding settings (None for plain decoding)."""
+    resolved decoding settings (None for plain decoding): those of the settings' batch_schedule
+    entry for `batch_size` rows, which may turn the drafter off (stats.drafter_off)."""
     stats = Stats()
     settings = {k: v for k, v in settings.items() if v is not None}
     if drafter is None:
@@ -263,6 +267,17 @@ def _start_session(target, drafter, sampling, generator, decode, settings):
     )
     # the kind's own settings class; another kind's setting is an error naming its owner
     decode = drafter.decode_settings(decode, **settings)
+    scheduled = decode.for_batch(batch_size)  # an entry wins over the call's settings: say so
+    for key in sorted(k for k in settings if k != "batch_schedule"):
+        if scheduled is None or getattr(scheduled, key) != getattr(decode, key):
+            warn_once(
+                f"{key}={settings[key]!r} is overridden at batch size {batch_size} by the "
+                "decoding settings' batch_schedule; pass batch_schedule=[] to decode without it"
+            )
+    if scheduled is None:  # the schedule's entry for this batch size: plain decoding
+        stats.drafter_off = True
+        return None, stats, None
+    decode = scheduled
     drafter.check_decode(decode)  # a setting out of this drafter's range
     for message in drafter.ignored_settings(decode):
         warn_once(message)

@@ -15,6 +15,8 @@
   typical acceptance) drifts from that, and this figure beside tau shows by how much. Not
   recorded when greedy (p is a point mass there).
 - lossy: the output did not follow the target's distribution (typical acceptance at T > 0).
+- drafter off: a drafter was given and its settings' batch_schedule turned it off at the batch
+  size decoded, so the loop decoded plainly (DecodeConfig.for_batch).
 - looping share: the fraction of greedy continuations whose tail repeats with a short period
   (`specdraft.core.loops`; continuations need LOOP_TOKENS tokens for it to tell), the
   degeneration a small or over-fitted model falls into. It says what fine-tuning a target
@@ -53,6 +55,9 @@ class Stats:
     log_p_sum: float = 0.0  # sum of log p(token) over the tokens it was recorded for
     log_p_tokens: int = 0  # tokens whose log p was recorded (0 when greedy)
     lossy: bool = False  # accepted by a rule that does not keep the target's distribution
+    # a drafter was given, and its settings' batch_schedule turned it off at this batch size:
+    # the output is plain decoding's
+    drafter_off: bool = False
 
     def record_step(self, tree_size: int, tree_depth: int, path_len: int, emitted: int) -> None:
         self.target_passes += 1
@@ -103,6 +108,7 @@ class Stats:
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.copies = self.copies or other.copies
         out.lossy = self.lossy or other.lossy
+        out.drafter_off = self.drafter_off or other.drafter_off
         for name in ("draft_seconds", "verify_seconds", "total_seconds", "log_p_sum"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.reached_at), len(other.reached_at))
@@ -132,6 +138,7 @@ class Stats:
             "copies": self.copies,
             "mean_log_p": self.mean_log_p,
             "lossy": self.lossy,
+            "drafter_off": self.drafter_off,
         }
 
 
