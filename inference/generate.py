@@ -19,7 +19,7 @@ A batch of prompts (of any lengths) decodes in one loop too (`_generate_batch`):
 drafts for each row, verifies every row's pending tokens and tree in one target forward, and
 accepts per row; rows accept different numbers of tokens and stop on their own (EOS,
 max_new_tokens), and a finished row leaves the batch. The target's cache is one cache whose rows
-hold their own tokens in their own columns (inference/batch.py, `BatchCache`); the drafter's is
+hold their own tokens in their own columns (specdraft/batch.py, `BatchCache`); the drafter's is
 its batch session's (`Drafter.new_batch_session`). Each row's output is what decoding it alone
 gives (greedy: token for token; sampled: the target's distribution).
 """
@@ -53,7 +53,7 @@ from specdraft.drafters.base import (
     warn_once,
 )
 from specdraft.drafters.prompt_lookup import CopyingSession, PromptLookupDrafter
-from specdraft.inference.batch import BatchCache
+from specdraft.batch import BatchCache
 from specdraft.inference.metrics import Stats
 from specdraft.inference.tree import tree_attention
 from specdraft.inference.verify import verify_greedy, verify_sampling
@@ -256,7 +256,7 @@ def _generate_batch(
     stop_at_eos: bool,
 ) -> GenerateOutput:
     """generate's loop for a batch of prompts: the steps of the single-sequence loop, for each
-    active row at once, with the target's cache a BatchCache (inference/batch.py)."""
+    active row at once, with the target's cache a BatchCache (specdraft/batch.py)."""
     device, rows = target.device, len(prompts)
     eos = eos_ids(target.model) if stop_at_eos else set()
     pad = _pad_id(target)

@@ -20,7 +20,7 @@ from spec_helpers import (
 from specdraft.core import SamplingSettings, process_logits
 from specdraft.drafters.base import BatchSession
 from specdraft.drafters.distill import DistillDrafter
-from specdraft.inference import batch as batch_module
+from specdraft import batch as batch_module
 from specdraft.inference import generate
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
