@@ -178,12 +178,17 @@ def search_decode(
     cheaply and wrongly, so it wants short chains), and one pass tunes each setting only at the
     values the earlier rounds left. So the search passes over the settings again, `passes` times
     at most, racing a setting again only where another one changed since its last round.
+
+    `start`'s batch_schedule plays no part in the races (its entries would override what they
+    race) and is kept on the result as it was: `tune_batch_schedule` tunes one.
     """
     if passes < 1:
         raise ValueError(f"passes must be at least 1; got {passes}")
     greedy = options.get("temperature", 0.0) == 0
     # a placeholder for the drafter's own choice (LayerSkip's exit 0) named, so it races once
-    best, rows = drafter.resolved_decode(drafter.decode_settings(start)), []
+    schedule = start.batch_schedule if start is not None else []
+    best = drafter.resolved_decode(drafter.decode_settings(start)).replace(batch_schedule=[])
+    rows: list[dict] = []
     defaults = drafter.decode_settings()
     others = lambda d, key: d.replace(**{key: getattr(defaults, key)})  # noqa: E731
     # per setting, the other settings as its last round left them (a round's winner may have
@@ -241,7 +246,7 @@ def search_decode(
                 )
                 + f" -> {getattr(best, key)}"
             )
-    return best, rows
+    return best.replace(batch_schedule=schedule), rows
 
 
 def _variants(best: DecodeConfig, key: str, value, space: Mapping[str, Sequence]):

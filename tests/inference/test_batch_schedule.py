@@ -134,3 +134,24 @@ def test_a_call_setting_an_entry_overrides_is_named(random_target, drafts):
         batch_schedule=[],
     )  # fmt: skip
     assert len(out.stats.reached_at) > 2
+
+
+def test_a_batch_decodes_with_its_own_entry(random_target, drafts):
+    """One folder's settings, three batches: alone a prompt drafts deep, two together are off
+    (decoded plainly, exactly, and the stats say so), three together draft shallow."""
+    prompts = [PROMPT, [3, 1, 4, 1, 5, 9, 2, 6, 5], [8, 8, 8, 2]]
+    decode = DecodeConfig(
+        gamma=4,
+        batch_schedule=[{"batch_size": 2, "off": True}, {"batch_size": 3, "gamma": 2}],
+    )
+    alone = [generate(random_target, p, None, max_new_tokens=12).tokens[0] for p in prompts]
+    first = generate(random_target, prompts[0], drafts["partial"], max_new_tokens=12, decode=decode)
+    assert torch.equal(first.tokens[0], alone[0]) and len(first.stats.reached_at) > 2
+    two = generate(random_target, prompts[:2], drafts["partial"], max_new_tokens=12, decode=decode)
+    assert two.stats.batch_size == 2 and two.stats.drafter_off
+    assert two.stats.drafted == 0 and all(s.drafter_off for s in two.row_stats)
+    assert two.rows() == [a.tolist() for a in alone[:2]]
+    three = generate(random_target, prompts, drafts["partial"], max_new_tokens=12, decode=decode)
+    assert three.rows() == [a.tolist() for a in alone] and not three.stats.drafter_off
+    assert three.stats.drafted > 0 and three.stats.accepted > 0
+    assert len(three.stats.reached_at) <= 2  # the entry's gamma 2

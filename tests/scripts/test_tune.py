@@ -419,8 +419,12 @@ def test_batch_sizes_save_a_schedule_of_each_races_fastest(layerskip_folder, tmp
     assert [e["batch_size"] for e in schedule] == [1, 3]
     for entry, measured in zip(schedule, result["measured"]["batch_schedule"], strict=True):
         raced = [r for r in result["batch_search"] if r["batch_size"] == entry["batch_size"]]
-        # plain decoding and the tuned settings at gamma 1 and 2 (one of them the tuned gamma)
-        assert {json.dumps(r["settings"]) for r in raced} >= {'"off"', "{}"} and len(raced) == 3
+        # plain decoding, the tuned settings, and them at gamma 1 and 2 (once each)
+        gammas = {1, 2, result["decode"]["gamma"]}
+        assert [r["settings"] for r in raced[:2]] == ["off", {}] and len(raced) == 1 + len(gammas)
+        assert {r["settings"].get("gamma") for r in raced[2:]} == gammas - {
+            result["decode"]["gamma"]
+        }
         assert all(r["matches_plain"] for r in raced)  # float32: every candidate exact
         chosen = [r for r in raced if r["chosen"]]
         assert chosen == [max(raced, key=lambda r: r["tokens_per_s"])]
@@ -430,3 +434,22 @@ def test_batch_sizes_save_a_schedule_of_each_races_fastest(layerskip_folder, tmp
     saved = load_decoding(layerskip_folder)
     assert saved.batch_schedule == schedule
     assert "batch size 3: " in capsys.readouterr().out
+
+
+def test_a_search_races_without_the_schedule_and_keeps_it(monkeypatch):
+    """An entry for batch size 1 would override the very setting a round races: the search
+    races the settings without their schedule, and hands the schedule back on its pick."""
+    raced = []
+
+    def price(d):
+        raced.append(d.batch_schedule)
+        return d.gamma
+
+    monkeypatch.setattr(tune, "race", _priced_race(price))
+    schedule = [{"batch_size": 1, "gamma": 4}, {"batch_size": 8, "off": True}]
+    start = DecodeConfig(gamma=3, batch_schedule=schedule)
+    best, _ = tune.search_decode(
+        None, _Chains(), [], {"gamma": [1, 3, 4]}, max_new_tokens=4, start=start
+    )
+    assert best.gamma == 1 and best.batch_schedule == schedule
+    assert raced and all(s == [] for s in raced)
