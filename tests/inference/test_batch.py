@@ -20,6 +20,7 @@ from spec_helpers import (
 from specdraft import batch as batch_module
 from specdraft.core import SamplingSettings, process_logits
 from specdraft.drafters.distill import DistillBatchSession, DistillDrafter
+from specdraft.drafters.medusa_session import MedusaBatchSession
 from specdraft.inference import generate
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
@@ -77,7 +78,10 @@ def test_batched_greedy_rows_equal_each_row_alone(
     assert out.stats.tau == pytest.approx(sum(out.lengths) / passes)
 
 
-BATCH_NATIVE = {"distill": DistillBatchSession}  # kind -> its session drafting a batch at once
+BATCH_NATIVE = {
+    "distill": DistillBatchSession,
+    "medusa": MedusaBatchSession,
+}  # kind -> its session drafting a batch at once
 
 
 @pytest.mark.parametrize("kind", sorted(BATCH_NATIVE))
