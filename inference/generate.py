@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specdraft.batch import BatchCache
 from specdraft.core import (
     DecodeConfig,
     DraftContext,
@@ -47,13 +48,10 @@ from specdraft.core import (
 from specdraft.drafters.base import (
     BatchSession,
     Drafter,
-    DraftSession,
-    RowSessions,
     hf_model_kind,
     warn_once,
 )
-from specdraft.drafters.prompt_lookup import CopyingSession, PromptLookupDrafter
-from specdraft.batch import BatchCache
+from specdraft.drafters.prompt_lookup import CopyingRows, CopyingSession, PromptLookupDrafter
 from specdraft.inference.metrics import Stats
 from specdraft.inference.tree import tree_attention
 from specdraft.inference.verify import verify_greedy, verify_sampling
@@ -501,25 +499,11 @@ def _start_session(target, drafter, sampling, generator, decode, settings, batch
             target, batch_size, sampling=sampling, decode=decode, generator=generator
         )
         if copying:
-            session = _copying_rows(session, decode)
+            gamma = decode.lookup_gamma or decode.gamma
+            session = CopyingRows(session, batch_size, decode.lookup_ngram, gamma)
         stats.lossy = session.lossy and not sampling.greedy
         return session, stats, decode
     session = drafter.new_session(target, sampling=sampling, decode=decode, generator=generator)
     if copying:
         session = CopyingSession(session, decode.lookup_ngram, decode.lookup_gamma or decode.gamma)
     return session, stats, decode
-
-
-def _copying_rows(session: BatchSession, decode: DecodeConfig) -> BatchSession:
-    """A batch session with prompt lookup in front of each row's drafting."""
-    if not isinstance(session, RowSessions):
-        raise ValueError(
-            f"lookup_ngram={decode.lookup_ngram} copies per row, and this drafter drafts a batch "
-            "in one pass: decode the batch without copying (lookup_ngram=0), or one prompt at "
-            "a time"
-        )
-    gamma = decode.lookup_gamma or decode.gamma
-    rows: list[DraftSession] = [
-        CopyingSession(s, decode.lookup_ngram, gamma) for s in session.sessions
-    ]
-    return RowSessions(rows)
