@@ -529,4 +529,4 @@ def _said(settings: dict | str) -> str:
     """A schedule entry's settings in a log line."""
     if settings == "off":
         return "off"
-    return ", ".join(f"{k}={v}" for k, v in settings.items()) or "as set"
+    return ", ".join(f"{k}={v}" for k, v in settings.items()) or "these settings"
