@@ -46,6 +46,9 @@ class DraftSession:
     # True when verify_sampled keeps tokens the target would not have sampled: output drifts
     # from the target's distribution and the loop marks the run lossy.
     lossy: bool = False
+    # True for a session that drafts on the target's own KV cache (bind_cache: LayerSkip), which
+    # only the loop's target passes keep
+    drafts_on_target_cache: bool = False
 
     def propose(self, context: DraftContext) -> DraftTree:
         raise NotImplementedError

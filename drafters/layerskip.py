@@ -657,6 +657,7 @@ class LayerSkipSession(DraftSession):
     """
 
     capture_layers: tuple[int, ...] = ()
+    drafts_on_target_cache = True
 
     def __init__(self, model, exit_layer: int, decode, sampling, generator) -> None:
         self.embed, self.layers, self.norm, self.rotary, _ = llama_parts(model)
@@ -747,6 +748,8 @@ class LayerSkipRowSession(LayerSkipSession):
     early layers then run twice for a verified token (once drafting, once verifying) and their
     entries are held twice, where the one-sequence session shares the loop's cache; its
     drafts, and so the output, are the same."""
+
+    drafts_on_target_cache = False
 
     def __init__(self, model, exit_layer: int, decode, sampling, generator) -> None:
         super().__init__(model, exit_layer, decode, sampling, generator)

@@ -86,6 +86,7 @@ class CopyingSession(DraftSession):
         self.capture_layers: Sequence[int] = inner.capture_layers
         self.copied_passes = 0  # proposals copied rather than drafted
         self.lossy = inner.lossy  # the inner session's acceptance rule verifies copies too
+        self.drafts_on_target_cache = inner.drafts_on_target_cache
 
     def propose(self, context: DraftContext) -> DraftTree:
         tree = self.lookup.propose(context)

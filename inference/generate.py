@@ -48,6 +48,7 @@ from specdraft.core import (
 from specdraft.drafters.base import (
     BatchSession,
     Drafter,
+    DraftSession,
     hf_model_kind,
     warn_once,
 )
@@ -384,6 +385,14 @@ def _generate_batch(
     for r in range(rows):
         tokens[r, : new_lengths[r]] = seq[r, prompt_len[r] : length[r]]
     return GenerateOutput(tokens, merged, new_lengths, row_stats, pad)
+
+
+def drafting_session(target: Target, drafter, decode: DecodeConfig | None) -> DraftSession:
+    """The session `generate` drafts one sequence with at temperature 0 (copying in front where
+    `decode` asks for it), for code that walks the loop's steps itself (inference/parity.py)."""
+    sampling = SamplingSettings()
+    session, _, _ = _start_session(target, drafter, sampling, None, decode, {})
+    return session
 
 
 def _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k):

@@ -7,6 +7,14 @@ decodes the same prompts with the loop. At temperature 0 the two agree exactly f
 whose training and serving paths compute the same thing; where they do not, `first_difference`
 compares what the drafter saw in each path at the same positions and names the first tensor
 that differs.
+
+Where a kind's training path has no served drafts for the settings (EAGLE-2's dynamic tree, the
+two-model tree, dynamic gamma), `replay_serving` walks the loop's steps with the serving session
+itself, teacher-forced on the continuation: each step the session drafts after the context, the
+draft is verified against the continuation (at temperature 0 the target's choice after each
+accepted token is the continuation's next token) and the session is handed the hidden states
+of the verified positions from one forward over the whole continuation. No target pass per
+step, and the same statistics as the loop, whatever the session drafts.
 """
 
 from __future__ import annotations
@@ -15,10 +23,12 @@ from collections.abc import Sequence
 
 import torch
 
-from specdraft.core import DecodeConfig
+from specdraft.core import DecodeConfig, DraftContext, DraftTree
 from specdraft.data.formats import Example
-from specdraft.inference.generate import generate
+from specdraft.drafters.prompt_lookup import CopyingSession
+from specdraft.inference.generate import drafting_session, generate
 from specdraft.inference.metrics import Stats, simulate_serving
+from specdraft.inference.verify import verify_greedy
 
 
 def example_batch(example: Example, device) -> dict[str, torch.Tensor]:
@@ -48,9 +58,74 @@ def simulate(
         )  # fmt: skip
         drafts = drafter.served_drafts(batch, target_out, decode)
         if drafts is None:
-            return None
+            replayed = replay_serving(target, drafter, batch, target_out, decode)
+            if replayed is None:
+                return None
+            out += replayed
+            continue
         out += simulate_serving(drafts, batch, decode, drafter.drafts_after_prefill)
     return out
+
+
+@torch.no_grad()
+def replay_serving(
+    target, drafter, batch: dict[str, torch.Tensor], target_out, decode: DecodeConfig
+) -> list[Stats] | None:
+    """The loop's statistics at temperature 0 per row of a batch of the target's greedy
+    continuations (as metrics.simulate_serving reads them: the prompt unscored, the served
+    output scored up to its EOS), walked with the drafter's serving session (module docstring);
+    `target_out`: the target's forward over the batch, with the hidden states of the layers the
+    drafter captures. None for a session that drafts on the target's own KV cache (LayerSkip),
+    which needs the target's passes."""
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    lengths = batch["attention_mask"].sum(1)
+    rows = []
+    for b in range(ids.shape[0]):
+        scored = loss_mask[b].nonzero()
+        if not len(scored):
+            continue
+        start, end = int(scored[0]), int(lengths[b])
+        stop = start + int(loss_mask[b].sum())  # where the served output ends
+        session = drafting_session(target, drafter, decode)
+        if session.drafts_on_target_cache:
+            return None
+        row, truth = ids[b], ids[b].tolist()
+        stats, length, cached = Stats(), start, 0
+        while length < stop:
+            left = end - length
+            tree = DraftTree.empty(device=ids.device)
+            if left > 1:
+                tree = session.propose(DraftContext(row[None, :length], max_depth=left - 1))
+            # the target's greedy choice after the root and after each node, where the node is
+            # on the continuation: its next token (off it, verification never looks)
+            chosen = [truth[length]] + [truth[length + d] for d in tree.depths]
+            path, _ = verify_greedy(tree, chosen)
+            hidden = None
+            if session.capture_layers:
+                hidden = _verified_states(target_out, b, cached, length, tree, path, session)
+            session.accept(tree, path, hidden)
+            cached = length + len(path)
+            emitted = min(len(path) + 1, stop - length)
+            stats.record_step(len(tree), tree.depth, len(path), emitted)
+            length += emitted
+        stats.copies = isinstance(session, CopyingSession)
+        stats.copied_passes = session.copied_passes
+        rows.append(stats)
+    return rows
+
+
+def _verified_states(target_out, b, cached, length, tree, path, session) -> dict:
+    """What a verification forward over the pending tokens [cached, length) and `tree` hands
+    the session: each captured layer's states at those positions, the accepted nodes' at theirs
+    on the continuation; a rejected node's are NaN (no session may read them)."""
+    positions = list(range(cached, length)) + [length + d - 1 for d in tree.depths]
+    rejected = [length - cached + i for i in range(len(tree)) if i not in set(path)]
+    hidden = {}
+    for layer in session.capture_layers:
+        h = target_out.hidden_states[layer][b, positions].clone()
+        h[rejected] = float("nan")
+        hidden[layer] = h[None]
+    return hidden
 
 
 @torch.no_grad()

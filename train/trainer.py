@@ -43,6 +43,7 @@ from specdraft.drafters.base import Drafter
 from specdraft.formats import checkpoint
 from specdraft.inference.continuations import SERVED_GREEDY
 from specdraft.inference.metrics import Stats, simulate_serving, simulated_tau
+from specdraft.inference.parity import replay_serving
 from specdraft.train import launch, tracking
 from specdraft.train.config import CONFIG_FILENAME, TrainConfig
 from specdraft.train.report import heldout_examples
@@ -423,11 +424,13 @@ class _Training:
             "eval_on": self.eval_on,
             "greedy_simulation": "agreement",  # the product of agreement per depth
         }
-        served = self._simulate_serving(model, n) if self.eval_on == SERVED_GREEDY else None
+        served, how = (None, None)
+        if self.eval_on == SERVED_GREEDY:
+            served, how = self._simulate_serving(model, n)
         if served is not None:  # the loop's own steps on the target's greedy continuations
             result["tau_greedy"] = served.tau
             result["alpha_greedy"] = served.acceptance_per_position
-            result["greedy_simulation"] = "served"
+            result["greedy_simulation"] = how
         result["served"] = result[cfg.served_tau_key()]
         self.evals.append(result)
         tracking.log_evaluation(self.acc, self.cfg, result, bar, label)
@@ -438,16 +441,19 @@ class _Training:
             )
         return result
 
-    def _simulate_serving(self, model: Drafter, n: int) -> Stats | None:
-        """The loop's statistics at temperature 0 over the held-out continuations, simulated
-        through the drafter's training path (`served_drafts`, metrics.simulate_serving) with
-        the decoding settings the run saves; None where the kind or settings have none.
+    def _simulate_serving(self, model: Drafter, n: int) -> tuple[Stats | None, str | None]:
+        """The loop's statistics at temperature 0 over the held-out continuations, and how they
+        were simulated: through the drafter's training path ("served": `served_drafts`,
+        metrics.simulate_serving) with the decoding settings the run saves, or where it has
+        none for those settings, by the serving session itself walked on the continuations
+        ("session": inference/parity.py, `replay_serving`); (None, None) where neither can
+        (LayerSkip drafts on the target's cache).
 
         It reads the drafter as its checkpoint would load: with the held-out statistics this
         evaluation just measured (Medusa's tree is built from them) on a shallow copy, so
         nothing is written on the module."""
         cfg, acc = self.cfg, self.acc
-        total = Stats()
+        total, how = Stats(), "served"
         model.eval()
         loaded = copy.copy(model)  # after eval(): its flag is copied, its modules are shared
         loaded.heldout = self.heldout
@@ -458,10 +464,16 @@ class _Training:
                 target_out = self._target_out(model, batch, training=False)
                 with acc.autocast():
                     drafts = loaded.served_drafts(batch, target_out, cfg.decode)
-                if drafts is None:
-                    return None
-                after_prefill = model.drafts_after_prefill
-                for stats in simulate_serving(drafts, batch, cfg.decode, after_prefill):
+                if drafts is not None:
+                    after_prefill = model.drafts_after_prefill
+                    rows = simulate_serving(drafts, batch, cfg.decode, after_prefill)
+                else:
+                    how = "session"
+                    with acc.autocast():
+                        rows = replay_serving(self.target, loaded, batch, target_out, cfg.decode)
+                    if rows is None:
+                        return None, None
+                for stats in rows:
                     total = total.merge(stats) if weight else total
         finally:
             model.train()
@@ -476,7 +488,7 @@ class _Training:
             sums = acc.reduce(sums, "sum").long().tolist()
             total = Stats(new_tokens=sums[0], target_passes=sums[1])
             total.reached_at, total.accepted_at = sums[2 : 2 + depth], sums[2 + depth :]
-        return total if total.target_passes else None
+        return (total, how) if total.target_passes else (None, None)
 
     # -- saving -------------------------------------------------------------------------------
 

@@ -10,7 +10,13 @@ from spec_helpers import KINDS, build
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.eagle import EagleSession
-from specdraft.inference.parity import first_difference, serve, simulate
+from specdraft.inference.parity import (
+    example_batch,
+    first_difference,
+    replay_serving,
+    serve,
+    simulate,
+)
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = pytest.mark.exact
@@ -103,3 +109,44 @@ def test_a_scale_inside_the_drafter_is_named(random_target, examples, eagle1, mo
     found = first_difference(random_target, eagle1, examples[0], decode)
     assert found.startswith("the drafter's drafts after position")
     assert "computes differently" in found
+
+
+@pytest.mark.parametrize(
+    ("kind", "settings"),
+    [("eagle3", dict(gamma=3, tree_top_k=3, tree_budget=8)),
+     ("eagle1", dict(gamma=2, tree_top_k=2, lookup_ngram=1)),
+     ("distill", dict(gamma=3, tree_top_k=2, tree_budget=6)),
+     ("distill", dict(gamma=2, dynamic_gamma=True))],
+    ids=["eagle3-dynamic-tree", "eagle1-tree-copying", "two-model-tree", "dynamic-gamma"],
+)  # fmt: skip
+def test_the_serving_session_replayed_equals_served(
+    random_target, examples, kind_drafter, kind, settings
+):
+    """Settings the training path has no served drafts for (EAGLE-2's dynamic tree, the two-model
+    tree, dynamic gamma) are simulated by walking the serving session on the continuations
+    (parity.replay_serving): the loop's statistics exactly, with no target pass per step."""
+    drafter = kind_drafter(kind)
+    decode = drafter.decode_settings(None, **settings)
+    batch = example_batch(examples[0], random_target.device)
+    target_out = random_target.forward(batch["input_ids"], capture_layers=drafter.capture_layers)
+    assert drafter.served_drafts(batch, target_out, decode) is None  # so the replay is used
+    simulated = simulate(random_target, drafter, examples, decode)
+    served = serve(random_target, drafter, examples, decode)
+    for sim, real in zip(simulated, served, strict=True):
+        assert (sim.tau, sim.reached_at, sim.accepted_at) == (
+            real.tau,
+            real.reached_at,
+            real.accepted_at,
+        )
+        assert (sim.drafted, sim.copied_passes) == (real.drafted, real.copied_passes)
+    assert sum(s.accepted for s in served) > 0
+
+
+def test_a_session_on_the_target_cache_is_not_replayed(random_target, examples, kind_drafter):
+    """LayerSkip drafts on the loop's own KV cache, which only the target's passes keep: the
+    replay says it cannot (its chains have the training path's served drafts)."""
+    drafter = kind_drafter("layerskip")
+    batch = example_batch(examples[0], random_target.device)
+    target_out = random_target.forward(batch["input_ids"])
+    decode = drafter.decode_settings(DecodeConfig(gamma=3))
+    assert replay_serving(random_target, drafter, batch, target_out, decode) is None
