@@ -398,8 +398,8 @@ class PEagleDrafter(EagleDrafter):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> BatchSession:
-        """Every row's chain from one head pass (PEagleBatchSession, the head's modules); the
-        rows that copying drafts row by row, as it wraps each row's own session."""
+        """Every row's chain from one head pass (PEagleBatchSession, on the head's modules);
+        copying (which wraps each row's own session) row by row (RowSessions)."""
         if decode.lookup_ngram > 0:
             return Drafter.new_batch_session(
                 self, target, batch_size, sampling=sampling, decode=decode, generator=generator
