@@ -465,9 +465,9 @@ class EagleDrafter(Drafter):
         generator: torch.Generator | None = None,
     ) -> BatchSession:
         """Chains of a batch drafted together, one head pass per depth (EagleBatchSession, on
-        the head's modules: int8 drafting weights are one sequence's); EAGLE-2's trees, and
-        copying (which wraps each row's own session), row by row (RowSessions)."""
-        if not decode.chain or decode.lookup_ngram > 0:
+        the head's modules: int8 drafting weights are one sequence's); EAGLE-2's trees row by
+        row (RowSessions)."""
+        if not decode.chain:
             return super().new_batch_session(
                 target, batch_size, sampling=sampling, decode=decode, generator=generator
             )

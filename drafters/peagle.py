@@ -398,12 +398,8 @@ class PEagleDrafter(EagleDrafter):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> BatchSession:
-        """Every row's chain from one head pass (PEagleBatchSession, on the head's modules);
-        copying (which wraps each row's own session) row by row (RowSessions)."""
-        if decode.lookup_ngram > 0:
-            return Drafter.new_batch_session(
-                self, target, batch_size, sampling=sampling, decode=decode, generator=generator
-            )
+        """Every row's chain from one head pass (PEagleBatchSession, on the head's modules;
+        P-EAGLE drafts chains only)."""
         if use_int8(decode.draft_weights, target.device, "the head's full weights"):
             warn_once(
                 "draft_weights=int8 drafts through drafters/lean.py's one-sequence layer; a "

@@ -112,10 +112,27 @@ def test_batched_rows_draft_what_each_row_drafts_alone(
         assert out.stats.drafted < full.stats.drafted
 
 
-def test_trees_and_copying_draft_row_by_row(random_target, kind_drafter):
+def test_trees_draft_row_by_row(random_target, kind_drafter):
+    decode = dict(tree_top_k=2)
+    assert isinstance(
+        batch_session(kind_drafter("eagle3"), random_target, 3, **decode), RowSessions
+    )
+
+
+def test_prompt_lookup_in_front_of_the_batch_session(random_target, examples, kind_drafter, drafts):
+    """Copying (CopyingRows) drafts the rows whose context repeats; the batch session drafts the
+    others, each as its single-row session does behind CopyingSession."""
     drafter = kind_drafter("eagle3")
-    assert isinstance(batch_session(drafter, random_target, 3, tree_top_k=2), RowSessions)
-    assert isinstance(batch_session(drafter, random_target, 3, lookup_ngram=2), RowSessions)
+    prompts = ragged(examples, 8)
+    options = dict(max_new_tokens=NEW, gamma=GAMMA, lookup_ngram=1)
+    out = generate(random_target, prompts, drafter, **options)
+    batched = dict(drafts)
+    drafts.clear()
+    alone = [generate(random_target, p, drafter, **options) for p in prompts]
+    assert out.rows() == [a.tokens[0].tolist() for a in alone]
+    assert batched == drafts and batched
+    assert [step_stats(s) for s in out.row_stats] == [step_stats(a.stats) for a in alone]
+    assert 0 < out.stats.copied_passes < out.stats.target_passes
 
 
 class EveryOtherCopied:
