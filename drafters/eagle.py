@@ -48,6 +48,7 @@ from specdraft.core import (
     float_mask,
 )
 from specdraft.drafters.base import (
+    BatchSession,
     Drafter,
     Metrics,
     ServedDrafts,
@@ -55,11 +56,17 @@ from specdraft.drafters.base import (
     greedy_confidence,
     one_later,
     sum_and_count,
+    warn_once,
 )
-from specdraft.drafters.eagle_session import EagleDraftingWeights, EagleSession
+from specdraft.drafters.eagle_session import (
+    EagleBatchSession,
+    EagleDraftingWeights,
+    EagleSession,
+)
 from specdraft.drafters.lean import (
     SharedWeights,
     lean_supported,
+    use_int8,
 )
 from specdraft.losses import token_losses
 
@@ -447,6 +454,31 @@ class EagleDrafter(Drafter):
     ) -> EagleSession:
         """Per-call drafting state for the inference loop (see the session section below)."""
         return EagleSession(self, target, sampling=sampling, decode=decode, generator=generator)
+
+    def new_batch_session(
+        self,
+        target,
+        batch_size: int,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> BatchSession:
+        """Chains of a batch drafted together, one head pass per depth (EagleBatchSession, on
+        the head's modules: int8 drafting weights are one sequence's); EAGLE-2's trees row by
+        row (RowSessions)."""
+        if not decode.chain:
+            return super().new_batch_session(
+                target, batch_size, sampling=sampling, decode=decode, generator=generator
+            )
+        if use_int8(decode.draft_weights, target.device, "the head's full weights"):
+            warn_once(
+                "draft_weights=int8 drafts through drafters/lean.py's one-sequence layer; a "
+                "batch drafts with the head's full weights"
+            )
+        return EagleBatchSession(
+            self, target, batch_size, sampling=sampling, decode=decode, generator=generator
+        )
 
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = super().ignored_settings(decode)

@@ -1,14 +1,16 @@
 """EAGLE's drafting (drafters/eagle.py holds the kind): the head's weights as drafting runs
-them, and the session the inference loop drives (a chain, or EAGLE-2's dynamic tree).
+them, the session the inference loop drives (a chain, or EAGLE-2's dynamic tree), and the
+session that drafts the chains of a batch's rows together (EagleBatchSession).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from specdraft.batch import BatchCache
 from specdraft.core import (
     DecodeConfig,
     DraftContext,
@@ -16,9 +18,12 @@ from specdraft.core import (
     DraftVocab,
     SamplingSettings,
     draft_chain,
+    draft_chains,
     draft_tree,
+    float_mask,
+    kv_bytes,
 )
-from specdraft.drafters.base import DraftSession, warn_once
+from specdraft.drafters.base import BatchSession, DraftSession, warn_once
 from specdraft.drafters.lean import (
     DraftLinear,
     LayerWeights,
@@ -278,3 +283,195 @@ class EagleSession(DraftSession):
         which exist from the session's start even if every draft was copied."""
         weights = 0 if self.w is None else self.w.memory_bytes()
         return weights + (0 if self.layer is None else self.layer.memory_bytes())
+
+
+# --- batch session (inference): the chains of a batch's rows, one head pass per depth ----------
+
+
+class EagleBatchSession(BatchSession):
+    """The chains (tree_top_k = 1) of a batch's rows drafted together: one head pass feeds every
+    row's pairs with true features not yet cached, then one pass per depth feeds every row's
+    last drafted token. Each row drafts what `EagleSession` drafts for it alone (its depth, its
+    stop_below, the same tokens at T = 0 and the same q at T > 0); rows are fed until the
+    deepest is done, and a row's chain is cut where its own would end (core.draft_chains).
+
+    The head's KV cache is one cache whose rows keep their own pairs at their own positions
+    (specdraft/batch.py's BatchCache: a row's valid columns, its positions, masks that hide the
+    rest), so rows of different lengths that accept different numbers of tokens stay exact. The
+    drafted levels are held as the last columns of every row until `accept` crops them; the
+    true pairs of the accepted tokens are fed at the next proposal, as EagleSession does.
+
+    It runs the head's own modules: drafters/lean.py's layer and its int8 weights are one
+    sequence's (an in-place cache), so draft_weights=int8 drafts a batch with full weights
+    (Drafter.new_batch_session warns). EAGLE-2's trees are drafted row by row (RowSessions).
+    """
+
+    def __init__(
+        self,
+        drafter: EagleDrafter,
+        target,
+        rows: int,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.head = drafter
+        self.sampling, self.decode, self.generator = sampling, decode, generator
+        self.vocab = (
+            DraftVocab(drafter.d2t, drafter.target.vocab_size)
+            if drafter.config.version == "eagle3"
+            else None
+        )
+        self.capture_layers: list[int] = list(drafter.capture_layers)
+        weight = drafter.layer.post_attention_layernorm.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.cache = BatchCache(rows, self.device)
+        self.fed = [0] * rows  # per row: pairs (f_t, x_{t+1}) in the head's cache, t < fed
+        # per row: (1, m, hidden) true features f_fed .. f_{fed+m-1}, None before the prompt's
+        self.features: list[torch.Tensor | None] = [None] * rows
+        self._pairs = 0  # the cache's columns of true pairs; drafted levels come after them
+
+    @torch.no_grad()
+    def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
+        depths, tokens, features = self._take_pending(contexts, self.decode.gamma)
+        if max(depths, default=0) <= 0:
+            return [DraftTree.empty(1, self.device) for _ in contexts]
+        # 1. Feed each row's pending pairs; its last output (token = its root) drafts level 1.
+        h = self._feed(tokens, features, [len(t) for t in tokens])[:, -1]  # (rows, hidden)
+
+        # 2. Each level is fed with the head's own h as its feature, every row at once.
+        def step(token: torch.Tensor, i: int) -> torch.Tensor:
+            nonlocal h
+            h = self._feed_drafted(token, h)
+            return self.head.draft_logits(h)
+
+        return draft_chains(
+            self.head.draft_logits(h),
+            step,
+            depths=depths,
+            sampling=self.sampling,
+            generator=self.generator,
+            stop_below=self.decode.stop_below,
+            vocab=self.vocab,
+        )
+
+    def _take_pending(
+        self, contexts: Sequence[DraftContext | None], limit: int
+    ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+        """Per row: its draft depth (at most `limit`; 0: none, as EagleSession drafts none
+        before the prompt's features or where no token may follow), the tokens x_{fed+1} ..
+        x_{length-1} of its pairs not yet in the head's cache (1-D, empty for a row that does
+        not draft) and their true features (m, hidden). Those pairs count as fed from here."""
+        depths, tokens, features = [], [], []
+        hidden = self.head.target.hidden_size
+        for r, context in enumerate(contexts):
+            known = self.features[r]
+            depth = 0 if context is None else min(limit, context.max_depth)
+            if known is None or depth <= 0:
+                depths.append(0)
+                tokens.append(torch.empty(0, dtype=torch.long, device=self.device))
+                features.append(torch.empty(0, hidden, dtype=self.dtype, device=self.device))
+                continue
+            seq = context.tokens[0]  # (length,)
+            length = seq.shape[0]
+            if self.fed[r] + known.shape[1] != length - 1:
+                raise RuntimeError(
+                    f"{type(self).__name__} has the target's features of "
+                    f"{self.fed[r] + known.shape[1]} positions of row {r} but its context has "
+                    f"{length}: the loop must call accept(trees, paths, hidden_states) after "
+                    "every verification forward, and pass the contexts that forward extended"
+                )
+            n_new = length - 1 - self.fed[r]
+            depths.append(depth)
+            tokens.append(seq[self.fed[r] + 1 :].to(self.device))
+            features.append(known[0, :n_new])
+            self.fed[r], self.features[r] = length - 1, known[:, n_new:]
+        return depths, tokens, features
+
+    def _feed(
+        self, tokens: list[torch.Tensor], features: list[torch.Tensor], kept: list[int]
+    ) -> torch.Tensor:
+        """One head pass over each row's tokens (1-D, maybe none) with their features (m,
+        hidden), at the row's next positions, each seeing its own cached pairs and its new
+        entries causally: (rows, P, hidden) h, row r's last output at column P - 1 (shorter rows
+        are padded on the left). The cache keeps each row's first kept[r] new entries."""
+        rows = len(tokens)
+        no_tree = [DraftTree.empty(1, self.device)] * rows
+        ids, mask, positions, P, _ = self.cache.verification_inputs(
+            tokens, no_tree, self.dtype, None, pad_id=0
+        )
+        x = torch.zeros(rows, P, self.head.target.hidden_size, dtype=self.dtype, device=self.device)
+        for r, f in enumerate(features):
+            if len(f):
+                x[r, P - len(f) :] = f
+        h = self.head.step(ids, x, positions, mask, self.cache.cache)  # (rows, P, hidden)
+        self.cache.keep(
+            [list(range(P - len(t), P - len(t) + k)) for t, k in zip(tokens, kept, strict=True)]
+        )
+        self._pairs = self.cache.columns
+        return h
+
+    def _feed_drafted(self, token: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Feed every row's drafted token (rows, 1) with its feature h (rows, hidden) at the
+        row's next position, seeing the row's cache and itself: (rows, hidden) the next h. The
+        entry is held as every row's last column until accept crops it (`_drop_drafted`)."""
+        cache = self.cache
+        rows = token.shape[0]
+        own = torch.ones(rows, 1, dtype=torch.bool, device=self.device)
+        allowed = torch.cat([cache.valid, own], dim=1)[:, None, None]  # (rows, 1, 1, C + 1)
+        positions = cache.lengths[:, None]  # (rows, 1)
+        out = self.head.step(
+            token.to(self.device), h[:, None], positions, float_mask(allowed, self.dtype),
+            cache.cache,
+        )  # fmt: skip
+        cache.valid = torch.cat([cache.valid, own], dim=1)
+        cache.positions = torch.cat([cache.positions, positions], dim=1)
+        cache.lengths = cache.lengths + 1
+        return out[:, -1]
+
+    def _drop_drafted(self) -> None:
+        """Crop the drafted levels (every column after the true pairs): they were fed
+        predicted features."""
+        cache = self.cache
+        if cache.columns > self._pairs:
+            cache.cache.crop(self._pairs - cache.columns)  # a negative crop drops the last
+            cache.valid = cache.valid[:, : self._pairs]
+            cache.positions = cache.positions[:, : self._pairs]
+            cache.lengths = cache.valid.sum(1)
+
+    @torch.no_grad()
+    def accept(
+        self,
+        trees: Sequence[DraftTree],
+        paths: Sequence[list[int]],
+        hidden_states: Sequence[Mapping[int, torch.Tensor] | None],
+    ) -> None:
+        """Take each row's true features of its verified tokens (its pending token(s), then its
+        accepted nodes, of any drafter's tree); drop the drafted entries of the cache. Every
+        row's features are fused in one call."""
+        picked = [
+            verified_rows(self, tree, path, hidden)
+            for tree, path, hidden in zip(trees, paths, hidden_states, strict=True)
+        ]
+        joined = {
+            layer: torch.cat(
+                [h[layer][:, rows] for h, rows in zip(hidden_states, picked, strict=True)], dim=1
+            )
+            for layer in self.capture_layers
+        }  # layer -> (1, verified tokens of every row, hidden)
+        new = self.head.fuse(joined).split([len(rows) for rows in picked], dim=1)
+        for r, f in enumerate(new):
+            known = self.features[r]
+            self.features[r] = f if known is None else torch.cat([known, f], dim=1)
+        self._drop_drafted()
+
+    def drop(self, keep: Sequence[int]) -> None:
+        self._drop_drafted()
+        self.cache.select_rows(keep)
+        self.fed = [self.fed[r] for r in keep]
+        self.features = [self.features[r] for r in keep]
+
+    def extra_memory_bytes(self) -> int:
+        """The head's KV cache (the modules' weights are its parameters)."""
+        return kv_bytes(self.cache.cache)

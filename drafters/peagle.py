@@ -31,7 +31,7 @@ largest thing in the head, and the slots already have a learned input (`mask_hid
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -45,9 +45,11 @@ from specdraft.core import (
     DraftTree,
     SamplingSettings,
     draft_chain,
+    draft_chains,
     float_mask,
 )
 from specdraft.drafters.base import (
+    BatchSession,
     Drafter,
     Metrics,
     ServedDrafts,
@@ -55,9 +57,11 @@ from specdraft.drafters.base import (
     greedy_confidence,
     one_later,
     sum_and_count,
+    warn_once,
 )
 from specdraft.drafters.eagle import EagleDrafter, default_feature_layers
-from specdraft.drafters.eagle_session import EagleSession
+from specdraft.drafters.eagle_session import EagleBatchSession, EagleSession
+from specdraft.drafters.lean import use_int8
 from specdraft.losses import token_losses
 
 # --- config ------------------------------------------------------------------------------------
@@ -385,6 +389,26 @@ class PEagleDrafter(EagleDrafter):
     ) -> PEagleSession:
         return PEagleSession(self, target, sampling=sampling, decode=decode, generator=generator)
 
+    def new_batch_session(
+        self,
+        target,
+        batch_size: int,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> BatchSession:
+        """Every row's chain from one head pass (PEagleBatchSession, on the head's modules;
+        P-EAGLE drafts chains only)."""
+        if use_int8(decode.draft_weights, target.device, "the head's full weights"):
+            warn_once(
+                "draft_weights=int8 drafts through drafters/lean.py's one-sequence layer; a "
+                "batch drafts with the head's full weights"
+            )
+        return PEagleBatchSession(
+            self, target, batch_size, sampling=sampling, decode=decode, generator=generator
+        )
+
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = Drafter.ignored_settings(self, decode)
         K = self.config.num_depths
@@ -449,6 +473,55 @@ class PEagleSession(EagleSession):
             logits[:, 0],
             lambda token, i: logits[:, i + 1],
             depth=depth,
+            sampling=self.sampling,
+            generator=self.generator,
+            stop_below=self.decode.stop_below,
+            vocab=self.vocab,
+        )
+
+
+class PEagleBatchSession(EagleBatchSession):
+    """PEagleSession for the rows of a batch (EagleBatchSession's cache and feeding): one head
+    pass feeds every row's pending true pairs, then its depth - 1 parallel slots; each row's
+    chain is drawn from its own slots (core.draft_chains: its depth, its stop_below) and the
+    slots are never kept in the cache. Runs the head's modules, as EagleBatchSession."""
+
+    def __init__(self, drafter: PEagleDrafter, target, rows: int, **kwargs) -> None:
+        super().__init__(drafter, target, rows, **kwargs)
+        with torch.no_grad():
+            self.mask_feature = drafter.mask_feature()[0]  # (1, hidden)
+
+    @torch.no_grad()
+    def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
+        K = self.head.config.num_depths
+        depths, tokens, features = self._take_pending(contexts, min(self.decode.gamma, K))
+        if max(depths, default=0) <= 0:
+            return [DraftTree.empty(1, self.device) for _ in contexts]
+        # 1. One pass: each row's pairs with true features not yet cached (the last holds its
+        # root), then its depth - 1 slots; only the pairs stay in the cache.
+        mask_id = self.head.config.mask_token_id
+        slots = [max(d - 1, 0) for d in depths]
+        fed = [len(t) for t in tokens]
+        h = self._feed(
+            [torch.cat([t, t.new_full((s,), mask_id)]) for t, s in zip(tokens, slots, strict=True)],
+            [
+                torch.cat([f, self.mask_feature.to(self.dtype).expand(s, -1)])
+                for f, s in zip(features, slots, strict=True)
+            ],
+            fed,
+        )  # (rows, P, hidden)
+        # 2. Row r's slot d (its depth d + 1) sits at column P - depth_r + d; a row's chain is
+        # drawn slot by slot, and a slot does not read the token drawn before it.
+        P, deepest = h.shape[1], max(depths)
+        d = torch.arange(deepest, device=self.device)
+        depth = torch.tensor(depths, device=self.device).clamp(min=1)[:, None]
+        columns = P - depth + torch.minimum(d[None], depth - 1)  # (rows, deepest)
+        picked = h.gather(1, columns[..., None].expand(-1, -1, h.shape[-1]))
+        logits = self.head.draft_logits(picked)  # (rows, deepest, draft vocab)
+        return draft_chains(
+            logits[:, 0],
+            lambda token, i: logits[:, i + 1],
+            depths=depths,
             sampling=self.sampling,
             generator=self.generator,
             stop_below=self.decode.stop_below,

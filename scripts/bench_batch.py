@@ -15,8 +15,9 @@ becomes compute-bound and verification costs up to gamma + 1 plain passes. So th
   `--context` tokens, over a plain step's forward of B rows x 1 token: the tau at which a drafter
   that costs nothing breaks even (above it speculation wins; a real drafter needs more);
 - `drafting`: drafting seconds per loop step at each batch size, for the demo configs' two-model
-  student (one layer seeded from the target) and Medusa heads, through the kind's batch session
-  (one drafter pass per depth for the batch) and row by row (RowSessions: one per row).
+  student (one layer seeded from the target), Medusa heads and EAGLE-3 head, through the kind's
+  batch session (one drafter pass per depth for the batch) and row by row (RowSessions: one per
+  row).
 
 The target: random weights of the demo target's shape (vocab 4,096, hidden 256, 8 layers, 4
 heads, MLP 688), fp32 (`--dtype` otherwise); time does not depend on the weights' values, and the
@@ -41,6 +42,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from specdraft.core import eos_ids
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.distill import DistillConfig, DistillDrafter, build_student
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.inference.generate import generate
 from specdraft.targets.target import Target
@@ -70,12 +72,16 @@ def demo_shaped_target(dtype: torch.dtype) -> Target:
 
 def drafters(target: Target) -> dict[str, Drafter]:
     """The demo configs' two-model student (configs/distill/demo.yaml: one layer seeded from the
-    target) and Medusa heads (configs/medusa/demo.yaml), untrained."""
+    target), Medusa heads (configs/medusa/demo.yaml) and EAGLE-3 head (configs/eagle/demo.yaml),
+    untrained."""
     student = build_student(DistillConfig(init="target", num_layers=1), target).eval()
     medusa = MedusaDrafter.build(
         MedusaConfig(num_heads=4, num_layers=1, output="own", loss="kl"), target
     ).eval()
-    return {"distill": DistillDrafter(student), "medusa": medusa}
+    eagle = EagleDrafter.build(
+        EagleConfig(draft_vocab_size=2048, ttt_steps=3, norm_before_residual=True), target
+    ).eval()
+    return {"distill": DistillDrafter(student), "medusa": medusa, "eagle3": eagle}
 
 
 def prompts(batch: int, generator: torch.Generator) -> list[list[int]]:
