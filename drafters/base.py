@@ -89,6 +89,82 @@ class DraftSession:
         return 0
 
 
+class BatchSession:
+    """The drafting of a batch of sequences in one generate call (`Drafter.new_batch_session`):
+    the loop's calls of a DraftSession, each taking one entry per active row, and `drop` when
+    rows finish. Row r's context, tree, path and hidden states are batch-1 objects exactly as a
+    DraftSession gets them, so a kind's single-sequence session serves a batch unchanged
+    (`RowSessions`, the default); a kind that drafts the rows of a batch in one pass overrides
+    `Drafter.new_batch_session` with a subclass of its own."""
+
+    capture_layers: Sequence[int] = ()
+    lossy: bool = False
+
+    def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
+        """One tree per active row; a row whose context is None drafts nothing (an empty tree)."""
+        raise NotImplementedError
+
+    def accept(
+        self,
+        trees: Sequence[DraftTree],
+        paths: Sequence[list[int]],
+        hidden_states: Sequence[Mapping[int, torch.Tensor] | None],
+    ) -> None:
+        """After every verification forward, per active row (DraftSession.accept's arguments)."""
+
+    def verify_sampled(
+        self, row: int, tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None
+    ) -> tuple[list[int], int] | None:
+        """Row `row`'s DraftSession.verify_sampled."""
+        return None
+
+    def drop(self, keep: Sequence[int]) -> None:
+        """Keep only the active rows `keep` (ascending indices into the rows active until now)."""
+
+    def row_copied_passes(self, row: int) -> int:
+        """Passes of active row `row` whose draft was copied from its context (copying)."""
+        return 0
+
+    def extra_memory_bytes(self) -> int:
+        return 0
+
+
+class RowSessions(BatchSession):
+    """A batch drafted row by row: one DraftSession per row, each seeing only its own row. Exact
+    for every kind whose session keeps its own state; drafting costs one drafter pass per row
+    where a batch-native session would run one for the batch."""
+
+    def __init__(self, sessions: Sequence[DraftSession]) -> None:
+        self.sessions = list(sessions)
+        self.capture_layers = list(self.sessions[0].capture_layers)
+        self.lossy = self.sessions[0].lossy
+        self.finished_copies = 0  # copied passes of rows already dropped
+
+    def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
+        return [
+            DraftTree.empty() if context is None else session.propose(context)
+            for session, context in zip(self.sessions, contexts, strict=True)
+        ]
+
+    def accept(self, trees, paths, hidden_states) -> None:
+        for session, tree, path, hidden in zip(
+            self.sessions, trees, paths, hidden_states, strict=True
+        ):
+            session.accept(tree, path, hidden)
+
+    def verify_sampled(self, row, tree, p, generator):
+        return self.sessions[row].verify_sampled(tree, p, generator)
+
+    def drop(self, keep: Sequence[int]) -> None:
+        self.sessions = [self.sessions[r] for r in keep]
+
+    def row_copied_passes(self, row: int) -> int:
+        return self.sessions[row].copied_passes
+
+    def extra_memory_bytes(self) -> int:
+        return sum(session.extra_memory_bytes() for session in self.sessions)
+
+
 @dataclass
 class ServedDrafts:
     """What a drafter drafts when served greedily, after every position of a batch: the input of
@@ -331,6 +407,23 @@ class Drafter(nn.Module):
         generator: torch.Generator | None = None,
     ) -> DraftSession:
         raise NotImplementedError
+
+    def new_batch_session(
+        self,
+        target,
+        batch_size: int,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> BatchSession:
+        """The drafting of a batch of `batch_size` sequences (generate with batch > 1): by
+        default one `new_session` per row (`RowSessions`)."""
+        sessions = [
+            self.new_session(target, sampling=sampling, decode=decode, generator=generator)
+            for _ in range(batch_size)
+        ]
+        return RowSessions(sessions)
 
     @classmethod
     def decode_settings(

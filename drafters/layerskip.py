@@ -30,6 +30,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from specdraft.attention import FULL, SLIDING, AttentionLayout, causal_masks, model_inputs
 from specdraft.core import (
@@ -40,12 +41,14 @@ from specdraft.core import (
     TargetOutput,
     check_integer,
     draft_chain,
+    kv_bytes,
 )
 from specdraft.drafters.base import (
     Drafter,
     DraftSession,
     LoraConfig,
     Metrics,
+    RowSessions,
     ServedDrafts,
     along_positions,
     chain_drafts,
@@ -609,14 +612,38 @@ class LayerSkipDrafter(Drafter):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> LayerSkipSession:
+        decode, exit_layer = self._session_settings(target, decode)
+        return LayerSkipSession(target.model, exit_layer, decode, sampling, generator)
+
+    def _session_settings(self, target, decode: DecodeConfig) -> tuple[DecodeConfig, int]:
+        """The kind's own settings and exit layer for a session on `target`, which must be this
+        drafter's own model."""
         if target.model is not self.hf_model:
             raise ValueError(
                 "a LayerSkip drafter decodes with its own fine-tuned model as the target: load "
                 "the target from the drafter's folder (evaluate.py --target FOLDER)"
             )
         decode = self.decode_settings(decode)  # the kind's own class, whatever was passed
-        exit_layer = self.draft_exit(decode)
-        return LayerSkipSession(target.model, exit_layer, decode, sampling, generator)
+        return decode, self.draft_exit(decode)
+
+    def new_batch_session(
+        self,
+        target,
+        batch_size: int,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> RowSessions:
+        """A batch drafts row by row, each row's early layers on a cache of its own
+        (LayerSkipRowSession); the loop verifies the batch with the full forward."""
+        decode, exit_layer = self._session_settings(target, decode)
+        return RowSessions(
+            [
+                LayerSkipRowSession(target.model, exit_layer, decode, sampling, generator)
+                for _ in range(batch_size)
+            ]
+        )
 
 
 class LayerSkipSession(DraftSession):
@@ -667,10 +694,15 @@ class LayerSkipSession(DraftSession):
         return final_logits(self.model, self.norm(state))
 
     def propose(self, context: DraftContext) -> DraftTree:
+        # what every layer holds: the tokens the loop verified
+        return self._draft(context, self.cache.get_seq_length(self.exit))
+
+    def _draft(self, context: DraftContext, cached: int) -> DraftTree:
+        """Draft after the context, the cache's early layers cropped to its first `cached`
+        tokens (no early entries for tokens nothing verified)."""
         seq = context.tokens
         length = seq.shape[1]
-        cached = self.cache.get_seq_length(self.exit)  # what every layer holds
-        for layer in self.cache.layers[: self.exit]:  # no early entries nothing verified
+        for layer in self.cache.layers[: self.exit]:
             extra = layer.get_seq_length() - cached
             if extra > 0:
                 layer.crop(-extra)
@@ -707,3 +739,30 @@ class LayerSkipSession(DraftSession):
 
     def extra_memory_bytes(self) -> int:
         return 0  # the draft's cache entries are the target's own
+
+
+class LayerSkipRowSession(LayerSkipSession):
+    """One row of a batch (generate with batch > 1): the same drafting through layers [0, E),
+    on a cache of its own, and verification by the loop's full forward over the batch. The
+    early layers then run twice for a verified token (once drafting, once verifying) and their
+    entries are held twice, where the one-sequence session shares the loop's cache; its
+    drafts, and so the output, are the same."""
+
+    def __init__(self, model, exit_layer: int, decode, sampling, generator) -> None:
+        super().__init__(model, exit_layer, decode, sampling, generator)
+        self.cache = DynamicCache()
+        self._fed = torch.empty(0, dtype=torch.long)  # the tokens whose entries it holds
+
+    def propose(self, context: DraftContext) -> DraftTree:
+        seq = context.tokens[0].to(self._fed.device)
+        n = min(len(seq), len(self._fed))
+        same = int((seq[:n] == self._fed[:n]).long().cumprod(0).sum())  # still what was fed
+        tree = self._draft(context, same)
+        self._fed = torch.cat([seq, tree.tokens[0, :-1].to(seq.device)])
+        return tree
+
+    def verify(self, tree: DraftTree, logits_to_keep: int) -> None:
+        return None  # the loop's full forward
+
+    def extra_memory_bytes(self) -> int:
+        return kv_bytes(self.cache)

@@ -53,6 +53,9 @@ class Stats:
     log_p_sum: float = 0.0  # sum of log p(token) over the tokens it was recorded for
     log_p_tokens: int = 0  # tokens whose log p was recorded (0 when greedy)
     lossy: bool = False  # accepted by a rule that does not keep the target's distribution
+    # sequences decoded together (generate's batch): target_passes then counts row passes, so
+    # tau stays per sequence, while total_seconds is the batch's and tokens_per_s its throughput
+    batch_size: int = 1
 
     def record_step(self, tree_size: int, tree_depth: int, path_len: int, emitted: int) -> None:
         self.target_passes += 1
@@ -111,6 +114,7 @@ class Stats:
         out.emitted_per_pass = self.emitted_per_pass + other.emitted_per_pass
         out.drafter_params = max(self.drafter_params, other.drafter_params)
         out.drafter_kv_bytes = max(self.drafter_kv_bytes, other.drafter_kv_bytes)
+        out.batch_size = max(self.batch_size, other.batch_size)
         return out
 
     def to_dict(self) -> dict:
@@ -132,6 +136,7 @@ class Stats:
             "copies": self.copies,
             "mean_log_p": self.mean_log_p,
             "lossy": self.lossy,
+            "batch_size": self.batch_size,
         }
 
 

@@ -80,15 +80,18 @@ class AttentionLayout:
     ) -> Mask:
         """What the model's forward takes as attention_mask for a (queries, keys) bool pattern
         `allowed` (1, 1, q, k float masks): one mask, or a dict per layer type, each layer's
-        window applied by the positions (1-D, q and k long)."""
+        window applied by the positions (1-D, q and k long). For a batch whose rows differ,
+        `allowed` is (batch, q, k) and the positions (batch, q) and (batch, k): (batch, 1, q, k)
+        masks."""
         built = {}
         for kind in sorted(set(self.layer_types)):
             seen = allowed
             window = self.windows[kind]
             if window is not None:
-                near = query_positions[:, None] - key_positions[None, :] < window
+                near = query_positions[..., :, None] - key_positions[..., None, :] < window
                 seen = allowed & near.to(allowed.device)
-            built[kind] = float_mask(seen, dtype)[None, None]
+            mask = float_mask(seen, dtype)
+            built[kind] = mask[None, None] if mask.dim() == 2 else mask[:, None]
         if self.per_type:
             return built
         return built[self.layer_types[0]]

@@ -411,6 +411,50 @@ def draft_chain(
     return DraftTree.chain(torch.cat(tokens, dim=1), q)
 
 
+def draft_chains(
+    logits: torch.Tensor,
+    step: Callable[[torch.Tensor, int], torch.Tensor],
+    *,
+    depths: Sequence[int],
+    sampling: SamplingSettings,
+    generator: torch.Generator | None,
+    stop_below: float = 0.0,
+    vocab: DraftVocab | None = None,
+) -> list[DraftTree]:
+    """`draft_chain` for the rows of a batch, each row its own chain: row r (of logits (rows,
+    draft vocab)) drafts at most depths[r] tokens and ends after its first unsure position
+    (stop_below) as draft_chain ends a chain; every row is fed until the deepest row is done, and
+    each row's chain is cut where its own would have ended. A row of depth 0 gets an empty tree.
+    """
+    rows, deepest = logits.shape[0], max(depths, default=0)
+    if deepest <= 0:
+        return [DraftTree.empty(1, logits.device) for _ in range(rows)]
+    tokens, qs, sure = [], [], []
+    for i in range(deepest):
+        token, q = draft_token(logits, sampling, generator, vocab)
+        tokens.append(token)
+        if q is not None:
+            qs.append(q)
+        top = q.max(-1).values if q is not None else logits.float().softmax(-1).max(-1).values
+        sure.append(top >= stop_below if stop_below > 0 else torch.ones_like(top, dtype=torch.bool))
+        if i + 1 < deepest:
+            logits = step(token, i)
+    drafted = torch.cat(tokens, dim=1)  # (rows, deepest)
+    q_all = torch.stack(qs, dim=1) if qs else None
+    # a row's chain ends after its first unsure position, and at its depth
+    confident = torch.stack(sure, dim=1).long().cumprod(1).sum(1).tolist()
+    chains = []
+    for r in range(rows):
+        n = min(depths[r], confident[r] + 1)
+        q = None if q_all is None else q_all[r : r + 1, :n]
+        chains.append(
+            DraftTree.chain(drafted[r : r + 1, :n], q)
+            if n > 0
+            else DraftTree.empty(1, logits.device)
+        )
+    return chains
+
+
 # An expand callback of `draft_tree`: feed the given nodes together and return their next-token
 # logits (f, draft vocab). Arguments: the nodes' tree ids, their target token ids, their parents'
 # tree ids (-1: the root), `visible` (f, fed + f) bool over every node fed so far in feed order

@@ -19,7 +19,12 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
+from specdraft.drafters.distill import DistillDrafter
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter
 from specdraft.inference import generate
 from specdraft.targets.target import Target
 
@@ -150,3 +155,51 @@ def sliding_model(name: str, vocab: int = 64, window: int = WINDOW, layers: int 
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+# --- a drafter of every kind, fitted to the target's own continuations -----------------------
+
+PROMPTS = [[5, 17, 42, 99, 7, 230], [100, 3, 250, 7], [33, 33, 8, 301, 12, 6, 90]]
+NEW = 24
+
+
+def fitted(drafter, target, examples, steps: int = 25):
+    """`drafter` fitted for a few Adam steps to the target's own continuations, so that its drafts
+    are accepted often but not always."""
+    torch.manual_seed(0)
+    n = min(len(e.input_ids) for e in examples)
+    ids = torch.tensor([e.input_ids[:n] for e in examples])
+    ones = torch.ones_like(ids)
+    batch = {"input_ids": ids, "attention_mask": ones, "loss_mask": ones}
+    out = target.forward(ids, capture_layers=drafter.capture_layers)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    for step in range(steps):
+        b = dict(batch, example_index=torch.arange(len(ids)))
+        b = drafter.prepare_batch(b, target, None, torch.Generator().manual_seed(step))
+        loss, _ = drafter(b, out)
+        opt.zero_grad()
+        (loss / drafter.loss_tokens(b).clamp(min=1)).backward()
+        opt.step()
+    return drafter.eval()
+
+
+def build(kind: str, target, examples):
+    torch.manual_seed(0)
+    if kind == "distill":
+        return DistillDrafter(perturbed(target.model, scale=0.05, seed=1))
+    if kind == "layerskip":
+        return LayerSkipDrafter(LayerSkipConfig(exit_layer=1), target.model).eval()
+    if kind == "medusa":
+        return fitted_medusa_heads(target, dict(num_heads=3), prompts=PROMPTS)
+    if kind in ("eagle3", "eagle1"):
+        cfg = EagleConfig(version=kind, ttt_steps=2)
+        return fitted(EagleDrafter.build(cfg, target), target, examples)
+    if kind == "peagle":
+        cfg = PEagleConfig(num_depths=3, down_sample_ratio=1.0)
+        return fitted(PEagleDrafter.build(cfg, target), target, examples)
+    return fitted(
+        DFlashDrafter.build(DFlashConfig(block_size=4, anchors=8), target), target, examples
+    )
+
+
+KINDS = ["distill", "layerskip", "medusa", "eagle3", "eagle1", "peagle", "dflash"]

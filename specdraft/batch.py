@@ -1,0 +1,149 @@
+"""The loop's state for a batch of sequences: one KV cache whose rows hold different tokens.
+
+Rows of a batch accept different numbers of tokens each step, so after a step their caches hold
+different lengths. `BatchCache` keeps one HF cache of C columns for every row and, per row,
+which columns hold one of its tokens (`valid`) and at which position (`positions`); a column
+that holds nothing for a row (padding of a shorter prompt, a node its verification rejected, a
+longer row's accepted node) is a hole that row's attention mask hides. Each verification appends
+the same columns to every row; `keep` then gathers each row's kept entries to the front of the
+step's columns and crops the rest, so the cache grows by the longest row's accepted tokens, and
+`compact` squeezes the holes out of every row once they are most of the cache. Finished rows
+leave the batch (`select_rows`).
+
+What a row computes is what it computes alone: each of its queries attends to exactly its own
+tokens (its valid columns, its pending tokens, its tree ancestors, within each layer's window)
+at exactly its own positions. Batched arithmetic can still differ from a batch of one in the last
+bits (matrix products of other shapes sum in another order): in fp32 greedy output is the same;
+in bf16 a near-tie between two tokens can go either way, as between any two kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from specdraft.attention import AttentionLayout, Mask
+from specdraft.core import DraftTree, ancestors, float_mask
+
+# squeeze the holes out when the cache's columns exceed the longest row by this factor
+COMPACT_FACTOR = 2
+
+
+class BatchCache:
+    """A DynamicCache shared by the active rows, with each row's valid columns and positions."""
+
+    def __init__(self, rows: int, device: torch.device) -> None:
+        self.cache = DynamicCache()
+        self.device = device
+        self.valid = torch.zeros(rows, 0, dtype=torch.bool, device=device)  # (A, C)
+        self.positions = torch.zeros(rows, 0, dtype=torch.long, device=device)  # (A, C)
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)  # tokens of each row
+
+    @property
+    def columns(self) -> int:
+        return self.valid.shape[1]
+
+    def verification_inputs(
+        self,
+        pending: Sequence[torch.Tensor],
+        trees: Sequence[DraftTree],
+        dtype: torch.dtype,
+        layout: AttentionLayout | None,
+        pad_id: int,
+    ) -> tuple[torch.Tensor, Mask, torch.Tensor, int, int]:
+        """The input ids (A, P + N), attention mask(s) (A, 1, P + N, C + P + N) and position ids
+        (A, P + N) of one verification forward, and P and N. Row r's pending tokens (1-D) end at
+        column P - 1, so every row's root is there, and its tree's nodes follow from column P;
+        shorter rows are padded on the left of their pending tokens and after their nodes, and
+        a padding query sees only itself (its output and its cache entry are never used)."""
+        rows, past = len(pending), self.columns
+        counts = [len(p) for p in pending]
+        sizes = [len(t) for t in trees]
+        P, N = max(counts), max(sizes)
+        width = P + N
+        device = self.device
+        ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
+        positions = self.lengths[:, None].expand(rows, width).clone()
+        allowed = torch.zeros(rows, width, past + width, dtype=torch.bool, device=device)
+        allowed[:, :, :past] = self.valid[:, None, :]
+        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+        real = torch.zeros(rows, width, dtype=torch.bool, device=device)
+        for r, (tokens, tree) in enumerate(zip(pending, trees, strict=True)):
+            m, n = counts[r], sizes[r]
+            first = P - m
+            start = int(self.lengths[r])
+            ids[r, first:P] = tokens
+            positions[r, first:P] = torch.arange(start, start + m, device=device)
+            allowed[r, first:P, past + first : past + P] = causal[first:, first:]
+            real[r, first : P + n] = True
+            if n:
+                ids[r, P : P + n] = tree.tokens[0].to(device)
+                depths = torch.tensor(tree.depths, dtype=torch.long, device=device)
+                positions[r, P : P + n] = start + m - 1 + depths
+                allowed[r, P : P + n, past + first : past + P] = True
+                anc = ancestors(tree.parents).to(device)
+                allowed[r, P : P + n, past + P : past + P + n] = anc
+        allowed[~real] = False
+        pads = (~real).nonzero().tolist()
+        for r, i in pads:  # a padding query sees itself alone (no row of -inf)
+            allowed[r, i, past + i] = True
+        keys = torch.cat([self.positions, positions], dim=1)
+        if layout is not None and layout.slides:
+            mask = layout.masks(allowed, positions, keys, dtype)
+        else:
+            mask = float_mask(allowed, dtype)[:, None]
+        return ids, mask, positions, P, N
+
+    def keep(self, columns: Sequence[list[int]]) -> None:
+        """After a verification forward of width W appended to every row: keep row r's entries
+        at the step's local columns `columns[r]` (ascending: its pending tokens and accepted
+        nodes), gathered to the front of the step's columns; the rest become holes or go."""
+        rows, past = len(columns), self.columns
+        counts = torch.tensor([len(c) for c in columns], dtype=torch.long, device=self.device)
+        width = int(counts.max()) if rows else 0
+        index = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+        for r, cols in enumerate(columns):
+            if cols:
+                index[r, : len(cols)] = torch.tensor(cols, dtype=torch.long, device=self.device)
+        self._gather(index, past)
+        valid = torch.arange(width, device=self.device)[None] < counts[:, None]
+        positions = self.lengths[:, None] + torch.arange(width, device=self.device)[None]
+        self.valid = torch.cat([self.valid, valid], dim=1)
+        self.positions = torch.cat([self.positions, positions], dim=1)
+        self.lengths = self.lengths + counts
+        if self.columns > COMPACT_FACTOR * max(int(self.lengths.max()), 1):
+            self.compact()
+
+    def compact(self) -> None:
+        """Squeeze every row's holes out: its tokens move to the first columns, in order."""
+        longest = int(self.lengths.max())
+        # a stable sort puts each row's valid columns first, in their order
+        order = torch.sort((~self.valid).to(torch.uint8), dim=1, stable=True).indices
+        index = order[:, :longest]
+        self._gather(index, 0)
+        self.valid = torch.gather(self.valid, 1, index)
+        self.positions = torch.gather(self.positions, 1, index)
+
+    def _gather(self, index: torch.Tensor, start: int) -> None:
+        """Every layer's keys and values: columns [start, ...) replaced by, for each row, the
+        columns start + index[r] (index (A, w))."""
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                kv = getattr(layer, name)  # (A, heads, columns, head_dim)
+                a, h, _, d = kv.shape
+                picked = kv[:, :, start:].gather(
+                    2, index[:, None, :, None].expand(a, h, index.shape[1], d)
+                )
+                setattr(layer, name, torch.cat([kv[:, :, :start], picked], dim=2))
+
+    def select_rows(self, keep: Sequence[int]) -> None:
+        """Only the rows `keep` (indices into the active rows) stay."""
+        index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+        self.valid = self.valid.index_select(0, index)
+        self.positions = self.positions.index_select(0, index)
+        self.lengths = self.lengths.index_select(0, index)

@@ -1,0 +1,196 @@
+"""Batched decoding (generate with a batch of prompts): each row's greedy output equals decoding
+it alone, for plain decoding and every kind, chains and trees, with prompts of different lengths
+and rows that stop at different steps (an EOS, max_new_tokens); sliding-window targets; the
+cache's hole compaction; sampled rows follow the target's distribution (chi-square); a bad batch
+is a clear error. Every run checks that drafting happened, so none passes vacuously."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from spec_helpers import (
+    KINDS,
+    chi_square_p_value,
+    make_target,
+    perturbed,
+    sliding_model,
+    tiny_llama,
+)
+
+from specdraft.core import SamplingSettings, process_logits
+from specdraft.drafters.base import BatchSession
+from specdraft.drafters.distill import DistillDrafter
+from specdraft import batch as batch_module
+from specdraft.inference import generate
+
+# Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
+pytestmark = pytest.mark.exact
+
+NEW = 16
+
+
+def ragged(examples, n: int) -> list[list[int]]:
+    """n prompts of different lengths (1 to 17 tokens): prefixes of the target's own
+    continuations, which the fitted drafters have seen, so their drafts are often accepted."""
+    rows = [list(e.input_ids) for e in examples]
+    return [rows[i % len(rows)][: 1 + (5 * i + 2) % 17] for i in range(n)]
+
+
+def alone(target, prompts, drafter, **options) -> list[list[int]]:
+    return [generate(target, p, drafter, **options).tokens[0].tolist() for p in prompts]
+
+
+@pytest.fixture
+def with_eos(random_target, examples):
+    """random_target with an EOS that some rows of `ragged` reach within NEW tokens and others
+    do not, so the rows stop at different steps; put back afterwards."""
+    plain = alone(random_target, ragged(examples, 16), None, max_new_tokens=NEW)
+    counts = {}
+    for row in plain:
+        for token in set(row[2:]):
+            counts[token] = counts.get(token, 0) + 1
+    eos = max(counts, key=lambda t: (0 < counts[t] < len(plain) // 2, counts[t]))
+    config = random_target.model.generation_config
+    config.eos_token_id = [eos]
+    yield eos
+    config.eos_token_id = None
+
+
+CASES = [(kind, 1) for kind in KINDS] + [("distill", 3), ("eagle3", 3), ("medusa", 3)]
+
+
+@pytest.mark.parametrize(("kind", "topk"), CASES, ids=[f"{k}-top{t}" for k, t in CASES])
+def test_batched_greedy_rows_equal_each_row_alone(
+    random_target, examples, kind_drafter, with_eos, kind, topk
+):
+    drafter = kind_drafter(kind)
+    options = dict(max_new_tokens=NEW, gamma=3, tree_top_k=topk)
+    for size in (16, 3):
+        prompts = ragged(examples, size)
+        out = generate(random_target, prompts, drafter, **options)
+        assert out.rows() == alone(random_target, prompts, drafter, **options)
+        assert out.stats.batch_size == size and len(out.row_stats) == size
+        assert out.stats.drafted > 0 and out.stats.accepted > 0
+    ends = [row[-1] == with_eos for row in out.rows()]
+    assert any(ends) and not all(ends)  # some rows stopped at the EOS, others ran to NEW
+    assert out.tokens.shape == (size, max(out.lengths))
+    passes = sum(s.target_passes for s in out.row_stats)
+    assert out.stats.tau == pytest.approx(sum(out.lengths) / passes)
+
+
+@pytest.mark.parametrize("drafter", [None, "prompt_lookup", "copy-with-lookup"])
+def test_plain_and_copying_batches(random_target, examples, kind_drafter, drafter):
+    options = dict(max_new_tokens=NEW)
+    if drafter == "copy-with-lookup":  # prompt lookup in front of a two-model draft, per row
+        drafter, options = kind_drafter("distill"), dict(options, gamma=3, lookup_ngram=1)
+    prompts = ragged(examples, 8)
+    out = generate(random_target, prompts, drafter, **options)
+    assert out.rows() == alone(random_target, prompts, drafter, **options)
+    assert all(n == NEW for n in out.lengths)
+    if drafter is None:
+        assert out.stats.tau == 1 and out.stats.drafted == 0
+    else:  # (the random target rarely repeats itself: copies are drafted, seldom accepted)
+        assert out.stats.drafted > 0
+    if "lookup_ngram" in options:
+        assert 0 < out.stats.copied_passes < out.stats.target_passes
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_sliding_window_rows_equal_each_row_alone(name):
+    """Rows decoded past the window (8) of a target whose every layer slides (Mistral) or whose
+    layers mix sliding and full attention with a rope per type (Gemma-3)."""
+    target = make_target(sliding_model(name))
+    drafter = DistillDrafter(perturbed(target.model, scale=0.05, seed=1))
+    prompts = [[3, 9, 27, 17], list(range(1, 13)), [5], [40, 2, 2, 7, 11, 30, 21]]
+    for options in (dict(), dict(gamma=3), dict(gamma=3, tree_top_k=2)):
+        d = drafter if options else None
+        out = generate(target, prompts, d, max_new_tokens=20, **options)
+        assert out.rows() == alone(target, prompts, d, max_new_tokens=20, **options)
+    assert out.stats.accepted > 0
+
+
+def test_compacting_the_holes_keeps_rows_exact(random_target, examples, kind_drafter, monkeypatch):
+    """Compaction every step (the cache squeezed whenever any row has a hole) gives the same
+    rows as no compaction at all."""
+    drafter = kind_drafter("distill")
+    prompts = ragged(examples, 6)
+    options = dict(max_new_tokens=NEW, gamma=3, tree_top_k=2)
+    squeezed = []
+    compact = batch_module.BatchCache.compact
+
+    def counting(self):
+        squeezed.append(self.columns)
+        compact(self)
+
+    monkeypatch.setattr(batch_module.BatchCache, "compact", counting)
+    monkeypatch.setattr(batch_module, "COMPACT_FACTOR", 1)
+    out = generate(random_target, prompts, drafter, **options)
+    assert squeezed  # it did compact
+    monkeypatch.setattr(batch_module, "COMPACT_FACTOR", 10**6)
+    never = generate(random_target, prompts, drafter, **options)
+    assert out.rows() == never.rows() == alone(random_target, prompts, drafter, **options)
+
+
+V = 6
+SAMPLES = 500  # batches; 3 rows of each are pooled
+FALSE_ALARM = 1e-3
+
+
+def exact_joint(target, prompt: list[int], settings: SamplingSettings) -> torch.Tensor:
+    """(V, V) the target's probability of each first two tokens, after processing."""
+    with torch.no_grad():
+        first = process_logits(target.model(torch.tensor([prompt])).logits[0, -1], settings)
+        nxt = torch.stack(
+            [target.model(torch.tensor([[*prompt, y]])).logits[0, -1] for y in range(V)]
+        )
+    return first[:, None] * process_logits(nxt, settings)
+
+
+@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+def test_sampled_rows_follow_the_target(topk):
+    """Chi-square on the joint of the first two tokens of three rows with one prompt, batched
+    with a row of another length (so every step pads), pooled over SAMPLES seeds."""
+    target = make_target(tiny_llama(V, seed=3, hidden=16, layers=1, init=0.5))
+    drafter = perturbed(target.model, 0.3, seed=4)
+    prompt = [1, 2, 3]
+    counts = torch.zeros(V, V)
+    drafted = accepted = 0
+    for seed in range(SAMPLES):
+        out = generate(
+            target,
+            [prompt, [4], prompt, prompt],
+            drafter,
+            max_new_tokens=3,
+            temperature=1.3,
+            top_p=0.9,
+            seed=seed,
+            gamma=2,
+            tree_top_k=topk,
+        )
+        for row in (0, 2, 3):
+            y1, y2 = out.tokens[row, :2].tolist()
+            counts[y1, y2] += 1
+        drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
+    assert drafted > 0 and accepted > 0
+    exact = exact_joint(target, prompt, SamplingSettings(temperature=1.3, top_p=0.9))
+    assert chi_square_p_value(counts.flatten(), exact.flatten()) > FALSE_ALARM
+
+
+def test_a_bad_batch_is_a_clear_error(random_target, kind_drafter, monkeypatch):
+    t = random_target
+    cases = [
+        ([[1, 2], []], "prompt 1 is empty"),
+        ([[1, 2], 3], "mixes token ids and prompts"),
+        (torch.zeros(0, 4, dtype=torch.long), "holds no prompt"),
+        ([[1, 2], list(range(1, 250))], r"prompt 1 \(249 tokens\).*exceeds the target's 256"),
+        ([[1, 2], [5, 400]], r"prompt 1: input_ids must be token ids in \[0, 384\)"),
+    ]
+    for ids, message in cases:
+        with pytest.raises(ValueError, match=message):
+            generate(t, ids, max_new_tokens=8)
+    # copying puts prompt lookup in front of each row's session: a kind drafting the whole
+    # batch in one pass has no rows to put it in front of
+    drafter = kind_drafter("distill")
+    monkeypatch.setattr(type(drafter), "new_batch_session", lambda *a, **k: BatchSession())
+    with pytest.raises(ValueError, match=r"drafts a batch in one pass.*lookup_ngram=0"):
+        generate(t, [[1, 2], [3]], drafter, max_new_tokens=4, lookup_ngram=2)
