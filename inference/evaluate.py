@@ -98,6 +98,8 @@ class EvalSpec:
         least common multiple), so every batch size decodes the same prompts in full batches.
         ValueError, naming the fix, where that is none."""
         group = math.lcm(*self.batch_sizes)
+        if available == 0:
+            raise ValueError(f"{given} gives no prompts")
         if available < group:
             sizes = ",".join(map(str, self.batch_sizes))
             why = (
@@ -543,9 +545,13 @@ def sweep_markdown(report: dict) -> list[str]:
         f"The same {report['settings']['num_prompts']} prompts at every batch size, decoded "
         "b at a time (each call one batch); speedup over plain decoding (`ar`) at the same "
         "batch size; tokens/s counts the whole batch's new tokens. Crossover: the smallest "
-        "batch size measured at which the method is slower than plain decoding. "
-        "Transformers' assisted generation decodes one sequence at a time: measured at batch "
-        "size 1 only.",
+        "batch size measured at which the method is slower than plain decoding."
+        + (
+            " Transformers' assisted generation decodes one sequence at a time: measured at "
+            "batch size 1 only."
+            if any(r["method"] in UNBATCHED for r in rows)
+            else ""
+        ),
         "",
         "| label | " + " | ".join(f"b={b}" for b in sizes) + " | crossover |",
         "| --- | " + " | ".join("---:" for _ in sizes) + " | ---: |",
