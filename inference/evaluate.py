@@ -530,8 +530,9 @@ def markdown(report: dict) -> str:
 
 
 def sweep_markdown(report: dict) -> list[str]:
-    """With several batch sizes: each method's speedup at each (over plain decoding at the same
-    batch size), plain decoding's tokens/s, and each method's crossover. Nothing otherwise."""
+    """With several batch sizes: each method's speedup and tau at each (speedup over plain
+    decoding at the same batch size), plain decoding's tokens/s, and each method's crossover.
+    Nothing otherwise."""
     sizes = report["settings"]["batch_sizes"]
     if len(sizes) < 2:
         return []
@@ -544,7 +545,7 @@ def sweep_markdown(report: dict) -> list[str]:
         "",
         f"The same {report['settings']['num_prompts']} prompts at every batch size, decoded "
         "b at a time (each call one batch); speedup over plain decoding (`ar`) at the same "
-        "batch size; tokens/s counts the whole batch's new tokens. Crossover: the smallest "
+        "batch size, with tau in brackets; tokens/s counts the whole batch's new tokens. Crossover: the smallest "
         "batch size measured at which the method is slower than plain decoding."
         + (
             " Transformers' assisted generation decodes one sequence at a time: measured at "
@@ -561,11 +562,13 @@ def sweep_markdown(report: dict) -> list[str]:
         cells = []
         for b in sizes:
             r = at.get((name, b))
-            cells.append(
-                "-" if r is None
-                else f"{r['tokens_per_s']:.1f} tok/s" if plain
-                else f"{r['speedup_vs_ar']:.2f}x"
-            )  # fmt: skip
+            if r is None:
+                cells.append("-")
+            elif plain:
+                cells.append(f"{r['tokens_per_s']:.1f} tok/s")
+            else:  # tau where the run reports one (transformers' generate does not)
+                tau = f" (tau {r['tau']:.2f})" if r["tau"] is not None else ""
+                cells.append(f"{r['speedup_vs_ar']:.2f}x{tau}")
         label = next(r["label"] for r in rows if r["name"] == name)
         cross = ""  # plain decoding has none
         if not plain:
