@@ -159,6 +159,8 @@ def test_batch_size_sweep_report(tiny_target_path, draft_folder, tmp_path):
         assert copy_b["drafted"] > 0 and copy_b["acceptance_per_position"][0] == 1.0
         for name in ("ar", "prompt_lookup", "copy"):  # our loop, greedy: plain's output
             assert at[name, b]["matches_ar"] is True
+        for name in batched:  # greedy: each prompt decodes as it does alone, at every size
+            assert at[name, b]["new_tokens"] == at[name, 1]["new_tokens"]
     assert set(report["crossover"]) == {"hf_ar", "prompt_lookup", "copy", "hf_prompt_lookup",
                                         "hf_assisted[copy]"}  # fmt: skip
     for name, b in report["crossover"].items():
