@@ -537,7 +537,8 @@ def _simulated(plt, ok):
             ax.scatter(sim[-1]["step"], r["tau_alone"], marker="*", s=120, color=style["color"])
     ax.set(xlabel="training step", ylabel="τ",
            title="Simulated τ over training; ★ measured in the loop, no copying")  # fmt: skip
-    ax.legend(frameon=False, fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # folders trained elsewhere may bring no evaluations
+        ax.legend(frameon=False, fontsize=8)
     ax.grid(alpha=0.3)
     return fig
 
