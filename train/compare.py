@@ -443,8 +443,21 @@ COLUMNS = (
     Column("simulated_tau", "simulated τ", "{:.2f}", note=_chain_note),
     Column("tau_gap", "simulated vs measured", "{:+.0%}", note=_gap_note),
     Column("simulated_on", "simulated on"),
-    Column("crossover", "crossover", lambda b: f"b={b}"),
 )
+# with several batch sizes: the smallest where the family is slower than plain decoding, greedy
+CROSSOVER = Column("crossover", "crossover", lambda b: "none" if b == "none" else f"b={b}")
+
+
+def family_table(report: dict) -> list[str]:
+    """The family table's lines; with a batch-size sweep, a crossover column ("none" where the
+    family stays at least as fast as plain decoding at every batch size measured)."""
+    if len(report["greedy"]["settings"]["batch_sizes"]) < 2:
+        return markdown_table(COLUMNS, report["families"])
+    rows = [
+        r if "error" in r or r["crossover"] is not None else {**r, "crossover": "none"}
+        for r in report["families"]
+    ]
+    return markdown_table((*COLUMNS, CROSSOVER), rows)
 
 
 def markdown(report: dict) -> str:
@@ -455,7 +468,7 @@ def markdown(report: dict) -> str:
         "",
         report["summary"],
         "",
-        *markdown_table(COLUMNS, report["families"]),
+        *family_table(report),
     ]
     for mode in ("greedy", "sampled"):
         if report[mode] is not None:
@@ -483,7 +496,8 @@ def compare_report(report: dict) -> Report:
     return Report(
         report, markdown(report), figures, job_type="compare",
         config={"summary": report["summary"], "target": report["target"]}, table_name="families",
-        table_keys=["family", "error", *(c.key for c in COLUMNS[1:])], rows=report["families"],
+        table_keys=["family", "error", *(c.key for c in (*COLUMNS[1:], CROSSOVER))],
+        rows=report["families"],
     )  # fmt: skip
 
 
@@ -611,6 +625,13 @@ def compare(spec: CompareSpec) -> Report:
         "speedups against plain decoding in the same process (a drafter that fine-tunes the "
         "target decodes with its own fine-tuned model, checked against that model's plain "
         "output). "
+        + (
+            f"Every run measured at batch sizes {', '.join(map(str, spec.batch_sizes))}, against "
+            "plain decoding at the same batch size; the family table at batch size "
+            f"{spec.batch_sizes[0]}, with the crossover over all of them. "
+            if len(spec.batch_sizes) > 1
+            else ""
+        )
         + (
             f"Each family trained on about {spec.budget_tokens:,} tokens. "
             if any(r.get("train_tokens") for r in rows)
