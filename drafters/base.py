@@ -101,7 +101,10 @@ class BatchSession:
     lossy: bool = False
 
     def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
-        """One tree per active row; a row whose context is None drafts nothing (an empty tree)."""
+        """One tree per active row; a row whose context is None drafts nothing (an empty tree),
+        and its `accept` may then get a tree another drafter proposed (a copy: copying puts
+        prompt lookup in front of any batch session, drafters/prompt_lookup.py's CopyingRows),
+        which the row's next context includes as far as it was accepted."""
         raise NotImplementedError
 
     def accept(

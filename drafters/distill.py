@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from specdraft.attention import model_inputs
+from specdraft.attention import AttentionLayout, model_inputs
+from specdraft.batch import BatchCache
 from specdraft.config import choice
 from specdraft.core import (
     DecodeConfig,
@@ -26,12 +27,14 @@ from specdraft.core import (
     SamplingSettings,
     compact,
     draft_chain,
+    draft_chains,
     draft_token,
     draft_tree,
     float_mask,
     kv_bytes,
 )
 from specdraft.drafters.base import (
+    BatchSession,
     Drafter,
     DraftSession,
     Metrics,
@@ -298,6 +301,30 @@ class DistillDrafter(Drafter):
                     f"({type(self.hf_model).__name__} is not one); drafting with its full weights"
                 )
         return DistillSession(self.hf_model, decode, sampling, generator, weights)
+
+    def new_batch_session(
+        self,
+        target,
+        batch_size: int,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> BatchSession:
+        """Chains of a batch drafted together (DistillBatchSession); trees row by row."""
+        decode = self.decode_settings(decode)
+        if not decode.chain:
+            return super().new_batch_session(
+                target, batch_size, sampling=sampling, decode=decode, generator=generator
+            )
+        if self.vocab_size != target.vocab_size:
+            raise vocab_mismatch_error("the draft model", self.vocab_size, target)
+        if use_int8(decode.draft_weights, self.hf_model.device, "the student's full weights"):
+            warn_once(
+                "draft_weights=int8 drafts through drafters/lean.py's one-sequence model; a "
+                "batch drafts with the student's full weights"
+            )
+        return DistillBatchSession(self.hf_model, batch_size, decode, sampling, generator)
 
     @classmethod
     def build(cls, config: DistillConfig, target) -> DistillDrafter:
@@ -624,3 +651,106 @@ class DistillSession(DraftSession):
             return kv_bytes(self.cache)
         lean = 0 if self.lean is None else self.lean.memory_bytes()
         return lean + self.weights.memory_bytes()
+
+
+class DistillBatchSession(BatchSession):
+    """The chains of a batch's rows drafted together: one student forward feeds every row's
+    pending tokens, then one per depth feeds every row's last drafted token, on one KV cache
+    whose rows keep their own tokens (specdraft/batch.py). Each row drafts what DistillSession
+    drafts for it alone (its gamma, dynamic or not, its max depth, its stop_below); rows are fed
+    until the deepest is done, and a row's chain is cut where its own would end. The student
+    runs its own modules (drafters/lean.py's model is one sequence's)."""
+
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, model, rows: int, decode: DecodeConfig, sampling, generator) -> None:
+        self.model, self.decode = model, decode
+        self.sampling, self.generator = sampling, generator
+        self.layout = AttentionLayout.of(model.config)
+        self.cache = BatchCache(rows, model.device)
+        self.gamma = [decode.gamma] * rows
+        self.max_gamma = max(DYNAMIC_GAMMA_CEILING, decode.gamma)
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self._base: list[int] = [0] * rows  # each row's context length at the last proposal
+        self._depth: list[int] = [0] * rows
+        self._drafted: list[bool] = [False] * rows  # the row drafted at the last proposal
+        self._fed = 0  # drafted tokens fed to every row at the last proposal
+
+    def _feed(self, pending: list[torch.Tensor]) -> torch.Tensor:
+        """Feed each row's tokens (1-D, maybe none): (rows, vocab) logits after each row's last."""
+        no_tree = [DraftTree.empty(1, self.model.device)] * len(pending)
+        ids, mask, positions, P, _ = self.cache.verification_inputs(
+            pending, no_tree, self.model.dtype, self.layout, pad_id=0
+        )
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=self.cache.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.cache.keep([list(range(P - len(p), P)) for p in pending])
+        return out.logits[:, -1]
+
+    def propose(self, contexts: list[DraftContext | None]) -> list[DraftTree]:
+        device = self.model.device
+        depths, pending = [], []
+        for r, context in enumerate(contexts):
+            if context is None:  # nothing to draft: its cache stays as it is
+                depths.append(0)
+                pending.append(torch.empty(0, dtype=torch.long, device=device))
+                self._base[r] = int(self.cache.lengths[r])
+                continue
+            seq = context.tokens[0].to(device)
+            depth = min(self.gamma[r], context.max_depth)
+            if self.max_positions is not None:
+                depth = min(depth, self.max_positions - len(seq))
+            depths.append(max(depth, 0))
+            pending.append(seq[int(self.cache.lengths[r]) :])
+            self._base[r] = len(seq)
+        self._depth = depths
+        self._drafted = [d > 0 for d in depths]
+        if max(depths) <= 0:
+            self._fed = 0
+            return [DraftTree.empty(1, device) for _ in contexts]
+        logits = self._feed(pending)
+        self._fed = 0
+
+        def step(token: torch.Tensor, _: int) -> torch.Tensor:
+            self._fed += 1
+            return self._feed(list(token))
+
+        return draft_chains(
+            logits,
+            step,
+            depths=depths,
+            sampling=self.sampling,
+            generator=self.generator,
+            stop_below=self.decode.stop_below,
+        )
+
+    def accept(self, trees, paths, hidden_states) -> None:
+        """Keep each row's context and its accepted drafted tokens that were fed; adapt gamma."""
+        lengths = []
+        for r, path in enumerate(paths):
+            if not self._drafted[r]:  # no draft, or another drafter's (a copy): nothing fed
+                lengths.append(self._base[r])
+                continue
+            lengths.append(self._base[r] + min(len(path), self._fed))
+            if self.decode.dynamic_gamma:  # as DistillSession adapts it
+                if len(path) == self._depth[r]:
+                    self.gamma[r] = min(self.gamma[r] + 2, self.max_gamma)
+                else:
+                    self.gamma[r] = max(1, self.gamma[r] - 1)
+        self.cache.truncate(lengths)
+        self._fed = 0
+
+    def drop(self, keep) -> None:
+        self.cache.select_rows(keep)
+        for name in ("gamma", "_base", "_depth", "_drafted"):
+            values = getattr(self, name)
+            setattr(self, name, [values[r] for r in keep])
+
+    def extra_memory_bytes(self) -> int:
+        return kv_bytes(self.cache.cache)

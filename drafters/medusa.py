@@ -41,7 +41,12 @@ from specdraft.drafters.base import (
     warn_once,
 )
 from specdraft.drafters.lean import SharedWeights
-from specdraft.drafters.medusa_session import MedusaSession, expected_length, tree_paths
+from specdraft.drafters.medusa_session import (
+    MedusaBatchSession,
+    MedusaSession,
+    expected_length,
+    tree_paths,
+)
 from specdraft.losses import token_losses
 from specdraft.targets.target import adapter_hash
 
@@ -323,6 +328,23 @@ class MedusaDrafter(Drafter):
             # candidates, as the reference's do, rather than sampling from q.
             sampling = SamplingSettings()
         return MedusaSession(self, target, sampling=sampling, decode=decode, generator=generator)
+
+    def new_batch_session(
+        self,
+        target,
+        batch_size: int,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> MedusaBatchSession:
+        """One MedusaSession per row, their heads run over the batch at once."""
+        return MedusaBatchSession(
+            [
+                self.new_session(target, sampling=sampling, decode=decode, generator=generator)
+                for _ in range(batch_size)
+            ]
+        )
 
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = super().ignored_settings(decode)

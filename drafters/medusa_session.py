@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,7 +24,7 @@ from specdraft.core import (
     draft_chain,
     process_logits,
 )
-from specdraft.drafters.base import DraftSession
+from specdraft.drafters.base import DraftSession, RowSessions
 from specdraft.drafters.lean import DraftLinear, use_int8
 
 if TYPE_CHECKING:
@@ -198,10 +198,20 @@ class MedusaSession(DraftSession):
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
         seq = context.tokens
-        depth = min(self.depth, context.max_depth)
-        if self.h is None or depth <= 0:
+        depth = self.depth_for(context)
+        if depth <= 0:
             return DraftTree.empty(seq.shape[0], seq.device)
-        logits = self.w.logits(self.h, depth)  # (depth, draft vocab)
+        return self.draft(self.w.logits(self.h, depth), seq.device)
+
+    def depth_for(self, context: DraftContext | None) -> int:
+        """How deep it drafts after `context` (0: not at all; no hidden state yet)."""
+        if context is None or self.h is None:
+            return 0
+        return max(min(self.depth, context.max_depth), 0)
+
+    def draft(self, logits: torch.Tensor, device: torch.device) -> DraftTree:
+        """The chain or tree drafted from the heads' logits (depth, draft vocab)."""
+        depth = logits.shape[0]
         if self.decode.chain:
             return draft_chain(
                 logits[0:1],
@@ -219,7 +229,7 @@ class MedusaSession(DraftSession):
         tokens = ranked[shape.heads, shape.ranks]  # (n,)
         if self.vocab is not None:
             tokens = self.vocab.to_target(tokens)
-        return DraftTree(tokens[None].to(seq.device), list(shape.parents), list(shape.depths))
+        return DraftTree(tokens[None].to(device), list(shape.parents), list(shape.depths))
 
     def _sampled_tree(self, logits: torch.Tensor, shape: TreeShape) -> DraftTree:
         """The tree's shape with its nodes sampled (temperature > 0): the children of a node are
@@ -286,6 +296,28 @@ class MedusaSession(DraftSession):
     def extra_memory_bytes(self) -> int:
         """The drafting copies of the heads' weights (int8 or fused); no KV cache."""
         return self.w.memory_bytes()
+
+
+class MedusaBatchSession(RowSessions):
+    """A batch's Medusa drafting: each row keeps its own MedusaSession (its hidden state, tree
+    shapes, acceptance rule), and one pass of the heads over every drafting row's hidden state
+    gives all their logits, where row by row each row would read the heads' weights (and the
+    LM head, for every head) again."""
+
+    sessions: list[MedusaSession]
+
+    @torch.no_grad()
+    def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
+        depths = [s.depth_for(c) for s, c in zip(self.sessions, contexts, strict=True)]
+        drafting = [r for r, d in enumerate(depths) if d > 0]
+        trees = [DraftTree.empty(1, c.tokens.device if c is not None else None) for c in contexts]
+        if drafting:
+            h = torch.stack([self.sessions[r].h for r in drafting])  # (rows, hidden)
+            logits = self.sessions[0].w.logits(h, max(depths))  # (depth, rows, draft vocab)
+            for i, r in enumerate(drafting):
+                device = contexts[r].tokens.device
+                trees[r] = self.sessions[r].draft(logits[: depths[r], i], device)
+        return trees
 
 
 # --- typical acceptance -----------------------------------------------------------------------

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
-from specdraft.drafters.base import Drafter, DraftSession
+from specdraft.drafters.base import BatchSession, Drafter, DraftSession
 
 
 class PromptLookupDrafter(Drafter):
@@ -112,6 +112,50 @@ class CopyingSession(DraftSession):
         hidden_states: Mapping[int, torch.Tensor] | None = None,
     ) -> None:
         self.inner.accept(tree, path, hidden_states)
+
+    def extra_memory_bytes(self) -> int:
+        return self.inner.extra_memory_bytes()
+
+
+class CopyingRows(BatchSession):
+    """CopyingSession for a batch: where a row's context repeats itself its draft is copied
+    (prompt lookup, no drafter pass), and `inner` drafts the other rows (it gets None for a
+    copied row, and then that row's copied tree at `accept`, as CopyingSession's inner session
+    does)."""
+
+    def __init__(self, inner: BatchSession, rows: int, ngram: int, gamma: int) -> None:
+        self.inner = inner
+        self.lookups = [PromptLookupSession(max(3, ngram), ngram, gamma) for _ in range(rows)]
+        self.copied = [0] * rows  # proposals copied rather than drafted, per row
+        self.capture_layers = inner.capture_layers
+        self.lossy = inner.lossy
+
+    def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
+        copies = [
+            None if context is None else lookup.propose(context)
+            for lookup, context in zip(self.lookups, contexts, strict=True)
+        ]
+        copying = [copy is not None and len(copy) > 0 for copy in copies]
+        drafted = self.inner.propose(
+            [None if c else context for c, context in zip(copying, contexts, strict=True)]
+        )
+        for r, c in enumerate(copying):
+            self.copied[r] += c
+        return [copy if c else tree for copy, c, tree in zip(copies, copying, drafted, strict=True)]
+
+    def accept(self, trees, paths, hidden_states) -> None:
+        self.inner.accept(trees, paths, hidden_states)
+
+    def verify_sampled(self, row, tree, p, generator):
+        return self.inner.verify_sampled(row, tree, p, generator)
+
+    def drop(self, keep: Sequence[int]) -> None:
+        self.lookups = [self.lookups[r] for r in keep]
+        self.copied = [self.copied[r] for r in keep]
+        self.inner.drop(keep)
+
+    def row_copied_passes(self, row: int) -> int:
+        return self.copied[row]
 
     def extra_memory_bytes(self) -> int:
         return self.inner.extra_memory_bytes()

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from specdraft.batch import BatchCache
 from specdraft.core import (
     DecodeConfig,
     DraftContext,
@@ -47,13 +48,10 @@ from specdraft.core import (
 from specdraft.drafters.base import (
     BatchSession,
     Drafter,
-    DraftSession,
-    RowSessions,
     hf_model_kind,
     warn_once,
 )
-from specdraft.drafters.prompt_lookup import CopyingSession, PromptLookupDrafter
-from specdraft.batch import BatchCache
+from specdraft.drafters.prompt_lookup import CopyingRows, CopyingSession, PromptLookupDrafter
 from specdraft.inference.metrics import Stats
 from specdraft.inference.tree import tree_attention
 from specdraft.inference.verify import verify_greedy, verify_sampling
@@ -104,7 +102,8 @@ def generate(
     `drafter.decode_class`); None: the kind's defaults. The settings a trained drafter was saved
     or tuned with are `load_decoding(path)`: pass them to decode as it was tuned. settings:
     decoding keys that override `decode` for this call, e.g. gamma=8, tree_top_k=4,
-    lookup_ngram=2, or a kind's own (exit_layer=3 for LayerSkip).
+    lookup_ngram=2, or a kind's own (exit_layer=3 for LayerSkip). Then the batch_schedule
+    entry for the batch decoded applies (off: plain decoding, and stats.drafter_off says so).
     stop_at_eos=False decodes max_new_tokens whatever they hold: the continuation past an EOS,
     which the simulation of serving compares drafts with (inference/continuations.py).
     """
@@ -370,6 +369,7 @@ def _generate_batch(
     for r in range(rows):
         row_stats[r].log_p_sum = float(log_p[r])
         row_stats[r].lossy = stats.lossy
+        row_stats[r].drafter_off = stats.drafter_off
         row_stats[r].copies = stats.copies
         row_stats[r].drafter_params = stats.drafter_params
     merged = row_stats[0]
@@ -440,7 +440,8 @@ def _prompts(input_ids) -> list[torch.Tensor]:
 def _start_session(target, drafter, sampling, generator, decode, settings, batch_size=1):
     """The drafting session for this call (None for plain decoding; a BatchSession for a batch
     of more than one), fresh stats and the resolved decoding settings (None for plain
-    decoding)."""
+    decoding): those of the settings' batch_schedule entry for `batch_size` rows, which may
+    turn the drafter off (stats.drafter_off)."""
     stats = Stats()
     settings = {k: v for k, v in settings.items() if v is not None}
     if drafter is None:
@@ -476,6 +477,17 @@ def _start_session(target, drafter, sampling, generator, decode, settings, batch
     )
     # the kind's own settings class; another kind's setting is an error naming its owner
     decode = drafter.decode_settings(decode, **settings)
+    scheduled = decode.for_batch(batch_size)  # an entry wins over the call's settings: say so
+    for key in sorted(k for k in settings if k != "batch_schedule"):
+        if scheduled is None or getattr(scheduled, key) != getattr(decode, key):
+            warn_once(
+                f"{key}={settings[key]!r} is overridden at batch size {batch_size} by the "
+                "decoding settings' batch_schedule; pass batch_schedule=[] to decode without it"
+            )
+    if scheduled is None:  # the schedule's entry for this batch size: plain decoding
+        stats.drafter_off = True
+        return None, stats, None
+    decode = scheduled
     drafter.check_decode(decode)  # a setting out of this drafter's range
     for message in drafter.ignored_settings(decode):
         warn_once(message)
@@ -487,25 +499,11 @@ def _start_session(target, drafter, sampling, generator, decode, settings, batch
             target, batch_size, sampling=sampling, decode=decode, generator=generator
         )
         if copying:
-            session = _copying_rows(session, decode)
+            gamma = decode.lookup_gamma or decode.gamma
+            session = CopyingRows(session, batch_size, decode.lookup_ngram, gamma)
         stats.lossy = session.lossy and not sampling.greedy
         return session, stats, decode
     session = drafter.new_session(target, sampling=sampling, decode=decode, generator=generator)
     if copying:
         session = CopyingSession(session, decode.lookup_ngram, decode.lookup_gamma or decode.gamma)
     return session, stats, decode
-
-
-def _copying_rows(session: BatchSession, decode: DecodeConfig) -> BatchSession:
-    """A batch session with prompt lookup in front of each row's drafting."""
-    if not isinstance(session, RowSessions):
-        raise ValueError(
-            f"lookup_ngram={decode.lookup_ngram} copies per row, and this drafter drafts a batch "
-            "in one pass: decode the batch without copying (lookup_ngram=0), or one prompt at "
-            "a time"
-        )
-    gamma = decode.lookup_gamma or decode.gamma
-    rows: list[DraftSession] = [
-        CopyingSession(s, decode.lookup_ngram, gamma) for s in session.sessions
-    ]
-    return RowSessions(rows)

@@ -15,6 +15,8 @@
   typical acceptance) drifts from that, and this figure beside tau shows by how much. Not
   recorded when greedy (p is a point mass there).
 - lossy: the output did not follow the target's distribution (typical acceptance at T > 0).
+- drafter off: a drafter was given and its settings' batch_schedule turned it off at the batch
+  size decoded, so the loop decoded plainly (DecodeConfig.for_batch).
 - looping share: the fraction of greedy continuations whose tail repeats with a short period
   (`specdraft.core.loops`; continuations need LOOP_TOKENS tokens for it to tell), the
   degeneration a small or over-fitted model falls into. It says what fine-tuning a target
@@ -56,6 +58,9 @@ class Stats:
     # sequences decoded together (generate's batch): target_passes then counts row passes, so
     # tau stays per sequence, while total_seconds is the batch's and tokens_per_s its throughput
     batch_size: int = 1
+    # a drafter was given, and its settings' batch_schedule turned it off at this batch size:
+    # the output is plain decoding's
+    drafter_off: bool = False
 
     def record_step(self, tree_size: int, tree_depth: int, path_len: int, emitted: int) -> None:
         self.target_passes += 1
@@ -106,6 +111,7 @@ class Stats:
             setattr(out, name, getattr(self, name) + getattr(other, name))
         out.copies = self.copies or other.copies
         out.lossy = self.lossy or other.lossy
+        out.drafter_off = self.drafter_off or other.drafter_off
         for name in ("draft_seconds", "verify_seconds", "total_seconds", "log_p_sum"):
             setattr(out, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.reached_at), len(other.reached_at))
@@ -137,6 +143,7 @@ class Stats:
             "mean_log_p": self.mean_log_p,
             "lossy": self.lossy,
             "batch_size": self.batch_size,
+            "drafter_off": self.drafter_off,
         }
 
 

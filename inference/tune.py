@@ -10,6 +10,11 @@ since settings interact, a second pass races a setting again where another one c
 temperature 0 a candidate whose output differs from plain decoding's is not kept (unless the
 caller allows it: in bf16, near ties can flip a token). scripts/tune.py saves the result into
 the checkpoint as its decoding defaults; training scripts tune the tree budget with it.
+
+What pays also depends on the batch: a wider batch makes each target pass cost more, so
+drafted tokens that miss cost more too. `tune_batch_schedule` races draft depth (and a tree's
+budget) at each batch size, plain decoding included, and returns the winners as the settings'
+batch_schedule (DecodeConfig.for_batch).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 import torch
 
 from specdraft.core import DecodeConfig, owner_of
+from specdraft.inference.generate import generate
 from specdraft.inference.measure import Run, loop_decoder, measure
 from specdraft.inference.metrics import Stats
 from specdraft.precision import dtype_name
@@ -131,17 +137,17 @@ def race(
     decodes: Sequence[DecodeConfig],
     *,
     max_new_tokens: int,
+    decoder: Callable = loop_decoder,
     **options,
 ) -> list[Trial]:
     """Plain decoding, then each of `decodes`, on every prompt, timed by the one harness
     (inference/measure.py `measure`: a warm-up of each, then turns per prompt). options:
-    generate's sampling options (temperature, seed, ...)."""
-    runs = [
-        Run("plain", "ar", loop_decoder(target, None, max_new_tokens=max_new_tokens, **options))
-    ]
+    generate's sampling options (temperature, seed, ...). decoder: how a Run decodes a prompt
+    (`batch_decoder` for `batches` of prompts)."""
+    runs = [Run("plain", "ar", decoder(target, None, max_new_tokens=max_new_tokens, **options))]
     for i, d in enumerate(decodes):
-        decoder = loop_decoder(target, drafter, max_new_tokens=max_new_tokens, decode=d, **options)
-        runs.append(Run(f"candidate {i}", "ours", decoder))
+        decode = decoder(target, drafter, max_new_tokens=max_new_tokens, decode=d, **options)
+        runs.append(Run(f"candidate {i}", "ours", decode))
     measure(runs, prompts, target)
     return [
         Trial(d, run.seconds, run.stats, run.outputs)
@@ -172,12 +178,17 @@ def search_decode(
     cheaply and wrongly, so it wants short chains), and one pass tunes each setting only at the
     values the earlier rounds left. So the search passes over the settings again, `passes` times
     at most, racing a setting again only where another one changed since its last round.
+
+    `start`'s batch_schedule plays no part in the races (its entries would override what they
+    race) and is kept on the result as it was: `tune_batch_schedule` tunes one.
     """
     if passes < 1:
         raise ValueError(f"passes must be at least 1; got {passes}")
     greedy = options.get("temperature", 0.0) == 0
     # a placeholder for the drafter's own choice (LayerSkip's exit 0) named, so it races once
-    best, rows = drafter.resolved_decode(drafter.decode_settings(start)), []
+    schedule = start.batch_schedule if start is not None else []
+    best = drafter.resolved_decode(drafter.decode_settings(start)).replace(batch_schedule=[])
+    rows: list[dict] = []
     defaults = drafter.decode_settings()
     others = lambda d, key: d.replace(**{key: getattr(defaults, key)})  # noqa: E731
     # per setting, the other settings as its last round left them (a round's winner may have
@@ -235,7 +246,7 @@ def search_decode(
                 )
                 + f" -> {getattr(best, key)}"
             )
-    return best, rows
+    return best.replace(batch_schedule=schedule), rows
 
 
 def _variants(best: DecodeConfig, key: str, value, space: Mapping[str, Sequence]):
@@ -325,7 +336,9 @@ def tune_against_saved(
     more in one race: the pick replaces them only if it wins that race too (a pick that only
     won a noisy round is not kept). Raises NoExactSetting when, greedy and `require_equal`, no
     candidate decoded as plain decoding does (near ties flip under low precision). `source`
-    names the prompts in the record."""
+    names the prompts in the record. `saved`'s batch_schedule plays no part: the settings are
+    raced at batch size 1 without it (`tune_batch_schedule` tunes one)."""
+    saved = saved.replace(batch_schedule=[])
     sampling = {"temperature": temperature, "seed": seed}
     best, rows = search_decode(
         target, drafter, prompts, space, max_new_tokens=max_new_tokens, start=saved,
@@ -360,3 +373,160 @@ def tune_against_saved(
         },
     }
     return Tuned(best, rows, measured, kept_saved)
+
+
+# --- by batch size --------------------------------------------------------------------------
+
+# Fills the end of a batch's shorter prompts, so a batch is one tensor, as the harness times
+# prompts (its warm-up cuts each to 16 tokens); no token id is negative.
+PAD = -1
+
+
+def batches(prompts: Sequence[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
+    """`prompts` ((1, L) each) in batches of `batch_size`, each a (batch_size, longest) tensor
+    right-padded with PAD: as many batches as it takes to decode every prompt once (one at
+    least), prompts reused in turn to fill the last, so each batch size decodes about the same
+    prompts."""
+    rows = [p.reshape(-1) for p in prompts]
+    count = -(-len(rows) // batch_size)  # ceil
+    out = []
+    for b in range(count):
+        batch = [rows[(b * batch_size + i) % len(rows)] for i in range(batch_size)]
+        padded = torch.full(
+            (batch_size, max(len(r) for r in batch)), PAD, dtype=torch.long, device=batch[0].device
+        )  # (batch, longest)
+        for i, row in enumerate(batch):
+            padded[i, : len(row)] = row
+        out.append(padded)
+    return out
+
+
+def batch_decoder(target, drafter, **options) -> Callable[[torch.Tensor], tuple[list, Stats]]:
+    """A Run's decode (inference/measure.py) for a batch from `batches`: generate decodes its
+    rows as one batch, and the output is every row's new tokens, each row followed by PAD, so
+    two runs' outputs are equal only where every row is."""
+
+    def decode(ids: torch.Tensor) -> tuple[list[int], Stats]:
+        prompts = [row[row != PAD].tolist() for row in ids]
+        out = generate(target, prompts, drafter, **options)
+        return [t for row in out.rows() for t in (*row, PAD)], out.stats
+
+    return decode
+
+
+@dataclass
+class Schedule:
+    """What `tune_batch_schedule` chose: `decode` (the settings with the batch_schedule), one row
+    per candidate raced at each batch size, and per batch size the winner's figures (saved
+    beside the settings in decode_measured)."""
+
+    decode: DecodeConfig
+    rows: list[dict]
+    measured: list[dict]
+
+
+def tune_batch_schedule(
+    target,
+    drafter,
+    prompts: Sequence[torch.Tensor],
+    space: Mapping[str, Sequence],
+    *,
+    base: DecodeConfig,
+    batch_sizes: Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    require_equal: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> Schedule:
+    """`base` with a batch_schedule: an entry per batch size in `batch_sizes` holding what won
+    the race there. Each race decodes `batches` of the prompts with plain decoding and with
+    `base` at every gamma of space["gamma"] (and, for a tree, every tree_budget of
+    space["tree_budget"]); the fastest wins, plain decoding too (the entry is then off).
+    Greedy and `require_equal`, a candidate whose output differs from plain decoding's cannot
+    win. Rows: {"batch_size", "settings" ("off", or what the entry changes from base),
+    "tokens_per_s", "speedup" (vs plain decoding in the same race), "tau", "matches_plain"
+    (None when sampling), "chosen"}."""
+    sizes = list(batch_sizes)
+    if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+        raise ValueError(f"batch sizes must be integers >= 1; got {sizes}")
+    if sizes != sorted(set(sizes)):
+        raise ValueError(f"batch sizes must increase, each given once; got {sizes}")
+    base = drafter.resolved_decode(drafter.decode_settings(base)).replace(batch_schedule=[])
+    greedy = temperature == 0
+    candidates = _schedule_candidates(drafter, base, space)
+    entries, rows, measured = [], [], []
+    for size in sizes:
+        trials = race(
+            target, drafter, batches(prompts, size), candidates, max_new_tokens=max_new_tokens,
+            decoder=batch_decoder, temperature=temperature, seed=seed,
+        )  # fmt: skip
+        plain = trials[0]
+        raced = []
+        for trial in trials:
+            settings = "off" if trial.decode is None else _changes(base, trial.decode)
+            same = (trial.outputs == plain.outputs) if greedy else None
+            raced.append({
+                "batch_size": size, "settings": settings, "tokens_per_s": trial.tokens_per_s,
+                "speedup": trial.tokens_per_s / plain.tokens_per_s,
+                "tau": trial.stats.tau if trial.decode is not None else 1.0,
+                "matches_plain": same, "chosen": False,
+            })  # fmt: skip
+        # plain decoding always may win: it is what the entry falls back to
+        eligible = [
+            r
+            for r in raced
+            if r["settings"] == "off" or r["matches_plain"] is not False or not require_equal
+        ]
+        winner = max(eligible, key=lambda r: r["tokens_per_s"])
+        winner["chosen"] = True
+        off = winner["settings"] == "off"
+        entries.append({"batch_size": size, **({"off": True} if off else winner["settings"])})
+        measured.append({
+            "batch_size": size, "settings": winner["settings"],
+            "tokens_per_s": winner["tokens_per_s"], "plain_tokens_per_s": plain.tokens_per_s,
+            "speedup": winner["speedup"], "tau": winner["tau"],
+        })  # fmt: skip
+        rows.extend(raced)
+        if log is not None:
+            log(
+                f"batch size {size}: "
+                + ", ".join(
+                    f"{_said(r['settings'])} {r['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x"
+                    + (", differs from plain" if r["matches_plain"] is False else "")
+                    + ")"
+                    for r in raced
+                )
+                + f" -> {_said(winner['settings'])}"
+            )
+    return Schedule(base.replace(batch_schedule=entries), rows, measured)
+
+
+def _schedule_candidates(drafter, base: DecodeConfig, space: Mapping[str, Sequence]) -> list:
+    """`base` and, where the drafter can honour them (`_fit`), base at every gamma of the space
+    and, for a tree, at every pair of gamma and tree_budget; each way of decoding once."""
+    candidates = [base]
+    budgets = space.get("tree_budget", []) if not base.chain else []
+    for gamma in space.get("gamma", []):
+        deep = _fit(drafter, base.replace(gamma=gamma), "gamma", base)
+        if deep is None:
+            continue
+        variants = [deep]
+        for budget in budgets:
+            variants.append(_fit(drafter, deep.replace(tree_budget=budget), "tree_budget", deep))
+        for decode in variants:
+            if decode is not None and _behaviour(decode) not in map(_behaviour, candidates):
+                candidates.append(decode)
+    return candidates
+
+
+def _changes(base: DecodeConfig, decode: DecodeConfig) -> dict:
+    """The settings `decode` changes from `base`, {key: new value}: a schedule entry's."""
+    return {k: new for k, (_, new) in changed(base, decode).items()}
+
+
+def _said(settings: dict | str) -> str:
+    """A schedule entry's settings in a log line."""
+    if settings == "off":
+        return "off"
+    return ", ".join(f"{k}={v}" for k, v in settings.items()) or "these settings"

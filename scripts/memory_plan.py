@@ -13,6 +13,14 @@ so they are an input, measured (--activations-gib-per-1k: per 1,024 tokens of a 
 linear in S because the training-time test's attention builds no S x S mask; BENCHMARKS.md,
 "Training-time test memory"); left at 0, each total is what the GPU must hold before any
 activation, and the rest of its memory is the room they have.
+
+The loss's working set is measured, not an input: specdraft/losses.py computes every loss over a
+chunk of `loss_chunk_tokens` positions at a time (--loss-chunk-tokens, the trainer's default
+1,024), so it does not grow with the sequence; BENCHMARKS.md ("Loss memory at a large
+vocabulary") measured an EAGLE-3 step's at a 128,256-token vocabulary, 32,000-token draft
+vocabulary and a 1,024-position chunk: 1,080 MiB. The plan scales it linearly in the
+chunk and in the target's vocabulary (the target's distribution over its whole vocabulary, made
+one chunk at a time, is most of it) -- an estimate outside the measured shape.
 """
 
 from __future__ import annotations
@@ -28,6 +36,11 @@ ZERO2_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "deepspeed" 
 # load_sharded_target keeps
 ZERO3_PREFETCH = 5e7
 ZERO3_MAX_LIVE = 1e9
+# The loss's working set measured for an EAGLE-3 step (BENCHMARKS.md, "Loss memory at a large
+# vocabulary": the chunked step at 2,048 tokens) and the shape it was measured at.
+LOSS_MIB_MEASURED = 1080
+LOSS_MEASURED_VOCAB = 128256
+LOSS_MEASURED_CHUNK = 1024
 
 
 class _Vocab:
@@ -71,6 +84,7 @@ def plan(
     seq: int,
     micro_batch: int,
     activations_gib_per_1k: float,
+    loss_chunk_tokens: int = 1024,
     bytes_per_weight: int = 2,
 ) -> dict:
     """Each term in GiB per GPU, with the counts it was computed from."""
@@ -86,6 +100,12 @@ def plan(
     b = bytes_per_weight
     zero2 = json.loads(ZERO2_CONFIG.read_text())["zero_optimization"]
     activations = activations_gib_per_1k * GIB * seq * micro_batch / 1024
+    # one chunk of positions at a time (0: the whole micro-batch at once)
+    chunk = min(loss_chunk_tokens or seq * micro_batch, seq * micro_batch)
+    loss = (
+        LOSS_MIB_MEASURED * 2**20 * (chunk / LOSS_MEASURED_CHUNK)
+        * (wrapped.vocab_size / LOSS_MEASURED_VOCAB)
+    )  # fmt: skip
     terms = {
         "target_whole": target_params * b,
         # its share, plus what ZeRO-3 keeps gathered: up to stage3_max_live_parameters, but a
@@ -102,15 +122,17 @@ def plan(
         "head_ddp": trained * 20,
         "head_zero2": trained * 2 + trained * 16 / gpus + 2 * zero2["reduce_bucket_size"] * b,
         "activations": activations,
+        "loss": loss,
     }
     result = {k: v / GIB for k, v in terms.items()}
     result.update({
         "target_parameters": target_params, "largest_module_parameters": largest,
         "embedding_parameters": embeddings, "head_trained_parameters": trained,
         "gpus": gpus, "seq": seq, "micro_batch": micro_batch, "ttt_steps": head.config.ttt_steps,
-        "draft_vocab": head.draft_vocab_size,
+        "draft_vocab": head.draft_vocab_size, "loss_chunk_tokens": chunk,
+        "target_vocab": wrapped.vocab_size,
     })  # fmt: skip
-    act = result["activations"]
+    act = result["activations"] + result["loss"]
     result["whole target, DDP head"] = result["target_whole"] + result["head_ddp"] + act
     result["whole target, ZeRO-2 head"] = result["target_whole"] + result["head_zero2"] + act
     result["ZeRO-3 target, ZeRO-2 head"] = (
@@ -126,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             args.target, gpus=args.gpus, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps,
             seq=args.seq, micro_batch=args.micro_batch,
             activations_gib_per_1k=args.activations_gib_per_1k,
+            loss_chunk_tokens=args.loss_chunk_tokens,
         )  # fmt: skip
     except (OSError, ValueError) as err:
         print(f"memory_plan.py: error: {err}", file=sys.stderr)
@@ -146,9 +169,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft-vocab", type=int, default=32000)
     parser.add_argument("--activations-gib-per-1k", type=float, default=0.0,
                         help="measured activations per 1,024 tokens of a micro-batch (0: left out)")  # fmt: skip
+    parser.add_argument("--loss-chunk-tokens", type=int, default=1024,
+                        help="the trainer's loss_chunk_tokens (0: the whole micro-batch at once)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.gpus < 1 or args.seq < 1 or args.micro_batch < 1:
         parser.error("--gpus, --seq and --micro-batch must be at least 1")
+    if args.loss_chunk_tokens < 0:
+        parser.error("--loss-chunk-tokens must be >= 0 (0: the whole micro-batch at once)")
     return args
 
 

@@ -2,6 +2,7 @@
 
     python scripts/tune.py runs/layerskip-demo/final
     python scripts/tune.py runs/eagle-demo/final --dtype bfloat16 --search gamma=3,4,5,6
+    python scripts/tune.py runs/eagle-demo/final --batch-sizes 1,4,16
 
 Searches the drafter's decoding settings one at a time (the exit layer for LayerSkip, tree width
 and budget, draft depth gamma, the stop rule, int8 draft weights on a CPU, copying from the
@@ -12,6 +13,12 @@ the result once more. Unless --dry-run, the folder's decoding defaults become th
 the hardware, dtype and figures they were measured with (`decode_measured` in config.json);
 evaluate.py and the training scripts decode with them unless told otherwise. --output writes
 every measurement as JSON.
+
+--batch-sizes 1,4,16 then races, at each of those batch sizes, the result at every gamma of
+the search (and a tree at every tree_budget) against plain decoding, on batches of the prompts,
+and saves the winners as the settings' batch_schedule: generate decodes a batch with the entry
+for its size, and not at all where plain decoding won. Without it, a schedule saved before is
+kept as it was.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from specdraft.inference.tune import (
     default_space,
     parse_space,
     tune_against_saved,
+    tune_batch_schedule,
 )
 
 
@@ -63,8 +71,21 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     best, measured = tuned.decode, tuned.measured
+    batch_rows = []
+    if args.batch_sizes:
+        schedule = tune_batch_schedule(
+            target, drafter, prompts, space, base=best, batch_sizes=args.batch_sizes,
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+            require_equal=not args.allow_mismatch,
+            log=lambda m: print(f"[tune] {m}", file=sys.stderr),
+        )  # fmt: skip
+        best, batch_rows = schedule.decode, schedule.rows
+        measured["batch_schedule"] = schedule.measured
+    else:  # tuned without it (tune_against_saved): a schedule saved before stays as it was
+        best = best.replace(batch_schedule=saved.batch_schedule)
     before = measured["before"]
     diff = changed(saved, best)
+    diff.pop("batch_schedule", None)  # printed entry by entry below
     if tuned.kept_saved:
         print("the saved settings were as fast as the search's pick in the final race: kept")
     print(
@@ -77,13 +98,44 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "changes: " + (", ".join(f"{k} {old} -> {new}" for k, (old, new) in diff.items()) or "none")
     )
+    for row in measured.get("batch_schedule", []):
+        print(
+            f"batch size {row['batch_size']}: "
+            + ("off (plain decoding)" if row["settings"] == "off" else _entry(row))
+            + f", {row['tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x plain)"
+        )
+    if best.batch_schedule and not args.batch_sizes:
+        print(
+            "the saved batch_schedule is kept as it was, and its entries still change these "
+            "settings at their batch sizes: --batch-sizes tunes it again"
+        )
     if args.output:
         out = {"folder": args.folder, "decode": dataclasses.asdict(best), "measured": measured}
-        Path(args.output).write_text(json.dumps({**out, "search": tuned.rows}, indent=2) + "\n")
+        out["search"], out["batch_search"] = tuned.rows, batch_rows
+        Path(args.output).write_text(json.dumps(out, indent=2) + "\n")
     if not args.dry_run:
         set_decode(args.folder, best, measured)
         print(f"{args.folder} now decodes with these settings by default")
     return 0
+
+
+def _entry(row: dict) -> str:
+    """A schedule entry's settings, said: what it changes, or that it changes nothing."""
+    changes = ", ".join(f"{k}={v}" for k, v in row["settings"].items())
+    return changes or "these settings"
+
+
+def batch_sizes(text: str) -> list[int]:
+    """--batch-sizes: increasing integers >= 1, comma separated."""
+    try:
+        sizes = [int(v) for v in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or sizes != sorted(set(sizes)):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give increasing batch sizes >= 1, comma separated, e.g. 1,4,16"
+        )
+    return sizes
 
 
 def load(args):
@@ -124,6 +176,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=2,
         help="passes over the settings; a later pass races a setting again where another one "
         "changed since its round (they interact: a shallow LayerSkip exit wants a short draft)",
+    )
+    parser.add_argument(
+        "--batch-sizes",
+        type=batch_sizes,
+        default=None,
+        metavar="B1,B2,...",
+        help="also race gamma (and a tree's budget) against plain decoding at each of these "
+        "batch sizes, and save the winners as the settings' batch_schedule (e.g. 1,4,16)",
     )
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: as saved)")
     parser.add_argument("--device", default=None)

@@ -116,6 +116,17 @@ class BatchCache:
         if self.columns > COMPACT_FACTOR * max(int(self.lengths.max()), 1):
             self.compact()
 
+    def truncate(self, lengths: Sequence[int]) -> None:
+        """Row r keeps its first lengths[r] tokens (no more than it holds): the entries of later
+        positions become holes (a drafter's cache after its rejected drafts)."""
+        keep = torch.minimum(
+            torch.as_tensor(list(lengths), dtype=torch.long, device=self.device), self.lengths
+        )
+        self.valid = self.valid & (self.positions < keep[:, None])
+        self.lengths = keep
+        if self.columns > COMPACT_FACTOR * max(int(self.lengths.max()), 1):
+            self.compact()
+
     def compact(self) -> None:
         """Squeeze every row's holes out: its tokens move to the first columns, in order."""
         longest = int(self.lengths.max())

@@ -78,6 +78,12 @@ class DecodeConfig:
     # verifying 3 does (BENCHMARKS.md, "Copies longer than the drafter's chains"), so a drafter
     # tuned to short chains (LayerSkip's γ 2-3) still wants long copies.
     lookup_gamma: int = 0
+    # Settings by batch size (docs/tuning.md, "By batch size"): entries by increasing
+    # batch_size, each the settings that change from that batch size up to the next entry's,
+    # `{batch_size: 4, gamma: 3}`, or `{batch_size: 16, off: true}`: no drafting there (plain
+    # decoding). Below the first entry, and with none, these settings apply. scripts/tune.py
+    # --batch-sizes measures one; for_batch reads it.
+    batch_schedule: list[dict[str, Any]] = field(default_factory=list)
 
     def __init_subclass__(cls, owner: str = "", **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -100,10 +106,81 @@ class DecodeConfig:
         if isinstance(stop, bool) or not isinstance(stop, (int, float)) or not 0 <= stop < 1:
             raise ValueError(f"stop_below must be a number in [0, 1); got {stop!r}")
         check_choices(self)
+        # frozen: the checked schedule (typed values, sizes as ints) replaces the one given
+        object.__setattr__(self, "batch_schedule", self._checked_schedule())
 
     @property
     def chain(self) -> bool:
         return self.tree_top_k == 1
+
+    def for_batch(self, batch_size: int) -> Self | None:
+        """The settings a batch of `batch_size` rows decodes with: these, changed by the last
+        batch_schedule entry whose batch_size is at most `batch_size` (none: these as they
+        are), without the schedule. None where that entry is off: plain decoding."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1; got {batch_size!r}")
+        entry = next(
+            (e for e in reversed(self.batch_schedule) if e["batch_size"] <= batch_size), {}
+        )
+        if entry.get("off"):
+            return None
+        changes = {k: v for k, v in entry.items() if k != "batch_size"}
+        return dataclasses.replace(self, batch_schedule=[], **changes)
+
+    def _checked_schedule(self) -> list[dict[str, Any]]:
+        """batch_schedule as written (a saved JSON's, a YAML file's text or Python values),
+        checked: each entry a batch_size (increasing from entry to entry) with off: true or
+        settings of this class, their values of the settings' types and within their limits. A
+        ValueError names the entry and what to change."""
+        schedule = self.batch_schedule
+        if not isinstance(schedule, Sequence) or isinstance(schedule, (str, bytes)):
+            raise ValueError(
+                f"batch_schedule must be a list of entries, e.g. [{{batch_size: 1, gamma: 4}}, "
+                f"{{batch_size: 16, off: true}}]; got {schedule!r}"
+            )
+        names = {f.name: f for f in dataclasses.fields(self)}
+        checked: list[dict[str, Any]] = []
+        for i, entry in enumerate(schedule, 1):
+            where = f"batch_schedule entry {i}"
+            if not isinstance(entry, Mapping) or "batch_size" not in entry:
+                raise ValueError(
+                    f"{where} is {entry!r}: write each entry as a mapping with its batch_size, "
+                    "e.g. {batch_size: 4, gamma: 3} or {batch_size: 16, off: true}"
+                )
+            values = dict(entry)
+            size = _typed(int, values.pop("batch_size"))
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{where}: batch_size must be an integer >= 1; got {size!r}")
+            if checked and size <= checked[-1]["batch_size"]:
+                raise ValueError(
+                    f"{where}: batch_size {size} follows batch_size "
+                    f"{checked[-1]['batch_size']}; list the entries by increasing batch_size, "
+                    "each batch size once"
+                )
+            where = f"batch_schedule entry {i} (batch_size {size})"
+            off = _typed(bool, values.pop("off", False))
+            if not isinstance(off, bool):
+                raise ValueError(f"{where}: off must be true or false; got {off!r}")
+            if off and values:
+                raise ValueError(
+                    f"{where}: off turns drafting off, so {', '.join(sorted(values))} would do "
+                    "nothing there; drop them, or drop off"
+                )
+            for key in values:
+                if key == "batch_schedule" or key not in names:
+                    fix = (
+                        "an entry cannot hold a schedule"
+                        if key == "batch_schedule"
+                        else self.foreign_setting(key, values[key])
+                    )
+                    raise ValueError(f"{where}: {fix}")
+            changes = {k: _typed(type(names[k].default), v) for k, v in values.items()}
+            try:  # the settings' own checks (gamma >= 1, a kind's limits), on this entry's
+                dataclasses.replace(self, batch_schedule=[], **changes)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+            checked.append({"batch_size": size, **({"off": True} if off else changes)})
+        return checked
 
     @classmethod
     def setting_names(cls) -> list[str]:
@@ -165,6 +242,22 @@ def owner_of(key: str) -> type[DecodeConfig] | None:
     if key in DecodeConfig.setting_names():
         return None
     return next((cls for cls in _KIND_DECODES if key in cls.setting_names()), None)
+
+
+def _typed(kind: type, value: Any) -> Any:
+    """`value` as a `kind` (int, float, bool or str) where it is that value written as text (a
+    config file's or a command line's) or an int for a float; anything else as it is, for the
+    checks that follow to name."""
+    if isinstance(value, str) and kind is bool:
+        return {"true": True, "false": False}.get(value.strip().lower(), value)
+    if isinstance(value, str) and kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 def check_integer(settings: object, key: str, low: int) -> None:

@@ -2,7 +2,8 @@
 
 Defaults to configs/dflash/demo.yaml (a one-layer DFlash drafter on the demo target, on a CPU in
 minutes); `--config configs/dflash/qwen3-8b.yaml` picks a recipe, `--help` lists every key.
-Setup, train, report: the loop is train/trainer.py, the drafter and its loss drafters/dflash.py.
+Setup, training and the report are train/eagle.py's `run` (online or from the hidden-state cache,
+`hidden_cache`), given this kind's drafter; the drafter and its loss are drafters/dflash.py.
 """
 
 from __future__ import annotations
@@ -12,87 +13,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-import torch
-
-from specdraft.config import ConfigError, parse_cli
-from specdraft.data.dataset import build_datasets
+from specdraft.config import parse_cli
 from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
-from specdraft.targets.frozen import frozen_targets
-from specdraft.targets.hidden_cache import CachedTarget, HiddenStateCache
-from specdraft.train.config import SetupError, TrainConfig, setting_up
-from specdraft.train.launch import whole_model_loading
-from specdraft.train.report import (
-    loop_prompts,
-    report_after_training,
-    warn_the_loop_loads_the_whole_target,
-)
-from specdraft.train.trainer import TrainResult, train
+from specdraft.train import eagle
+from specdraft.train.config import SetupError
+from specdraft.train.trainer import TrainResult
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "dflash" / "demo.yaml"
 
 
 @dataclass
-class DFlashTrainConfig(TrainConfig):
+class DFlashTrainConfig(eagle.EagleTrainConfig):
     kind: ClassVar[str] = "dflash"
     drafter: DFlashConfig = field(default_factory=DFlashConfig)
-    # Offline training: a folder written by scripts/dump_hidden_states.py for this config's target
-    # and data (its layers: the drafter's aux_layers); the target's forward then leaves the loop.
-    # None: run the target online.
-    hidden_cache: str | None = None
+    # hidden_cache (EagleTrainConfig's): a folder written by scripts/dump_hidden_states.py
+    # --kind dflash, holding the drafter's aux_layers
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.target_sharding != "none" and self.hidden_cache:
-            raise ConfigError(
-                "target_sharding shards the target for online training, and hidden_cache trains "
-                "offline, where no target forward runs: drop one of them",
-                key="target_sharding",
-            )
+
+def build_drafter(cfg: DFlashConfig, target, train_examples) -> DFlashDrafter:
+    return DFlashDrafter.build(cfg, target)
+
+
+def drafter_summary(drafter: DFlashDrafter) -> str:
+    dc = drafter.config
+    return (
+        f"DFlash drafter, {dc.num_layers} layer(s), blocks of {dc.block_size} (mask token "
+        f"{dc.mask_token_id}), {dc.anchors} anchors a sequence"
+    )
 
 
 def run(cfg: DFlashTrainConfig) -> TrainResult:
-    """Set up, train and report one run of `cfg`: what `main` does once the command line is
-    read, and what scripts/compare.py calls. Raises SetupError before training for missing
-    data, a bad target, bad layer ids or mask token."""
-    with setting_up():
-        # offline or sharded, the drafter's copy of the target holds only its embedding and LM
-        # head, which it shares (the decoder layers stay on the meta device)
-        target, features = frozen_targets(
-            cfg.target,
-            dtype=cfg.target_dtype(),
-            sharding=cfg.target_sharding,
-            reads_weights=True,
-            offline=bool(cfg.hidden_cache),
-        )
-        train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
-        torch.manual_seed(cfg.seed)  # the drafter's random init; identical on every process
-        drafter = DFlashDrafter.build(cfg.drafter, target)
-        if cfg.hidden_cache:  # offline: hidden states and p come from the cache
-            cache = HiddenStateCache(
-                cfg.hidden_cache, target, [*train_examples, *eval_examples], drafter.capture_layers
-            )
-            features = CachedTarget(target, cache)
-        prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
-        warn_the_loop_loads_the_whole_target(cfg, prompts)
-    cfg.drafter = drafter.config  # the resolved layers and mask token go into train_config.yaml
-    print(summary.format(), file=sys.stderr)
-    dc = drafter.config
-    print(
-        f"[specdraft] DFlash drafter: {dc.num_layers} layer(s), "
-        f"{drafter.num_extra_parameters(target) / 1e6:.2f}M parameters (target "
-        f"{target.num_parameters() / 1e6:.2f}M), features from layers {drafter.capture_layers}, "
-        f"blocks of {dc.block_size} (mask token {dc.mask_token_id}), {dc.anchors} anchors a "
-        "sequence",
-        file=sys.stderr,
+    """Set up, train and report one run of `cfg` (train/eagle.py's `run` with a DFlash drafter,
+    which shares the target's LM head, so a sharded run keeps it)."""
+    return eagle.run(
+        cfg, build=build_drafter, describe=drafter_summary, release_lm_head=lambda _: False
     )
-    result = train(
-        cfg, drafter, features, train_examples, eval_examples, tokenizer=target.tokenizer,
-        provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
-    )  # fmt: skip
-    with whole_model_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
-        features = None  # a sharded target's or the cache's memory goes before the whole one
-        report_after_training(target, result, prompts, cfg)
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:

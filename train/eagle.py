@@ -63,15 +63,30 @@ def build_head(cfg: EagleConfig, target, train_examples, cls=EagleDrafter) -> Ea
 
 def head_summary(head: EagleDrafter) -> str:
     hc = head.config
-    return f"{hc.version} head, training-time test {hc.ttt_steps} steps"
+    return (
+        f"{hc.version} head, training-time test {hc.ttt_steps} steps, "
+        f"draft vocab {head.draft_vocab_size}"
+    )
 
 
-def run(cfg: EagleTrainConfig, build=build_head, describe=head_summary) -> TrainResult:
+def copied_its_lm_head(head: EagleDrafter) -> bool:
+    """An EAGLE-3 head copied its draft vocabulary's rows of the target's LM head when it was
+    built and never reads the target's again."""
+    return head.config.version == "eagle3"
+
+
+def run(
+    cfg: EagleTrainConfig,
+    build=build_head,
+    describe=head_summary,
+    release_lm_head=copied_its_lm_head,
+) -> TrainResult:
     """Set up, train and report one run of `cfg`: what `main` does once the command line is
     read, and what scripts/compare.py calls. Raises SetupError before training for missing
-    data, a bad target, bad layer ids or vocabulary size. A kind built on the EAGLE head
-    (train/peagle.py) gives its own `build(drafter config, target, train examples)` and
-    `describe(head)` (the line printed before training)."""
+    data, a bad target, bad layer ids or vocabulary size. A kind trained the same way, on the
+    target's hidden states (train/peagle.py, train/dflash.py), gives its own `build(drafter
+    config, target, train examples)`, `describe(head)` (the line printed before training) and
+    `release_lm_head(head)` (whether a sharded run may let the head's copy of the LM head go)."""
     with setting_up():
         # offline, the target's hidden states come from the cache, and sharded, from its
         # partitioned forward: the head's own copy of the target reads only its embedding and
@@ -86,9 +101,8 @@ def run(cfg: EagleTrainConfig, build=build_head, describe=head_summary) -> Train
         train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
         torch.manual_seed(cfg.seed)  # the head's random init; identical on every process
         head = build(cfg.drafter, target, train_examples)
-        if cfg.target_sharding != "none" and head.config.version == "eagle3":
-            # the sharded target computes the logits; the head copied its draft vocabulary's
-            # rows of the LM head when it was built and never reads the copy's again
+        if cfg.target_sharding != "none" and release_lm_head(head):
+            # the sharded target computes the logits, and the head reads no more of the copy's
             target.release_lm_head()
         if cfg.hidden_cache:  # offline: hidden states and p come from the cache
             cache = HiddenStateCache(
@@ -102,7 +116,7 @@ def run(cfg: EagleTrainConfig, build=build_head, describe=head_summary) -> Train
     print(
         f"[specdraft] {describe(head)}: {head.num_extra_parameters(target) / 1e6:.2f}M "
         f"parameters (target {target.num_parameters() / 1e6:.2f}M), features from "
-        f"layers {head.capture_layers}, draft vocab {head.draft_vocab_size}",
+        f"layers {head.capture_layers}",
         file=sys.stderr,
     )
     result = train(

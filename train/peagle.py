@@ -34,7 +34,8 @@ def head_summary(head: PEagleDrafter) -> str:
     c = head.config
     return (
         f"P-EAGLE head, {c.num_depths} tokens per forward, COD ratio {c.down_sample_ratio} "
-        f"(floor {c.down_sample_ratio_min}), mask token {c.mask_token_id}"
+        f"(floor {c.down_sample_ratio_min}), mask token {c.mask_token_id}, "
+        f"draft vocab {head.draft_vocab_size}"
     )
 
 

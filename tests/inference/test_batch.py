@@ -17,10 +17,10 @@ from spec_helpers import (
     tiny_llama,
 )
 
-from specdraft.core import SamplingSettings, process_logits
-from specdraft.drafters.base import BatchSession
-from specdraft.drafters.distill import DistillDrafter
 from specdraft import batch as batch_module
+from specdraft.core import SamplingSettings, process_logits
+from specdraft.drafters.distill import DistillBatchSession, DistillDrafter
+from specdraft.drafters.medusa_session import MedusaBatchSession
 from specdraft.inference import generate
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
@@ -76,6 +76,48 @@ def test_batched_greedy_rows_equal_each_row_alone(
     assert out.tokens.shape == (size, max(out.lengths))
     passes = sum(s.target_passes for s in out.row_stats)
     assert out.stats.tau == pytest.approx(sum(out.lengths) / passes)
+
+
+BATCH_NATIVE = {
+    "distill": DistillBatchSession,
+    "medusa": MedusaBatchSession,
+}  # kind -> its session drafting a batch at once
+
+
+@pytest.mark.parametrize("kind", sorted(BATCH_NATIVE))
+def test_a_batch_native_session_drafts_what_each_row_drafts_alone(
+    random_target, examples, kind_drafter, kind, monkeypatch
+):
+    """Row for row the same drafts as the one-sequence session: the same tokens, so the same
+    statistics (drafted, reached and accepted per depth), with each row's own stop_below and
+    dynamic gamma."""
+    drafter = kind_drafter(kind)
+    sessions = []
+    new = type(drafter).new_batch_session
+
+    def recording(self, *args, **kwargs):
+        sessions.append(new(self, *args, **kwargs))
+        return sessions[-1]
+
+    monkeypatch.setattr(type(drafter), "new_batch_session", recording)
+    prompts = ragged(examples, 7)
+    for options in (
+        dict(gamma=3),
+        dict(gamma=5, stop_below=0.5),
+        dict(gamma=2, dynamic_gamma=True) if kind == "distill" else dict(gamma=2),
+    ):
+        options = dict(options, max_new_tokens=NEW)
+        out = generate(random_target, prompts, drafter, **options)
+        assert isinstance(sessions[-1], BATCH_NATIVE[kind])
+        single = [generate(random_target, p, drafter, **options) for p in prompts]
+        assert out.rows() == [s.tokens[0].tolist() for s in single]
+        for batched, one in zip(out.row_stats, single, strict=True):
+            assert (batched.drafted, batched.reached_at, batched.accepted_at) == (
+                one.stats.drafted,
+                one.stats.reached_at,
+                one.stats.accepted_at,
+            )
+        assert out.stats.accepted > 0
 
 
 @pytest.mark.parametrize("drafter", [None, "prompt_lookup", "copy-with-lookup"])
@@ -176,7 +218,7 @@ def test_sampled_rows_follow_the_target(topk):
     assert chi_square_p_value(counts.flatten(), exact.flatten()) > FALSE_ALARM
 
 
-def test_a_bad_batch_is_a_clear_error(random_target, kind_drafter, monkeypatch):
+def test_a_bad_batch_is_a_clear_error(random_target):
     t = random_target
     cases = [
         ([[1, 2], []], "prompt 1 is empty"),
@@ -188,9 +230,3 @@ def test_a_bad_batch_is_a_clear_error(random_target, kind_drafter, monkeypatch):
     for ids, message in cases:
         with pytest.raises(ValueError, match=message):
             generate(t, ids, max_new_tokens=8)
-    # copying puts prompt lookup in front of each row's session: a kind drafting the whole
-    # batch in one pass has no rows to put it in front of
-    drafter = kind_drafter("distill")
-    monkeypatch.setattr(type(drafter), "new_batch_session", lambda *a, **k: BatchSession())
-    with pytest.raises(ValueError, match=r"drafts a batch in one pass.*lookup_ngram=0"):
-        generate(t, [[1, 2], [3]], drafter, max_new_tokens=4, lookup_ngram=2)

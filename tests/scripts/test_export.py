@@ -81,17 +81,20 @@ def test_export_writes_eagle_heads_that_load_back(deep_target, eagle_folders, fm
 def test_an_export_carries_the_decoding_settings_it_was_tuned_to(
     deep_target, eagle_folders, heads_folder, fmt, tmp_path
 ):
-    """A folder tuned to a chain of 3 with copying, int8 drafting and a stop rule exports them,
-    and the export reads back with them, not with DecodeConfig()'s gamma 5 and no copying.
-    A speculators folder's gamma is its speculative_tokens, which vLLM serves."""
+    """A folder tuned to a chain of 3 with copying, int8 drafting, a stop rule and a schedule
+    by batch size reads back with them, and so does its export, not with DecodeConfig()'s
+    gamma 5 and no copying. A speculators folder's gamma is its speculative_tokens, which vLLM
+    serves."""
     kind = FORMATS[fmt].kinds[0]
     source = {"medusa": heads_folder}.get(kind) or eagle_folders["eagle1" if fmt == "eagle" else "eagle3"]  # fmt: skip
     folder = tmp_path / "tuned"
     shutil.copytree(source, folder)
+    schedule = [{"batch_size": 4, "gamma": 2}, {"batch_size": 16, "off": True}]
     tuned = drafter_class(kind).decode_settings(
-        gamma=3, lookup_ngram=2, draft_weights="int8", stop_below=0.1
+        gamma=3, lookup_ngram=2, draft_weights="int8", stop_below=0.1, batch_schedule=schedule
     )  # the kind's own settings class (MedusaDecode for heads)
     set_decode(folder, tuned)
+    assert load_decoding(folder) == tuned and load_decoding(folder).for_batch(16) is None
     out = tmp_path / fmt
     assert export.main(["--format", fmt, str(folder), str(out)]) == 0
     assert load_decoding(out) == tuned

@@ -34,7 +34,10 @@ def test_counts_equal_a_head_built_with_weights(tiny_target_path, capsys):
     total = plan["target_parameters"]
     assert plan["target_zero3"] == pytest.approx((total * 2 / 4 + (total + 5e7) * 2) / gib)
     assert plan["activations"] == pytest.approx(0.5 * 512 * 2 / 1024)
-    rest = plan["head_embedding_copy"] + plan["head_zero2"] + plan["activations"]
+    # the measured loss working set, for this target's vocabulary and a 1,024-position chunk
+    loss = memory_plan.LOSS_MIB_MEASURED / 1024 * target.vocab_size / 128256
+    assert plan["loss"] == pytest.approx(loss) and plan["loss_chunk_tokens"] == 1024
+    rest = plan["head_embedding_copy"] + plan["head_zero2"] + plan["activations"] + plan["loss"]
     assert plan["ZeRO-3 target, ZeRO-2 head"] == pytest.approx(plan["target_zero3"] + rest)
 
 
@@ -44,3 +47,6 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         memory_plan.main([str(tmp_path), "--gpus", "0"])
     assert "at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        memory_plan.main([str(tmp_path), "--loss-chunk-tokens", "-1"])
+    assert "--loss-chunk-tokens must be >= 0" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.layerskip import LayerSkipDecode
@@ -335,3 +336,120 @@ def test_copying_that_pays_only_in_long_copies_is_found(monkeypatch):
     long = DecodeConfig(gamma=2, draft_weights="int8", lookup_ngram=3, lookup_gamma=8)
     fit = tune._fit(Int8(), long.replace(lookup_ngram=0), "lookup_ngram", long)
     assert fit == DecodeConfig(gamma=2, draft_weights="int8")
+
+
+def test_each_batch_size_gets_the_fastest_of_its_race(monkeypatch):
+    """Deep drafts pay at batch 1, shallow ones at 4, none at 16 (plain decoding wins there):
+    the schedule holds each race's winner, a tree's budget raced with its depth; a faster
+    candidate whose greedy output differs from plain decoding's never wins."""
+    speed = {  # (batch size, gamma, tree_budget) -> seconds; plain decoding takes 1.0
+        1: {(4, 12): 0.5, (2, 12): 0.7, (4, 6): 0.6, (2, 6): 0.8},
+        4: {(4, 12): 0.9, (2, 12): 0.8, (4, 6): 0.85, (2, 6): 0.6},
+        16: {(4, 12): 1.3, (2, 12): 1.2, (4, 6): 1.1, (2, 6): 0.9},
+    }
+    wrong = {(16, 2, 6)}  # faster than plain at 16 only where its output differs: ignored
+
+    def fake_race(target, drafter, prompts, decodes, **_):
+        size = prompts[0].shape[0]
+        trials = [tune.Trial(None, 1.0, Stats(new_tokens=10), [[1]])]
+        for d in decodes:
+            seconds = speed[size][d.gamma, d.tree_budget]
+            out = [[2]] if (size, d.gamma, d.tree_budget) in wrong else [[1]]
+            trials.append(tune.Trial(d, seconds, Stats(new_tokens=10), out))
+        return trials
+
+    class Trees(_Fake):
+        def ignored_settings(self, decode):
+            return []
+
+    monkeypatch.setattr(tune, "race", fake_race)
+    prompts = [torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5]])]
+    base = DecodeConfig(gamma=4, tree_top_k=2, tree_budget=12)
+    space = {"gamma": [2, 4], "tree_budget": [6, 12], "stop_below": [0.2]}
+    result = tune.tune_batch_schedule(
+        None, Trees(), prompts, space, base=base, batch_sizes=[1, 4, 16], max_new_tokens=4
+    )
+    assert result.decode.batch_schedule == [
+        {"batch_size": 1},  # the base settings won
+        {"batch_size": 4, "gamma": 2, "tree_budget": 6},
+        {"batch_size": 16, "off": True},
+    ]
+    assert result.decode.for_batch(1) == base and result.decode.for_batch(32) is None
+    for size in (1, 4, 16):  # plain decoding and the four (gamma, budget) pairs raced
+        raced = [r for r in result.rows if r["batch_size"] == size]
+        assert len(raced) == 5 and sum(r["chosen"] for r in raced) == 1
+        exact = [r for r in raced if r["matches_plain"]]
+        chosen = next(r for r in raced if r["chosen"])
+        assert chosen is max(exact, key=lambda r: r["tokens_per_s"])
+    assert [m["settings"] for m in result.measured] == [{}, {"gamma": 2, "tree_budget": 6}, "off"]
+    assert result.measured[2]["speedup"] == 1.0
+    # a chain races its depth only
+    chain = tune.tune_batch_schedule(
+        None, Trees(), prompts, {"gamma": [2, 4], "tree_budget": [6]}, base=base.replace(
+            tree_top_k=1), batch_sizes=[4], max_new_tokens=4,
+    )  # fmt: skip
+    assert len(chain.rows) == 3 and chain.decode.batch_schedule == [{"batch_size": 4, "gamma": 2}]
+    with pytest.raises(ValueError, match="batch sizes must increase"):
+        tune.tune_batch_schedule(
+            None, Trees(), prompts, space, base=base, batch_sizes=[4, 1], max_new_tokens=4
+        )
+
+
+def test_prompts_are_batched_padded_and_reused_to_fill_a_batch():
+    prompts = [torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5]]), torch.tensor([[6]])]
+    assert [b.tolist() for b in tune.batches(prompts, 1)] == [[[1, 2, 3]], [[4, 5]], [[6]]]
+    two = tune.batches(prompts, 2)  # every prompt once, the first again to fill the last
+    assert [b.tolist() for b in two] == [[[1, 2, 3], [4, 5, -1]], [[6, -1, -1], [1, 2, 3]]]
+    assert [b.shape for b in tune.batches(prompts, 4)] == [(4, 3)]
+
+
+def test_batch_sizes_save_a_schedule_of_each_races_fastest(layerskip_folder, tmp_path, capsys):
+    """--batch-sizes races gamma and plain decoding at each batch size on real batches and
+    saves the winners as the folder's batch_schedule: each entry is its race's fastest exact
+    candidate by the race's own figures, and the folder decodes a batch with it."""
+    report = tmp_path / "tune.json"
+    code = main([
+        str(layerskip_folder), "--num-prompts", "2", "--max-new-tokens", "8",
+        "--search", "gamma=1,2", "stop_below=", "lookup_ngram=", "lookup_gamma=", "exit_layer=",
+        "draft_weights=", "--batch-sizes", "1,3", "--passes", "1", "--output", str(report),
+    ])  # fmt: skip
+    assert code == 0
+    result = json.loads(report.read_text())
+    schedule = result["decode"]["batch_schedule"]
+    assert [e["batch_size"] for e in schedule] == [1, 3]
+    for entry, measured in zip(schedule, result["measured"]["batch_schedule"], strict=True):
+        raced = [r for r in result["batch_search"] if r["batch_size"] == entry["batch_size"]]
+        # plain decoding, the tuned settings, and them at gamma 1 and 2 (once each)
+        gammas = {1, 2, result["decode"]["gamma"]}
+        assert [r["settings"] for r in raced[:2]] == ["off", {}] and len(raced) == 1 + len(gammas)
+        assert {r["settings"].get("gamma") for r in raced[2:]} == gammas - {
+            result["decode"]["gamma"]
+        }
+        assert all(r["matches_plain"] for r in raced)  # float32: every candidate exact
+        chosen = [r for r in raced if r["chosen"]]
+        assert chosen == [max(raced, key=lambda r: r["tokens_per_s"])]
+        settings = chosen[0]["settings"]
+        assert entry == {"batch_size": entry["batch_size"], **({"off": True} if settings == "off" else settings)}  # fmt: skip
+        assert measured["tokens_per_s"] == chosen[0]["tokens_per_s"]
+    saved = load_decoding(layerskip_folder)
+    assert saved.batch_schedule == schedule
+    assert "batch size 3: " in capsys.readouterr().out
+
+
+def test_a_search_races_without_the_schedule_and_keeps_it(monkeypatch):
+    """An entry for batch size 1 would override the very setting a round races: the search
+    races the settings without their schedule, and hands the schedule back on its pick."""
+    raced = []
+
+    def price(d):
+        raced.append(d.batch_schedule)
+        return d.gamma
+
+    monkeypatch.setattr(tune, "race", _priced_race(price))
+    schedule = [{"batch_size": 1, "gamma": 4}, {"batch_size": 8, "off": True}]
+    start = DecodeConfig(gamma=3, batch_schedule=schedule)
+    best, _ = tune.search_decode(
+        None, _Chains(), [], {"gamma": [1, 3, 4]}, max_new_tokens=4, start=start
+    )
+    assert best.gamma == 1 and best.batch_schedule == schedule
+    assert raced and all(s == [] for s in raced)
