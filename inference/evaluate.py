@@ -5,7 +5,11 @@ decoding `ar` first, the reference for speedups; transformers' generate; prompt 
 drafter, with transformers' assisted decoding beside it); `measure` (inference/measure.py)
 decodes the same prompts with each; `make_report` turns them into report.json's rows and
 `evaluation_report` into the report inference/report.py writes: report.json, report.md and
-three plots. Plots name each run by a
+three plots. With several batch sizes (`EvalSpec.batch_sizes`) every method runs at each, one
+row per method and batch size, its speedup against plain decoding at the same batch size; the
+report adds each method's crossover (`crossover`: the smallest batch size where it is slower
+than plain decoding) and a fourth plot, tokens/s and speedup against batch size. Plots name
+each run by a
 short label (`short_labels`) that report.md and report.json key to its full name; a lossy run
 (Medusa's typical acceptance at temperature > 0) has "(lossy)" after its label, a `lossy` flag
 and a line of its own in report.md, beside every run's mean log p (the target's log-likelihood
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +38,10 @@ BASELINES = ("ar", "hf_ar", "prompt_lookup", "hf_assisted", "hf_prompt_lookup", 
 HF_GAMMA = DecodeConfig().gamma
 # A run name up to this long is its own label; a longer one is labelled by its method, numbered.
 LABEL_CHARS = 16
+# transformers' assisted generation (a draft model, prompt lookup, early exit) decodes one
+# sequence at a time ("assisted generate is only supported for batch_size = 1"): these run at
+# batch size 1 only, and a batch-size sweep leaves them out of every larger batch size
+UNBATCHED = ("hf_assisted", "hf_prompt_lookup", "hf_early_exit")
 
 # --- runs --------------------------------------------------------------------------------------
 
@@ -61,9 +69,12 @@ class EvalSpec:
     gamma: int | None = None
     tree_top_k: int | None = None
     seed: int = 0
+    # every method is measured at each batch size (prompts decoded together per call)
+    batch_sizes: tuple[int, ...] = (1,)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "drafters", tuple(self.drafters))
+        object.__setattr__(self, "batch_sizes", check_batch_sizes(self.batch_sizes))
         object.__setattr__(self, "baselines", tuple(b for b in self.baselines if b))
         unknown = set(self.baselines) - set(BASELINES)
         if unknown:
@@ -75,10 +86,62 @@ class EvalSpec:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         if self.max_new_tokens < 1 or self.num_prompts < 1:
             raise ValueError("--max-new-tokens and --num-prompts must be >= 1")
+        self.prompts_measured(self.num_prompts, "--num-prompts")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def prompts_measured(self, available: int, given: str = "--prompts") -> int:
+        """How many of `available` prompts are measured: all of them at batch size 1 only; with
+        batch sizes, the most that every batch size cuts into whole batches (a multiple of their
+        least common multiple), so every batch size decodes the same prompts in full batches.
+        ValueError, naming the fix, where that is none."""
+        group = math.lcm(*self.batch_sizes)
+        if available == 0:
+            raise ValueError(f"{given} gives no prompts")
+        if available < group:
+            sizes = ",".join(map(str, self.batch_sizes))
+            why = (
+                f"one batch of {group}"
+                if group == max(self.batch_sizes)
+                else f"whole batches of each size: a multiple of {group}"
+            )
+            raise ValueError(
+                f"--batch-sizes {sizes} needs at least {group} prompts ({why}), and {given} "
+                f"gives {available}: raise --num-prompts to {group} (with a prompt file that "
+                "holds as many) or drop the larger batch sizes"
+            )
+        return available - available % group
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    """--batch-sizes "1,2,4,8,16": whole numbers >= 1, each at most once; returned in increasing
+    order. ValueError names a bad one."""
+    items = [t.strip() for t in text.split(",")]
+    if not text.strip() or not all(items):
+        raise ValueError(f"{text!r}: give batch sizes separated by commas, e.g. 1,2,4,8,16")
+    sizes = []
+    for item in items:
+        try:
+            sizes.append(int(item))
+        except ValueError:
+            raise ValueError(
+                f"{item!r} is not a batch size: give whole numbers >= 1, e.g. 1,2,4,8,16"
+            ) from None
+    return check_batch_sizes(sizes)
+
+
+def check_batch_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Batch sizes as a sorted tuple, or ValueError for one below 1, a repeat or none."""
+    if not sizes:
+        raise ValueError("give at least one batch size, e.g. 1")
+    for b in sizes:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"batch size {b!r}: each must be a whole number >= 1, e.g. 1,2,4")
+    if len(set(sizes)) < len(sizes):
+        raise ValueError(f"{','.join(map(str, sizes))}: give each batch size once")
+    return tuple(sorted(sizes))
 
 
 def parse_dtypes(text: str | None, device: str | None = None) -> list[torch.dtype | None]:
@@ -111,13 +174,25 @@ def runs_per_precision(spec: EvalSpec, targets: Sequence, loaded: dict | None = 
 def build_runs(spec: EvalSpec, target, suffix: str = "", loaded: dict | None = None) -> list[Run]:
     """The methods `spec` asks for: `ar` first, then the baselines, then each drafter's runs;
     each run's name ends with `suffix` (the precision, "@bf16", when several are measured) and
-    carries the target's dtype."""
+    carries the target's dtype. Each method once per batch size of `spec.batch_sizes`, smallest
+    first, transformers' assisted ones (UNBATCHED) at batch size 1 only."""
     runs = _runs(spec, target, loaded)
     for run in runs:
         run.name += suffix
         run.same_as = None if run.same_as is None else run.same_as + suffix
         run.dtype = dtype_name(target.dtype)
-    return runs
+    return at_batch_sizes(runs, spec.batch_sizes)
+
+
+def at_batch_sizes(runs: Sequence[Run], batch_sizes: Sequence[int]) -> list[Run]:
+    """Each run at every batch size, smallest first (sharing its decode: drafters and models
+    are loaded once); the UNBATCHED methods at batch size 1 only."""
+    return [
+        run.at_batch_size(b)
+        for b in batch_sizes
+        for run in runs
+        if b == 1 or run.method not in UNBATCHED
+    ]
 
 
 def _runs(spec: EvalSpec, target, loaded: dict | None) -> list[Run]:
@@ -166,21 +241,39 @@ def _hf(target, spec: EvalSpec, model_settings: dict | None = None, **options):
     eos = eos_ids(target.model)
     config = target.model.generation_config
 
-    def decode(ids):
+    pad = target.tokenizer.pad_token_id
+    pad = pad if pad is not None else min(eos, default=0)
+
+    def decode(batch):
         torch.manual_seed(spec.seed)  # transformers samples from the global generator
         saved = {k: getattr(config, k, None) for k in model_settings or {}}
         for k, v in (model_settings or {}).items():
             setattr(config, k, v)
+        ids, padding = batch[0], {}
+        if len(batch) > 1:  # rows of different lengths: padded on the left, masked
+            ids, mask = _left_padded(batch, pad)
+            padding = dict(attention_mask=mask, pad_token_id=pad)
         try:
             out = target.model.generate(
-                ids, max_new_tokens=spec.max_new_tokens, **sample, **options
+                ids, max_new_tokens=spec.max_new_tokens, **sample, **padding, **options
             )
         finally:
             for k, v in saved.items():
                 setattr(config, k, v)
-        return _until_eos(out[0, ids.shape[1] :].tolist(), eos), None
+        return [_until_eos(row[ids.shape[1] :].tolist(), eos) for row in out], None
 
     return decode
+
+
+def _left_padded(batch: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, L_i) prompts as one (B, max L) tensor padded on the left with `pad`, and its mask."""
+    width = max(p.shape[1] for p in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long, device=batch[0].device)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(batch):
+        ids[i, width - p.shape[1] :] = p[0]
+        mask[i, width - p.shape[1] :] = 1
+    return ids, mask
 
 
 def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
@@ -254,37 +347,48 @@ def split_drafter_spec(spec: str) -> tuple[str, list[str]]:
 
 
 def make_report(spec: EvalSpec, targets, runs: Sequence[Run]) -> dict:
-    """report.json's content: the target, the settings, and one row of figures per run, each with
-    the short `label` the plots name it by. `targets`: the target, or one per precision measured
-    (runs carry their dtype; each precision's `ar` comes first among its runs).
+    """report.json's content: the target, the settings, one row of figures per run (a method at
+    one batch size), each with the short `label` the plots name it by (the same at every batch
+    size), and each method's `crossover` batch size. `targets`: the target, or one per precision
+    measured (runs carry their dtype; each precision's `ar` comes first among its runs).
 
     Speedups are honest across precisions: `speedup_vs_ar` is against the *fastest* plain
-    decoding measured, whatever its precision, so a bf16 method is never flattered by a slow
-    bf16 baseline; `speedup_vs_ar_same_dtype` is against plain decoding in the run's own
-    precision. Greedy output is checked (`matches_ar`) against the plain decoding of the run's
-    own precision (or its `same_as`): in bf16 a multi-token pass can round a near tie
-    differently from a one-token step, and the report says so as measured."""
+    decoding measured at the run's batch size, whatever its precision, so a bf16 method is
+    never flattered by a slow bf16 baseline; `speedup_vs_ar_same_dtype` is against plain
+    decoding in the run's own precision and batch size. Greedy output is checked (`matches_ar`)
+    against the plain decoding of the run's own precision and batch size (or its `same_as`): in
+    bf16 a multi-token pass can round a near tie differently from a one-token step, and the
+    report says so as measured."""
     targets = list(targets) if isinstance(targets, (list, tuple)) else [targets]
     of_dtype = {dtype_name(t.dtype): t for t in targets}
     greedy = spec.greedy
-    by_name = {run.name: run for run in runs}
-    plain = {}  # dtype -> that precision's plain decoding
+    by_name = {(run.name, run.batch_size): run for run in runs}
+    plain = {}  # (dtype, batch size) -> that precision's plain decoding at that batch size
     for run in runs:
         if run.method == "ar" and run.same_as is None:
-            plain.setdefault(run.dtype, run)
-    fastest = max(plain.values(), key=lambda r: r.stats.new_tokens / r.seconds)
+            plain.setdefault((run.dtype, run.batch_size), run)
+    fastest = {}  # batch size -> the fastest plain decoding at it, whatever its precision
+    for (_, b), run in plain.items():
+        if b not in fastest or _tokens_per_s(run) > _tokens_per_s(fastest[b]):
+            fastest[b] = run
     rows = []
     for run in runs:
-        own = plain[run.dtype]
+        b = run.batch_size
+        own = plain[run.dtype, b]
         target = of_dtype.get(run.dtype, targets[0])
-        row = summarize(run, fastest, target, greedy, same_as=by_name.get(run.same_as, own))
+        same_as = by_name.get((run.same_as, b), own)
+        row = summarize(run, fastest[b], target, greedy, same_as=same_as)
         row["dtype"] = run.dtype
-        row["speedup_vs_ar_same_dtype"] = (run.stats.new_tokens / run.seconds) / (
-            own.stats.new_tokens / own.seconds
-        )
+        row["speedup_vs_ar_same_dtype"] = _tokens_per_s(run) / _tokens_per_s(own)
         rows.append(row)
-    for row, label in zip(rows, short_labels(rows), strict=True):
+    # one label per method, the same at every batch size: its lines in the sweep's plot
+    first: dict[str, dict] = {}
+    for row in rows:
+        first.setdefault(row["name"], row)
+    label_of = dict(zip(first, short_labels(list(first.values())), strict=True))
+    for row in rows:
         # a lossy run's speedup is not comparable to the exact ones': every plot says so too
+        label = label_of[row["name"]]
         row["label"] = f"{label} (lossy)" if row["lossy"] else label
     keys = (
         "max_new_tokens",
@@ -297,17 +401,36 @@ def make_report(spec: EvalSpec, targets, runs: Sequence[Run]) -> dict:
         "prompts",
     )
     settings = {k: getattr(spec, k) for k in keys}
+    sizes = sorted(fastest)
     settings.update(
         device=str(targets[0].device),
         dtype=", ".join(of_dtype),
-        fastest_plain=fastest.name,
+        fastest_plain=fastest[sizes[0]].name,
         torch_threads=torch.get_num_threads(),
+        batch_sizes=sizes,
+        num_prompts=len(runs[0].outputs),
     )
+    speedups: dict[str, dict[int, float]] = {}  # method -> batch size -> speedup
+    for row in rows:
+        if row["method"] != "ar":  # plain decoding, of the base or a fine-tuned target
+            speedups.setdefault(row["name"], {})[row["batch_size"]] = row["speedup_vs_ar"]
     return {
         "target": {"name": targets[0].name, **targets[0].fingerprint},
         "settings": settings,
         "runs": rows,
+        "crossover": {name: crossover(by_size) for name, by_size in speedups.items()},
     }
+
+
+def crossover(speedups: Mapping[int, float]) -> int | None:
+    """The smallest batch size at which a method's speedup (batch size -> its speedup over plain
+    decoding at that batch size) is below 1: where batching has made plain decoding the faster.
+    None where it is at least 1 at every batch size measured."""
+    return min((b for b, s in speedups.items() if s < 1), default=None)
+
+
+def _tokens_per_s(run: Run) -> float:
+    return run.stats.new_tokens / run.seconds
 
 
 def short_labels(rows: Sequence[dict]) -> list[str]:
@@ -338,6 +461,7 @@ def short_labels(rows: Sequence[dict]) -> list[str]:
 RUN_COLUMNS = (
     Column("label", "label"),
     Column("name", "run"),
+    Column("batch_size", "batch"),
     Column("dtype", "dtype"),
     Column("tau", "tau", "{:.2f}"),
     Column("tokens_per_s", "tokens/s", "{:.1f}"),
@@ -352,25 +476,32 @@ RUN_COLUMNS = (
     Column("lossy", "lossy", lambda lossy: "yes" if lossy else "no"),
 )
 # the W&B run's table: these keys of every run
-WANDB_KEYS = ("label", "name", "method", "tau", "tokens_per_s", "speedup_vs_ar", "overhead",
-              "mean_log_p", "lossy")  # fmt: skip
+WANDB_KEYS = ("label", "name", "method", "batch_size", "tau", "tokens_per_s", "speedup_vs_ar",
+              "overhead", "mean_log_p", "lossy")  # fmt: skip
 
 
 def evaluation_report(report: dict, runs: Sequence[Run]) -> Report:
     """What scripts/evaluate.py writes (inference/report.py's write_report): `report` as
-    report.json, its markdown, and three plots: acceptance per position and the tau
-    distribution of the runs that drafted, and every run's speedup with its draft/verify split."""
+    report.json, its markdown, and three plots of the runs at the smallest batch size measured:
+    acceptance per position and the tau distribution of the runs that drafted, and every run's
+    speedup with its draft/verify split; with several batch sizes a fourth, batch_sizes.png:
+    every method's tokens/s and speedup against batch size."""
+    smallest = report["settings"]["batch_sizes"][0]
     # the runs that drafted: each in the same place of report.styles in both plots that show them
     drafted = [
         (r, run)
         for r, run in zip(report["runs"], runs, strict=True)
-        if r["acceptance_per_position"]
+        if r["acceptance_per_position"] and r["batch_size"] == smallest
     ]
     figures = {
         "acceptance_per_position": acceptance_figure([r for r, _ in drafted]),
         "tau_distribution": lambda plt: _tau_distribution(plt, drafted, styles(len(drafted), plt)),
-        "speedup": lambda plt: _speedup(plt, report["runs"]),
+        "speedup": lambda plt: _speedup(
+            plt, [r for r in report["runs"] if r["batch_size"] == smallest]
+        ),
     }
+    if len(report["settings"]["batch_sizes"]) > 1:
+        figures["batch_sizes"] = lambda plt: batch_size_figure(plt, report)
     return Report(
         report, markdown(report), figures, job_type="evaluate", config=report["settings"],
         table_name="runs", table_keys=WANDB_KEYS, rows=report["runs"],
@@ -393,8 +524,58 @@ def markdown(report: dict) -> str:
         "lossless runs share with `ar` up to noise. The plots name each run by its label.",
         "",
         *runs_markdown(report["runs"]),
+        *sweep_markdown(report),
     ]
     return "\n".join(lines) + "\n"
+
+
+def sweep_markdown(report: dict) -> list[str]:
+    """With several batch sizes: each method's speedup and tau at each (speedup over plain
+    decoding at the same batch size), plain decoding's tokens/s, and each method's crossover.
+    Nothing otherwise."""
+    sizes = report["settings"]["batch_sizes"]
+    if len(sizes) < 2:
+        return []
+    rows = report["runs"]
+    at = {(r["name"], r["batch_size"]): r for r in rows}
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    lines = [
+        "",
+        "## Speedup against batch size",
+        "",
+        f"The same {report['settings']['num_prompts']} prompts at every batch size, decoded "
+        "b at a time (each call one batch); speedup over plain decoding (`ar`) at the same "
+        "batch size, with tau in brackets; tokens/s counts the whole batch's new tokens. Crossover: the smallest "
+        "batch size measured at which the method is slower than plain decoding."
+        + (
+            " Transformers' assisted generation decodes one sequence at a time: measured at "
+            "batch size 1 only."
+            if any(r["method"] in UNBATCHED for r in rows)
+            else ""
+        ),
+        "",
+        "| label | " + " | ".join(f"b={b}" for b in sizes) + " | crossover |",
+        "| --- | " + " | ".join("---:" for _ in sizes) + " | ---: |",
+    ]
+    for name in names:
+        plain = name not in report["crossover"]
+        cells = []
+        for b in sizes:
+            r = at.get((name, b))
+            if r is None:
+                cells.append("-")
+            elif plain:
+                cells.append(f"{r['tokens_per_s']:.1f} tok/s")
+            else:  # tau where the run reports one (transformers' generate does not)
+                tau = f" (tau {r['tau']:.2f})" if r["tau"] is not None else ""
+                cells.append(f"{r['speedup_vs_ar']:.2f}x{tau}")
+        label = next(r["label"] for r in rows if r["name"] == name)
+        cross = ""  # plain decoding has none
+        if not plain:
+            at_b = report["crossover"][name]
+            cross = "none" if at_b is None else f"b={at_b}"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {cross} |")
+    return lines
 
 
 def runs_markdown(rows: Sequence[dict]) -> list[str]:
@@ -410,10 +591,12 @@ def runs_markdown(rows: Sequence[dict]) -> list[str]:
             "runs') for speed, so their speedup is not comparable to the exact runs'.",
         ]
     lines += ["", "Acceptance per position (alpha_i):", ""]
+    sweep = len({r["batch_size"] for r in rows}) > 1
     for r in rows:
         if r["acceptance_per_position"]:
             alphas = ", ".join(f"{a:.2f}" for a in r["acceptance_per_position"])
-            lines.append(f"- {r['label']}: {alphas}")
+            at = f" (b={r['batch_size']})" if sweep else ""
+            lines.append(f"- {r['label']}{at}: {alphas}")
     return lines
 
 
@@ -449,6 +632,44 @@ def _tau_distribution(plt, drafted, styles):
     fig.supxlabel("tokens emitted per target pass")
     fig.supylabel("share of passes")
     fig.tight_layout()
+    return fig
+
+
+def batch_size_figure(plt, report: dict):
+    """Tokens/s (plain decoding included) and speedup against batch size, one line per method
+    in its place of report.styles; the speedup panel marks 1 (plain decoding) and each
+    crossover."""
+    rows = report["runs"]
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, style in zip(names, styles(len(names), plt), strict=True):
+        mine = sorted((r for r in rows if r["name"] == name), key=lambda r: r["batch_size"])
+        sizes = [r["batch_size"] for r in mine]
+        label = mine[0]["label"]
+        plain = name not in report["crossover"]
+        left.plot(sizes, [r["tokens_per_s"] for r in mine], label=label, alpha=0.85,
+                  ls="--" if plain else "-", **style)  # fmt: skip
+        if not plain:
+            right.plot(sizes, [r["speedup_vs_ar"] for r in mine], label=label, alpha=0.85,
+                       **style)  # fmt: skip
+            cross = report["crossover"][name]
+            if cross is not None:
+                at = next(r["speedup_vs_ar"] for r in mine if r["batch_size"] == cross)
+                right.scatter([cross], [at], s=160, facecolors="none", edgecolors=style["color"])
+    right.axhline(1.0, color="black", lw=0.8)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(report["settings"]["batch_sizes"])
+        ax.set_xticklabels([str(b) for b in report["settings"]["batch_sizes"]])
+        ax.set_xlabel("batch size")
+        ax.grid(alpha=0.3)
+    left.set(ylabel="tokens/s (whole batch)", title="Throughput (dashed: plain decoding)")
+    right.set(ylabel="speedup vs plain decoding (same batch size)",
+              title="Speedup (circled: crossover below 1)")  # fmt: skip
+    fig.tight_layout()
+    # beside both panels: the saved figure widens for it
+    fig.legend(*left.get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(1.0, 0.95),
+               frameon=False)  # fmt: skip
     return fig
 
 

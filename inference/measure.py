@@ -2,14 +2,17 @@
 
 Every method decodes the same prompts in this one process, after a warm-up, with new tokens
 counted the same way (up to and including the first EOS); speedups are ratios to our own plain
-decoding (`ar`: the loop with no drafter). scripts/evaluate.py compares many methods with this;
-`measure_vs_plain` is the one-drafter case the training scripts end with.
+decoding (`ar`: the loop with no drafter). A run decodes a batch of prompts per call (its
+`batch_size`, 1 unless a batch-size sweep asks for more); its outputs stay per prompt.
+scripts/evaluate.py compares many methods with this; `measure_vs_plain` is the one-drafter case
+the training scripts end with.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -24,14 +27,19 @@ from specdraft.drafters.base import Drafter
 from specdraft.inference.generate import generate
 from specdraft.inference.metrics import Stats
 
+# A run's decode: a batch of (1, L) prompts in, each prompt's new tokens and the batch's Stats
+# out (None for a method outside our loop, which reports no stats).
+Decode = Callable[[list[torch.Tensor]], tuple[list[list[int]], Stats | None]]
+
 
 @dataclass
 class Run:
-    """One method: how it decodes a (1, L) prompt, and what measuring it collected."""
+    """One method at one batch size: how it decodes a batch of prompts, and what measuring it
+    collected (outputs per prompt, in the prompts' order)."""
 
     name: str
     method: str
-    decode: Callable[[torch.Tensor], tuple[list[int], Stats | None]]
+    decode: Decode
     extra_params: int = 0
     outputs: list[list[int]] = field(default_factory=list)
     seconds: float = 0.0
@@ -44,6 +52,14 @@ class Run:
     # The precision the run's target computes in ("float32", "bfloat16", ...): evaluate.py
     # measures several side by side, each against its own plain decoding and the fastest one.
     dtype: str | None = None
+    # prompts decoded together per call: B rows of one generate call (inference/generate.py)
+    batch_size: int = 1
+
+    def at_batch_size(self, batch_size: int) -> Run:
+        """The same method at another batch size, with nothing measured yet."""
+        return dataclasses.replace(
+            self, batch_size=batch_size, outputs=[], seconds=0.0, stats=Stats(), has_stats=True
+        )
 
 
 def load_prompts(
@@ -98,43 +114,66 @@ def read_prompts(
     return [tokenizer(t, return_tensors="pt").input_ids for t in texts]
 
 
-def loop_decoder(target, drafter, **options) -> Callable[[torch.Tensor], tuple[list[int], Stats]]:
-    """A Run's decode through our loop: `generate(target, ids, drafter, **options)`."""
+def loop_decoder(target, drafter, **options) -> Decode:
+    """A Run's decode through our loop: `generate(target, prompts, drafter, **options)`, the
+    batch's prompts as the rows of one call (a single prompt as the (1, L) tensor it is)."""
 
-    def decode(ids: torch.Tensor) -> tuple[list[int], Stats]:
+    def decode(batch: list[torch.Tensor]) -> tuple[list[list[int]], Stats]:
+        ids = batch[0] if len(batch) == 1 else [p[0] for p in batch]
         out = generate(target, ids, drafter, **options)
-        return out.tokens[0].tolist(), out.stats
+        return out.rows(), out.stats
 
     return decode
 
 
 def measure(runs: Sequence[Run], prompts: Sequence[torch.Tensor], target, log=None) -> None:
-    """Decode every prompt with every run, filling in its outputs, seconds and stats; the runs
-    take turns on each prompt."""
+    """Decode every prompt with every run, filling in its outputs, seconds and stats. A run
+    decodes `run.batch_size` prompts per call, in order; the runs of one batch size take turns
+    on each batch. With several batch sizes the prompts are taken in groups of their least
+    common multiple, every batch size decoding each group before the next: the number of
+    prompts must be a multiple of it (ValueError otherwise)."""
+    sizes = sorted({run.batch_size for run in runs})
+    group = math.lcm(*sizes)
+    if len(prompts) % group:
+        raise ValueError(
+            f"{len(prompts)} prompts cannot be cut into whole batches of each of the batch sizes "
+            f"{sizes}: give a multiple of {group}"
+        )
     sync = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
-    # 1. Warm-up: every method once on a short decode, so no method pays for first-call costs.
+    # 1. Warm-up: every method once on short decodes at its batch size, so no method pays for
+    # first-call costs (on a GPU, each batch shape's first kernels).
     for run in runs:
-        run.decode(prompts[0][:, :16])
-    # 2. Measure on the same prompts, the methods taking turns on each prompt: a machine whose
+        run.decode([p[:, :16] for p in prompts[: run.batch_size]])
+    # 2. Measure on the same prompts, the methods taking turns on each batch: a machine whose
     # speed drifts during the measurement (shared cores, thermal limits) slows them alike,
-    # where measuring method after method would hand the drift to whichever ran last.
-    for i, ids in enumerate(prompts):
-        for run in runs:
-            sync()
-            start = time.perf_counter()
-            tokens, stats = run.decode(ids)
-            sync()
-            run.seconds += time.perf_counter() - start
-            run.outputs.append(tokens)
-            if stats is None:
-                run.has_stats = False
-                stats = Stats(new_tokens=len(tokens))
-            run.stats = run.stats.merge(stats)
+    # where measuring method after method would hand the drift to whichever ran last. Batch
+    # sizes take turns on each group of prompts for the same reason.
+    for start in range(0, len(prompts), group):
+        for size in sizes:
+            for first in range(start, start + group, size):
+                batch = list(prompts[first : first + size])
+                for run in (r for r in runs if r.batch_size == size):
+                    sync()
+                    t0 = time.perf_counter()
+                    rows, stats = run.decode(batch)
+                    sync()
+                    run.seconds += time.perf_counter() - t0
+                    if len(rows) != len(batch):
+                        raise RuntimeError(
+                            f"{run.name} decoded {len(rows)} rows for a batch of {len(batch)}"
+                        )
+                    run.outputs += rows
+                    if stats is None:
+                        run.has_stats = False
+                        stats = Stats(new_tokens=sum(map(len, rows)))
+                    run.stats = run.stats.merge(stats)
         if log is not None:
-            log(f"prompt {i + 1}/{len(prompts)}: every method decoded it")
+            done = f"prompt {start + 1}" if group == 1 else f"prompts {start + 1}-{start + group}"
+            log(f"{done}/{len(prompts)}: every method decoded {'it' if group == 1 else 'them'}")
     if log is not None:
         for run in runs:
-            log(f"{run.name}: {sum(map(len, run.outputs))} tokens")
+            at = f" at batch size {run.batch_size}" if len(sizes) > 1 else ""
+            log(f"{run.name}{at}: {sum(map(len, run.outputs))} tokens")
 
 
 def summarize(run: Run, ar: Run, target, greedy: bool, same_as: Run | None = None) -> dict:
@@ -164,6 +203,7 @@ def summarize(run: Run, ar: Run, target, greedy: bool, same_as: Run | None = Non
         "decode": run.settings,
         "extra_memory_bytes": run.extra_params * target.dtype.itemsize + run.stats.drafter_kv_bytes,
         "num_prompts": len(run.outputs),
+        "batch_size": run.batch_size,
         "new_tokens": run.stats.new_tokens,
         "matches_ar": (run.outputs == (same_as or ar).outputs) if greedy else None,
         # drift beside speedup: lossless sampling keeps the target's mean log p (up to noise)

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 from specdraft.core import DecodeConfig, owner_of
-from specdraft.inference.generate import generate
 from specdraft.inference.measure import Run, loop_decoder, measure
 from specdraft.inference.metrics import Stats
 from specdraft.precision import dtype_name
@@ -137,17 +136,18 @@ def race(
     decodes: Sequence[DecodeConfig],
     *,
     max_new_tokens: int,
-    decoder: Callable = loop_decoder,
+    batch_size: int = 1,
     **options,
 ) -> list[Trial]:
     """Plain decoding, then each of `decodes`, on every prompt, timed by the one harness
-    (inference/measure.py `measure`: a warm-up of each, then turns per prompt). options:
-    generate's sampling options (temperature, seed, ...). decoder: how a Run decodes a prompt
-    (`batch_decoder` for `batches` of prompts)."""
-    runs = [Run("plain", "ar", decoder(target, None, max_new_tokens=max_new_tokens, **options))]
+    (inference/measure.py `measure`: a warm-up of each, then turns per batch of `batch_size`
+    prompts, decoded together: `filled` makes any prompts whole batches). options: generate's
+    sampling options (temperature, seed, ...)."""
+    plain = loop_decoder(target, None, max_new_tokens=max_new_tokens, **options)
+    runs = [Run("plain", "ar", plain, batch_size=batch_size)]
     for i, d in enumerate(decodes):
-        decode = decoder(target, drafter, max_new_tokens=max_new_tokens, decode=d, **options)
-        runs.append(Run(f"candidate {i}", "ours", decode))
+        decode = loop_decoder(target, drafter, max_new_tokens=max_new_tokens, decode=d, **options)
+        runs.append(Run(f"candidate {i}", "ours", decode, batch_size=batch_size))
     measure(runs, prompts, target)
     return [
         Trial(d, run.seconds, run.stats, run.outputs)
@@ -377,41 +377,13 @@ def tune_against_saved(
 
 # --- by batch size --------------------------------------------------------------------------
 
-# Fills the end of a batch's shorter prompts, so a batch is one tensor, as the harness times
-# prompts (its warm-up cuts each to 16 tokens); no token id is negative.
-PAD = -1
 
-
-def batches(prompts: Sequence[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
-    """`prompts` ((1, L) each) in batches of `batch_size`, each a (batch_size, longest) tensor
-    right-padded with PAD: as many batches as it takes to decode every prompt once (one at
-    least), prompts reused in turn to fill the last, so each batch size decodes about the same
-    prompts."""
-    rows = [p.reshape(-1) for p in prompts]
-    count = -(-len(rows) // batch_size)  # ceil
-    out = []
-    for b in range(count):
-        batch = [rows[(b * batch_size + i) % len(rows)] for i in range(batch_size)]
-        padded = torch.full(
-            (batch_size, max(len(r) for r in batch)), PAD, dtype=torch.long, device=batch[0].device
-        )  # (batch, longest)
-        for i, row in enumerate(batch):
-            padded[i, : len(row)] = row
-        out.append(padded)
-    return out
-
-
-def batch_decoder(target, drafter, **options) -> Callable[[torch.Tensor], tuple[list, Stats]]:
-    """A Run's decode (inference/measure.py) for a batch from `batches`: generate decodes its
-    rows as one batch, and the output is every row's new tokens, each row followed by PAD, so
-    two runs' outputs are equal only where every row is."""
-
-    def decode(ids: torch.Tensor) -> tuple[list[int], Stats]:
-        prompts = [row[row != PAD].tolist() for row in ids]
-        out = generate(target, prompts, drafter, **options)
-        return [t for row in out.rows() for t in (*row, PAD)], out.stats
-
-    return decode
+def filled(prompts: Sequence[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
+    """`prompts` ((1, L) each) as whole batches of `batch_size`: every prompt once (one batch
+    at least), prompts reused in turn to fill the last, so each batch size decodes about the
+    same prompts."""
+    count = -(-len(prompts) // batch_size) * batch_size  # whole batches: ceil, times the size
+    return [prompts[i % len(prompts)] for i in range(count)]
 
 
 @dataclass
@@ -440,8 +412,8 @@ def tune_batch_schedule(
     log: Callable[[str], None] | None = None,
 ) -> Schedule:
     """`base` with a batch_schedule: an entry per batch size in `batch_sizes` holding what won
-    the race there. Each race decodes `batches` of the prompts with plain decoding and with
-    `base` at every gamma of space["gamma"] (and, for a tree, every tree_budget of
+    the race there. Each race decodes batches of the prompts (`filled`) with plain decoding and
+    with `base` at every gamma of space["gamma"] (and, for a tree, every tree_budget of
     space["tree_budget"]); the fastest wins, plain decoding too (the entry is then off).
     Greedy and `require_equal`, a candidate whose output differs from plain decoding's cannot
     win. Rows: {"batch_size", "settings" ("off", or what the entry changes from base),
@@ -458,8 +430,8 @@ def tune_batch_schedule(
     entries, rows, measured = [], [], []
     for size in sizes:
         trials = race(
-            target, drafter, batches(prompts, size), candidates, max_new_tokens=max_new_tokens,
-            decoder=batch_decoder, temperature=temperature, seed=seed,
+            target, drafter, filled(prompts, size), candidates, max_new_tokens=max_new_tokens,
+            batch_size=size, temperature=temperature, seed=seed,
         )  # fmt: skip
         plain = trials[0]
         raced = []

@@ -15,6 +15,9 @@ early-exit generation decode the same prompts in this one process, greedy and th
 temperature 1. Writes OUTPUT/report.md (the family table, the best of each column in bold, then
 every run's row), report.json, frontier.png (speedup against extra memory), tau_vs_speedup.png,
 acceptance.png and simulated_tau.png; --wandb PROJECT logs the table and plots to W&B too.
+--batch-sizes 1,2,4,8,16 measures every run at each batch size, as scripts/evaluate.py does: the
+family table gains each family's crossover (the smallest batch size where it is slower than
+plain decoding), report.md the speedup against batch size, and batch_sizes.png the greedy sweep.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specdraft.inference.evaluate import parse_batch_sizes
 from specdraft.train.compare import CompareSpec, compare, families
 
 
@@ -73,9 +77,19 @@ def parse_args(argv: list[str] | None) -> CompareSpec:
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 (default: as saved)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--batch-sizes",
+        default="1",
+        help="measure every run at each of these batch sizes (comma-separated, e.g. 1,2,4,8,16) "
+        "against plain decoding at the same batch size (default: 1)",
+    )
     parser.add_argument("--output", default="runs/compare")
     parser.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to W&B")
     args = parser.parse_args(argv)
+    try:
+        batch_sizes = parse_batch_sizes(args.batch_sizes)
+    except ValueError as e:
+        parser.error(f"--batch-sizes: {e}")
     folders = {}
     for item in args.folder:
         family, sep, folder = item.partition("=")
@@ -95,7 +109,7 @@ def parse_args(argv: list[str] | None) -> CompareSpec:
             prompts=args.prompts, num_prompts=args.num_prompts,
             max_new_tokens=args.max_new_tokens, tune_prompts=args.tune_prompts,
             sampled=args.sampled, dtype=args.dtype, device=args.device, seed=args.seed,
-            output=args.output, wandb=args.wandb,
+            output=args.output, wandb=args.wandb, batch_sizes=batch_sizes,
         )  # fmt: skip
     except ValueError as e:  # an unknown family, a count below 1
         parser.error(str(e))

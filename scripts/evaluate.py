@@ -17,6 +17,15 @@ Methods: `ar` (our loop, no drafter), `hf_ar` (transformers' generate), `prompt_
 `hf_prompt_lookup`, each --drafter in our loop, `hf_assisted` (generate(assistant_model=...),
 constant gamma) per two-model drafter, `hf_early_exit` (assistant_early_exit) per LayerSkip one.
 `--dtype float32,bfloat16` measures every method in each precision, against the fastest plain.
+
+`--batch-sizes 1,2,4,8,16` measures every method at each batch size (b prompts decoded together
+per call, the methods taking turns per batch), each against plain decoding at the same batch
+size: report.json has one run per method and batch size (its `batch_size`) and each method's
+`crossover` (the smallest batch size where it is slower than plain decoding, or null);
+report.md a table of speedup against batch size; batch_sizes.png tokens/s and speedup against
+batch size. Every batch size decodes the same prompts, in whole batches: the first multiple of
+every batch size (16 of 20 prompts for 1,2,4,8,16). Transformers' assisted methods decode one
+sequence at a time, so they run at batch size 1 only.
 """
 
 from __future__ import annotations
@@ -33,19 +42,23 @@ from specdraft.inference.evaluate import (
     EvalSpec,
     evaluation_report,
     make_report,
+    parse_batch_sizes,
     parse_dtypes,
     runs_per_precision,
 )
-from specdraft.inference.measure import load_prompts, measure
+from specdraft.inference.measure import load_prompts, measure, read_prompts
 from specdraft.inference.report import write_report
 from specdraft.targets import load_target
 
 
 def main(argv: list[str] | None = None) -> int:
     args, spec = parse_args(argv)
+    if len(spec.batch_sizes) > 1 or spec.batch_sizes[0] > 1:
+        check_prompt_count(args.target, spec)  # before any model is loaded
     targets = [load_target(args.target, dtype=d, device=args.device) for d in args.dtypes]
     try:
         prompts = load_prompts(spec.prompts, spec.num_prompts, targets[0])
+        prompts = prompts[: spec.prompts_measured(len(prompts), f"--prompts {spec.prompts}")]
     except ValueError as e:
         raise SystemExit(f"--prompts: {e}") from None
     try:
@@ -58,6 +71,21 @@ def main(argv: list[str] | None = None) -> int:
     write_report(report, Path(args.output), args.wandb)
     print(report.markdown)
     return 0
+
+
+def check_prompt_count(target: str, spec: EvalSpec) -> None:
+    """SystemExit, naming the fix, where the prompts (read with the target's tokenizer alone)
+    cannot fill one batch of every batch size."""
+    from transformers import AutoTokenizer
+
+    from specdraft.targets.target import target_path
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target_path(target))
+        found = len(read_prompts(spec.prompts, spec.num_prompts, tokenizer))
+        spec.prompts_measured(found, f"--prompts {spec.prompts}")
+    except ValueError as e:
+        raise SystemExit(f"scripts/evaluate.py: error: {e}") from None
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalSpec]:
@@ -104,6 +132,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalSpec]:
         "tree expanding k nodes per level into k children each; default: each drafter's own",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--batch-sizes",
+        default="1",
+        help="measure every method at each of these batch sizes (comma-separated, e.g. "
+        "1,2,4,8,16), each against plain decoding at the same batch size (default: 1)",
+    )
     parser.add_argument("--device", default=None)
     parser.add_argument(
         "--dtype",
@@ -115,11 +149,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalSpec]:
     parser.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to W&B")
     args = parser.parse_args(argv)
     try:
+        batch_sizes = parse_batch_sizes(args.batch_sizes)
+    except ValueError as e:
+        parser.error(f"--batch-sizes: {e}")
+    try:
         spec = EvalSpec(
             drafters=args.drafter, baselines=args.baselines.split(","), prompts=args.prompts,
             num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, gamma=args.gamma,
-            tree_top_k=args.tree_top_k, seed=args.seed,
+            tree_top_k=args.tree_top_k, seed=args.seed, batch_sizes=batch_sizes,
         )  # fmt: skip
     except ValueError as e:
         parser.error(str(e))

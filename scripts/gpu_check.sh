@@ -4,13 +4,15 @@
 #
 #   scripts/gpu_check.sh                 # OUT=runs/gpu-check, 600 training steps
 #   OUT=$OUT STEPS=300 scripts/gpu_check.sh
+#   BATCH_SIZES=1,4 scripts/gpu_check.sh  # the evaluation's batch sizes (default 1,2,4,8,16)
 #
 # Figures land in OUT/train.log (training tokens/s, peak memory, simulated tau), OUT/eagle/
 # eval_loop.json (measured tau and speedup after training) and OUT/eval/report.md (chain vs tree,
-# head alone vs with copying, prompt lookup; greedy). On a GPU the head drafts with its full
-# weights (int8 drafting is a CPU path) and trees are worth measuring: a wide verification costs
-# little more than a one-token step there, unlike on a CPU. The demo target is built on first use
-# (on the CPU; SPECDRAFT_HOME may point at a folder that already holds it).
+# head alone vs with copying, prompt lookup; greedy; at each batch size, with each method's
+# crossover; OUT/eval/batch_sizes.png plots speedup against batch size). On a GPU the head drafts
+# with its full weights (int8 drafting is a CPU path) and trees are worth measuring: a wide
+# verification costs little more than a one-token step there, unlike on a CPU. The demo target is
+# built on first use (on the CPU; SPECDRAFT_HOME may point at a folder that already holds it).
 # GPU_CHECK_ALLOW_CPU=1 runs the same steps without a GPU (the test suite's smoke run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +20,7 @@ OUT=${OUT:-runs/gpu-check}
 STEPS=${STEPS:-600}
 PROMPTS=${PROMPTS:-20}
 NEW_TOKENS=${NEW_TOKENS:-128}
+BATCH_SIZES=${BATCH_SIZES:-1,2,4,8,16}  # every batch size decodes the same prompts (16 of 20)
 mkdir -p "$OUT"
 
 if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -40,7 +43,8 @@ python train/eagle.py mixed_precision=$PRECISION max_steps="$STEPS" micro_batch_
     eval_loop.num_prompts="$PROMPTS" eval_loop.max_new_tokens="$NEW_TOKENS" \
     output_dir="$OUT/eagle" 2>&1 | tr '\r' '\n' | grep -v "it/s" | tee "$OUT/train.log"
 
-# 2. Measure: the head as a chain and as EAGLE-2 trees, alone and with copying, beside prompt lookup.
+# 2. Measure: the head as a chain and as EAGLE-2 trees, alone and with copying, beside prompt
+# lookup, at each batch size against plain decoding at the same batch size.
 HEAD="$OUT/eagle/final"
 DTYPE=$([ "$PRECISION" = bf16 ] && echo bfloat16 || echo float32)
 python scripts/evaluate.py --target demo --dtype "$DTYPE" --drafter "$HEAD" \
@@ -48,7 +52,7 @@ python scripts/evaluate.py --target demo --dtype "$DTYPE" --drafter "$HEAD" \
     --drafter "$HEAD:tree_top_k=4,gamma=5,tree_budget=16,stop_below=0" \
     --drafter "$HEAD:tree_top_k=8,gamma=6,tree_budget=60,stop_below=0" \
     --baselines ar,prompt_lookup --num-prompts "$PROMPTS" --max-new-tokens "$NEW_TOKENS" \
-    --output "$OUT/eval" 2>&1 | tee "$OUT/eval.log"
+    --batch-sizes "$BATCH_SIZES" --output "$OUT/eval" 2>&1 | tee "$OUT/eval.log"
 # 3. fp16 (GPU only): the grad scaler's overflow steps must be skipped and counted, not fatal.
 if [ "$PRECISION" != no ]; then
     python train/distill.py mixed_precision=fp16 max_steps=60 warmup_steps=5 eval_every=30 \
@@ -66,4 +70,4 @@ if [ "$PRECISION" != no ]; then
         eval_loop.max_new_tokens=64 output_dir="$OUT/sharded" 2>&1 | tr '\r' '\n' \
         | grep -v "it/s" | tee "$OUT/sharded.log"
 fi
-echo "gpu_check.sh: figures in $OUT (train.log, eagle/eval_loop.json, eval/report.md, fp16.log, sharded.log)"
+echo "gpu_check.sh: figures in $OUT (train.log, eagle/eval_loop.json, eval/report.md, eval/batch_sizes.png, fp16.log, sharded.log)"

@@ -12,7 +12,10 @@ plain decoding, prompt lookup and transformers' own assisted and early-exit gene
 (inference/report.py writes it) has one row per family: tau, speedups, overhead, drafting
 share, extra parameters and memory, what training cost, what it cost the target (a kind that
 fine-tunes it), and the simulated tau training predicted beside the measured one; then every
-run's own row, as scripts/evaluate.py reports it.
+run's own row, as scripts/evaluate.py reports it. With several batch sizes (`--batch-sizes`)
+every run is measured at each, as scripts/evaluate.py measures them: the family table holds the
+smallest batch size's figures and each family's greedy crossover (the smallest batch size where
+it is slower than plain decoding), and batch_sizes.png the greedy sweep.
 """
 
 from __future__ import annotations
@@ -37,7 +40,15 @@ from specdraft.drafters.base import Drafter, drafter_kinds, hf_model_kind
 from specdraft.formats.checkpoint import read_metadata, set_decode
 from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
 from specdraft.inference.continuations import CORPUS
-from specdraft.inference.evaluate import EvalSpec, build_runs, make_report, runs_markdown
+from specdraft.inference.evaluate import (
+    EvalSpec,
+    batch_size_figure,
+    build_runs,
+    check_batch_sizes,
+    make_report,
+    runs_markdown,
+    sweep_markdown,
+)
 from specdraft.inference.measure import Run, load_prompts, measure, read_prompts
 from specdraft.inference.metrics import simulated_tau
 from specdraft.inference.report import (
@@ -84,8 +95,11 @@ class CompareSpec:
     seed: int = 0
     output: str = "runs/compare"
     wandb: str | None = None  # a W&B project to log the report to
+    # every run is measured at each batch size (inference/evaluate.py's EvalSpec.batch_sizes)
+    batch_sizes: tuple[int, ...] = (1,)
 
     def __post_init__(self) -> None:
+        self.batch_sizes = check_batch_sizes(self.batch_sizes)
         known = families()
         self.families = tuple(dict.fromkeys(self.families or known))
         for what, names in (
@@ -100,6 +114,16 @@ class CompareSpec:
             raise ValueError("--budget-tokens, --num-prompts and --max-new-tokens must be >= 1")
         if self.tune_prompts < 0:
             raise ValueError("--tune-prompts must be >= 0")
+        self.eval_spec(0.0)  # too few prompts for the batch sizes: named before any training
+
+    def eval_spec(self, temperature: float, baselines: Sequence[str] = ("ar",)) -> EvalSpec:
+        """What one pass of measuring asks of inference/evaluate.py (drafters added by the
+        pass)."""
+        return EvalSpec(
+            baselines=tuple(baselines), prompts=self.prompts, num_prompts=self.num_prompts,
+            max_new_tokens=self.max_new_tokens, temperature=temperature, seed=self.seed,
+            batch_sizes=self.batch_sizes,
+        )  # fmt: skip
 
 
 @dataclass
@@ -295,11 +319,9 @@ def measure_all(
     (evaluate.fine_tuned_target), shared across the passes."""
     hf = ("hf_assisted", "hf_early_exit") if temperature == 0 else ()
     folders = [str(f.folder) for f in families if f.folder is not None]
-    eval_spec = EvalSpec(
-        drafters=folders, baselines=("ar", "prompt_lookup", *hf), prompts=spec.prompts,
-        num_prompts=spec.num_prompts, max_new_tokens=spec.max_new_tokens,
-        temperature=temperature, seed=spec.seed,
-    )  # fmt: skip
+    eval_spec = dataclasses.replace(
+        spec.eval_spec(temperature, ("ar", "prompt_lookup", *hf)), drafters=folders
+    )
     runs = build_runs(eval_spec, target, loaded=loaded)
     copying = [f for f in folders if load_decoding(f).lookup_ngram > 0]
     if temperature == 0 and copying:
@@ -350,9 +372,12 @@ def family_rows(families: Sequence[Family], greedy: dict, sampled: dict | None) 
     the target's quality cost, and simulated tau beside measured tau."""
 
     def row_of(report, found, settings=""):  # a drafter's run is named by its folder
-        rows = [r for r in report["runs"] if r["name"] == f"{found.folder}{settings}"]
+        name = f"{found.folder}{settings}"
+        smallest = report["settings"]["batch_sizes"][0]
+        rows = [r for r in report["runs"] if r["name"] == name and r["batch_size"] == smallest]
         return rows[0] if rows else None
 
+    multi = len(greedy["settings"]["batch_sizes"]) > 1  # a crossover where a sweep was measured
     out = []
     for found in families:
         row = {"family": found.name, "folder": str(found.folder) if found.folder else None}
@@ -380,6 +405,7 @@ def family_rows(families: Sequence[Family], greedy: dict, sampled: dict | None) 
             simulated_on=found.simulated_on,
             tau_gap=(simulated / alone["tau"] - 1) if simulated and alone["tau"] else None,
             simulated_over_training=found.simulated, tuned=found.tuned,
+            crossover=greedy["crossover"][g["name"]] if multi else None,
         )  # fmt: skip
         out.append(row)
     return out
@@ -418,6 +444,20 @@ COLUMNS = (
     Column("tau_gap", "simulated vs measured", "{:+.0%}", note=_gap_note),
     Column("simulated_on", "simulated on"),
 )
+# with several batch sizes: the smallest where the family is slower than plain decoding, greedy
+CROSSOVER = Column("crossover", "crossover", lambda b: "none" if b == "none" else f"b={b}")
+
+
+def family_table(report: dict) -> list[str]:
+    """The family table's lines; with a batch-size sweep, a crossover column ("none" where the
+    family stays at least as fast as plain decoding at every batch size measured)."""
+    if len(report["greedy"]["settings"]["batch_sizes"]) < 2:
+        return markdown_table(COLUMNS, report["families"])
+    rows = [
+        r if "error" in r or r["crossover"] is not None else {**r, "crossover": "none"}
+        for r in report["families"]
+    ]
+    return markdown_table((*COLUMNS, CROSSOVER), rows)
 
 
 def markdown(report: dict) -> str:
@@ -428,12 +468,13 @@ def markdown(report: dict) -> str:
         "",
         report["summary"],
         "",
-        *markdown_table(COLUMNS, report["families"]),
+        *family_table(report),
     ]
     for mode in ("greedy", "sampled"):
         if report[mode] is not None:
             title = "greedy" if mode == "greedy" else "sampled at temperature 1"
             lines += ["", f"## Every run, {title}", "", *runs_markdown(report[mode]["runs"])]
+            lines += [line.replace("## ", "### ", 1) for line in sweep_markdown(report[mode])]
     return "\n".join(lines) + "\n"
 
 
@@ -450,10 +491,13 @@ def compare_report(report: dict) -> Report:
         "acceptance": acceptance_figure(labelled, "Acceptance per position (greedy)"),
         "simulated_tau": lambda plt: _simulated(plt, ok),
     }
+    if len(report["greedy"]["settings"]["batch_sizes"]) > 1:
+        figures["batch_sizes"] = lambda plt: batch_size_figure(plt, report["greedy"])
     return Report(
         report, markdown(report), figures, job_type="compare",
         config={"summary": report["summary"], "target": report["target"]}, table_name="families",
-        table_keys=["family", "error", *(c.key for c in COLUMNS[1:])], rows=report["families"],
+        table_keys=["family", "error", *(c.key for c in (*COLUMNS[1:], CROSSOVER))],
+        rows=report["families"],
     )  # fmt: skip
 
 
@@ -464,7 +508,10 @@ def _frontier(plt, ok, runs):
         ax.scatter(r["extra_memory_mb"], r["speedup"], color=style["color"], s=60)
         ax.annotate(r["family"], (r["extra_memory_mb"], r["speedup"]), xytext=(5, 5),
                     textcoords="offset points")  # fmt: skip
+    smallest = min(r["batch_size"] for r in runs)
     for r in runs:
+        if r["batch_size"] != smallest:
+            continue
         if r["method"] in ("prompt_lookup", "hf_assisted", "hf_early_exit"):
             mib = r["extra_memory_bytes"] / 2**20  # transformers' assisted: the draft's weights
             ax.scatter(mib, r["speedup_vs_ar"], marker="x", color="grey")
@@ -504,7 +551,8 @@ def _simulated(plt, ok):
             ax.scatter(sim[-1]["step"], r["tau_alone"], marker="*", s=120, color=style["color"])
     ax.set(xlabel="training step", ylabel="τ",
            title="Simulated τ over training; ★ measured in the loop, no copying")  # fmt: skip
-    ax.legend(frameon=False, fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # folders trained elsewhere may bring no evaluations
+        ax.legend(frameon=False, fontsize=8)
     ax.grid(alpha=0.3)
     return fig
 
@@ -521,6 +569,7 @@ def check_prompts(spec: CompareSpec) -> None:
     prompts = read_prompts(spec.prompts, spec.num_prompts, AutoTokenizer.from_pretrained(path))
     if not prompts:
         raise ValueError(f"--prompts {spec.prompts}: no prompts in it")
+    spec.eval_spec(0.0).prompts_measured(len(prompts), f"--prompts {spec.prompts}")
     limit = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
     longest = max(p.shape[1] for p in prompts)
     if limit is not None and longest + spec.max_new_tokens > limit:
@@ -555,6 +604,8 @@ def compare(spec: CompareSpec) -> Report:
             found.append(Family(name, error=str(e)))
     target = load_target(spec.target, dtype=spec.dtype, device=spec.device)
     prompts = load_prompts(spec.prompts, spec.num_prompts, target)
+    # every batch size decodes the same prompts in whole batches
+    prompts = prompts[: spec.eval_spec(0.0).prompts_measured(len(prompts))]
     trained = [f for f in found if f.folder is not None]
     if spec.tune_prompts:
         for f in trained:
@@ -574,6 +625,13 @@ def compare(spec: CompareSpec) -> Report:
         "speedups against plain decoding in the same process (a drafter that fine-tunes the "
         "target decodes with its own fine-tuned model, checked against that model's plain "
         "output). "
+        + (
+            f"Every run measured at batch sizes {', '.join(map(str, spec.batch_sizes))}, against "
+            "plain decoding at the same batch size; the family table at batch size "
+            f"{spec.batch_sizes[0]}, with the crossover over all of them. "
+            if len(spec.batch_sizes) > 1
+            else ""
+        )
         + (
             f"Each family trained on about {spec.budget_tokens:,} tokens. "
             if any(r.get("train_tokens") for r in rows)

@@ -1,11 +1,16 @@
-"""Prompt sources of inference/measure.py that need no model."""
+"""inference/measure.py without a model: prompt sources, and how a batch-size sweep takes
+turns; the sweep's crossover and batch sizes (inference/evaluate.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from specdraft.data.formats import Example
-from specdraft.inference.measure import read_prompts
+from specdraft.inference.evaluate import EvalSpec, at_batch_sizes, crossover, parse_batch_sizes
+from specdraft.inference.measure import Run, measure, read_prompts
 
 
 def test_eval_prompts_are_the_part_before_the_loss():
@@ -30,3 +35,94 @@ def test_a_prompt_file_is_read_with_the_tokenizer_alone(tmp_path, tiny_target):
         tokenize(t).tolist() for t in ("def f(x):", "import os")
     ]
     assert all(p.device.type == "cpu" for p in prompts)
+
+
+def test_batch_sizes_take_turns_on_the_same_prompts_in_whole_batches():
+    """measure with runs at batch sizes 1 and 2: each run decodes every prompt once, in order, b
+    at a time; the runs of one batch size take turns on each batch, the batch sizes on each
+    group of lcm prompts; outputs stay one per prompt. Fake runs: no model, nothing timed."""
+    calls: list[tuple[str, list[int]]] = []
+
+    def fake(name):
+        def decode(batch):  # each prompt's "new tokens": its first id, twice
+            calls.append((name, [p[0, 0].item() for p in batch]))
+            return [[p[0, 0].item()] * 2 for p in batch], None
+
+        return decode
+
+    runs = [
+        Run("a", "ar", fake("a")), Run("b", "x", fake("b")),
+        Run("a", "ar", fake("a2"), batch_size=2), Run("b", "x", fake("b2"), batch_size=2),
+    ]  # fmt: skip
+    prompts = [torch.tensor([[i, 7, 7]]) for i in range(4)]
+    measure(runs, prompts, SimpleNamespace(device=torch.device("cpu")))
+    warm_up, measured = calls[:4], calls[4:]
+    assert warm_up == [("a", [0]), ("b", [0]), ("a2", [0, 1]), ("b2", [0, 1])]
+    assert measured == [
+        ("a", [0]), ("b", [0]), ("a", [1]), ("b", [1]), ("a2", [0, 1]), ("b2", [0, 1]),
+        ("a", [2]), ("b", [2]), ("a", [3]), ("b", [3]), ("a2", [2, 3]), ("b2", [2, 3]),
+    ]  # fmt: skip
+    for run in runs:
+        assert run.outputs == [[i, i] for i in range(4)] and run.stats.new_tokens == 8
+        assert run.has_stats is False  # a decode outside our loop reports no stats
+    with pytest.raises(ValueError, match="give a multiple of 2"):
+        measure(runs, prompts[:3], SimpleNamespace(device=torch.device("cpu")))
+
+
+def test_a_sweep_repeats_every_method_but_transformers_assisted_ones():
+    runs = [Run("ar", "ar", None), Run("hf_ar", "hf_ar", None),
+            Run("hf_assisted[d]", "hf_assisted", None), Run("d", "distill", None)]  # fmt: skip
+    runs[3].outputs.append([1])  # measured already: the copies start empty
+    swept = at_batch_sizes(runs, (1, 4))
+    assert [(r.name, r.batch_size) for r in swept] == [
+        ("ar", 1), ("hf_ar", 1), ("hf_assisted[d]", 1), ("d", 1), ("ar", 4), ("hf_ar", 4),
+        ("d", 4),
+    ]  # fmt: skip
+    assert all(r.outputs == [] for r in swept)
+
+
+@pytest.mark.parametrize(
+    ("speedups", "expected"),
+    [
+        ({1: 1.8, 2: 1.4, 4: 1.05, 8: 0.9, 16: 0.6}, 8),
+        ({16: 0.7, 1: 2.0, 8: 0.95, 4: 1.2}, 8),  # in any order
+        ({1: 1.5, 2: 0.98, 4: 1.1, 8: 0.9}, 2),  # the first below 1, even if it recovers
+        ({1: 0.8, 2: 0.9}, 1),  # slower than plain decoding from the start
+        ({1: 1.3, 2: 1.0, 4: 1.01}, None),  # exactly 1 is not below it
+        ({1: 1.3}, None),
+    ],
+)
+def test_crossover_is_the_smallest_batch_size_below_plain_decoding(speedups, expected):
+    assert crossover(speedups) == expected
+
+
+def test_batch_sizes_are_read_sorted_or_refused_by_name():
+    assert parse_batch_sizes("1,2,4,8,16") == (1, 2, 4, 8, 16)
+    assert parse_batch_sizes(" 4, 1 ") == (1, 4)
+    bad = {
+        "0": "batch size 0: each must be a whole number >= 1",
+        "-1": "batch size -1: each must be a whole number >= 1",
+        "abc": "'abc' is not a batch size",
+        "2.5": "'2.5' is not a batch size",
+        "": "give batch sizes separated by commas",
+        "1,,2": "give batch sizes separated by commas",
+        "2,2": "give each batch size once",
+    }
+    for text, message in bad.items():
+        with pytest.raises(ValueError, match=message):
+            parse_batch_sizes(text)
+
+
+def test_every_batch_size_measures_the_same_prompts_in_whole_batches():
+    sweep = EvalSpec(num_prompts=20, batch_sizes=(1, 2, 4, 8, 16))
+    assert sweep.prompts_measured(20) == 16 and sweep.prompts_measured(33) == 32
+    assert EvalSpec(num_prompts=20).prompts_measured(7) == 7  # batch size 1: every prompt
+    assert EvalSpec(num_prompts=12, batch_sizes=(3, 4)).prompts_measured(20) == 12
+    with pytest.raises(
+        ValueError, match=r"needs at least 16 prompts \(one batch of 16\).* gives 4"
+    ):
+        EvalSpec(num_prompts=4, batch_sizes=(1, 16))
+    with pytest.raises(ValueError, match=r"raise --num-prompts to 12 .* or drop the larger"):
+        EvalSpec(num_prompts=8, batch_sizes=(3, 4))
+    with pytest.raises(ValueError, match=r"--prompts p\.txt gives 3"):
+        sweep.prompts_measured(3, "--prompts p.txt")

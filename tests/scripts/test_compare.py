@@ -137,8 +137,12 @@ def test_every_family_trained_tuned_measured_and_reported(tmp_path, capsys):
         (["--budget-tokens", "0"], "must be >= 1"),
         (["--folder", "eagle"], "expected FAMILY=FOLDER"),
         (["--set", "eagle=lr=1"], "expected FAMILY:KEY=VALUE"),
+        (["--batch-sizes", "0"], "--batch-sizes: batch size 0: each must be a whole number"),
+        (["--batch-sizes", "2,x"], "'x' is not a batch size"),
+        (["--batch-sizes", "1,8", "--num-prompts", "4"],
+         "needs at least 8 prompts (one batch of 8), and --num-prompts gives 4"),
     ],
-)
+)  # fmt: skip
 def test_bad_options_are_named(args, message, capsys):
     with pytest.raises(SystemExit):
         main(args)
@@ -195,3 +199,33 @@ def test_a_medusa_tree_gets_its_own_simulated_tau(tiny_target):
     assert served_simulated_tau(unmeasured, asdict(tree)) == (
         pytest.approx(1 + 0.5 + 0.5 * 0.4), "chain, served as a tree",
     )  # fmt: skip
+
+
+def test_a_batch_size_sweep_reaches_every_run_and_the_family_table(tmp_path, tiny_target):
+    """--batch-sizes 1,2: every run of the greedy pass at both batch sizes (transformers'
+    assisted decoding at 1 only), the family row at batch size 1 with its crossover, and the
+    sweep's plot. A plain HF copy of the target serves as the distill family: nothing trains."""
+    copy = tmp_path / "distill" / "final"  # compare finds a run by its folder: final/ keeps it
+    tiny_target.model.save_pretrained(copy)
+    out = tmp_path / "out"
+    code = main([*SMALL, "--families", "distill", "--folder", f"distill={copy}",
+                 "--tune-prompts", "0", "--no-sampled", "--batch-sizes", "1,2",
+                 "--output", str(out)])  # fmt: skip
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    runs = report["greedy"]["runs"]
+    copy = str(copy)
+    assert sorted((r["name"], r["batch_size"]) for r in runs) == sorted(
+        [(n, b) for n in ("ar", "prompt_lookup", copy) for b in (1, 2)]
+        + [(f"hf_assisted[{copy}]", 1)]
+    )
+    row = report["families"][0]
+    mine = {r["batch_size"]: r for r in runs if r["name"] == copy}
+    assert row["speedup"] == mine[1]["speedup_vs_ar"] and row["drafted"] == mine[1]["drafted"]
+    assert row["crossover"] == report["greedy"]["crossover"][copy]
+    assert mine[2]["drafted"] > 0 and mine[2]["accepted"] > 0 and mine[2]["matches_ar"] is True
+    assert (out / "batch_sizes.png").read_bytes()[:4] == b"\x89PNG"
+    md = (out / "report.md").read_text()
+    assert "### Speedup against batch size" in md and "| simulated on | crossover |" in md
+    shown = "none" if row["crossover"] is None else f"b={row['crossover']}"
+    assert f"| {shown} |" in md.split("## Every run")[0]  # the family table's crossover

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from specdraft.inference.evaluate import short_labels
+from specdraft.inference.evaluate import crossover, short_labels
 from specdraft.scripts import evaluate
 
 FIELDS = {
@@ -29,6 +29,7 @@ FIELDS = {
     "decode",
     "extra_memory_bytes",
     "num_prompts",
+    "batch_size",
     "new_tokens",
     "matches_ar",
     "mean_log_p",
@@ -125,6 +126,87 @@ def test_sampling_report_has_no_greedy_match(tiny_target_path, tmp_path):
     assert all(r["mean_log_p"] < 0 and r["lossy"] is False for r in runs)
     assert "| mean log p | lossy |" in (out / "report.md").read_text()
     assert "**Lossy**" not in (out / "report.md").read_text()
+
+
+def test_batch_size_sweep_report(tiny_target_path, draft_folder, tmp_path):
+    """--batch-sizes 1,2,4: one run per method and batch size, each against plain decoding at
+    its own batch size, on the same prompts (the first 4 of 5: whole batches of each size);
+    transformers' assisted methods at batch size 1 only; the crossover of every method as the
+    rows' speedups give it; the sweep's table and plot."""
+    out = tmp_path / "eval"
+    evaluate.main(
+        ["--target", tiny_target_path, "--drafter", str(draft_folder), "--num-prompts", "5",
+         "--max-new-tokens", "8", "--gamma", "3", "--batch-sizes", "4,1,2", "--output", str(out)]
+    )  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["batch_sizes"] == [1, 2, 4]
+    assert report["settings"]["num_prompts"] == 4
+    rows = [(r["name"], r["batch_size"]) for r in report["runs"]]
+    batched = ["ar", "hf_ar", "prompt_lookup", "copy"]
+    assert sorted(rows) == sorted(
+        [(n, b) for n in batched for b in (1, 2, 4)]
+        + [("hf_prompt_lookup", 1), ("hf_assisted[copy]", 1)]
+    )
+    at = {(r["name"], r["batch_size"]): r for r in report["runs"]}
+    for r in report["runs"]:
+        assert set(r) == FIELDS and r["num_prompts"] == 4
+        assert r["label"] == at[r["name"], 1]["label"]  # one label per method: its plot line
+        plain = at["ar", r["batch_size"]]
+        assert r["speedup_vs_ar"] == pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"])
+    for b in (1, 2, 4):
+        assert at["ar", b]["speedup_vs_ar"] == 1.0 and at["ar", b]["tau"] == 1.0
+        copy_b = at["copy", b]  # a copy of the target: every draft accepted, at every batch size
+        assert copy_b["drafted"] > 0 and copy_b["acceptance_per_position"][0] == 1.0
+        for name in ("ar", "prompt_lookup", "copy"):  # our loop, greedy: plain's output
+            assert at[name, b]["matches_ar"] is True
+        for name in batched:  # greedy: each prompt decodes as it does alone, at every size
+            assert at[name, b]["new_tokens"] == at[name, 1]["new_tokens"]
+    assert set(report["crossover"]) == {"hf_ar", "prompt_lookup", "copy", "hf_prompt_lookup",
+                                        "hf_assisted[copy]"}  # fmt: skip
+    for name, b in report["crossover"].items():
+        speedups = {
+            r["batch_size"]: r["speedup_vs_ar"] for r in report["runs"] if r["name"] == name
+        }
+        assert b == crossover(speedups)
+    md = (out / "report.md").read_text()
+    assert "## Speedup against batch size" in md and "| label | b=1 | b=2 | b=4 | crossover |" in md
+    for plot in ("acceptance_per_position", "tau_distribution", "speedup", "batch_sizes"):
+        assert (out / f"{plot}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--batch-sizes", "0"], "--batch-sizes: batch size 0: each must be a whole number >= 1"),
+        (["--batch-sizes", "-1"], "batch size -1: each must be a whole number >= 1"),
+        (["--batch-sizes", "abc"], "'abc' is not a batch size: give whole numbers >= 1"),
+        (["--batch-sizes", ""], "give batch sizes separated by commas, e.g. 1,2,4,8,16"),
+        (["--batch-sizes", "1,2,2"], "give each batch size once"),
+        (["--batch-sizes", "1,16", "--num-prompts", "4"],
+         "needs at least 16 prompts (one batch of 16), and --num-prompts gives 4: raise "
+         "--num-prompts to 16"),
+    ],
+)  # fmt: skip
+def test_bad_batch_sizes_are_refused_before_anything_loads(
+    args, message, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(evaluate, "load_target", lambda *a, **k: pytest.fail("loaded a target"))
+    with pytest.raises(SystemExit):
+        evaluate.main([*args, "--output", str(tmp_path / "out")])
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_prompt_file_too_short_for_a_batch_is_refused_before_the_target_loads(
+    tiny_target_path, tmp_path, capsys, monkeypatch
+):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def f(x):\n\nimport os\n\nx = 1\n")
+    monkeypatch.setattr(evaluate, "load_target", lambda *a, **k: pytest.fail("loaded a target"))
+    with pytest.raises(SystemExit, match=f"--prompts {prompts} gives 3: raise --num-prompts to 4"):
+        evaluate.main(["--target", tiny_target_path, "--prompts", str(prompts), "--num-prompts",
+                       "8", "--batch-sizes", "1,4", "--output", str(tmp_path / "out")])  # fmt: skip
+    assert not (tmp_path / "out").exists()
 
 
 def test_unknown_baseline_is_refused(tmp_path, capsys):

@@ -349,8 +349,9 @@ def test_each_batch_size_gets_the_fastest_of_its_race(monkeypatch):
     }
     wrong = {(16, 2, 6)}  # faster than plain at 16 only where its output differs: ignored
 
-    def fake_race(target, drafter, prompts, decodes, **_):
-        size = prompts[0].shape[0]
+    def fake_race(target, drafter, prompts, decodes, *, batch_size, **_):
+        size = batch_size
+        assert len(prompts) % size == 0  # whole batches: `filled`
         trials = [tune.Trial(None, 1.0, Stats(new_tokens=10), [[1]])]
         for d in decodes:
             seconds = speed[size][d.gamma, d.tree_budget]
@@ -395,12 +396,13 @@ def test_each_batch_size_gets_the_fastest_of_its_race(monkeypatch):
         )
 
 
-def test_prompts_are_batched_padded_and_reused_to_fill_a_batch():
+def test_prompts_are_reused_to_fill_a_batch():
     prompts = [torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5]]), torch.tensor([[6]])]
-    assert [b.tolist() for b in tune.batches(prompts, 1)] == [[[1, 2, 3]], [[4, 5]], [[6]]]
-    two = tune.batches(prompts, 2)  # every prompt once, the first again to fill the last
-    assert [b.tolist() for b in two] == [[[1, 2, 3], [4, 5, -1]], [[6, -1, -1], [1, 2, 3]]]
-    assert [b.shape for b in tune.batches(prompts, 4)] == [(4, 3)]
+    as_lists = lambda size: [p.tolist() for p in tune.filled(prompts, size)]  # noqa: E731
+    assert as_lists(1) == [[[1, 2, 3]], [[4, 5]], [[6]]]
+    # every prompt once, the first again to fill the last batch
+    assert as_lists(2) == [[[1, 2, 3]], [[4, 5]], [[6]], [[1, 2, 3]]]
+    assert as_lists(4) == [[[1, 2, 3]], [[4, 5]], [[6]], [[1, 2, 3]]]
 
 
 def test_batch_sizes_save_a_schedule_of_each_races_fastest(layerskip_folder, tmp_path, capsys):
