@@ -425,20 +425,13 @@ class EagleBatchSession(BatchSession):
             token.to(self.device), h[:, None], positions, float_mask(allowed, self.dtype),
             cache.cache,
         )  # fmt: skip
-        cache.valid = torch.cat([cache.valid, own], dim=1)
-        cache.positions = torch.cat([cache.positions, positions], dim=1)
-        cache.lengths = cache.lengths + 1
+        cache.append_tokens()
         return out[:, -1]
 
     def _drop_drafted(self) -> None:
         """Crop the drafted levels (every column after the true pairs): they were fed
         predicted features."""
-        cache = self.cache
-        if cache.columns > self._pairs:
-            cache.cache.crop(self._pairs - cache.columns)  # a negative crop drops the last
-            cache.valid = cache.valid[:, : self._pairs]
-            cache.positions = cache.positions[:, : self._pairs]
-            cache.lengths = cache.valid.sum(1)
+        self.cache.crop(self._pairs)
 
     @torch.no_grad()
     def accept(

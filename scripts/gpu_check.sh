@@ -13,7 +13,8 @@
 # with its full weights (int8 drafting is a CPU path) and trees are worth measuring: a wide
 # verification costs little more than a one-token step there, unlike on a CPU. The demo target is
 # built on first use (on the CPU; SPECDRAFT_HOME may point at a folder that already holds it).
-# GPU_CHECK_ALLOW_CPU=1 runs the same steps without a GPU (the test suite's smoke run).
+# GPU_CHECK_ALLOW_CPU=1 runs the same steps without a GPU (to try the script on a CPU: slow, it builds
+# the demo target first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-check}

@@ -116,6 +116,25 @@ class BatchCache:
         if self.columns > COMPACT_FACTOR * max(int(self.lengths.max()), 1):
             self.compact()
 
+    def append_tokens(self) -> None:
+        """After a forward that appended one column for every row: each row's next token (a
+        drafter's drafted level), at the row's next position."""
+        rows = self.valid.shape[0]
+        self.valid = torch.cat(
+            [self.valid, torch.ones(rows, 1, dtype=torch.bool, device=self.device)], dim=1
+        )
+        self.positions = torch.cat([self.positions, self.lengths[:, None]], dim=1)
+        self.lengths = self.lengths + 1
+
+    def crop(self, columns: int) -> None:
+        """Drop every column from `columns` on (what was appended since the cache had that many
+        columns: a drafter's drafted levels)."""
+        if self.columns > columns:
+            self.cache.crop(columns - self.columns)  # a negative crop drops the last ones
+            self.valid = self.valid[:, :columns]
+            self.positions = self.positions[:, :columns]
+            self.lengths = self.valid.sum(1)
+
     def truncate(self, lengths: Sequence[int]) -> None:
         """Row r keeps its first lengths[r] tokens (no more than it holds): the entries of later
         positions become holes (a drafter's cache after its rejected drafts)."""
