@@ -96,15 +96,20 @@ def time_plain(target: Target, batch: int, new: int, generator) -> float:
     return out.stats.tokens_per_s
 
 
-def time_verify(target: Target, batch: int, gamma: int, context: int, generator) -> float:
-    """Seconds of one forward of batch x (gamma + 1) tokens after `context` cached ones."""
+def time_verify(
+    target: Target, batch: int, gamma: int, context: int, generator, passes: int = 10
+) -> float:
+    """Mean seconds of a forward of batch x (gamma + 1) tokens after `context` cached ones (the
+    cache cropped back after each of `passes` forwards, as a rejected draft is)."""
     ids = torch.randint(1, 4096, (batch, context + gamma + 1), generator=generator)
     cache = DynamicCache()
     with torch.no_grad():
         target.model(input_ids=ids[:, :context], cache=cache, use_cache=True)
         start = time.perf_counter()
-        target.model(input_ids=ids[:, context:], cache=cache, use_cache=True, logits_to_keep=0)
-        return time.perf_counter() - start
+        for _ in range(passes):
+            target.model(input_ids=ids[:, context:], cache=cache, use_cache=True, logits_to_keep=0)
+            cache.crop(-(gamma + 1))
+        return (time.perf_counter() - start) / passes
 
 
 def time_drafting(target: Target, drafter: Drafter, batch: int, rowwise: bool, new: int, gen):
