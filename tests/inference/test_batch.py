@@ -19,7 +19,8 @@ from spec_helpers import (
 
 from specdraft import batch as batch_module
 from specdraft.core import SamplingSettings, process_logits
-from specdraft.drafters.distill import DistillBatchSession, DistillDrafter
+from specdraft.drafters.distill import DistillDrafter
+from specdraft.drafters.distill_session import DistillBatchSession
 from specdraft.drafters.medusa_session import MedusaBatchSession
 from specdraft.inference import generate
 
