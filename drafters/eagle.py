@@ -452,7 +452,7 @@ class EagleDrafter(Drafter):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> EagleSession:
-        """Per-call drafting state for the inference loop (see the session section below)."""
+        """Per-call drafting state for the inference loop (drafters/eagle_session.py)."""
         return EagleSession(self, target, sampling=sampling, decode=decode, generator=generator)
 
     def new_batch_session(
