@@ -58,37 +58,56 @@ class BatchCache:
         column P - 1, so every row's root is there, and its tree's nodes follow from column P;
         shorter rows are padded on the left of their pending tokens and after their nodes, and
         a padding query sees only itself (its output and its cache entry are never used)."""
-        rows, past = len(pending), self.columns
-        counts = [len(p) for p in pending]
-        sizes = [len(t) for t in trees]
-        P, N = max(counts), max(sizes)
+        rows, past, device = len(pending), self.columns, self.device
+        counts = torch.tensor([len(p) for p in pending], dtype=torch.long, device=device)
+        sizes = torch.tensor([len(t) for t in trees], dtype=torch.long, device=device)
+        P, N = int(counts.max()), int(sizes.max())
         width = P + N
-        device = self.device
+        column = torch.arange(width, device=device)[None]  # (1, W) a step column's index
+        first = (P - counts)[:, None]  # (A, 1) the column of each row's first pending token
+        pending_real = (column >= first) & (column < P)  # (A, W)
+        node = column - P  # a node column's node index
+        node_real = (node >= 0) & (node < sizes[:, None])
+        real = pending_real | node_real
+        # the ids: pending tokens padded on the left, nodes on the right
         ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
-        positions = self.lengths[:, None].expand(rows, width).clone()
+        left = torch.nn.utils.rnn.pad_sequence(
+            [p.to(device) for p in pending], batch_first=True, padding_value=pad_id,
+            padding_side="left",
+        )  # fmt: skip
+        ids[:, :P] = left
+        depths = torch.zeros(rows, max(N, 1), dtype=torch.long, device=device)
+        if N:
+            for r, tree in enumerate(trees):  # small: each row's tokens and depths
+                if len(tree):
+                    ids[r, P : P + len(tree)] = tree.tokens[0].to(device)
+                    depths[r, : len(tree)] = torch.tensor(tree.depths, device=device)
+        # positions: a pending token's is its row's length plus its rank, a node's the root's
+        # plus its depth; a padding query's its row's length (never used)
+        start = self.lengths[:, None]
+        positions = torch.where(pending_real, start + column - first, start)
+        if N:
+            at_node = start + counts[:, None] - 1 + depths[:, :N]
+            positions[:, P:] = torch.where(node_real[:, P:], at_node, start)
+        # who sees whom: the row's valid cache columns; pending tokens causally among themselves;
+        # nodes all of the row's pending tokens and their own ancestors (a chain's: those before)
         allowed = torch.zeros(rows, width, past + width, dtype=torch.bool, device=device)
         allowed[:, :, :past] = self.valid[:, None, :]
-        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-        real = torch.zeros(rows, width, dtype=torch.bool, device=device)
-        for r, (tokens, tree) in enumerate(zip(pending, trees, strict=True)):
-            m, n = counts[r], sizes[r]
-            first = P - m
-            start = int(self.lengths[r])
-            ids[r, first:P] = tokens
-            positions[r, first:P] = torch.arange(start, start + m, device=device)
-            allowed[r, first:P, past + first : past + P] = causal[first:, first:]
-            real[r, first : P + n] = True
-            if n:
-                ids[r, P : P + n] = tree.tokens[0].to(device)
-                depths = torch.tensor(tree.depths, dtype=torch.long, device=device)
-                positions[r, P : P + n] = start + m - 1 + depths
-                allowed[r, P : P + n, past + first : past + P] = True
-                anc = ancestors(tree.parents).to(device)
-                allowed[r, P : P + n, past + P : past + P + n] = anc
-        allowed[~real] = False
-        pads = (~real).nonzero().tolist()
-        for r, i in pads:  # a padding query sees itself alone (no row of -inf)
-            allowed[r, i, past + i] = True
+        new = allowed[:, :, past:]  # a view: (A, W, W) the step's own columns
+        new[:, :P, :P] = (
+            pending_real[:, None, :P] & torch.ones(P, P, dtype=torch.bool, device=device).tril()
+        )
+        if N:
+            new[:, P:, :P] = pending_real[:, None, :P]
+            new[:, P:, P:] = torch.ones(N, N, dtype=torch.bool, device=device).tril()
+            for r, tree in enumerate(trees):  # a tree's own ancestors, where not a chain
+                if len(tree) and not tree.is_chain:
+                    n = len(tree)
+                    new[r, P : P + n, P : P + n] = ancestors(tree.parents).to(device)
+            new[:, :, P:] &= node_real[:, None, P:]
+        allowed &= real[:, :, None]
+        # a padding query sees itself alone (no row of -inf)
+        new |= torch.diag_embed(~real)
         keys = torch.cat([self.positions, positions], dim=1)
         if layout is not None and layout.slides:
             mask = layout.masks(allowed, positions, keys, dtype)
@@ -103,10 +122,8 @@ class BatchCache:
         rows, past = len(columns), self.columns
         counts = torch.tensor([len(c) for c in columns], dtype=torch.long, device=self.device)
         width = int(counts.max()) if rows else 0
-        index = torch.zeros(rows, width, dtype=torch.long, device=self.device)
-        for r, cols in enumerate(columns):
-            if cols:
-                index[r, : len(cols)] = torch.tensor(cols, dtype=torch.long, device=self.device)
+        padded = [list(cols) + [0] * (width - len(cols)) for cols in columns]
+        index = torch.tensor(padded, dtype=torch.long, device=self.device).reshape(rows, width)
         self._gather(index, past)
         valid = torch.arange(width, device=self.device)[None] < counts[:, None]
         positions = self.lengths[:, None] + torch.arange(width, device=self.device)[None]
