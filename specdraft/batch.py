@@ -71,11 +71,10 @@ class BatchCache:
         real = pending_real | node_real
         # the ids: pending tokens padded on the left, nodes on the right
         ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
-        left = torch.nn.utils.rnn.pad_sequence(
-            [p.to(device) for p in pending], batch_first=True, padding_value=pad_id,
-            padding_side="left",
-        )  # fmt: skip
-        ids[:, :P] = left
+        # (reversed, padded on the right, reversed back: padding_side="left" needs torch 2.6)
+        reversed_ = [p.to(device).flip(0) for p in pending]
+        left = torch.nn.utils.rnn.pad_sequence(reversed_, batch_first=True, padding_value=pad_id)
+        ids[:, :P] = left.flip(1)
         depths = torch.zeros(rows, max(N, 1), dtype=torch.long, device=device)
         if N:
             for r, tree in enumerate(trees):  # small: each row's tokens and depths
