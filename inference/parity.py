@@ -9,7 +9,8 @@ compares what the drafter saw in each path at the same positions and names the f
 that differs.
 
 Where a kind's training path has no served drafts for the settings (EAGLE-2's dynamic tree, the
-two-model tree, dynamic gamma), `replay_serving` walks the loop's steps with the serving session
+two-model tree, dynamic gamma), or drafts otherwise than serving by design (int8 drafting
+weights), `replay_serving` walks the loop's steps with the serving session
 itself, teacher-forced on the continuation: each step the session drafts after the context, the
 draft is verified against the continuation (at temperature 0 the target's choice after each
 accepted token is the continuation's next token) and the session is handed the hidden states
@@ -25,6 +26,8 @@ import torch
 
 from specdraft.core import DecodeConfig, DraftContext, DraftTree
 from specdraft.data.formats import Example
+from specdraft.drafters.base import ServedDrafts
+from specdraft.drafters.lean import int8_supported
 from specdraft.drafters.prompt_lookup import CopyingSession
 from specdraft.inference.generate import drafting_session, generate
 from specdraft.inference.metrics import Stats, simulate_serving
@@ -56,7 +59,7 @@ def simulate(
             batch["input_ids"], attention_mask=batch["attention_mask"],
             capture_layers=list(drafter.capture_layers),
         )  # fmt: skip
-        drafts = drafter.served_drafts(batch, target_out, decode)
+        drafts = training_path_drafts(drafter, batch, target_out, decode)
         if drafts is None:
             replayed = replay_serving(target, drafter, batch, target_out, decode)
             if replayed is None:
@@ -65,6 +68,19 @@ def simulate(
             continue
         out += simulate_serving(drafts, batch, decode, drafter.drafts_after_prefill)
     return out
+
+
+def training_path_drafts(
+    drafter, batch: dict[str, torch.Tensor], target_out, decode: DecodeConfig
+) -> ServedDrafts | None:
+    """What greedy serving drafts after every position, by the drafter's training path
+    (`Drafter.served_drafts`); None where it has none for `decode`, or where serving computes
+    otherwise by design: int8 drafting weights (drafters/lean.py), which the training path's
+    full-precision modules do not round as serving does, so only `replay_serving` is exact."""
+    device = batch["input_ids"].device
+    if decode.draft_weights == "int8" and int8_supported(device):
+        return None
+    return drafter.served_drafts(batch, target_out, decode)
 
 
 @torch.no_grad()

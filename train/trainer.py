@@ -43,7 +43,7 @@ from specdraft.drafters.base import Drafter
 from specdraft.formats import checkpoint
 from specdraft.inference.continuations import SERVED_GREEDY
 from specdraft.inference.metrics import Stats, simulate_serving, simulated_tau
-from specdraft.inference.parity import replay_serving
+from specdraft.inference.parity import replay_serving, training_path_drafts
 from specdraft.train import launch, tracking
 from specdraft.train.config import CONFIG_FILENAME, TrainConfig
 from specdraft.train.report import heldout_examples
@@ -445,8 +445,9 @@ class _Training:
         """The loop's statistics at temperature 0 over the held-out continuations, and how they
         were simulated: through the drafter's training path ("served": `served_drafts`,
         metrics.simulate_serving) with the decoding settings the run saves, or where it has
-        none for those settings, by the serving session itself walked on the continuations
-        ("session": inference/parity.py, `replay_serving`); (None, None) where neither can
+        none for those settings or serving rounds otherwise (int8 drafting), by the serving
+        session itself walked on the continuations ("session": inference/parity.py,
+        `replay_serving`); (None, None) where neither can
         (LayerSkip drafts on the target's cache).
 
         It reads the drafter as its checkpoint would load: with the held-out statistics this
@@ -463,7 +464,7 @@ class _Training:
                 batch = collate([self.eval_examples[i] for i in chunk], acc.device)
                 target_out = self._target_out(model, batch, training=False)
                 with acc.autocast():
-                    drafts = loaded.served_drafts(batch, target_out, cfg.decode)
+                    drafts = training_path_drafts(loaded, batch, target_out, cfg.decode)
                 if drafts is not None:
                     after_prefill = model.drafts_after_prefill
                     rows = simulate_serving(drafts, batch, cfg.decode, after_prefill)

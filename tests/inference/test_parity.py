@@ -16,6 +16,7 @@ from specdraft.inference.parity import (
     replay_serving,
     serve,
     simulate,
+    training_path_drafts,
 )
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
@@ -116,20 +117,25 @@ def test_a_scale_inside_the_drafter_is_named(random_target, examples, eagle1, mo
     [("eagle3", dict(gamma=3, tree_top_k=3, tree_budget=8)),
      ("eagle1", dict(gamma=2, tree_top_k=2, lookup_ngram=1)),
      ("distill", dict(gamma=3, tree_top_k=2, tree_budget=6)),
-     ("distill", dict(gamma=2, dynamic_gamma=True))],
-    ids=["eagle3-dynamic-tree", "eagle1-tree-copying", "two-model-tree", "dynamic-gamma"],
+     ("distill", dict(gamma=2, dynamic_gamma=True)),
+     ("eagle3", dict(gamma=3, draft_weights="int8")),
+     ("medusa", dict(gamma=3, tree_top_k=2, draft_weights="int8"))],
+    ids=["eagle3-dynamic-tree", "eagle1-tree-copying", "two-model-tree", "dynamic-gamma",
+         "eagle3-int8", "medusa-tree-int8"],
 )  # fmt: skip
 def test_the_serving_session_replayed_equals_served(
     random_target, examples, kind_drafter, kind, settings
 ):
     """Settings the training path has no served drafts for (EAGLE-2's dynamic tree, the two-model
-    tree, dynamic gamma) are simulated by walking the serving session on the continuations
-    (parity.replay_serving): the loop's statistics exactly, with no target pass per step."""
+    tree, dynamic gamma), or computes otherwise than serving (int8 drafting weights, which its
+    full-precision modules do not round), are simulated by walking the serving session on the
+    continuations (parity.replay_serving): the loop's statistics exactly, with no target pass
+    per step."""
     drafter = kind_drafter(kind)
     decode = drafter.decode_settings(None, **settings)
     batch = example_batch(examples[0], random_target.device)
     target_out = random_target.forward(batch["input_ids"], capture_layers=drafter.capture_layers)
-    assert drafter.served_drafts(batch, target_out, decode) is None  # so the replay is used
+    assert training_path_drafts(drafter, batch, target_out, decode) is None  # the replay's
     simulated = simulate(random_target, drafter, examples, decode)
     served = serve(random_target, drafter, examples, decode)
     for sim, real in zip(simulated, served, strict=True):

@@ -33,6 +33,8 @@ def test_training_lowers_the_loss_and_final_loads(tiny_target, tiny_target_path,
         # EAGLE-1 drafts EAGLE-2's dynamic tree, which the training path has no served drafts
         # for: the simulation walks the serving session itself on the continuations
         *(["decode.tree_top_k=2", "decode.tree_budget=6"] if version == "eagle1" else []),
+        # EAGLE-3 drafts with its full weights, which the training path computes as served
+        *(["decode.draft_weights=full"] if version == "eagle3" else []),
     ])  # fmt: skip
     assert code == 0
     state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
