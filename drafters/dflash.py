@@ -62,7 +62,8 @@ from specdraft.drafters.base import (
     greedy_confidence,
     sum_and_count,
 )
-from specdraft.drafters.eagle import default_feature_layers, head_rope
+from specdraft.drafters.eagle import default_feature_layers
+from specdraft.drafters.eagle_layers import head_rope
 from specdraft.drafters.eagle_session import verified_rows
 from specdraft.losses import token_losses
 

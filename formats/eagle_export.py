@@ -55,7 +55,8 @@ import torch
 from safetensors.torch import load_file
 
 from specdraft.core import DecodeConfig
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter, llama_layer_config
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+from specdraft.drafters.eagle_layers import llama_layer_config
 from specdraft.formats.checkpoint import CONFIG_NAME, CheckpointError
 from specdraft.formats.export_formats import (
     ExportError,

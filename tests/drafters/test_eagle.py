@@ -320,7 +320,7 @@ def test_the_unroll_without_a_mask_equals_the_dense_mask(version, monkeypatch):
     grouped-query heads and more than one query block."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import specdraft.drafters.eagle as eagle
+    import specdraft.drafters.eagle_layers as eagle_layers
     from specdraft.targets.target import Target
 
     torch.manual_seed(0)
@@ -334,7 +334,7 @@ def test_the_unroll_without_a_mask_equals_the_dense_mask(version, monkeypatch):
     loss_mask = torch.ones_like(ids)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
     out = target.forward(ids, capture_layers=head.capture_layers)
-    monkeypatch.setattr(eagle, "TTT_BLOCK", 16)  # 39 queries: three blocks
+    monkeypatch.setattr(eagle_layers, "TTT_BLOCK", 16)  # 39 queries: three blocks
     results = []
     for dense in (True, False):
         head.zero_grad()

@@ -21,7 +21,7 @@ from transformers import (
 )
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from specdraft.drafters.eagle import Eagle3Layer, eagle1_reference_layer, llama_layer_config
+from specdraft.drafters.eagle_layers import Eagle3Layer, eagle1_reference_layer, llama_layer_config
 from specdraft.drafters.lean import (
     DraftLinear,
     LayerWeights,
