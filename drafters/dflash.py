@@ -26,7 +26,7 @@ block once and returns a chain of min(gamma, B - 1) tokens: each slot's argmax, 
 (the slots are drawn independently, a valid proposal distribution for the chain).
 
 Read top to bottom: the config, the layers, the module (features, context keys, the block), the
-loss and acceptance, the session. Weight names are speculators' (formats/dflash_export.py).
+loss and acceptance, the sessions (one sequence, a batch). Weight names are speculators' (formats/dflash_export.py).
 """
 
 from __future__ import annotations
@@ -729,13 +729,12 @@ class DFlashBatchSession(BatchSession):
             return trees
         # 1. Each drafting row's block (its anchor, then mask tokens) at its own positions,
         # seeing its own known context columns and its whole block: one pass for all.
-        index = torch.tensor(drafting, device=self.device)
         known = torch.tensor([self.known[r] for r in drafting], device=self.device)  # (n,)
-        columns = int(known.max())
-        context = [
-            (k[:, :, :columns].index_select(0, index), v[:, :, :columns].index_select(0, index))
-            for k, v in self.context
-        ]
+        columns = max(self.known[r] for r in drafting)
+        context = [(k[:, :, :columns], v[:, :, :columns]) for k, v in self.context]
+        if len(drafting) < len(contexts):  # rows that draft nothing stay out of the pass
+            index = torch.tensor(drafting, device=self.device)
+            context = [(k.index_select(0, index), v.index_select(0, index)) for k, v in context]
         anchors = torch.stack([contexts[r].tokens[0, -1] for r in drafting]).to(self.device)
         tokens = d.block_tokens(anchors)  # (n, B)
         positions = known[:, None] + torch.arange(d.block_size, device=self.device)  # (n, B)
