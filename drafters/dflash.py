@@ -19,14 +19,15 @@ exp(-(i - 1) / position_decay). The loss sum is over the anchors' scored slots, 
 alone counts (`loss_tokens`).
 
 Decoding (DFlashSession; DFlashBatchSession for a batch's rows, one block pass for all): the
-context's keys and values per layer are computed once, from the
-verification forward's hidden states of the accepted positions (`accept`); `propose` runs the
-block once and returns a chain of min(gamma, B - 1) tokens: each slot's argmax, or at temperature
-> 0 a draw from each slot's own processed distribution q_i, recorded for lossless verification
-(the slots are drawn independently, a valid proposal distribution for the chain).
+context's keys and values per layer are computed once, from the verification forward's hidden
+states of the accepted positions (`accept`); `propose` runs the block once and returns a chain of
+min(gamma, B - 1) tokens: each slot's argmax, or at temperature > 0 a draw from each slot's own
+processed distribution q_i, recorded for lossless verification (the slots are drawn
+independently, a valid proposal distribution for the chain).
 
 Read top to bottom: the config, the layers, the module (features, context keys, the block), the
-loss and acceptance, the sessions (one sequence, a batch). Weight names are speculators' (formats/dflash_export.py).
+loss and acceptance, the sessions (one sequence, a batch). Weight names are speculators'
+(formats/dflash_export.py).
 """
 
 from __future__ import annotations
