@@ -18,20 +18,22 @@ of them per sequence per step, from a generator seeded by the step and the examp
 exp(-(i - 1) / position_decay). The loss sum is over the anchors' scored slots, which the batch
 alone counts (`loss_tokens`).
 
-Decoding (DFlashSession): the context's keys and values per layer are computed once, from the
-verification forward's hidden states of the accepted positions (`accept`); `propose` runs the
-block once and returns a chain of min(gamma, B - 1) tokens: each slot's argmax, or at temperature
-> 0 a draw from each slot's own processed distribution q_i, recorded for lossless verification
-(the slots are drawn independently, a valid proposal distribution for the chain).
+Decoding (DFlashSession; DFlashBatchSession for a batch's rows, one block pass for all): the
+context's keys and values per layer are computed once, from the verification forward's hidden
+states of the accepted positions (`accept`); `propose` runs the block once and returns a chain of
+min(gamma, B - 1) tokens: each slot's argmax, or at temperature > 0 a draw from each slot's own
+processed distribution q_i, recorded for lossless verification (the slots are drawn
+independently, a valid proposal distribution for the chain).
 
 Read top to bottom: the config, the layers, the module (features, context keys, the block), the
-loss and acceptance, the session. Weight names are speculators' (formats/dflash_export.py).
+loss and acceptance, the sessions (one sequence, a batch). Weight names are speculators'
+(formats/dflash_export.py).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,9 +53,11 @@ from specdraft.core import (
     DraftContext,
     DraftTree,
     SamplingSettings,
+    draft_chains,
     draft_token,
 )
 from specdraft.drafters.base import (
+    BatchSession,
     Drafter,
     DraftSession,
     Metrics,
@@ -545,6 +549,20 @@ class DFlashDrafter(Drafter):
     ) -> DFlashSession:
         return DFlashSession(self, sampling=sampling, decode=decode, generator=generator)
 
+    def new_batch_session(
+        self,
+        target,
+        batch_size: int,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> DFlashBatchSession:
+        """Every drafting row's block in one pass (DFlashBatchSession)."""
+        return DFlashBatchSession(
+            self, batch_size, sampling=sampling, decode=decode, generator=generator
+        )
+
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = super().ignored_settings(decode)
         drafts = self.block_size - 1
@@ -650,6 +668,161 @@ class DFlashSession(DraftSession):
 
     def extra_memory_bytes(self) -> int:
         """The context's keys and values."""
+        if self.context is None:
+            return 0
+        return sum(t.numel() * t.element_size() for kv in self.context for t in kv)
+
+
+class DFlashBatchSession(BatchSession):
+    """DFlashSession for the rows of a batch: one block pass drafts every drafting row's chain.
+    Each row drafts what DFlashSession drafts for it alone (its depth, its stop_below, the same
+    tokens at T = 0 and the same q at T > 0: core.draft_chains cuts each row's chain where its
+    own would end).
+
+    State: per layer, one buffer of keys and one of values, (rows, kv_heads, capacity, dim),
+    row r's context in columns 0 .. known[r] - 1 (its positions 0 .. known[r] - 1) and zeros
+    after them (finite: a masked key's value still meets a zero weight). Rows know different
+    counts, so the block's mask shows each row its own known columns, then its whole block.
+    `accept` computes every row's new keys and values in one call and writes them after the
+    row's known columns; the buffers grow by doubling.
+
+    A row whose context is None drafts nothing; its accept (maybe of another drafter's tree, a
+    copy) still appends the verified positions' keys and values, so its next block is exact.
+    """
+
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        rows: int,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.drafter = drafter
+        self.sampling, self.decode, self.generator = sampling, decode, generator
+        self.capture_layers: list[int] = list(drafter.capture_layers)
+        self.device = drafter.fc.weight.device
+        self.context: ContextKV | None = None  # per layer (rows, kv_heads, capacity, head_dim)
+        self.known = [0] * rows  # per row: context positions whose keys and values are held
+
+    @torch.no_grad()
+    def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
+        d = self.drafter
+        limit = min(self.decode.gamma, d.block_size - 1)
+        depths = []
+        for r, context in enumerate(contexts):
+            depth = 0 if context is None else min(limit, context.max_depth)
+            if self.known[r] == 0 or depth <= 0:  # no features yet, or no token may follow
+                depths.append(0)
+                continue
+            length = context.tokens.shape[1]
+            if self.known[r] != length - 1:
+                raise RuntimeError(
+                    f"DFlashBatchSession has the target's features of {self.known[r]} positions "
+                    f"of row {r} but its context has {length}: the loop must call accept(trees, "
+                    "paths, hidden_states) after every verification forward, and pass the "
+                    "contexts that forward extended"
+                )
+            depths.append(depth)
+        drafting = [r for r, depth in enumerate(depths) if depth > 0]
+        trees = [DraftTree.empty(1, self.device) for _ in contexts]
+        if not drafting:
+            return trees
+        # 1. Each drafting row's block (its anchor, then mask tokens) at its own positions,
+        # seeing its own known context columns and its whole block: one pass for all.
+        known = torch.tensor([self.known[r] for r in drafting], device=self.device)  # (n,)
+        columns = max(self.known[r] for r in drafting)
+        context = [(k[:, :, :columns], v[:, :, :columns]) for k, v in self.context]
+        if len(drafting) < len(contexts):  # rows that draft nothing stay out of the pass
+            index = torch.tensor(drafting, device=self.device)
+            context = [(k.index_select(0, index), v.index_select(0, index)) for k, v in context]
+        anchors = torch.stack([contexts[r].tokens[0, -1] for r in drafting]).to(self.device)
+        tokens = d.block_tokens(anchors)  # (n, B)
+        positions = known[:, None] + torch.arange(d.block_size, device=self.device)  # (n, B)
+        sees = torch.arange(columns, device=self.device)[None] < known[:, None]  # (n, columns)
+        block = torch.ones(len(drafting), d.block_size, dtype=torch.bool, device=self.device)
+        mask = torch.cat([sees, block], dim=1)[:, None, None].expand(-1, -1, d.block_size, -1)
+        h = d.block_states(tokens, positions, context, mask)  # (n, B, hidden)
+        deepest = max(depths)
+        logits = d.draft_logits(h[:, 1 : 1 + deepest])  # (n, deepest, vocab): slots 1..deepest
+        # 2. Each row's chain, drawn slot by slot (q recorded when sampling); a slot does not
+        # read the token drawn before it, so the step only hands over the next slot's logits.
+        chains = draft_chains(
+            logits[:, 0],
+            lambda token, i: logits[:, i + 1],
+            depths=[depths[r] for r in drafting],
+            sampling=self.sampling,
+            generator=self.generator,
+            stop_below=self.decode.stop_below,
+        )
+        for r, chain in zip(drafting, chains, strict=True):
+            trees[r] = chain
+        return trees
+
+    @torch.no_grad()
+    def accept(
+        self,
+        trees: Sequence[DraftTree],
+        paths: Sequence[list[int]],
+        hidden_states: Sequence[Mapping[int, torch.Tensor] | None],
+    ) -> None:
+        """Append each row's verified positions (its pending token(s), then its accepted nodes,
+        of any drafter's tree) to its context; every row's keys and values in one call."""
+        d = self.drafter
+        picked = [
+            verified_rows(self, tree, path, hidden)
+            for tree, path, hidden in zip(trees, paths, hidden_states, strict=True)
+        ]
+        verified = list(zip(hidden_states, picked, strict=True))
+        joined = {
+            layer: torch.cat([h[layer][0, rows].to(self.device) for h, rows in verified])[None]
+            for layer in self.capture_layers
+        }  # layer -> (1, verified positions of every row, hidden)
+        counts = [len(rows) for rows in picked]
+        grown = [k + n for k, n in zip(self.known, counts, strict=True)]
+        row = torch.repeat_interleave(
+            torch.arange(len(counts), device=self.device), torch.tensor(counts, device=self.device)
+        )  # (total,) each verified position's row
+        column = torch.cat(
+            [torch.arange(k, g, device=self.device) for k, g in zip(self.known, grown, strict=True)]
+        )  # (total,) its position: the row's next column
+        new = d.context_kv(d.features(joined), column[None])  # per layer (1, kv, total, dim)
+        self._make_room(max(grown), new)
+        for (k, v), (k2, v2) in zip(self.context, new, strict=True):
+            k[row, :, column] = k2[0].transpose(0, 1).to(k.dtype)  # (total, kv_heads, dim)
+            v[row, :, column] = v2[0].transpose(0, 1).to(v.dtype)
+        self.known = grown
+
+    def _make_room(self, columns: int, like: ContextKV) -> None:
+        """Grow the buffers (doubling, zero-filled) to hold `columns` per row; `like`: keys and
+        values of this layout (1, kv_heads, n, head_dim) per layer."""
+        held = 0 if self.context is None else self.context[0][0].shape[2]
+        if columns <= held:
+            return
+        rows, capacity = len(self.known), max(columns, 2 * held)
+        old = self.context
+        self.context = [
+            (
+                k.new_zeros(rows, k.shape[1], capacity, k.shape[3]),
+                v.new_zeros(rows, v.shape[1], capacity, v.shape[3]),
+            )
+            for k, v in like
+        ]
+        if old is not None:
+            for (k, v), (k_old, v_old) in zip(self.context, old, strict=True):
+                k[:, :, :held], v[:, :, :held] = k_old, v_old
+
+    def drop(self, keep: Sequence[int]) -> None:
+        self.known = [self.known[r] for r in keep]
+        if self.context is not None:
+            index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
+            self.context = [
+                (k.index_select(0, index), v.index_select(0, index)) for k, v in self.context
+            ]
+
+    def extra_memory_bytes(self) -> int:
+        """The context's key and value buffers (their whole capacity: memory held)."""
         if self.context is None:
             return 0
         return sum(t.numel() * t.element_size() for kv in self.context for t in kv)

@@ -15,9 +15,9 @@ becomes compute-bound and verification costs up to gamma + 1 plain passes. So th
   `--context` tokens, over a plain step's forward of B rows x 1 token: the tau at which a drafter
   that costs nothing breaks even (above it speculation wins; a real drafter needs more);
 - `drafting`: drafting seconds per loop step at each batch size, for the demo configs' two-model
-  student (one layer seeded from the target), Medusa heads and EAGLE-3 head, through the kind's
-  batch session (one drafter pass per depth for the batch) and row by row (RowSessions: one per
-  row).
+  student (one layer seeded from the target), Medusa heads, EAGLE-3 head and DFlash drafter,
+  through the kind's batch session (one drafter pass per depth for the batch; DFlash: one block
+  pass) and row by row (RowSessions: one per row).
 
 The target: random weights of the demo target's shape (vocab 4,096, hidden 256, 8 layers, 4
 heads, MLP 688), fp32 (`--dtype` otherwise); time does not depend on the weights' values, and the
@@ -41,6 +41,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specdraft.core import eos_ids
 from specdraft.drafters.base import Drafter
+from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
 from specdraft.drafters.distill import DistillConfig, DistillDrafter, build_student
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
@@ -72,8 +73,8 @@ def demo_shaped_target(dtype: torch.dtype) -> Target:
 
 def drafters(target: Target) -> dict[str, Drafter]:
     """The demo configs' two-model student (configs/distill/demo.yaml: one layer seeded from the
-    target), Medusa heads (configs/medusa/demo.yaml) and EAGLE-3 head (configs/eagle/demo.yaml),
-    untrained."""
+    target), Medusa heads (configs/medusa/demo.yaml), EAGLE-3 head (configs/eagle/demo.yaml) and
+    DFlash drafter (configs/dflash/demo.yaml: one layer, blocks of 8), untrained."""
     student = build_student(DistillConfig(init="target", num_layers=1), target).eval()
     medusa = MedusaDrafter.build(
         MedusaConfig(num_heads=4, num_layers=1, output="own", loss="kl"), target
@@ -81,7 +82,10 @@ def drafters(target: Target) -> dict[str, Drafter]:
     eagle = EagleDrafter.build(
         EagleConfig(draft_vocab_size=2048, ttt_steps=3, norm_before_residual=True), target
     ).eval()
-    return {"distill": DistillDrafter(student), "medusa": medusa, "eagle3": eagle}
+    dflash = DFlashDrafter.build(
+        DFlashConfig(num_layers=1, block_size=8, anchors=32), target
+    ).eval()
+    return {"distill": DistillDrafter(student), "medusa": medusa, "eagle3": eagle, "dflash": dflash}
 
 
 def prompts(batch: int, generator: torch.Generator) -> list[list[int]]:
