@@ -61,7 +61,9 @@ class Example:
     A packed row (data.pack) holds several documents end to end: `document_lengths` are their
     lengths in order, and each attends only to itself, its positions starting at 0 (a token is
     predicted only from the tokens before it in its own document). None: the row is one
-    document.
+    document. `document_indices` are the documents' indices among the conversations packed
+    (`pack_documents`' input): a kind that draws per sample seeds each document's draws with
+    its index, as it seeds an unpacked row's with the row's.
     """
 
     input_ids: list[int]
@@ -69,6 +71,7 @@ class Example:
     source: str = ""  # where it came from: a row's location, or "packed text block 7"
     truncated: bool = False  # cut to max_length (overlong: truncate)
     document_lengths: list[int] | None = None
+    document_indices: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.input_ids) != len(self.loss_mask):
@@ -81,6 +84,14 @@ class Example:
             raise ValueError(
                 f"document_lengths {self.document_lengths} do not split the row's "
                 f"{len(self.input_ids)} tokens into non-empty documents"
+            )
+        if self.document_indices is not None and (
+            self.document_lengths is None
+            or len(self.document_indices) != len(self.document_lengths)
+        ):
+            raise ValueError(
+                f"document_indices {self.document_indices} do not name the row's documents "
+                f"(document_lengths {self.document_lengths}) one to one"
             )
 
 

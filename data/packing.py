@@ -67,7 +67,8 @@ def pack_documents(examples: list[Example], row_length: int) -> list[Example]:
     Best fit decreasing: the examples longest first (ties in their given order), each into the
     row with the least room that still holds it, else a new row. Deterministic; rows come out in
     the order they were opened (the caller shuffles them). A row's documents keep their own
-    loss masks; `document_lengths` says where each ends.
+    loss masks; `document_lengths` says where each ends, `document_indices` which of
+    `examples` each is.
     """
     order = sorted(range(len(examples)), key=lambda i: (-len(examples[i].input_ids), i))
     rows: list[list[int]] = []
@@ -98,6 +99,7 @@ def pack_documents(examples: list[Example], row_length: int) -> list[Example]:
                 f"packed row {r}: " + ", ".join(d.source for d in docs),
                 any(d.truncated for d in docs),
                 [len(d.input_ids) for d in docs],
+                list(members),
             )
         )
     return packed

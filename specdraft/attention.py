@@ -140,6 +140,39 @@ def document_layout(
     return documents, positions
 
 
+def document_spans(batch: Mapping[str, torch.Tensor]) -> list[list[tuple[int, int]]]:
+    """Per row, (start, length) of each of its documents in order, the padding after them left
+    out: one span, the row's tokens, for a row of one document. For kinds that draw per
+    document what they draw per row (DFlash's anchors, P-EAGLE's slots)."""
+    lengths = batch["attention_mask"].sum(1).tolist()
+    documents = batch.get("document_ids")
+    if documents is None:
+        return [[(0, int(n))] for n in lengths]
+    spans = []
+    for row, n in zip(documents.cpu(), lengths, strict=True):
+        _, counts = torch.unique_consecutive(row[: int(n)], return_counts=True)
+        starts = [0, *counts.cumsum(0).tolist()[:-1]]
+        spans.append(list(zip(starts, counts.tolist(), strict=True)))
+    return spans
+
+
+def document_seeds(batch: Mapping[str, torch.Tensor], step_seed: int) -> list[list[int]]:
+    """Per row, the seed of each document's draws (document_spans' order) at a step whose
+    shared seed is `step_seed`: from the row's index in the training set (batch["example_index"])
+    for a row of one document, from each document's own index (batch["document_index"],
+    pack_documents') for a packed row, so a conversation draws the same packed or not."""
+    if "document_ids" not in batch:
+        indices = [[int(i)] for i in batch["example_index"].tolist()]
+    elif "document_index" in batch:
+        indices = [[int(i) for i in row if i >= 0] for row in batch["document_index"].tolist()]
+    else:
+        raise ValueError(
+            "packed rows without their documents' indices (Example.document_indices, which "
+            "pack_documents records): a kind that draws per document seeds each with its index"
+        )
+    return [[(step_seed * 1_000_003 + i) % (2**63 - 1) for i in row] for row in indices]
+
+
 def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
     """The attention_mask and position_ids a Hugging Face model's forward takes for `batch`.
 

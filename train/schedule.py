@@ -79,7 +79,8 @@ def collate(examples: Sequence[Any], device: torch.device) -> dict[str, torch.Te
 
     Packed rows (examples with `document_lengths`, data.pack) also get document_ids and
     position_ids (specdraft/attention.py, "Packed rows"), and no document's first token carries
-    loss, as no row's does."""
+    loss, as no row's does; where every row records its documents' indices (pack_documents),
+    document_index (batch, most documents in a row) holds them, -1 after a row's last."""
     length = max(len(e.input_ids) for e in examples)
     ids = torch.zeros(len(examples), length, dtype=torch.long)
     attention = torch.zeros_like(ids)
@@ -95,4 +96,8 @@ def collate(examples: Sequence[Any], device: torch.device) -> dict[str, torch.Te
         lengths = [getattr(e, "document_lengths", None) or [len(e.input_ids)] for e in examples]
         batch["document_ids"], batch["position_ids"] = document_layout(lengths, length)
         loss_mask[batch["position_ids"] == 0] = 0  # each document's first token, likewise
+        indices = [getattr(e, "document_indices", None) for e in examples]
+        if all(i is not None for i in indices):  # for kinds that seed their draws per document
+            width = max(len(i) for i in indices)
+            batch["document_index"] = torch.tensor([i + [-1] * (width - len(i)) for i in indices])
     return {k: v.to(device) for k, v in batch.items()}
