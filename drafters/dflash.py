@@ -14,7 +14,9 @@ tokens.
 
 Training: anchors are drawn per sequence among positions with room for a whole block (`anchors`
 of them per sequence per step, from a generator seeded by the step and the example's index:
-`prepare_batch`); slot i learns the target's own distribution at anchor + i - 1 (KL), weighted by
+`prepare_batch`). In a packed row (data.pack) each conversation is such a sequence: its anchors
+are drawn from its own index, its blocks stay inside it and see only its context, so it trains
+exactly as in a row of its own. Slot i learns the target's own distribution at anchor + i - 1 (KL), weighted by
 exp(-(i - 1) / position_decay). The loss sum is over the anchors' scored slots, which the batch
 alone counts (`loss_tokens`).
 
@@ -47,6 +49,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+from specdraft.attention import document_seeds, document_spans
 from specdraft.config import choice
 from specdraft.core import (
     DecodeConfig,
@@ -278,14 +281,6 @@ class DFlashDrafter(Drafter):
     def from_checkpoint(cls, config: DFlashConfig, target, hf_model) -> DFlashDrafter:
         return cls(config, target, init=False)  # load_drafter loads the weights
 
-    @classmethod
-    def packing_problem(cls, config) -> str | None:
-        return (
-            "DFlash does not train on packed rows yet: it draws its anchors per row, and its "
-            "context keys span the whole row, so a packed row would train other blocks than its "
-            "conversations would on their own"
-        )
-
     @torch.no_grad()
     def _copy_target_layers(self) -> None:
         """Start from the target's last num_layers layers: every tensor whose name and shape
@@ -358,30 +353,35 @@ class DFlashDrafter(Drafter):
     # --- training -------------------------------------------------------------------------------
 
     def prepare_batch(self, batch: dict, target, generator, shared: torch.Generator) -> dict:
-        """Each row's anchors (batch["anchors"], (batch, anchors), -1 where a row has fewer),
-        drawn from a generator seeded by the step's shared seed and the row's index in the
-        training set: the same whatever the split into processes and micro-batches, and on
-        resume."""
-        step_seed = shared.initial_seed()
-        seeds = [(step_seed * 1_000_003 + int(i)) % (2**63 - 1) for i in batch["example_index"]]
-        batch["anchors"] = self.choose_anchors(batch, seeds)
+        """Each document's anchors (batch["anchors"], (batch, anchors x most documents in a
+        row), -1 where a row has fewer), drawn from a generator seeded by the step's shared seed
+        and the document's index in the training set (a packed row's documents: their own,
+        `document_seeds`): the same whatever the split into processes and micro-batches, on
+        resume, and packed or not."""
+        batch["anchors"] = self.choose_anchors(batch, document_seeds(batch, shared.initial_seed()))
         return batch
 
-    def choose_anchors(self, batch: Mapping[str, torch.Tensor], seeds: list[int]) -> torch.Tensor:
-        """(batch, anchors) anchor positions, ascending, -1 padded: per row, up to `anchors`
-        positions a >= 1 whose block fits in the row (a + B - 1 < its length) and whose first
-        drafted token (a + 1) is scored, drawn without replacement from a generator of its seed."""
-        lengths = batch["attention_mask"].sum(1).tolist()
+    def choose_anchors(
+        self, batch: Mapping[str, torch.Tensor], seeds: list[list[int]]
+    ) -> torch.Tensor:
+        """(batch, anchors x most documents in a row) anchor positions, ascending, -1 padded:
+        per document (a row, or each of a packed row's), up to `anchors` positions a >= 1 of it
+        whose block fits in it (a + B - 1 < its length) and whose first drafted token (a + 1)
+        is scored, drawn without replacement from a generator of the document's seed."""
         scored = batch["loss_mask"].bool().cpu()
         N, B = self.config.anchors, self.block_size
+        spans = document_spans(batch)
+        width = N * max(len(docs) for docs in spans)
         rows = []
-        for row, (n, seed) in enumerate(zip(lengths, seeds, strict=True)):
-            a = torch.arange(1, max(1, int(n) - B + 1))  # a + B - 1 <= n - 1
-            a = a[scored[row, a + 1]]
-            pick = torch.randperm(len(a), generator=torch.Generator().manual_seed(seed))[:N]
-            chosen = torch.full((N,), -1, dtype=torch.long)
-            chosen[: len(pick)] = a[pick].sort().values
-            rows.append(chosen)
+        for row, (docs, doc_seeds) in enumerate(zip(spans, seeds, strict=True)):
+            chosen = [torch.empty(0, dtype=torch.long)]
+            for (start, n), seed in zip(docs, doc_seeds, strict=True):
+                a = torch.arange(1, max(1, n - B + 1))  # a + B - 1 <= n - 1
+                a = a[scored[row, start + a + 1]]
+                pick = torch.randperm(len(a), generator=torch.Generator().manual_seed(seed))[:N]
+                chosen.append(start + a[pick].sort().values)
+            picked = torch.cat(chosen)
+            rows.append(torch.cat([picked, picked.new_full((width - len(picked),), -1)]))
         return torch.stack(rows).to(batch["input_ids"].device)
 
     def anchors_of(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -390,21 +390,26 @@ class DFlashDrafter(Drafter):
         rows are batched."""
         if "anchors" in batch:
             return batch["anchors"]
-        ids, lengths = batch["input_ids"].cpu(), batch["attention_mask"].sum(1).tolist()
+        ids = batch["input_ids"].cpu()
         seeds = [
-            int((ids[r, : int(n)] * torch.arange(1, int(n) + 1)).sum()) % (2**63 - 1)
-            for r, n in enumerate(lengths)
+            [int((ids[r, s : s + n] * torch.arange(1, n + 1)).sum()) % (2**63 - 1) for s, n in docs]
+            for r, docs in enumerate(document_spans(batch))
         ]
         return self.choose_anchors(batch, seeds)
 
     def slot_valid(self, batch: Mapping[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
         """(batch, anchors, B - 1) bool: slot i of an anchor's block predicts a scored token
-        (at a + i)."""
+        (at a + i) of the anchor's own document."""
         T = batch["input_ids"].shape[1]
         slots = torch.arange(1, self.block_size, device=anchors.device)
         at = anchors[..., None] + slots  # (batch, anchors, B - 1) predicted token positions
         inside = (anchors[..., None] >= 0) & (at < T)
-        scored = batch["loss_mask"].bool().gather(1, at.clamp(0, T - 1).flatten(1)).view_as(at)
+        flat = at.clamp(0, T - 1).flatten(1)
+        scored = batch["loss_mask"].bool().gather(1, flat).view_as(at)
+        documents = batch.get("document_ids")
+        if documents is not None:  # served_drafts' anchors reach the end of their document
+            own = documents.gather(1, anchors.clamp(min=0))[..., None]
+            scored = scored & (documents.gather(1, flat).view_as(at) == own)
         return inside & scored
 
     def slots(
@@ -418,8 +423,9 @@ class DFlashDrafter(Drafter):
 
         The blocks of a row are laid side by side as queries; keys are the row's context
         features then every block. Block j's positions see the context before its anchor
-        (and inside the row) and the whole of block j: the mask that makes each block see
-        exactly what it sees while drafting after that anchor."""
+        (inside the row, and in a packed row inside the anchor's document, at the document's
+        positions) and the whole of block j: the mask that makes each block see exactly what it
+        sees while drafting after that anchor."""
         ids = batch["input_ids"]
         Bt, T = ids.shape
         Bs = self.block_size
@@ -427,15 +433,22 @@ class DFlashDrafter(Drafter):
         N = anchors.shape[1]
         device = ids.device
         start = anchors.clamp(min=0)  # an absent anchor computes a block that scores nothing
+        documents = batch.get("document_ids")
+        row_positions = batch.get("position_ids")  # restarting at each document of a packed row
+        if row_positions is None:
+            row_positions = torch.arange(T, device=device)[None].expand(Bt, T)
         features = self.features(target_out.hidden_states)  # (batch, T, hidden)
-        context = self.context_kv(features, torch.arange(T, device=device)[None].expand(Bt, T))
+        context = self.context_kv(features, row_positions)
         tokens = self.block_tokens(ids.gather(1, start)).flatten(1)  # (batch, N * B)
         offsets = torch.arange(Bs, device=device)
-        positions = (start[..., None] + offsets).flatten(1)  # (batch, N * B)
+        positions = (row_positions.gather(1, start)[..., None] + offsets).flatten(1)  # (batch, NB)
         # who sees whom: (batch, N * B, T) context part, (N * B, N * B) block-diagonal part
         anchor_of = start.repeat_interleave(Bs, dim=1)  # (batch, N * B)
         before = torch.arange(T, device=device)[None, None, :] < anchor_of[..., None]
         sees_context = before & batch["attention_mask"].bool()[:, None, :]
+        if documents is not None:  # the context of the anchor's own document only
+            own = documents.gather(1, anchor_of)  # (batch, N * B)
+            sees_context = sees_context & (documents[:, None, :] == own[..., None])
         block_of = torch.arange(N * Bs, device=device) // Bs
         same_block = (block_of[:, None] == block_of[None, :]).expand(Bt, -1, -1)
         mask = torch.cat([sees_context, same_block], dim=2)[:, None]  # (batch, 1, NB, T + NB)
