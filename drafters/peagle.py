@@ -22,6 +22,9 @@ sequence costs ~n (1 + r + r^2 ...) slots instead of K n. Each kept slot's loss 
 the target's distribution (restricted to the draft vocabulary and renormalised, as EAGLE-3) to
 the head's. The draws are per sample, from a generator seeded by the step and the sample's index
 in the training set (`prepare_batch`), so a resumed run and a two-process run draw what one does.
+In a packed row (data.pack) each conversation is such a sample: COD draws its slots from its own
+index and scored tokens, and a slot attends to its own document only, so it trains exactly as
+in a row of its own.
 
 The embedding is the target's, frozen (as our EAGLE heads; speculators trains a copy for
 P-EAGLE, `embed_requires_grad`): a V x H trainable copy and its optimizer state would be the
@@ -39,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdraft.attention import document_seeds, document_spans
 from specdraft.core import (
     DecodeConfig,
     DraftContext,
@@ -159,15 +163,21 @@ def resolve_config(config: PEagleConfig, target) -> PEagleConfig:
 # --- COD sampling ------------------------------------------------------------------------------
 
 
-def scored(loss_mask: torch.Tensor, depths: int) -> torch.Tensor:
+def scored(
+    loss_mask: torch.Tensor, depths: int, documents: torch.Tensor | None = None
+) -> torch.Tensor:
     """(batch, depths, S) bool, S = seq - 1 anchors: depth d at anchor t predicts token
-    t + 2 + d, which must exist and carry loss."""
+    t + 2 + d, which must exist, carry loss and, in packed rows (`documents`, the batch's
+    document_ids), lie in anchor t's document."""
     T = loss_mask.shape[1]
     t = torch.arange(T - 1, device=loss_mask.device)
     rows = []
     for d in range(depths):
-        nxt = t + 2 + d
-        rows.append((nxt < T)[None] & loss_mask[:, nxt.clamp(max=T - 1)].bool())
+        nxt = (t + 2 + d).clamp(max=T - 1)
+        ok = (t + 2 + d < T)[None] & loss_mask[:, nxt].bool()
+        if documents is not None:
+            ok = ok & (documents[:, nxt] == documents[:, t])
+        rows.append(ok)
     return torch.stack(rows, dim=1)
 
 
@@ -192,9 +202,28 @@ def cod_keep(valid: torch.Tensor, config: PEagleConfig, generator: torch.Generat
     return keep
 
 
-def row_seed(row: torch.Tensor) -> int:
-    """A seed from a row's token ids (Python hashes int tuples the same in every process)."""
-    return hash(tuple(row.tolist())) % (2**63 - 1)
+def document_keep(
+    batch: Mapping[str, torch.Tensor], config: PEagleConfig, seeds: list[list[int]]
+) -> torch.Tensor:
+    """(batch, K, S) bool: COD's draws for every document of the batch (a row, or each of a
+    packed row's: `document_spans`), each from a generator of its seed and its own `scored`
+    slots, so a document draws the same in a row of its own or packed; depth 0 keeps every
+    anchor, the padding's too."""
+    valid = scored(batch["loss_mask"], config.num_depths, batch.get("document_ids")).cpu()
+    keep = torch.zeros_like(valid)
+    keep[:, 0] = True
+    for row, (docs, doc_seeds) in enumerate(zip(document_spans(batch), seeds, strict=True)):
+        for (start, n), seed in zip(docs, doc_seeds, strict=True):
+            part = valid[row, :, start : start + n]  # the document's anchors
+            generator = torch.Generator().manual_seed(seed)
+            keep[row, :, start : start + n] = cod_keep(part, config, generator)
+    return keep.to(batch["input_ids"].device)
+
+
+def row_seed(tokens: torch.Tensor) -> int:
+    """A seed from a document's token ids (Python hashes int tuples the same in every
+    process)."""
+    return hash(tuple(tokens.tolist())) % (2**63 - 1)
 
 
 # --- module ------------------------------------------------------------------------------------
@@ -215,14 +244,6 @@ class PEagleDrafter(EagleDrafter):
         # the parallel slots' feature before fc, at the width of the fused target states
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * H))
 
-    @classmethod
-    def packing_problem(cls, config) -> str | None:
-        return (
-            "P-EAGLE does not train on packed rows yet: COD draws its slots per row (their count "
-            "from the row's scored tokens), so a packed row would train other slots than its "
-            "conversations would on their own"
-        )
-
     @staticmethod
     def capture_layers_for(config: PEagleConfig, target) -> list[int]:
         return list(config.feature_layers)
@@ -236,34 +257,30 @@ class PEagleDrafter(EagleDrafter):
     def prepare_batch(self, batch: dict, target, generator, shared: torch.Generator) -> dict:
         """COD's draws for each sample (batch["cod_keep"], (batch, K, S) bool), from a generator
         seeded by the step's seed (the same on every process) and the sample's index in the
-        training set: independent of how the global batch is split."""
+        training set (a packed row's documents: their own, `document_seeds`): independent of
+        how the global batch is split, and of packing."""
         if "example_index" in batch:
-            step_seed = shared.initial_seed()
-            valid = scored(batch["loss_mask"], self.config.num_depths).cpu()
-            batch["cod_keep"] = torch.stack([
-                cod_keep(v, self.config, torch.Generator().manual_seed(
-                    (step_seed * 1_000_003 + int(i)) % (2**63 - 1)))
-                for v, i in zip(valid, batch["example_index"].tolist(), strict=True)
-            ]).to(batch["input_ids"].device)  # fmt: skip
+            seeds = document_seeds(batch, shared.initial_seed())
+            batch["cod_keep"] = document_keep(batch, self.config, seeds)
         return batch
 
     def _keep(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The batch's COD draws; outside training (evaluation, no prepare_batch) drawn from each
-        row's own tokens, so a held-out row is scored the same in every evaluation."""
+        document's own tokens, so a held-out conversation is scored the same in every
+        evaluation, however it is batched or packed."""
         if "cod_keep" in batch:
             return batch["cod_keep"]
-        valid = scored(batch["loss_mask"], self.config.num_depths).cpu()
-        rows = batch["input_ids"].cpu()
-        keep = [
-            cod_keep(v, self.config, torch.Generator().manual_seed(row_seed(r)))
-            for v, r in zip(valid, rows, strict=True)
+        ids = batch["input_ids"].cpu()
+        seeds = [
+            [row_seed(ids[r, s : s + n]) for s, n in docs]
+            for r, docs in enumerate(document_spans(batch))
         ]
-        return torch.stack(keep).to(batch["input_ids"].device)
+        return document_keep(batch, self.config, seeds)
 
     def loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The kept slots whose token carries loss (a slot whose target argmax is outside the draft
         vocabulary adds 0 to the sum)."""
-        valid = scored(batch["loss_mask"], self.config.num_depths)
+        valid = scored(batch["loss_mask"], self.config.num_depths, batch.get("document_ids"))
         return (self._keep(batch) & valid).sum().float()
 
     def slots(
@@ -275,7 +292,8 @@ class PEagleDrafter(EagleDrafter):
     ) -> dict[str, torch.Tensor]:
         """Run the head over every kept slot of the batch at once, each row's slots flattened
         depth by depth (padded to the longest row) with the attention P-EAGLE's drafting has:
-        a slot (anchor a, depth d) sees depth 0 at anchors <= a and its own group's depths <= d.
+        a slot (anchor a, depth d) sees depth 0 at anchors <= a and its own group's depths <= d
+        (in a packed row, anchors of a's document only, at the document's positions).
 
         Returns, per flattened slot (batch, N): h (hidden), logits (draft vocab; logits=False:
         left out, for the loss, which makes them a chunk at a time), p_at (the position
@@ -286,7 +304,7 @@ class PEagleDrafter(EagleDrafter):
         B, T = input_ids.shape
         K = keep.shape[1]
         device = input_ids.device
-        valid = scored(batch["loss_mask"], K) & keep
+        valid = scored(batch["loss_mask"], K, batch.get("document_ids")) & keep
         per_row = [keep[b].nonzero() for b in range(B)]  # (n_b, 2): (depth, anchor), depth-major
         N = max(len(r) for r in per_row)
         depth = torch.zeros(B, N, dtype=torch.long, device=device)
@@ -303,9 +321,15 @@ class PEagleDrafter(EagleDrafter):
         a_q, a_k = anchor[:, :, None], anchor[:, None, :]
         d_q, d_k = depth[:, :, None], depth[:, None, :]
         allowed = ((d_k == 0) & (a_k <= a_q)) | ((a_k == a_q) & (d_k <= d_q))
+        positions = anchor + depth
+        documents = batch.get("document_ids")
+        if documents is not None:  # a packed row: the anchor's own document, its positions
+            own = documents.gather(1, anchor)  # (B, N)
+            allowed = allowed & (own[:, :, None] == own[:, None, :])
+            positions = batch["position_ids"].gather(1, anchor) + depth
         allowed = (allowed & real[:, None, :]) | torch.eye(N, dtype=torch.bool, device=device)
         mask = float_mask(allowed, feat.dtype)[:, None]  # (B, 1, N, N)
-        h = self.step(tokens, feat, anchor + depth, mask, None)  # (B, N, hidden)
+        h = self.step(tokens, feat, positions, mask, None)  # (B, N, hidden)
         p_at = (anchor + 1 + depth).clamp(max=T - 1)  # (B, N)
         ok = valid[torch.arange(B, device=device)[:, None], depth, anchor] & real
         out = {"h": h, "p_at": p_at, "depth": depth, "valid": ok}

@@ -1,6 +1,8 @@
 """Packed rows (data.pack) train exactly as the same conversations padded, one to a row: for every
 kind, the loss sum, the count of scored tokens it is divided by, and every gradient, with ragged
-lengths, documents whose loss starts at their second token, and a row's padding. The shared
+lengths, documents whose loss starts at their second token, and a row's padding. The kinds that
+draw per sample (P-EAGLE's COD slots, DFlash's anchors) draw per document, from the document's
+own index, so they are held to the same: the draws themselves and what they train. The shared
 tiny fixtures and kinds are test_loss_token_mean's."""
 
 from __future__ import annotations
@@ -9,11 +11,12 @@ import pytest
 import torch
 from test_loss_token_mean import KINDS, _build
 
-from specdraft.attention import target_inputs
-from specdraft.config import ConfigError
+from specdraft.attention import document_spans, target_inputs
 from specdraft.data import DataConfig
 from specdraft.data.formats import Example
 from specdraft.data.packing import pack_documents
+from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
+from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter, scored
 from specdraft.targets.hidden_cache import CachedTarget, HiddenStateCache, write_cache
 from specdraft.targets.target import load_target
 from specdraft.train.dflash import DFlashTrainConfig
@@ -35,6 +38,47 @@ def _ragged(vocab: int) -> list[Example]:
     return out
 
 
+# The kinds that draw per sample: small enough draws that they are a strict subset (COD keeps
+# half of each depth's slots, DFlash two anchors of a document's many), a block that a
+# document's end would cut (4 slots in conversations of 2 to 20 tokens).
+DRAWING = {
+    "peagle": (PEagleDrafter, PEagleConfig(num_depths=3, down_sample_ratio=0.5,
+                                           down_sample_ratio_min=0.2, draft_vocab_size=128)),
+    "dflash": (DFlashDrafter, DFlashConfig(block_size=4, anchors=2)),
+}  # fmt: skip
+
+
+def _drawing(kind, target):
+    cls, config = DRAWING[kind]
+    torch.manual_seed(0)
+    if cls is PEagleDrafter:
+        d2t = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(1))
+        return cls.build(config, target, d2t[: config.draft_vocab_size].sort().values)
+    return cls.build(config, target)
+
+
+def _drawn(batch, drafter, trained: bool):
+    """`batch` with the step's draws (prepare_batch, as the trainer makes them; its rows are the
+    examples 0.. of their list), or as held-out (no prepare_batch: drawn from the tokens)."""
+    if not trained:
+        return batch
+    batch["example_index"] = torch.arange(len(batch["input_ids"]))
+    return drafter.prepare_batch(batch, None, None, torch.Generator().manual_seed(11))
+
+
+def _per_document(batch, draws):
+    """{(document, position in it): the draw there} over every document of `batch`, from
+    (batch, ..., seq-like) `draws` whose last axis is the row's positions."""
+    out, document = {}, 0
+    for row, docs in enumerate(document_spans(batch)):
+        for start, n in docs:
+            for t in range(n):
+                if t + start < draws.shape[-1]:
+                    out[document, t] = draws[row, ..., start + t].tolist()
+            document += 1
+    return out
+
+
 def _loss_and_grads(drafter, target, batch):
     """(loss sum, scored tokens, gradients of the token mean) of one micro-batch, in fp32."""
     drafter.zero_grad(set_to_none=True)
@@ -47,7 +91,7 @@ def _loss_and_grads(drafter, target, batch):
     count = drafter.loss_tokens(batch)
     (loss / count).backward()
     grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
-    return float(loss), float(count), grads
+    return float(loss.detach()), float(count), grads
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -132,15 +176,63 @@ def test_one_trainer_step_on_packed_rows_equals_one_on_padded_conversations(
         torch.testing.assert_close(results["packed"][1][name], weight, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("trained", [True, False], ids=["step-draws", "held-out-draws"])
+@pytest.mark.parametrize("kind", sorted(DRAWING))
+def test_kinds_that_draw_per_sample_draw_and_train_per_document(tiny_target, kind, trained):
+    """P-EAGLE and DFlash on packed rows: each conversation draws what it draws in a row of its
+    own (the step's draws from its index and the step's seed; held-out ones from its tokens),
+    no slot or block crosses into another document, and the loss sum, count and gradients equal
+    the padded rows'."""
+    drafter = _drawing(kind, tiny_target).train()
+    examples = _ragged(tiny_target.vocab_size)
+    rows = pack_documents(examples, 24)
+    padded = _drawn(collate(examples, "cpu"), drafter, trained)
+    packed = _drawn(collate(rows, "cpu"), drafter, trained)
+    # the padded rows, renumbered in the packed rows' order of documents
+    order = [i for r in rows for i in r.document_indices]
+    padded_in_order = {k: v[order] for k, v in padded.items() if k != "example_index"}
+
+    if kind == "dflash":
+        # anchors, as (document, position in it): the same set, drawn from fewer than there are
+        def anchors(batch):
+            a = drafter.anchors_of(batch)
+            hit = torch.zeros(a.shape[0], batch["input_ids"].shape[1] + 1, dtype=torch.long)
+            hit.scatter_(1, a.clamp(min=-1) % hit.shape[1], 1)  # -1 lands past the row
+            return {k for k, v in _per_document(batch, hit[:, :-1]).items() if v}
+
+        drawn = anchors(packed)
+        assert drawn == anchors(padded_in_order)
+        assert len(drawn) < sum(max(0, len(e.input_ids) - 4) for e in examples)
+        valid = drafter.slot_valid(packed, drafter.anchors_of(packed))
+        assert valid.any() and not valid.all()  # a block cut by its document's end
+    else:
+        # depth >= 1, COD's draws: the same slots kept, document by document
+        def kept(batch):
+            return {k: v for k, v in _per_document(batch, drafter._keep(batch)[:, 1:]).items()
+                    if any(v)}  # fmt: skip
+
+        assert kept(packed) == kept(padded_in_order)
+        every = scored(packed["loss_mask"], 3, packed["document_ids"]).sum()
+        assert 0 < drafter.loss_tokens(packed) < every  # COD dropped slots
+
+    a = _loss_and_grads(drafter, tiny_target, padded)
+    b = _loss_and_grads(drafter, tiny_target, packed)
+    assert b[1] == a[1] and a[1] > 20
+    assert b[0] == pytest.approx(a[0], rel=1e-5, abs=1e-6)
+    assert b[2].keys() == a[2].keys() and a[2]
+    for name, grad in a[2].items():
+        torch.testing.assert_close(b[2][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+    # The same rows as one long document each draw and train otherwise.
+    joined = _drawn(collate([Example(r.input_ids, r.loss_mask) for r in rows], "cpu"),
+                    drafter, trained)  # fmt: skip
+    leaked = _loss_and_grads(drafter, tiny_target, joined)
+    assert leaked[0] != pytest.approx(a[0], rel=2e-5)
+
+
 @pytest.mark.parametrize("config_class", [PEagleTrainConfig, DFlashTrainConfig])
-def test_kinds_that_draw_per_row_refuse_packed_rows_by_the_key(config_class):
-    """P-EAGLE (COD slots) and DFlash (anchors) draw per row, so packing would change what
-    they train: an error naming data.pack, not a silent difference."""
-    with pytest.raises(
-        ConfigError, match=r"data\.pack=true: .* per row.*set data\.pack=false"
-    ) as e:
-        config_class(data=DataConfig(pack=True))
-    assert e.value.key == "data.pack"
+def test_kinds_that_draw_per_sample_take_packed_rows(config_class):
+    assert config_class(data=DataConfig(pack=True)).data.pack
 
 
 def test_the_hidden_state_cache_stores_packed_rows_as_their_conversations_alone(
