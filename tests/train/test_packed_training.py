@@ -150,18 +150,28 @@ def test_the_dense_unroll_keeps_packed_documents_apart_as_ttt_attention_does(tin
         assert torch.equal(a["valid"], b["valid"])
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
 def test_one_trainer_step_on_packed_rows_equals_one_on_padded_conversations(
-    tiny_target_path, tmp_path
+    tiny_target_path, tmp_path, kind
 ):
     """The trainer's step over the same conversations, padded in one micro-batch or packed in
-    rows over three micro-batches: the same token-mean loss and the same weights after it."""
-    config_cls, drafter_cls, drafter_cfg, _ = KINDS["eagle3"]
+    rows over three micro-batches: the same token-mean loss and the same weights after it. For
+    P-EAGLE and DFlash the same draws too: a padded row's index in the training set is the
+    conversation's index among those packed."""
     target = load_target(tiny_target_path)
+    if kind in DRAWING:
+        config_cls = {"peagle": PEagleTrainConfig, "dflash": DFlashTrainConfig}[kind]
+        drafter_cfg = DRAWING[kind][1]
+    else:
+        config_cls, drafter_cls, drafter_cfg, _ = KINDS[kind]
     examples = _ragged(target.vocab_size)
     rows = pack_documents(examples, 24)
     results = {}
     for name, data, micro in (("padded", examples, len(examples)), ("packed", rows, 1)):
-        drafter = _build(drafter_cls, drafter_cfg, target)
+        if kind in DRAWING:
+            drafter = _drawing(kind, target)
+        else:
+            drafter = _build(drafter_cls, drafter_cfg, target)
         cfg = config_cls(
             target="tiny", output_dir=str(tmp_path / name), max_steps=1, micro_batch_size=micro,
             grad_accum=len(data) // micro, lr=1e-2, warmup_steps=0, eval_every=0, save_every=0,
@@ -171,9 +181,11 @@ def test_one_trainer_step_on_packed_rows_equals_one_on_padded_conversations(
         results[name] = (result.losses[0], {n: p.detach() for n, p in drafter.named_parameters()})
     assert results["packed"][0] == pytest.approx(results["padded"][0], rel=1e-5)
     # AdamW's first step moves a weight by about lr * g / (|g| + eps): a gradient's rounding
-    # near 0 moves it by up to a part in 1e3 of lr, hence the absolute tolerance
+    # near 0 moves it by up to a part in 1e3 of lr, and where |g| is near eps (1e-8: one of
+    # DFlash's MLP weights here) by a part in 1e2, hence the absolute tolerance; the gradients
+    # themselves are held equal above, tightly
     for name, weight in results["padded"][1].items():
-        torch.testing.assert_close(results["packed"][1][name], weight, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(results["packed"][1][name], weight, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("trained", [True, False], ids=["step-draws", "held-out-draws"])
