@@ -29,8 +29,7 @@ independently, a valid proposal distribution for the chain).
 
 Read top to bottom: the config, the layers, the module (features, context keys, the block), the
 loss and acceptance; the sessions (one sequence, a batch) are drafters/dflash_session.py. Weight
-names are speculators'
-(formats/dflash_export.py).
+names are speculators' (formats/dflash_export.py).
 """
 
 from __future__ import annotations
