@@ -101,3 +101,19 @@ def collate(examples: Sequence[Any], device: torch.device) -> dict[str, torch.Te
             width = max(len(i) for i in indices)
             batch["document_index"] = torch.tensor([i + [-1] * (width - len(i)) for i in indices])
     return {k: v.to(device) for k, v in batch.items()}
+
+
+def param_groups(drafter, cfg: TrainConfig) -> list[dict]:
+    """AdamW's groups: the drafter's own (`param_groups`: an lr_scale and a start_step each),
+    else one group of everything trainable; each split so that only matrices decay."""
+    out = []
+    for group in drafter.param_groups():
+        trainable = [p for p in group["params"] if p.requires_grad]
+        extra = {k: v for k, v in group.items() if k != "params"}
+        for params, decay in (
+            ([p for p in trainable if p.ndim >= 2], cfg.weight_decay),
+            ([p for p in trainable if p.ndim < 2], 0.0),
+        ):
+            if params:
+                out.append({"params": params, "weight_decay": decay, **extra})
+    return out

@@ -12,16 +12,16 @@ A batch is a dict of (batch, seq) tensors: input_ids, attention_mask, loss_mask,
 rows (data.pack) document_ids and position_ids (specdraft/attention.py, "Packed rows").
 
 Reproducibility rests on one rule: everything random or scheduled is a pure function of the step.
-The learning rate is `lr_at(step)`, the examples of a step are a seeded permutation indexed by
-the step, and torch's generators are reseeded from (seed, step, rank) before each step. Resuming
-therefore needs only the weights, the optimizer state and the step, and a run split over N
-processes sees the same global batch as one process; its loss is the sum over the global batch's
-scored tokens divided by their all-reduced count, so it is the same exact token mean too.
+The learning rate is `lr_at(step)` and the examples of a step are a seeded permutation indexed by
+the step (train/schedule.py), and torch's generators are reseeded from (seed, step, rank) before
+each step. Resuming therefore needs only the weights, the optimizer state and the step, and a
+run split over N processes sees the same global batch as one process; its loss is the sum over
+the global batch's scored tokens divided by their all-reduced count, so it is the same exact
+token mean too.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import shutil
@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,8 @@ from specdraft.config import save_config
 from specdraft.drafters.base import Drafter
 from specdraft.formats import checkpoint
 from specdraft.inference.continuations import SERVED_GREEDY
-from specdraft.inference.metrics import Stats, simulate_serving, simulated_tau
-from specdraft.inference.parity import replay_serving, training_path_drafts
-from specdraft.train import launch, tracking
+from specdraft.inference.metrics import simulated_tau
+from specdraft.train import heldout, launch, schedule, tracking
 from specdraft.train.config import CONFIG_FILENAME, TrainConfig
 from specdraft.train.report import heldout_examples
 from specdraft.train.resume import (
@@ -56,7 +56,6 @@ from specdraft.train.resume import (
     load_weights,
     optimizer_files,
 )
-from specdraft.train.schedule import collate, eval_chunks, examples_for, lr_at, step_seed
 
 __all__ = ["NonFiniteLossError", "ResumeError", "TrainResult", "train"]
 
@@ -148,7 +147,9 @@ class _Training:
         if resume is not None:
             self.heldout = load_weights(drafter, resume, target.fingerprint, self.acc.device)
         optimizer = torch.optim.AdamW(
-            _param_groups(drafter, cfg), lr=lr_at(0, cfg), betas=(cfg.adam_beta1, cfg.adam_beta2)
+            schedule.param_groups(drafter, cfg),
+            lr=schedule.lr_at(0, cfg),
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
         )
         self.start_step = 0
         self.model, self.optimizer = self.acc.prepare(drafter, optimizer)
@@ -257,11 +258,12 @@ class _Training:
         """One optimizer step: grad_accum micro-batches, their loss sums over the global token count."""
         cfg, acc = self.cfg, self.acc
         t_start = time.perf_counter()
-        torch.manual_seed(step_seed(cfg.seed, step, self.rank))
-        generator = torch.Generator(acc.device).manual_seed(step_seed(cfg.seed, step, self.rank))
+        seed = schedule.step_seed(cfg.seed, step, self.rank)
+        torch.manual_seed(seed)
+        generator = torch.Generator(acc.device).manual_seed(seed)
         # the same on every process: for decisions that change which forwards run
-        shared = torch.Generator(acc.device).manual_seed(step_seed(cfg.seed, step, -1))
-        lr = lr_at(step, cfg)
+        shared = torch.Generator(acc.device).manual_seed(schedule.step_seed(cfg.seed, step, -1))
+        lr = schedule.lr_at(step, cfg)
         for group in self.optimizer.param_groups:  # a group waiting for its start trains nothing
             started = step >= group.get("start_step", 0)
             group["lr"] = lr * group.get("lr_scale", 1.0) if started else 0.0
@@ -270,8 +272,10 @@ class _Training:
         unwrapped.begin_step(step, cfg.max_steps)  # a schedule inside the loss (LayerSkip's)
         batches = []
         for micro in range(cfg.grad_accum):
-            idx = examples_for(step, micro, self.rank, len(self.train_examples), cfg, self.world)
-            batch = collate([self.train_examples[i] for i in idx], acc.device)
+            idx = schedule.examples_for(
+                step, micro, self.rank, len(self.train_examples), cfg, self.world
+            )
+            batch = schedule.collate([self.train_examples[i] for i in idx], acc.device)
             batch["example_index"] = torch.tensor(idx, device=acc.device)
             batch = unwrapped.prepare_batch(batch, self.target, generator, shared)
             batches.append(batch)
@@ -383,40 +387,16 @@ class _Training:
         n = len(self.eval_examples)
         if cfg.eval_batches:  # eval_batches per process: the same examples for any split
             n = min(n, cfg.eval_batches * cfg.micro_batch_size * self.world)
-        loss_sum = torch.zeros((), device=acc.device)
-        tokens = torch.zeros((), device=acc.device)
-        alpha_sum = greedy_sum = count = 0.0
-        # A drafter may measure more on the held-out data (Medusa: per-rank head accuracies for
-        # its tree): sums of `eval_statistics`, reduced, summarized by `heldout_summary` before
-        # best/ is saved, so a checkpoint carries what its own evaluation measured.
-        extra_sums: dict[str, torch.Tensor] = {}
-        model.eval()
-        for chunk, weight in eval_chunks(n, self.rank, self.world, cfg.micro_batch_size):
-            batch = collate([self.eval_examples[i] for i in chunk], acc.device)
-            target_out = self._target_out(model, batch, training=False)
-            with acc.autocast():
-                loss, _ = model(batch, target_out)
-                a, g, c = model.acceptance(batch, target_out, cfg.decode)
-                for key, v in model.eval_statistics(batch, target_out).items():
-                    extra_sums[key] = extra_sums.get(key, 0) + v.float() * weight
-            loss_sum += loss.float() * weight
-            tokens += model.loss_tokens(batch) * weight
-            alpha_sum = alpha_sum + a.float() * weight
-            greedy_sum = greedy_sum + g.float() * weight
-            count = count + c.float() * weight
-        model.train()
-        loss_sum, tokens = acc.reduce(loss_sum, "sum"), acc.reduce(tokens, "sum")
-        alpha_sum, greedy_sum = acc.reduce(alpha_sum, "sum"), acc.reduce(greedy_sum, "sum")
-        count = acc.reduce(count, "sum")
+        chunks = list(schedule.eval_chunks(n, self.rank, self.world, cfg.micro_batch_size))
+        forward = partial(self._target_out, model, training=False)
+        sums = heldout.sums(model, chunks, self.eval_examples, forward, cfg, acc)
         # saved with every checkpoint from now on (best/ below); nothing is written on the module
-        self.heldout = model.heldout_summary(
-            {k: acc.reduce(v, "sum") for k, v in extra_sums.items()}
-        )
-        alphas = (alpha_sum / count.clamp(min=1)).tolist()
-        agreement = (greedy_sum / count.clamp(min=1)).tolist()
+        self.heldout = model.heldout_summary(sums["extra"])
+        alphas = (sums["alpha"] / sums["count"].clamp(min=1)).tolist()
+        agreement = (sums["greedy"] / sums["count"].clamp(min=1)).tolist()
         result = {
             "step": step,
-            "loss": float(loss_sum / tokens.clamp(min=1)),
+            "loss": float(sums["loss"] / sums["tokens"].clamp(min=1)),
             "tau": simulated_tau(alphas),
             "alpha": alphas,
             "tau_greedy": simulated_tau(agreement),
@@ -425,8 +405,10 @@ class _Training:
             "greedy_simulation": "agreement",  # the product of agreement per depth
         }
         served, how = (None, None)
-        if self.eval_on == SERVED_GREEDY:
-            served, how = self._simulate_serving(model, n)
+        if self.eval_on == SERVED_GREEDY:  # the loop's own steps, walked on the continuations
+            served, how = heldout.simulate_serving(
+                model, self.heldout, chunks, self.eval_examples, forward, self.target, cfg, acc,
+            )  # fmt: skip
         if served is not None:  # the loop's own steps on the target's greedy continuations
             result["tau_greedy"] = served.tau
             result["alpha_greedy"] = served.acceptance_per_position
@@ -440,56 +422,6 @@ class _Training:
                 self.out / "best", step, extra_provenance={"simulated_tau": result["served"]}
             )
         return result
-
-    def _simulate_serving(self, model: Drafter, n: int) -> tuple[Stats | None, str | None]:
-        """The loop's statistics at temperature 0 over the held-out continuations, and how they
-        were simulated: through the drafter's training path ("served": `served_drafts`,
-        metrics.simulate_serving) with the decoding settings the run saves, or where it has
-        none for those settings or serving rounds otherwise (int8 drafting), by the serving
-        session itself walked on the continuations ("session": inference/parity.py,
-        `replay_serving`); (None, None) where neither can
-        (LayerSkip drafts on the target's cache).
-
-        It reads the drafter as its checkpoint would load: with the held-out statistics this
-        evaluation just measured (Medusa's tree is built from them) on a shallow copy, so
-        nothing is written on the module."""
-        cfg, acc = self.cfg, self.acc
-        total, how = Stats(), "served"
-        model.eval()
-        loaded = copy.copy(model)  # after eval(): its flag is copied, its modules are shared
-        loaded.heldout = self.heldout
-        try:
-            # every process runs as many forwards (see eval_chunks); its padding counts nothing
-            for chunk, weight in eval_chunks(n, self.rank, self.world, cfg.micro_batch_size):
-                batch = collate([self.eval_examples[i] for i in chunk], acc.device)
-                target_out = self._target_out(model, batch, training=False)
-                with acc.autocast():
-                    drafts = training_path_drafts(loaded, batch, target_out, cfg.decode)
-                if drafts is not None:
-                    after_prefill = model.drafts_after_prefill
-                    rows = simulate_serving(drafts, batch, cfg.decode, after_prefill)
-                else:
-                    how = "session"
-                    with acc.autocast():
-                        rows = replay_serving(self.target, loaded, batch, target_out, cfg.decode)
-                    if rows is None:
-                        return None, None
-                for stats in rows:
-                    total = total.merge(stats) if weight else total
-        finally:
-            model.train()
-        if self.world > 1:  # the sums of every process
-            depth = torch.tensor([len(total.reached_at)], device=acc.device)
-            depth = int(acc.gather(depth).max())
-            pad = [0] * (depth - len(total.reached_at))
-            sums = torch.tensor(
-                [total.new_tokens, total.target_passes, *(total.reached_at + pad),
-                 *(total.accepted_at + pad)], device=acc.device, dtype=torch.float64,
-            )  # fmt: skip
-            sums = acc.reduce(sums, "sum").long().tolist()
-            total = Stats(new_tokens=sums[0], target_passes=sums[1])
-            total.reached_at, total.accepted_at = sums[2 : 2 + depth], sums[2 + depth :]
-        return (total, how) if total.target_passes else (None, None)
 
     # -- saving -------------------------------------------------------------------------------
 
@@ -563,19 +495,3 @@ class _Training:
             self.signal = self.signal or "SIGTERM"
             return self.signal
         return None
-
-
-def _param_groups(drafter, cfg: TrainConfig) -> list[dict]:
-    """AdamW's groups: the drafter's own (`param_groups`: an lr_scale and a start_step each),
-    else one group of everything trainable; each split so that only matrices decay."""
-    out = []
-    for group in drafter.param_groups():
-        trainable = [p for p in group["params"] if p.requires_grad]
-        extra = {k: v for k, v in group.items() if k != "params"}
-        for params, decay in (
-            ([p for p in trainable if p.ndim >= 2], cfg.weight_decay),
-            ([p for p in trainable if p.ndim < 2], 0.0),
-        ):
-            if params:
-                out.append({"params": params, "weight_decay": decay, **extra})
-    return out
