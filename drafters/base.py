@@ -424,7 +424,28 @@ class Drafter(nn.Module):
         generator: torch.Generator | None = None,
     ) -> BatchSession:
         """The drafting of a batch of `batch_size` sequences (generate with batch > 1): by
-        default one `new_session` per row (`RowSessions`)."""
+        default row by row (`row_sessions`); a kind that drafts the rows together overrides it.
+        """
+        return self.row_sessions(
+            target, batch_size, sampling=sampling, decode=decode, generator=generator
+        )
+
+    def drafts_batches_together(self, decode: DecodeConfig) -> bool:
+        """Whether `new_batch_session` drafts the rows together for `decode` (one pass for the
+        batch), unlike `row_sessions`: where it does not, batch_drafting changes nothing."""
+        return False
+
+    def row_sessions(
+        self,
+        target,
+        batch_size: int,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> RowSessions:
+        """A batch drafted row by row (decode.batch_drafting=rows, or a kind with no batch
+        session): one `new_session` per row by default."""
         sessions = [
             self.new_session(target, sampling=sampling, decode=decode, generator=generator)
             for _ in range(batch_size)

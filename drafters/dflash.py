@@ -553,6 +553,9 @@ class DFlashDrafter(Drafter):
     ) -> DFlashSession:
         return DFlashSession(self, sampling=sampling, decode=decode, generator=generator)
 
+    def drafts_batches_together(self, decode: DecodeConfig) -> bool:
+        return True
+
     def new_batch_session(
         self,
         target,

@@ -292,6 +292,9 @@ class DistillDrafter(Drafter):
                 )
         return DistillSession(self.hf_model, decode, sampling, generator, weights)
 
+    def drafts_batches_together(self, decode: DecodeConfig) -> bool:
+        return decode.chain  # chains; trees row by row
+
     def new_batch_session(
         self,
         target,

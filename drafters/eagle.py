@@ -265,6 +265,9 @@ class EagleDrafter(Drafter):
         """Per-call drafting state for the inference loop (drafters/eagle_session.py)."""
         return EagleSession(self, target, sampling=sampling, decode=decode, generator=generator)
 
+    def drafts_batches_together(self, decode: DecodeConfig) -> bool:
+        return decode.chain  # chains; trees row by row
+
     def new_batch_session(
         self,
         target,

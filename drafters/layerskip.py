@@ -551,7 +551,7 @@ class LayerSkipDrafter(Drafter):
         decode = self.decode_settings(decode)  # the kind's own class, whatever was passed
         return decode, self.draft_exit(decode)
 
-    def new_batch_session(
+    def row_sessions(
         self,
         target,
         batch_size: int,

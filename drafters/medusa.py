@@ -329,6 +329,9 @@ class MedusaDrafter(Drafter):
             sampling = SamplingSettings()
         return MedusaSession(self, target, sampling=sampling, decode=decode, generator=generator)
 
+    def drafts_batches_together(self, decode: DecodeConfig) -> bool:
+        return True
+
     def new_batch_session(
         self,
         target,

@@ -413,6 +413,9 @@ class PEagleDrafter(EagleDrafter):
     ) -> PEagleSession:
         return PEagleSession(self, target, sampling=sampling, decode=decode, generator=generator)
 
+    def drafts_batches_together(self, decode: DecodeConfig) -> bool:
+        return True
+
     def new_batch_session(
         self,
         target,

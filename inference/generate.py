@@ -504,9 +504,9 @@ def _start_session(target, drafter, sampling, generator, decode, settings, batch
     stats.drafter_params = drafter.num_extra_parameters(target)
     stats.copies = copying
     if batch_size > 1:
-        session = drafter.new_batch_session(
-            target, batch_size, sampling=sampling, decode=decode, generator=generator
-        )
+        rows = decode.batch_drafting == "rows"
+        start = drafter.row_sessions if rows else drafter.new_batch_session
+        session = start(target, batch_size, sampling=sampling, decode=decode, generator=generator)
         if copying:
             gamma = decode.lookup_gamma or decode.gamma
             session = CopyingRows(session, batch_size, decode.lookup_ngram, gamma)

@@ -414,7 +414,8 @@ def tune_batch_schedule(
     """`base` with a batch_schedule: an entry per batch size in `batch_sizes` holding what won
     the race there. Each race decodes batches of the prompts (`filled`) with plain decoding and
     with `base` at every gamma of space["gamma"] (and, for a tree, every tree_budget of
-    space["tree_budget"]); the fastest wins, plain decoding too (the entry is then off).
+    space["tree_budget"]), above batch size 1 each also drafting row by row
+    (batch_drafting=rows); the fastest wins, plain decoding too (the entry is then off).
     Greedy and `require_equal`, a candidate whose output differs from plain decoding's cannot
     win. Rows: {"batch_size", "settings" ("off", or what the entry changes from base),
     "tokens_per_s", "speedup" (vs plain decoding in the same race), "tau", "matches_plain"
@@ -429,8 +430,9 @@ def tune_batch_schedule(
     candidates = _schedule_candidates(drafter, base, space)
     entries, rows, measured = [], [], []
     for size in sizes:
+        raced_here = candidates if size == 1 else _with_row_drafting(drafter, candidates)
         trials = race(
-            target, drafter, filled(prompts, size), candidates, max_new_tokens=max_new_tokens,
+            target, drafter, filled(prompts, size), raced_here, max_new_tokens=max_new_tokens,
             batch_size=size, temperature=temperature, seed=seed,
         )  # fmt: skip
         plain = trials[0]
@@ -490,6 +492,19 @@ def _schedule_candidates(drafter, base: DecodeConfig, space: Mapping[str, Sequen
             if decode is not None and _behaviour(decode) not in map(_behaviour, candidates):
                 candidates.append(decode)
     return candidates
+
+
+def _with_row_drafting(drafter, candidates: list) -> list:
+    """The candidates, and each the kind drafts a batch of together also drafting row by row
+    (batch_drafting=rows): whether one pass for the batch beats one pass per row
+    (drafters/lean.py's fused and int8 paths among them) depends on the batch size and the
+    machine, so a batch race races both."""
+    rows = [
+        c.replace(batch_drafting="rows")
+        for c in candidates
+        if c.batch_drafting != "rows" and drafter.drafts_batches_together(c)
+    ]
+    return [*candidates, *rows]
 
 
 def _changes(base: DecodeConfig, decode: DecodeConfig) -> dict:

@@ -69,6 +69,11 @@ class DecodeConfig:
     # per output row (CPU only; a CPU drafting step streams every weight once per token). Drafts
     # change slightly; output does not.
     draft_weights: str = choice("full", "int8")
+    # A batch (generate with batch > 1): "batch" drafts every row in one drafter pass per depth
+    # where the kind has a batch session (its modules), "rows" one pass per row, each as a
+    # single sequence drafts (drafters/lean.py's fused and int8 paths among them), which can
+    # be faster for a few rows on a CPU; a batch_schedule entry may choose per batch size.
+    batch_drafting: str = choice("batch", "rows")
     # Where the context's last lookup_ngram or more tokens occurred before, draft what followed
     # them (prompt lookup, up to lookup_gamma tokens, else gamma; no drafter pass) instead of
     # running the drafter; 0: always the drafter. Repetitive text is drafted for free and

@@ -121,6 +121,28 @@ def test_a_batch_native_session_drafts_what_each_row_drafts_alone(
         assert out.stats.accepted > 0
 
 
+def test_batch_drafting_rows_drafts_row_by_row(random_target, examples, kind_drafter, monkeypatch):
+    """batch_drafting=rows gives a kind with a batch session one session per row instead (each
+    as a single sequence drafts: drafters/lean.py's paths among them), with the same output."""
+    drafter = kind_drafter("eagle3")
+    started = []
+    for name in ("new_batch_session", "row_sessions"):
+        method = getattr(type(drafter), name)
+        monkeypatch.setattr(
+            type(drafter),
+            name,
+            lambda self, *a, _m=method, _n=name, **k: started.append(_n) or _m(self, *a, **k),
+        )
+    prompts = ragged(examples, 5)
+    options = dict(max_new_tokens=NEW, gamma=3)
+    batched = generate(random_target, prompts, drafter, **options)
+    rows = generate(random_target, prompts, drafter, batch_drafting="rows", **options)
+    assert started == ["new_batch_session", "row_sessions"]
+    assert batched.rows() == rows.rows() == alone(random_target, prompts, drafter, **options)
+    assert drafter.drafts_batches_together(drafter.decode_settings(None, gamma=3))
+    assert not drafter.drafts_batches_together(drafter.decode_settings(None, tree_top_k=2))
+
+
 @pytest.mark.parametrize("drafter", [None, "prompt_lookup", "copy-with-lookup"])
 def test_plain_and_copying_batches(random_target, examples, kind_drafter, drafter):
     options = dict(max_new_tokens=NEW)

@@ -159,6 +159,9 @@ class _Fake:
     def resolved_decode(self, decode):
         return decode
 
+    def drafts_batches_together(self, decode):
+        return True  # as a kind with a batch session (the loop's figures here are fakes)
+
 
 class _Chains(_Fake):
     """A chain drafter with an exit layer whose decode settings the fake races below price."""
@@ -340,7 +343,8 @@ def test_copying_that_pays_only_in_long_copies_is_found(monkeypatch):
 
 def test_each_batch_size_gets_the_fastest_of_its_race(monkeypatch):
     """Deep drafts pay at batch 1, shallow ones at 4, none at 16 (plain decoding wins there):
-    the schedule holds each race's winner, a tree's budget raced with its depth; a faster
+    the schedule holds each race's winner, a tree's budget raced with its depth, and above
+    batch 1 each candidate drafting row by row too (here faster at 4, slower at 16); a faster
     candidate whose greedy output differs from plain decoding's never wins."""
     speed = {  # (batch size, gamma, tree_budget) -> seconds; plain decoding takes 1.0
         1: {(4, 12): 0.5, (2, 12): 0.7, (4, 6): 0.6, (2, 6): 0.8},
@@ -348,6 +352,7 @@ def test_each_batch_size_gets_the_fastest_of_its_race(monkeypatch):
         16: {(4, 12): 1.3, (2, 12): 1.2, (4, 6): 1.1, (2, 6): 0.9},
     }
     wrong = {(16, 2, 6)}  # faster than plain at 16 only where its output differs: ignored
+    rows = {4: 0.8, 16: 1.5}  # drafting row by row: its time over the batch session's
 
     def fake_race(target, drafter, prompts, decodes, *, batch_size, **_):
         size = batch_size
@@ -355,6 +360,7 @@ def test_each_batch_size_gets_the_fastest_of_its_race(monkeypatch):
         trials = [tune.Trial(None, 1.0, Stats(new_tokens=10), [[1]])]
         for d in decodes:
             seconds = speed[size][d.gamma, d.tree_budget]
+            seconds *= rows[size] if d.batch_drafting == "rows" else 1.0
             out = [[2]] if (size, d.gamma, d.tree_budget) in wrong else [[1]]
             trials.append(tune.Trial(d, seconds, Stats(new_tokens=10), out))
         return trials
@@ -372,24 +378,27 @@ def test_each_batch_size_gets_the_fastest_of_its_race(monkeypatch):
     )
     assert result.decode.batch_schedule == [
         {"batch_size": 1},  # the base settings won
-        {"batch_size": 4, "gamma": 2, "tree_budget": 6},
+        {"batch_size": 4, "gamma": 2, "tree_budget": 6, "batch_drafting": "rows"},
         {"batch_size": 16, "off": True},
     ]
     assert result.decode.for_batch(1) == base and result.decode.for_batch(32) is None
-    for size in (1, 4, 16):  # plain decoding and the four (gamma, budget) pairs raced
+    for size in (1, 4, 16):  # plain decoding and the four (gamma, budget) pairs raced, and
+        # above batch 1 the four drafting row by row
         raced = [r for r in result.rows if r["batch_size"] == size]
-        assert len(raced) == 5 and sum(r["chosen"] for r in raced) == 1
+        assert len(raced) == (5 if size == 1 else 9) and sum(r["chosen"] for r in raced) == 1
         exact = [r for r in raced if r["matches_plain"]]
         chosen = next(r for r in raced if r["chosen"])
         assert chosen is max(exact, key=lambda r: r["tokens_per_s"])
-    assert [m["settings"] for m in result.measured] == [{}, {"gamma": 2, "tree_budget": 6}, "off"]
+    fastest_at_4 = {"gamma": 2, "tree_budget": 6, "batch_drafting": "rows"}
+    assert [m["settings"] for m in result.measured] == [{}, fastest_at_4, "off"]
     assert result.measured[2]["speedup"] == 1.0
     # a chain races its depth only
     chain = tune.tune_batch_schedule(
         None, Trees(), prompts, {"gamma": [2, 4], "tree_budget": [6]}, base=base.replace(
             tree_top_k=1), batch_sizes=[4], max_new_tokens=4,
     )  # fmt: skip
-    assert len(chain.rows) == 3 and chain.decode.batch_schedule == [{"batch_size": 4, "gamma": 2}]
+    assert len(chain.rows) == 5
+    assert chain.decode.batch_schedule == [{"batch_size": 4, "gamma": 2, "batch_drafting": "rows"}]
     with pytest.raises(ValueError, match="batch sizes must increase"):
         tune.tune_batch_schedule(
             None, Trees(), prompts, space, base=base, batch_sizes=[4, 1], max_new_tokens=4
