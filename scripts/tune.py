@@ -32,6 +32,7 @@ from pathlib import Path
 from specdraft.drafters.base import kinds_own_settings
 from specdraft.formats.checkpoint import set_decode
 from specdraft.formats.reading import folder_target, load_decoding, load_drafter
+from specdraft.inference.evaluate import parse_batch_sizes
 from specdraft.inference.measure import load_prompts
 from specdraft.inference.tune import (
     SEARCH_ORDER,
@@ -126,16 +127,11 @@ def _entry(row: dict) -> str:
 
 
 def batch_sizes(text: str) -> list[int]:
-    """--batch-sizes: increasing integers >= 1, comma separated."""
+    """--batch-sizes, as evaluate.py reads it (inference/evaluate.py, parse_batch_sizes)."""
     try:
-        sizes = [int(v) for v in text.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1 or sizes != sorted(set(sizes)):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: give increasing batch sizes >= 1, comma separated, e.g. 1,4,16"
-        )
-    return sizes
+        return list(parse_batch_sizes(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def load(args):
