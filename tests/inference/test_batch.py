@@ -201,44 +201,39 @@ SAMPLES = 300  # batches; 5 rows of each are pooled
 FALSE_ALARM = 1e-3
 
 
-def exact_joint(target, prompt: list[int], settings: SamplingSettings) -> torch.Tensor:
-    """(V, V) the target's probability of each first two tokens, after processing."""
-    with torch.no_grad():
-        first = process_logits(target.model(torch.tensor([prompt])).logits[0, -1], settings)
-        nxt = torch.stack(
-            [target.model(torch.tensor([[*prompt, y]])).logits[0, -1] for y in range(V)]
-        )
-    return first[:, None] * process_logits(nxt, settings)
-
-
-@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
-def test_sampled_rows_follow_the_target(topk):
-    """Chi-square on the joint of the first two tokens of five rows with one prompt, batched
-    with a row of another length (so every step pads), pooled over SAMPLES seeds."""
-    target = make_target(tiny_llama(V, seed=3, hidden=16, layers=1, init=0.5))
-    drafter = perturbed(target.model, 0.3, seed=4)
+def sampled_rows_follow_the_target(target, drafter, **options) -> None:
+    """The chi-square test through batched rows: the joint of the first two tokens of five rows
+    with one prompt, batched with a row of another length (so every step pads), pooled over
+    SAMPLES seeds at temperature 1.3, against the target's exact joint; drafting must have
+    happened and been accepted. options: generate's (top_p, gamma, a kind's settings...)."""
     prompt = [1, 2, 3]
     counts = torch.zeros(V, V)
     drafted = accepted = 0
+    options = dict(max_new_tokens=3, temperature=1.3, gamma=2) | options
     for seed in range(SAMPLES):
-        out = generate(
-            target,
-            [prompt, [4], prompt, prompt, prompt, prompt],
-            drafter,
-            max_new_tokens=3,
-            temperature=1.3,
-            top_p=0.9,
-            seed=seed,
-            gamma=2,
-            tree_top_k=topk,
-        )
+        out = generate(target, [prompt, [4], prompt, prompt, prompt, prompt], drafter,
+                       seed=seed, **options)  # fmt: skip
         for row in (0, 2, 3, 4, 5):
             y1, y2 = out.tokens[row, :2].tolist()
             counts[y1, y2] += 1
         drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
     assert drafted > 0 and accepted > 0
-    exact = exact_joint(target, prompt, SamplingSettings(temperature=1.3, top_p=0.9))
+    settings = SamplingSettings(temperature=1.3, top_p=options.get("top_p", 1.0))
+    with torch.no_grad():
+        first = process_logits(target.model(torch.tensor([prompt])).logits[0, -1], settings)
+        nxt = torch.stack(
+            [target.model(torch.tensor([[*prompt, y]])).logits[0, -1] for y in range(V)]
+        )
+    exact = first[:, None] * process_logits(nxt, settings)
     assert chi_square_p_value(counts.flatten(), exact.flatten()) > FALSE_ALARM
+
+
+@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+def test_sampled_rows_follow_the_target(topk):
+    """The chi-square test through a two-model draft's batched rows, chain and tree."""
+    target = make_target(tiny_llama(V, seed=3, hidden=16, layers=1, init=0.5))
+    drafter = perturbed(target.model, 0.3, seed=4)
+    sampled_rows_follow_the_target(target, drafter, top_p=0.9, tree_top_k=topk)
 
 
 def test_a_bad_batch_is_a_clear_error(random_target):

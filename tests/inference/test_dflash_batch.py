@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import chi_square_p_value, make_target, tiny_llama
-from test_batch import ragged
+from spec_helpers import make_target, tiny_llama
+from test_batch import V, ragged, sampled_rows_follow_the_target
 from test_eagle_batch import CopyingRows, CopyingSession, EveryOtherCopied, step_stats
 from testkit import perturb
 
-from specdraft.core import DraftContext, DraftTree, SamplingSettings, process_logits
+from specdraft.core import DraftContext, DraftTree, SamplingSettings
 from specdraft.drafters.base import BatchSession
 from specdraft.drafters.dflash import (
     DFlashBatchSession,
@@ -181,11 +181,6 @@ def test_prefill_drop_and_memory(random_target, kind_drafter):
         session.propose(longer)
 
 
-V = 6
-SAMPLES = 300  # batches; 5 rows of each are pooled
-FALSE_ALARM = 1e-3
-
-
 def test_sampled_rows_follow_the_target():
     """Chi-square on the joint of the first two tokens (both drafted by one block) of five rows
     with one prompt, batched with a row of another length, through the batch session (q
@@ -197,30 +192,4 @@ def test_sampled_rows_follow_the_target():
         perturb(drafter.parameters(), 0.5)  # an untrained drafter that still drafts varied tokens
     options = dict(stop_below=0.3)
     assert isinstance(batch_session(drafter, target, 4, **options), DFlashBatchSession)
-    prompt = [1, 2, 3]
-    counts = torch.zeros(V, V)
-    drafted = accepted = 0
-    for seed in range(SAMPLES):
-        out = generate(
-            target,
-            [prompt, [4], prompt, prompt, prompt, prompt],
-            drafter,
-            max_new_tokens=3,
-            temperature=1.3,
-            seed=seed,
-            gamma=2,
-            **options,
-        )
-        for row in (0, 2, 3, 4, 5):
-            y1, y2 = out.tokens[row, :2].tolist()
-            counts[y1, y2] += 1
-        drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
-    assert drafted > 0 and accepted > 0
-    settings = SamplingSettings(temperature=1.3)
-    with torch.no_grad():
-        first = process_logits(target.model(torch.tensor([prompt])).logits[0, -1], settings)
-        nxt = torch.stack(
-            [target.model(torch.tensor([[*prompt, y]])).logits[0, -1] for y in range(V)]
-        )
-    exact = first[:, None] * process_logits(nxt, settings)
-    assert chi_square_p_value(counts.flatten(), exact.flatten()) > FALSE_ALARM
+    sampled_rows_follow_the_target(target, drafter, **options)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import chi_square_p_value, make_target, tiny_llama
-from test_batch import ragged
+from spec_helpers import make_target, tiny_llama
+from test_batch import V, ragged, sampled_rows_follow_the_target
 from testkit import perturb
 
-from specdraft.core import DraftContext, DraftTree, SamplingSettings, process_logits
+from specdraft.core import DraftContext, DraftTree, SamplingSettings
 from specdraft.drafters.base import BatchSession, DraftSession, RowSessions
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.eagle_session import EagleBatchSession, EagleSession
@@ -233,11 +233,6 @@ def test_a_session_told_nothing_of_a_verification_says_so(random_target, kind_dr
         session.propose(longer)
 
 
-V = 6
-SAMPLES = 300  # batches; 5 rows of each are pooled
-FALSE_ALARM = 1e-3
-
-
 @pytest.mark.parametrize(
     ("kind", "options"),
     [("eagle3", dict(stop_below=0.3)), ("peagle", dict())],
@@ -255,30 +250,4 @@ def test_sampled_rows_follow_the_target(kind, options):
     with torch.no_grad():
         perturb(head.parameters(), 0.5)  # an untrained head that still drafts varied tokens
     assert isinstance(batch_session(head, target, 4, **options), EagleBatchSession)
-    prompt = [1, 2, 3]
-    counts = torch.zeros(V, V)
-    drafted = accepted = 0
-    for seed in range(SAMPLES):
-        out = generate(
-            target,
-            [prompt, [4], prompt, prompt, prompt, prompt],
-            head,
-            max_new_tokens=3,
-            temperature=1.3,
-            seed=seed,
-            gamma=2,
-            **options,
-        )
-        for row in (0, 2, 3, 4, 5):
-            y1, y2 = out.tokens[row, :2].tolist()
-            counts[y1, y2] += 1
-        drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
-    assert drafted > 0 and accepted > 0
-    settings = SamplingSettings(temperature=1.3)
-    with torch.no_grad():
-        first = process_logits(target.model(torch.tensor([prompt])).logits[0, -1], settings)
-        nxt = torch.stack(
-            [target.model(torch.tensor([[*prompt, y]])).logits[0, -1] for y in range(V)]
-        )
-    exact = first[:, None] * process_logits(nxt, settings)
-    assert chi_square_p_value(counts.flatten(), exact.flatten()) > FALSE_ALARM
+    sampled_rows_follow_the_target(target, head, **options)
