@@ -25,7 +25,9 @@ context's keys and values per layer are computed once, from the verification for
 states of the accepted positions (`accept`); `propose` runs the block once and returns a chain of
 min(gamma, B - 1) tokens: each slot's argmax, or at temperature > 0 a draw from each slot's own
 processed distribution q_i, recorded for lossless verification (the slots are drawn
-independently, a valid proposal distribution for the chain).
+independently, a valid proposal distribution for the chain). With tree_top_k > 1 it returns a
+tree of the slots' top candidates instead (drafters/position_tree.py), drafted row by row in a
+batch.
 
 Read top to bottom: the config, the layers, the module (features, context keys, the block), the
 loss and acceptance; the sessions (one sequence, a batch) are drafters/dflash_session.py. Weight
@@ -532,7 +534,10 @@ class DFlashDrafter(Drafter):
         self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
     ) -> ServedDrafts | None:
         """The chain one block drafts after every position: every position is an anchor, and
-        the block after anchor c drafts depth i from its slot i."""
+        the block after anchor c drafts depth i from its slot i. A tree (tree_top_k > 1) is not
+        simulated here: inference/parity.py replays the session."""
+        if not decode.chain:
+            return None
         ids = batch["input_ids"]
         B, T = ids.shape
         anchors = torch.arange(T, device=ids.device)[None].expand(B, T)
@@ -554,7 +559,7 @@ class DFlashDrafter(Drafter):
         return DFlashSession(self, sampling=sampling, decode=decode, generator=generator)
 
     def drafts_batches_together(self, decode: DecodeConfig) -> bool:
-        return True
+        return decode.chain  # chains; trees row by row
 
     def new_batch_session(
         self,
@@ -565,7 +570,11 @@ class DFlashDrafter(Drafter):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> DFlashBatchSession:
-        """Every drafting row's block in one pass (DFlashBatchSession)."""
+        """Every drafting row's block in one pass (DFlashBatchSession); trees row by row."""
+        if not decode.chain:
+            return self.row_sessions(
+                target, batch_size, sampling=sampling, decode=decode, generator=generator
+            )
         return DFlashBatchSession(
             self, batch_size, sampling=sampling, decode=decode, generator=generator
         )
@@ -573,11 +582,8 @@ class DFlashDrafter(Drafter):
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = super().ignored_settings(decode)
         drafts = self.block_size - 1
-        if not decode.chain:
-            ignored.append(
-                f"tree_top_k={decode.tree_top_k} is ignored by DFlash: one pass drafts a chain "
-                "(each slot's best token)"
-            )
+        if not decode.chain and decode.stop_below > 0:
+            ignored.append("stop_below is ignored by DFlash trees (tree_top_k > 1): it ends chains")
         if decode.gamma > drafts:
             ignored.append(
                 f"gamma={decode.gamma} is capped at {drafts} by this DFlash drafter: a block of "

@@ -22,6 +22,7 @@ from specdraft.drafters.base import (
     DraftSession,
 )
 from specdraft.drafters.eagle_session import verified_rows
+from specdraft.drafters.position_tree import position_tree
 
 if TYPE_CHECKING:
     from specdraft.drafters.dflash import DFlashDrafter
@@ -41,8 +42,10 @@ class DFlashSession(DraftSession):
     + n, hidden): the pending tokens, then the tree's n nodes; it keeps the pending rows and the
     accepted path's (what the target verified, in order) and appends their keys and values.
     Every position of the context but its last token (the anchor, pending) is then known.
-    `propose` runs the block after the anchor once; the first proposal (before the prompt's
-    forward) is empty, as is one after a one-token prompt (no context to draft from).
+    `propose` runs the block after the anchor once and drafts a chain of the slots' draws, or
+    with tree_top_k > 1 a tree of their top candidates (drafters/position_tree.py); the first
+    proposal (before the prompt's forward) is empty, as is one after a one-token prompt (no
+    context to draft from).
     """
 
     def __init__(
@@ -80,6 +83,11 @@ class DFlashSession(DraftSession):
         positions = (length - 1 + torch.arange(d.block_size, device=device))[None]
         h = d.block_states(tokens, positions.expand(tokens.shape[0], -1), self.context)
         logits = d.draft_logits(h[0, 1 : 1 + depth])  # (depth, vocab): slots 1..depth
+        if not self.decode.chain:  # the tree of the slots' top candidates
+            return position_tree(
+                logits, decode=self.decode, sampling=self.sampling, generator=self.generator,
+                vocab=None, device=seq.device,
+            )  # fmt: skip
         # each slot drawn from its own q_i: one draft_token call over the slots as rows
         drafted, q = draft_token(logits, self.sampling, self.generator)  # (depth, 1)
         n = depth

@@ -41,12 +41,8 @@ from specdraft.drafters.base import (
     warn_once,
 )
 from specdraft.drafters.lean import SharedWeights
-from specdraft.drafters.medusa_session import (
-    MedusaBatchSession,
-    MedusaSession,
-    expected_length,
-    tree_paths,
-)
+from specdraft.drafters.medusa_session import MedusaBatchSession, MedusaSession
+from specdraft.drafters.position_tree import expected_length, tree_paths
 from specdraft.losses import token_losses
 from specdraft.targets.target import adapter_hash
 

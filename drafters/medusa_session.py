@@ -1,14 +1,11 @@
-"""Medusa's drafting (drafters/medusa.py holds the kind): the tree built from the heads'
-measured accuracies, the session the inference loop drives, and Medusa's (lossy) typical
-acceptance, the session's own rule at temperature > 0.
+"""Medusa's drafting (drafters/medusa.py holds the kind): the session the inference loop
+drives, its tree built from the heads' measured accuracies (drafters/position_tree.py), and
+Medusa's (lossy) typical acceptance, the session's own rule at temperature > 0.
 """
 
 from __future__ import annotations
 
-import heapq
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,78 +18,13 @@ from specdraft.core import (
     DraftVocab,
     SamplingSettings,
     children_of,
-    draft_chain,
-    process_logits,
 )
 from specdraft.drafters.base import DraftSession, RowSessions
 from specdraft.drafters.lean import DraftLinear, use_int8
+from specdraft.drafters.position_tree import TreeShape, position_tree, tree_paths
 
 if TYPE_CHECKING:
     from specdraft.drafters.medusa import MedusaDrafter
-
-
-# --- the tree from measured accuracy -------------------------------------------------------------
-
-
-def tree_paths(
-    accuracy: torch.Tensor, budget: int, depth: int, top_k: int
-) -> list[tuple[int, ...]]:
-    """The draft tree with the largest expected accepted length under a node budget.
-
-    A node is a path of ranks (r_1, ..., r_d): head d - 1's r_d-th candidate below the node
-    (r_1, ..., r_{d-1}). Taking the heads as independent, the node is accepted with probability
-    prod_i accuracy[i - 1, r_i], and the expected accepted length of a tree is the sum of that
-    over its nodes; a child never beats its parent, so adding the best remaining node, `budget`
-    times, gives the best tree (the Medusa paper's construction). Ranks stop at top_k (and the
-    measured ranks), depth at `depth`. Returns the paths, parents first.
-    """
-    K, R = accuracy.shape
-    depth, ranks = min(depth, K), min(top_k, R)
-    acc = accuracy.tolist()
-    chosen: list[tuple[int, ...]] = []
-    # max-heap of candidates by probability; ties to the shallower, then lower-ranked path
-    heap = [(-acc[0][r], 1, (r,)) for r in range(ranks)]
-    heapq.heapify(heap)
-    while heap and len(chosen) < budget:
-        neg, length, path = heapq.heappop(heap)
-        chosen.append(path)
-        if length < depth:
-            for r in range(ranks):
-                heapq.heappush(heap, (neg * acc[length][r], length + 1, (*path, r)))
-    return sorted(chosen, key=lambda p: (len(p), p))
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """A tree of rank paths as the loop's DraftTree wants it: parents and depths in node order,
-    and per node the head (depth - 1) and rank whose candidate it holds."""
-
-    parents: list[int]
-    depths: list[int]
-    heads: torch.Tensor  # (n,) long
-    ranks: torch.Tensor  # (n,) long
-
-    @classmethod
-    def from_paths(cls, paths: list[tuple[int, ...]]) -> TreeShape:
-        index = {p: i for i, p in enumerate(paths)}
-        parents = [index[p[:-1]] if len(p) > 1 else -1 for p in paths]
-        depths = [len(p) for p in paths]
-        return cls(
-            parents,
-            depths,
-            torch.tensor([d - 1 for d in depths]),
-            torch.tensor([p[-1] for p in paths]),
-        )
-
-    @property
-    def width(self) -> int:
-        return int(self.ranks.max()) + 1 if len(self.ranks) else 0
-
-
-def expected_length(accuracy: torch.Tensor, paths: list[tuple[int, ...]]) -> float:
-    """The tree's expected accepted draft tokens per step (without the target's own token)."""
-    acc = accuracy.tolist()
-    return sum(math.prod(acc[i][r] for i, r in enumerate(p)) for p in paths)
 
 
 # --- session (inference) ---------------------------------------------------------------------------
@@ -211,63 +143,11 @@ class MedusaSession(DraftSession):
 
     def draft(self, logits: torch.Tensor, device: torch.device) -> DraftTree:
         """The chain or tree drafted from the heads' logits (depth, draft vocab)."""
-        depth = logits.shape[0]
-        if self.decode.chain:
-            return draft_chain(
-                logits[0:1],
-                lambda _token, i: logits[i + 1 : i + 2],
-                depth=depth,
-                sampling=self.sampling,
-                generator=self.generator,
-                stop_below=self.decode.stop_below,
-                vocab=self.vocab,
-            )
-        shape = self._shape(depth)
-        if not self.sampling.greedy:
-            return self._sampled_tree(logits, shape)
-        ranked = logits.topk(min(shape.width, logits.shape[-1]), dim=-1).indices  # (depth, width)
-        tokens = ranked[shape.heads, shape.ranks]  # (n,)
-        if self.vocab is not None:
-            tokens = self.vocab.to_target(tokens)
-        return DraftTree(tokens[None].to(device), list(shape.parents), list(shape.depths))
-
-    def _sampled_tree(self, logits: torch.Tensor, shape: TreeShape) -> DraftTree:
-        """The tree's shape with its nodes sampled (temperature > 0): the children of a node are
-        drawn from their head's q (after the same temperature / top-k / top-p as the target's)
-        without replacement, child i from q with its elder siblings' tokens removed and
-        renormalised, which is the q it is verified with. Recursive rejection sampling over
-        such children keeps the output exactly the target's (Jeon et al. 2024) and accepts far
-        more than fixed top candidates where the target's distribution is flat. A child left
-        with no probability (q's support used up by its siblings) is dropped with its subtree."""
-        q_heads = process_logits(logits, self.sampling)  # (depth, draft vocab)
-        if self.vocab is not None:
-            q_heads = self.vocab.spread(q_heads)  # (depth, vocab)
-        n = len(shape.parents)
-        tokens = [0] * n
-        q = torch.zeros(n, q_heads.shape[-1], dtype=q_heads.dtype, device=q_heads.device)
-        kept = [True] * n
-        for parent, kids in children_of(shape.parents).items():
-            if parent >= 0 and not kept[parent]:
-                for c in kids:
-                    kept[c] = False
-                continue
-            left = q_heads[shape.depths[kids[0]] - 1].clone()
-            for c in kids:  # in node order: rank order
-                total = left.sum()
-                if total <= 0:
-                    kept[c] = False
-                    continue
-                q[c] = left / total
-                tokens[c] = int(torch.multinomial(q[c], 1, generator=self.generator))
-                left[tokens[c]] = 0.0
-        index = {old: new for new, old in enumerate(i for i in range(n) if kept[i])}
-        rows = list(index)
-        return DraftTree(
-            torch.tensor([[tokens[i] for i in rows]], device=q.device),
-            [index[shape.parents[i]] if shape.parents[i] >= 0 else -1 for i in rows],
-            [shape.depths[i] for i in rows],
-            q[rows][None],
-        )
+        shape = None if self.decode.chain else self._shape(logits.shape[0])
+        return position_tree(
+            logits, decode=self.decode, sampling=self.sampling, generator=self.generator,
+            vocab=self.vocab, device=device, shape=shape,
+        )  # fmt: skip
 
     @torch.no_grad()
     def accept(

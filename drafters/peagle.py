@@ -48,7 +48,6 @@ from specdraft.core import (
     DraftContext,
     DraftTree,
     SamplingSettings,
-    draft_chain,
     draft_chains,
     float_mask,
 )
@@ -66,6 +65,7 @@ from specdraft.drafters.base import (
 from specdraft.drafters.eagle import EagleDrafter, default_feature_layers
 from specdraft.drafters.eagle_session import EagleBatchSession, EagleSession
 from specdraft.drafters.lean import use_int8
+from specdraft.drafters.position_tree import position_tree
 from specdraft.losses import token_losses
 
 # --- config ------------------------------------------------------------------------------------
@@ -390,7 +390,10 @@ class PEagleDrafter(EagleDrafter):
         self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
     ) -> ServedDrafts | None:
         """The chain one head pass drafts after every position: after a context ending at c,
-        the slots at anchor c - 1, depth 0 fed the true pair and the rest the mask."""
+        the slots at anchor c - 1, depth 0 fed the true pair and the rest the mask. A tree
+        (tree_top_k > 1) is not simulated here: inference/parity.py replays the session."""
+        if not decode.chain:
+            return None
         ids = batch["input_ids"]
         B, T = ids.shape
         depths, S = min(decode.gamma, self.config.num_depths), T - 1
@@ -414,7 +417,7 @@ class PEagleDrafter(EagleDrafter):
         return PEagleSession(self, target, sampling=sampling, decode=decode, generator=generator)
 
     def drafts_batches_together(self, decode: DecodeConfig) -> bool:
-        return True
+        return decode.chain  # chains; trees row by row
 
     def new_batch_session(
         self,
@@ -425,8 +428,12 @@ class PEagleDrafter(EagleDrafter):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> BatchSession:
-        """Every row's chain from one head pass (PEagleBatchSession, on the head's modules;
-        P-EAGLE drafts chains only)."""
+        """Every row's chain from one head pass (PEagleBatchSession, on the head's modules);
+        trees row by row (RowSessions)."""
+        if not decode.chain:
+            return self.row_sessions(
+                target, batch_size, sampling=sampling, decode=decode, generator=generator
+            )
         if use_int8(decode.draft_weights, target.device, "the head's full weights"):
             warn_once(
                 "draft_weights=int8 drafts through drafters/lean.py's one-sequence layer; a "
@@ -439,10 +446,9 @@ class PEagleDrafter(EagleDrafter):
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = Drafter.ignored_settings(self, decode)
         K = self.config.num_depths
-        if not decode.chain:
+        if not decode.chain and decode.stop_below > 0:
             ignored.append(
-                f"tree_top_k={decode.tree_top_k} is ignored by P-EAGLE: one forward drafts a "
-                "chain (tree_top_k=1)"
+                "stop_below is ignored by P-EAGLE trees (tree_top_k > 1): it ends chains"
             )
         if decode.gamma > K:
             ignored.append(
@@ -456,7 +462,8 @@ class PEagleSession(EagleSession):
     """EAGLE-3's session (drafters/eagle_session.py: the head's context cache fed the target's
     true features, cropped to them on every accept), whose proposal is one head pass: the
     pending true pairs, then depth - 1 parallel slots; the slots' cache entries go with the crop.
-    """
+    It drafts a chain of the slots' draws, or with tree_top_k > 1 a tree of their top candidates
+    (drafters/position_tree.py)."""
 
     def __init__(self, drafter: PEagleDrafter, target, **kwargs) -> None:
         super().__init__(drafter, target, **kwargs)
@@ -494,17 +501,12 @@ class PEagleSession(EagleSession):
         h = self._step(tokens, feats, self.fed)[:, -depth:]  # (1, depth, hidden)
         self.fed, self.features = length - 1, self.features[:, n_new:]
         logits = self._logits(h)  # (1, depth, draft vocab): slot d predicts x_{length + d}
-        # 2. The chain, drawn slot by slot (q recorded when sampling); a slot does not read the
-        # token drawn before it, so the step only hands over the next slot's logits.
-        return draft_chain(
-            logits[:, 0],
-            lambda token, i: logits[:, i + 1],
-            depth=depth,
-            sampling=self.sampling,
-            generator=self.generator,
-            stop_below=self.decode.stop_below,
-            vocab=self.vocab,
-        )
+        # 2. The chain drawn slot by slot (q recorded when sampling), or the tree of the slots'
+        # top candidates (drafters/position_tree.py): a slot does not read the token before it.
+        return position_tree(
+            logits[0], decode=self.decode, sampling=self.sampling, generator=self.generator,
+            vocab=self.vocab, device=seq.device,
+        )  # fmt: skip
 
 
 class PEagleBatchSession(EagleBatchSession):

@@ -198,8 +198,13 @@ def plain(target, prompt, n):
 
 @pytest.mark.parametrize(
     "options",
-    [dict(gamma=3), dict(gamma=2, stop_below=0.2), dict(gamma=3, lookup_ngram=2)],
-    ids=["chain", "stopping-chain", "copying"],
+    [
+        dict(gamma=3),
+        dict(gamma=2, stop_below=0.2),
+        dict(gamma=3, lookup_ngram=2),
+        dict(gamma=3, tree_top_k=3, tree_budget=8),
+    ],
+    ids=["chain", "stopping-chain", "copying", "tree"],
 )
 def test_greedy_output_equals_plain_greedy(tiny_target, trained, options):
     drafted = accepted = copied = 0
@@ -217,7 +222,7 @@ def test_settings_it_cannot_honour_are_named_and_output_stays_exact(tiny_target,
     ref = plain(tiny_target, PROMPTS[0], 12)
     for setting, message in [
         (dict(gamma=6), "gamma=6 is capped at 3"),
-        (dict(tree_top_k=3), "tree_top_k=3 is ignored by DFlash"),
+        (dict(tree_top_k=3, stop_below=0.2), "stop_below is ignored by DFlash trees"),
         (dict(draft_weights="int8"), "draft_weights=int8 is ignored by DFlash"),
     ]:
         with pytest.warns(UserWarning, match=message):

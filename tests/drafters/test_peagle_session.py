@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_eagle_session import PROMPTS, drive, new_session, plain_greedy
 
-from specdraft.core import DecodeConfig, DraftContext, SamplingSettings
+from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
 from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter, PEagleSession
 from specdraft.inference import generate
 
@@ -47,8 +47,9 @@ def trained_head(tiny_target):
 @pytest.mark.parametrize(
     "options",
     [dict(gamma=K), dict(gamma=2), dict(gamma=K, draft_weights="int8"),
-     dict(gamma=K, stop_below=0.3), dict(gamma=6, tree_top_k=3, tree_budget=8)],
-    ids=["chain", "shorter-chain", "int8", "stopping", "tree-and-gamma-beyond-K-ignored"],
+     dict(gamma=K, stop_below=0.3), dict(gamma=K, tree_top_k=3, tree_budget=8),
+     dict(gamma=6, tree_top_k=2, tree_budget=5, draft_weights="int8")],
+    ids=["chain", "shorter-chain", "int8", "stopping", "tree", "int8-tree-gamma-beyond-K"],
 )  # fmt: skip
 def test_greedy_output_equals_plain_greedy(tiny_target, trained_head, options):
     greedy = SamplingSettings()
@@ -100,8 +101,8 @@ def test_one_head_pass_per_proposal_and_the_slots_leave_the_cache(
 
 
 def test_ignored_settings_are_said(tiny_target, trained_head):
-    said = trained_head.ignored_settings(DecodeConfig(gamma=5, tree_top_k=2))
-    assert any("tree_top_k=2 is ignored by P-EAGLE" in s for s in said)
+    said = trained_head.ignored_settings(DecodeConfig(gamma=5, tree_top_k=2, stop_below=0.2))
+    assert any("stop_below is ignored by P-EAGLE trees" in s for s in said)
     assert any("gamma=5 is more than the 3 tokens" in s for s in said)
     assert trained_head.ignored_settings(DecodeConfig(gamma=K)) == []
 
@@ -109,3 +110,36 @@ def test_ignored_settings_are_said(tiny_target, trained_head):
 def test_a_proposal_before_the_prompts_forward_is_empty(tiny_target, trained_head):
     session = new_session(trained_head, tiny_target, SamplingSettings(), gamma=K)
     assert len(session.propose(DraftContext(torch.tensor([[5, 6, 7]]), max_depth=4))) == 0
+
+
+def test_a_tree_holds_each_slots_top_candidates_within_its_budget(tiny_target, trained_head):
+    """tree_top_k > 1: one head pass, then the tree of the slots' ranked candidates whose
+    expected accepted length under the head's own confidences is largest (position_tree)."""
+    greedy = SamplingSettings()
+    session = new_session(trained_head, tiny_target, greedy, gamma=K, tree_top_k=3, tree_budget=7)
+    prompt = torch.tensor([PROMPTS[0]])
+    out = tiny_target.forward(prompt, capture_layers=session.capture_layers)
+    session.propose(DraftContext(prompt, max_depth=8))
+    session.accept(DraftTree.empty(1), [], out.hidden_states)
+    context = torch.cat([prompt, out.logits[:, -1:].argmax(-1)], dim=1)  # the root pending
+    calls = []
+    logits_of = session._logits
+    session._logits = lambda h: calls.append(logits_of(h)) or calls[-1]
+    tree = session.propose(DraftContext(context, max_depth=8))
+    assert len(calls) == 1 and len(tree) == 7 and not tree.is_chain and tree.depth <= K
+    ranked = trained_head.d2t[calls[0][0].topk(3, dim=-1).indices]  # (K, 3) target ids
+    for node, (token, depth) in enumerate(zip(tree.tokens[0].tolist(), tree.depths, strict=True)):
+        assert token in ranked[depth - 1].tolist(), node
+    # the first slot's best candidate and the chain of every slot's best are in the tree
+    best = ranked[:, 0].tolist()
+    paths = {tuple(tree.tokens[0, i].item() for i in tree_path(tree, n)) for n in range(len(tree))}
+    assert (best[0],) in paths and tuple(best[: tree.depth]) in paths
+
+
+def tree_path(tree, node):
+    """The nodes from the root's child down to `node`."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = tree.parents[node]
+    return path[::-1]

@@ -57,7 +57,9 @@ def with_eos(random_target, examples):
     config.eos_token_id = None
 
 
-CASES = [(kind, 1) for kind in KINDS] + [("distill", 3), ("eagle3", 3), ("medusa", 3)]
+CASES = [(kind, 1) for kind in KINDS] + [
+    (k, 3) for k in ("distill", "eagle3", "medusa", "peagle", "dflash")
+]
 
 
 @pytest.mark.parametrize(("kind", "topk"), CASES, ids=[f"{k}-top{t}" for k, t in CASES])

@@ -26,10 +26,15 @@ def accept_every_draft(tree, p, generator):
     return path, int(torch.multinomial(p[len(tree)], 1, generator=generator))
 
 
-@pytest.mark.parametrize("lossy", [False, True], ids=["exact", "accept-every-draft"])
-def test_sampled_output_follows_the_target(lossy, monkeypatch):
+@pytest.mark.parametrize(
+    ("lossy", "tree_top_k"),
+    [(False, 1), (False, 2), (True, 1)],
+    ids=["exact", "exact-tree", "accept-every-draft"],
+)
+def test_sampled_output_follows_the_target(lossy, tree_top_k, monkeypatch):
     """Chi-square on the joint of the first two tokens, both drafted by one block (three tokens
-    asked for, gamma 2); a verifier that keeps every draft fails the same check."""
+    asked for, gamma 2), as a chain or as the tree of the slots' sampled candidates; a verifier
+    that keeps every draft fails the same check."""
     import importlib
 
     if lossy:
@@ -47,7 +52,7 @@ def test_sampled_output_follows_the_target(lossy, monkeypatch):
     # the lossy verifier is caught with far fewer samples, and more only add power
     for seed in range(SAMPLES if not lossy else SAMPLES // 4):
         out = generate(target, prompt, drafter, max_new_tokens=3, temperature=1.3, seed=seed,
-                       gamma=2)  # fmt: skip
+                       gamma=2, tree_top_k=tree_top_k, tree_budget=4)  # fmt: skip
         y1, y2 = out.tokens[0, :2].tolist()
         counts[y1, y2] += 1
         drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted

@@ -177,6 +177,12 @@ CASES = {
         dict(gamma=3, draft_weights="int8"),
         SamplingSettings(temperature=T, top_k=4),
     ),
+    # the tree of the slots' top candidates: a shape per proposal from the head's own q
+    "peagle-tree-top_p": (
+        "peagle",
+        dict(tree_top_k=2, gamma=3, tree_budget=6),
+        SamplingSettings(temperature=T, top_p=0.9),
+    ),
     "medusa-chain-top_p": (
         "medusa",
         dict(tree_top_k=1, gamma=3),
