@@ -314,8 +314,8 @@ def measure_all(
 ) -> tuple[dict, list[Run]]:
     """Every trained family plus the baselines on `prompts` at `temperature`, in this process:
     evaluate.py's runs and report rows (one per run). Transformers' own methods run greedy only;
-    greedy, a drafter that copies from the context also runs alone (lookup_ngram=0): the tau
-    that training's simulated tau predicts. `loaded`: the fine-tuned targets already loaded
+    a drafter that copies from the context also runs alone (lookup_ngram=0): what the drafter
+    buys by itself, and greedy the tau that training's simulated tau predicts. `loaded`: the fine-tuned targets already loaded
     (evaluate.fine_tuned_target), shared across the passes."""
     hf = ("hf_assisted", "hf_early_exit") if temperature == 0 else ()
     folders = [str(f.folder) for f in families if f.folder is not None]
@@ -324,7 +324,7 @@ def measure_all(
     )
     runs = build_runs(eval_spec, target, loaded=loaded)
     copying = [f for f in folders if load_decoding(f).lookup_ngram > 0]
-    if temperature == 0 and copying:
+    if copying:
         alone = [f"{f}{ALONE}" for f in copying]
         names = {r.name for r in runs}  # the plain decodings already there
         extra = build_runs(
@@ -387,12 +387,16 @@ def family_rows(families: Sequence[Family], greedy: dict, sampled: dict | None) 
         g = row_of(greedy, found)
         s = row_of(sampled, found) if sampled else None
         alone = row_of(greedy, found, ALONE) or g  # the drafter without copying
+        alone_t1 = (row_of(sampled, found, ALONE) or s) if s else None
         simulated, basis = served_simulated_tau(found, g["decode"])
         quality = (
             found.quality["fine_tuned_loss"] - found.quality["base_loss"] if found.quality else None
         )
         row.update(
             tau=g["tau"], speedup=g["speedup_vs_ar"], speedup_t1=s["speedup_vs_ar"] if s else None,
+            tau_t1=s["tau"] if s else None, speedup_alone=alone["speedup_vs_ar"],
+            tau_alone_t1=alone_t1["tau"] if s else None,
+            speedup_alone_t1=alone_t1["speedup_vs_ar"] if s else None,
             overhead=g["overhead"], draft_share=g["draft_time_frac"], matches_plain=g["matches_ar"],
             drafted=g["drafted"], accepted=g["accepted"],
             drafted_t1=s["drafted"] if s else None, accepted_t1=s["accepted"] if s else None,
@@ -431,6 +435,7 @@ COLUMNS = (
     Column("family", "family"),
     Column("tau", "τ", "{:.2f}", max),
     Column("speedup", "speedup greedy", "{:.2f}x", max),
+    Column("tau_t1", "τ T=1", "{:.2f}", max),
     Column("speedup_t1", "speedup T=1", "{:.2f}x", max),
     Column("overhead", "overhead", "{:.2f}", min),
     Column("draft_share", "draft time", "{:.0%}", min),
@@ -440,6 +445,9 @@ COLUMNS = (
     Column("train_peak_memory_mb", "training peak memory", "{:,.0f} MiB", min),
     Column("quality_cost_nats", "target's loss cost", "{:+.3f} nats"),
     Column("tau_alone", "τ without copying", "{:.2f}", max),
+    Column("speedup_alone", "speedup without copying", "{:.2f}x", max),
+    Column("tau_alone_t1", "τ T=1 without copying", "{:.2f}", max),
+    Column("speedup_alone_t1", "speedup T=1 without copying", "{:.2f}x", max),
     Column("simulated_tau", "simulated τ", "{:.2f}", note=_chain_note),
     Column("tau_gap", "simulated vs measured", "{:+.0%}", note=_gap_note),
     Column("simulated_on", "simulated on"),

@@ -69,6 +69,7 @@ def test_every_family_trained_tuned_measured_and_reported(tmp_path, capsys):
         assert r["drafted"] > 0 and r["accepted"] > 0, family
         assert r["drafted_t1"] > 0 and r["accepted_t1"] > 0, family
         assert r["matches_plain"] is True and r["tau"] > 1 and r["speedup_t1"] > 0
+        assert r["tau_t1"] > 1 and r["speedup_alone"] > 0 and r["speedup_alone_t1"] > 0
         run = greedy[r["folder"]]  # the family's row is its drafter's own run
         assert (r["tau"], r["drafted"], r["decode"]) == (run["tau"], run["drafted"], run["decode"])
         # tuned, saved into the folder, and measured with what was saved
