@@ -58,6 +58,7 @@ from specdraft.core import (
     SamplingSettings,
 )
 from specdraft.drafters.base import (
+    BatchSession,
     Drafter,
     Metrics,
     ServedDrafts,
@@ -569,7 +570,7 @@ class DFlashDrafter(Drafter):
         sampling: SamplingSettings,
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
-    ) -> DFlashBatchSession:
+    ) -> BatchSession:
         """Every drafting row's block in one pass (DFlashBatchSession); trees row by row."""
         if not decode.chain:
             return self.row_sessions(

@@ -80,7 +80,7 @@ class MedusaSession(DraftSession):
     ending early by stop_below); tree_top_k > 1 drafts the tree of `tree_paths`, built once per
     call from the heads' measured accuracies, with up to tree_budget nodes, gamma levels and
     tree_top_k candidates per head: the heads' top candidates when greedy, and at temperature
-    > 0 each node's children sampled from their head's q without replacement (_sampled_tree).
+    > 0 each node's children sampled from their head's q without replacement (position_tree.sampled_tree).
     """
 
     def __init__(

@@ -453,7 +453,7 @@ class PEagleDrafter(EagleDrafter):
         if decode.gamma > K:
             ignored.append(
                 f"gamma={decode.gamma} is more than the {K} tokens one P-EAGLE forward drafts "
-                f"(drafter.num_depths): chains stop at {K}"
+                f"(drafter.num_depths): chains and trees stop at {K} levels"
             )
         return ignored
 

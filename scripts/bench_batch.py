@@ -20,8 +20,8 @@ becomes compute-bound and verification costs up to gamma + 1 plain passes. So th
   pass) and row by row (RowSessions: one per row).
 
 The target: random weights of the demo target's shape (vocab 4,096, hidden 256, 8 layers, 4
-heads, MLP 688), fp32 (`--dtype` otherwise); time does not depend on the weights' values, and the
-demo target itself takes hours to build on a CPU. Every figure is a ratio measured side by side
+heads, MLP 688), fp32 (`--dtype` otherwise); time does not depend on the weights' values, so the
+benchmark needs no build of the demo target (about 32 minutes). Every figure is a ratio measured side by side
 in this one process after a warm-up, the methods taking turns per repeat; the medians are
 reported. No trained drafter is involved, so nothing here is a speedup: `scripts/evaluate.py
 --batch-sizes` measures those on a trained drafter.

@@ -8,8 +8,8 @@ The data: `--conversations` chat rows cut from the demo corpus (data/demo.py,
 through `build_datasets` twice, padded and packed (`data.pack`), with the same seed: the same
 conversations, cut to `--max-length` tokens. The target: random weights of the demo target's
 shape (hidden 256, 8 layers, 4 heads, MLP 688) with the demo tokenizer (4,096 tokens) trained on
-30 corpus files, in fp32; time does not depend on the weights' values, and the demo target itself
-takes hours to build on a CPU. The drafters: the demo configs' (configs/<kind>/demo.yaml), untrained.
+30 corpus files, in fp32; time does not depend on the weights' values, so the benchmark needs no
+build of the demo target. The drafters: the demo configs' (configs/<kind>/demo.yaml), untrained.
 
 What is timed is one optimizer step's work over all the conversations, as the trainer does it:
 per micro-batch the target's forward, the drafter's loss and its backward, the loss divided by

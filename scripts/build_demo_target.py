@@ -1,6 +1,6 @@
 """Build the demo target: a small Llama trained on the standard library's Python source.
 
-    python scripts/build_demo_target.py                 # the default demo target (~10 min, 2 cores)
+    python scripts/build_demo_target.py                 # the default demo target (~32 min, 2 cores)
     python scripts/build_demo_target.py --variant tiny  # the seconds-long variant tests use
     python scripts/build_demo_target.py --budget long   # 3x the training tokens, better text
     python scripts/build_demo_target.py --report        # also measure decoding speed and loops

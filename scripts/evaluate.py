@@ -128,8 +128,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalSpec]:
         dest="tree_top_k",
         type=int,
         default=None,
-        help="tree_top_k of every trained drafter: 1 drafts a chain, k > 1 EAGLE-2's dynamic "
-        "tree expanding k nodes per level into k children each; default: each drafter's own",
+        help="tree_top_k of every trained drafter: 1 drafts a chain, k > 1 a tree (EAGLE-2's "
+        "dynamic tree expanding k nodes per level into k children each; Medusa, P-EAGLE and "
+        "DFlash: the best paths through each position's k best candidates); default: each "
+        "drafter's own",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

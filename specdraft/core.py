@@ -56,7 +56,8 @@ class DecodeConfig:
     # depth of the simulated tau reported during training.
     gamma: int = 5
     # 1: a chain. k > 1: a tree; EAGLE and two-model drafts grow EAGLE-2's dynamic tree, each
-    # level expanding the k best nodes of the newest level into their k best children.
+    # level expanding the k best nodes of the newest level into their k best children; Medusa,
+    # P-EAGLE and DFlash combine each position's k best candidates (drafters/position_tree.py).
     tree_top_k: int = 1
     # Trees: draft tokens verified per step (the tree is reranked down to this many). On a CPU a
     # 16-token verification costs ~2 plain steps, so keep it small there; GPUs afford 60+.

@@ -315,8 +315,8 @@ def measure_all(
     """Every trained family plus the baselines on `prompts` at `temperature`, in this process:
     evaluate.py's runs and report rows (one per run). Transformers' own methods run greedy only;
     a drafter that copies from the context also runs alone (lookup_ngram=0): what the drafter
-    buys by itself, and greedy the tau that training's simulated tau predicts. `loaded`: the fine-tuned targets already loaded
-    (evaluate.fine_tuned_target), shared across the passes."""
+    buys by itself, and greedy the tau that training's simulated tau predicts. `loaded`: the
+    fine-tuned targets already loaded (evaluate.fine_tuned_target), shared across the passes."""
     hf = ("hf_assisted", "hf_early_exit") if temperature == 0 else ()
     folders = [str(f.folder) for f in families if f.folder is not None]
     eval_spec = dataclasses.replace(
@@ -646,7 +646,7 @@ def compare(spec: CompareSpec) -> Report:
             else "Folders trained elsewhere. "
         )
         + "τ counts copied drafts too; τ without copying is the drafter alone with the same "
-        "settings. Simulated τ: training's prediction (greedy agreement per depth at the last "
+        "settings, greedy and at T = 1. Simulated τ: training's prediction (greedy agreement per depth at the last "
         "evaluation, teacher-forced) for the served chain, and for a tree whose kind predicts "
         "one 1 + its expected accepted length under the measured accuracies; the gap is "
         f"to τ without copying, (!) where it exceeds {GAP_FLAG:.0%}; (chain): a drafter served "

@@ -25,7 +25,7 @@ from testkit import ROOT, run_script
 from specdraft.core import DecodeConfig
 from specdraft.formats.reading import load_decoding
 from specdraft.scripts.compare import main
-from specdraft.train.compare import families
+from specdraft.train.compare import ALONE, families
 
 # the demo configs, shrunk to the tiny target (its vocabulary is 384 tokens)
 TINY = [
@@ -70,6 +70,12 @@ def test_every_family_trained_tuned_measured_and_reported(tmp_path, capsys):
         assert r["drafted_t1"] > 0 and r["accepted_t1"] > 0, family
         assert r["matches_plain"] is True and r["tau"] > 1 and r["speedup_t1"] > 0
         assert r["tau_t1"] > 1 and r["speedup_alone"] > 0 and r["speedup_alone_t1"] > 0
+    # each copying family's alone rows are runs of their own, greedy and at T = 1
+    for temperature in ("greedy", "sampled"):
+        names = {r["name"] for r in report[temperature]["runs"]}
+        for family in trained:
+            if load_decoding(rows[family]["folder"]).lookup_ngram:
+                assert rows[family]["folder"] + ALONE in names, (temperature, family)
         run = greedy[r["folder"]]  # the family's row is its drafter's own run
         assert (r["tau"], r["drafted"], r["decode"]) == (run["tau"], run["drafted"], run["decode"])
         # tuned, saved into the folder, and measured with what was saved
