@@ -407,7 +407,11 @@ def family_rows(families: Sequence[Family], greedy: dict, sampled: dict | None) 
             train_peak_memory_mb=found.train_peak_memory_mb, quality_cost_nats=quality,
             tau_alone=alone["tau"], simulated_tau=simulated, simulated_basis=basis,
             simulated_on=found.simulated_on,
-            tau_gap=(simulated / alone["tau"] - 1) if simulated and alone["tau"] else None,
+            # a "served" simulation walks the served settings, copying included: it predicts the
+            # run with copying; an estimate from agreement per depth predicts the drafter alone
+            tau_gap=(simulated / (g if basis == "served" else alone)["tau"] - 1)
+            if simulated
+            else None,
             simulated_over_training=found.simulated, tuned=found.tuned,
             crossover=greedy["crossover"][g["name"]] if multi else None,
         )  # fmt: skip
@@ -555,8 +559,9 @@ def _simulated(plt, ok):
         if sim:
             ax.plot([s["step"] for s in sim], [s["tau"] for s in sim], marker=".",
                     color=style["color"], label=f"{r['family']} simulated")  # fmt: skip
-            # what training predicts is the drafter alone: its tau without copying
-            ax.scatter(sim[-1]["step"], r["tau_alone"], marker="*", s=120, color=style["color"])
+            # what training predicts: the served run where it simulated serving, else alone
+            served = r["tau"] if r["simulated_basis"] == "served" else r["tau_alone"]
+            ax.scatter(sim[-1]["step"], served, marker="*", s=120, color=style["color"])
     ax.set(xlabel="training step", ylabel="τ",
            title="Simulated τ over training; ★ measured in the loop, no copying")  # fmt: skip
     if ax.get_legend_handles_labels()[0]:  # folders trained elsewhere may bring no evaluations
@@ -646,10 +651,12 @@ def compare(spec: CompareSpec) -> Report:
             else "Folders trained elsewhere. "
         )
         + "τ counts copied drafts too; τ without copying is the drafter alone with the same "
-        "settings, greedy and at T = 1. Simulated τ: training's prediction (greedy agreement per depth at the last "
-        "evaluation, teacher-forced) for the served chain, and for a tree whose kind predicts "
-        "one 1 + its expected accepted length under the measured accuracies; the gap is "
-        f"to τ without copying, (!) where it exceeds {GAP_FLAG:.0%}; (chain): a drafter served "
+        "settings, greedy and at T = 1. Simulated τ: training's prediction for the served "
+        "settings (on served continuations its walk of the loop's steps, copying included; "
+        "else greedy agreement per depth, teacher-forced, or for a tree whose kind predicts "
+        "one 1 + its expected accepted length under the measured accuracies); the gap is to "
+        "the measured τ with copying where training walked the served settings, else to τ "
+        f"without copying, (!) where it exceeds {GAP_FLAG:.0%}; (chain): a drafter served "
         "as a tree, for which training predicts its chain's τ only. Best per column in bold."
     )
     report = compare_report({
