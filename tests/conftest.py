@@ -17,6 +17,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+# The README's command runs the suite in two worker processes (pytest-xdist, `-n 2`), one per
+# core: each keeps to one thread, and so do the processes it starts (OMP_NUM_THREADS, read by
+# torch in a child and by the trainer's cpu_threads), or two pools of threads would wait on
+# each other's cores. Run without workers, a test has the machine's threads as before.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def specdraft_home(tmp_path_factory: pytest.TempPathFactory):

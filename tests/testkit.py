@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -29,9 +30,20 @@ def run_script(args: list[str], cwd: Path = ROOT, env: dict | None = None) -> st
     processes, one thread each; assert it succeeded (its stderr's end otherwise) and return its
     stderr."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if env is None else env
+    if Path(args[0]).name == "accelerate" and args[1] == "launch":
+        # a rendezvous port of its own: the suite's two workers may launch at the same time,
+        # and torchrun's default port (29500) would be taken by the other's
+        args = [*args[:2], "--main_process_port", str(free_port()), *args[2:]]
     proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def assert_chunking_exact(
