@@ -5,17 +5,18 @@
 
 Each FOLDER[:KEY=VALUE,...] is a trained drafter with decoding settings over its saved ones, as
 `scripts/evaluate.py --drafter` takes it; all decode with the first folder's target (--target
-overrides it). Every drafter decodes the same prompts greedily in
-this one process, after a warm-up. A proposal is one call of the drafting session's `propose`:
-a chain of gamma head passes for EAGLE, one forward for P-EAGLE's block of K or DFlash's block.
-Copying (`lookup_ngram`) drafts without a proposal: turn it off (`lookup_ngram=0`) to time the
-drafter alone.
+overrides it). Every drafter decodes the same prompts greedily in this one process, after a
+warm-up. A proposal is one call of the drafting session's `propose`: a chain of gamma head
+passes for EAGLE, one forward for P-EAGLE's block of K or DFlash's block. Copying
+(`lookup_ngram`) drafts without a proposal: turn it off (`lookup_ngram=0`) to time the drafter
+alone.
 
 Printed per drafter: proposals, tokens drafted per proposal, milliseconds per proposal and per
-drafted token (timed without the profiler), the proposal's cost in one-token steps of plain
-decoding of the same target (timed on the same prompts), and the operations that took the most
-of the proposals' time under torch.profiler (self CPU time, within `propose` only), so that a
-drafter's cost can be read as the operations it is made of. --output writes it all as JSON.
+drafted token (timed without the profiler, on every prompt), the proposal's cost in one-token
+steps of plain decoding of the same target (timed on the same prompts), and the operations that
+took the most of the proposals' time under torch.profiler (self CPU time, within `propose`
+only, on the first --profile-prompts prompts), so that a drafter's cost can be read as the
+operations it is made of. --output writes it all as JSON.
 """
 
 from __future__ import annotations
@@ -109,8 +110,10 @@ def profile_one(spec: str, target, prompts, args) -> dict:
     decode_all(target, drafter, prompts[:1], decode, 16, new_record())  # warm-up
     record = new_record()
     decode_all(target, drafter, prompts, decode, args.max_new_tokens, record)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:  # a second pass: its own overhead
-        decode_all(target, drafter, prompts, decode, args.max_new_tokens, new_record())
+    # a second pass, on fewer prompts: the profiler has its own overhead, and keeps every event
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        profiled = prompts[: args.profile_prompts]
+        decode_all(target, drafter, profiled, decode, args.max_new_tokens, new_record())
     n = max(record["proposals"], 1)
     return {
         "drafter": spec,
@@ -168,10 +171,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--top", type=int, default=8, help="operations listed per drafter")
+    p.add_argument(
+        "--profile-prompts", type=int, default=2,
+        help="prompts decoded again under the profiler (it keeps every event: gigabytes)",
+    )  # fmt: skip
     p.add_argument("--output", default=None, help="write the figures to this JSON file")
     args = p.parse_args(argv)
-    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.top < 1:
-        p.error("--num-prompts, --max-new-tokens and --top must be >= 1")
+    if min(args.num_prompts, args.max_new_tokens, args.top, args.profile_prompts) < 1:
+        p.error("--num-prompts, --max-new-tokens, --top and --profile-prompts must be >= 1")
     return args
 
 
