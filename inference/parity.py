@@ -29,6 +29,8 @@ from specdraft.data.formats import Example
 from specdraft.drafters.base import ServedDrafts
 from specdraft.drafters.lean import int8_supported
 from specdraft.drafters.prompt_lookup import CopyingSession
+from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
+from specdraft.inference.continuations import served_examples
 from specdraft.inference.generate import drafting_session, generate
 from specdraft.inference.metrics import Stats, simulate_serving
 from specdraft.inference.verify import verify_greedy
@@ -68,6 +70,37 @@ def simulate(
             continue
         out += simulate_serving(drafts, batch, decode, drafter.drafts_after_prefill)
     return out
+
+
+def merged(stats: Sequence[Stats]) -> Stats:
+    """Per-example statistics summed over the examples (tau over all their passes)."""
+    total = Stats()
+    for s in stats:
+        total = total.merge(s)
+    return total
+
+
+def simulated_tau_on(
+    target, drafter, prompts: Sequence[torch.Tensor], max_new_tokens: int, decode: DecodeConfig
+) -> float | None:
+    """The tau `simulate` predicts for greedy decoding of these prompts with `decode`: on the
+    target's own greedy continuations of them (cached, inference/continuations.py). Beside the
+    tau measured on the same prompts, their gap is the difference between the drafter's
+    training and serving paths alone. None where the kind has no simulation for `decode`."""
+    examples = served_examples(target, prompts, max_new_tokens)
+    stats = simulate(target, drafter, examples, decode)
+    return None if stats is None else merged(stats).tau
+
+
+def folder_simulated_tau(
+    folder, target, prompts: Sequence[torch.Tensor], max_new_tokens: int, loaded: dict | None = None
+) -> float | None:
+    """`simulated_tau_on` for a trained folder with its saved decoding settings, on the target
+    it decodes with (its own fine-tuned one for Medusa-2 and LayerSkip: `fine_tuned_target`,
+    which keeps those it loads in `loaded`)."""
+    decoder = fine_tuned_target(str(folder), target, loaded) or target
+    drafter = load_drafter(folder, decoder).eval()
+    return simulated_tau_on(decoder, drafter, prompts, max_new_tokens, load_decoding(folder))
 
 
 def training_path_drafts(

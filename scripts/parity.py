@@ -22,8 +22,7 @@ import sys
 from specdraft.formats.reading import folder_target, load_decoding, load_drafter
 from specdraft.inference.continuations import served_examples
 from specdraft.inference.measure import load_prompts
-from specdraft.inference.metrics import Stats
-from specdraft.inference.parity import first_difference, serve, simulate
+from specdraft.inference.parity import first_difference, merged, serve, simulate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.folder}: this {drafter.kind} drafter has no simulation for {decode}")
         return 2
     served = serve(target, drafter, examples, decode)
-    sim, real = _total(simulated), _total(served)
+    sim, real = merged(simulated), merged(served)
     print(f"{args.folder} ({drafter.kind}, gamma {decode.gamma}), {len(examples)} prompts x "
           f"{args.max_new_tokens} tokens of the target's greedy continuation")  # fmt: skip
     print(f"  tau         simulated {sim.tau:.4f}   served {real.tau:.4f}")
@@ -63,13 +62,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  prompt {i}: {where or 'the inputs and drafts agree (numerics)'}")
         break
     return 1
-
-
-def _total(stats: list[Stats]) -> Stats:
-    total = Stats()
-    for s in stats:
-        total = total.merge(s)
-    return total
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
