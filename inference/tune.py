@@ -378,12 +378,20 @@ def tune_against_saved(
 # --- by batch size --------------------------------------------------------------------------
 
 
-def filled(prompts: Sequence[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
-    """`prompts` ((1, L) each) as whole batches of `batch_size`: every prompt once (one batch
-    at least), prompts reused in turn to fill the last, so each batch size decodes about the
-    same prompts."""
-    count = -(-len(prompts) // batch_size) * batch_size  # whole batches: ceil, times the size
-    return [prompts[i % len(prompts)] for i in range(count)]
+# The fewest batches a batch race times per candidate: a race at 16 rows of 16 prompts would
+# otherwise time one batch each, and one timing on a shared machine decided 16 rows wrongly
+# (BENCHMARKS.md, "Tuning").
+MIN_BATCHES = 4
+
+
+def filled(
+    prompts: Sequence[torch.Tensor], batch_size: int, min_batches: int = MIN_BATCHES
+) -> list[torch.Tensor]:
+    """`prompts` ((1, L) each) as whole batches of `batch_size`: every prompt once, in at least
+    `min_batches` batches, prompts reused in turn to fill them, so each batch size decodes about
+    the same prompts and is timed more than once."""
+    batches = max(-(-len(prompts) // batch_size), min_batches)  # ceil, or the fewest timed
+    return [prompts[i % len(prompts)] for i in range(batches * batch_size)]
 
 
 @dataclass

@@ -474,8 +474,12 @@ COLUMNS = (
     Column("tau_gap", "simulated vs measured", "{:+.0%}", note=_gap_note),
     Column("simulated_on", "simulated on"),
     Column("simulated_tau_same_prompts", "simulated τ, prompts measured", "{:.2f}"),
-    Column("tau_gap_same_prompts", "simulated vs measured, same prompts", "{:+.1%}",
-           note=_same_prompts_note),
+    Column(
+        "tau_gap_same_prompts",
+        "simulated vs measured, same prompts",
+        "{:+.1%}",
+        note=_same_prompts_note,
+    ),
 )
 # with several batch sizes: the smallest where the family is slower than plain decoding, greedy
 CROSSOVER = Column("crossover", "crossover", lambda b: "none" if b == "none" else f"b={b}")

@@ -407,11 +407,14 @@ def test_each_batch_size_gets_the_fastest_of_its_race(monkeypatch):
 
 def test_prompts_are_reused_to_fill_a_batch():
     prompts = [torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5]]), torch.tensor([[6]])]
-    as_lists = lambda size: [p.tolist() for p in tune.filled(prompts, size)]  # noqa: E731
-    assert as_lists(1) == [[[1, 2, 3]], [[4, 5]], [[6]]]
+    as_lists = lambda size, least: [p.tolist() for p in tune.filled(prompts, size, least)]  # noqa: E731
+    assert as_lists(1, 1) == [[[1, 2, 3]], [[4, 5]], [[6]]]
     # every prompt once, the first again to fill the last batch
-    assert as_lists(2) == [[[1, 2, 3]], [[4, 5]], [[6]], [[1, 2, 3]]]
-    assert as_lists(4) == [[[1, 2, 3]], [[4, 5]], [[6]], [[1, 2, 3]]]
+    assert as_lists(2, 1) == [[[1, 2, 3]], [[4, 5]], [[6]], [[1, 2, 3]]]
+    assert as_lists(4, 1) == [[[1, 2, 3]], [[4, 5]], [[6]], [[1, 2, 3]]]
+    # and at least min_batches batches, the prompts in turn: more than one timing a candidate
+    assert as_lists(2, 3) == [[[1, 2, 3]], [[4, 5]], [[6]], [[1, 2, 3]], [[4, 5]], [[6]]]
+    assert len(tune.filled(prompts * 6, 16)) == 16 * tune.MIN_BATCHES
 
 
 def test_batch_sizes_save_a_schedule_of_each_races_fastest(layerskip_folder, tmp_path, capsys):
