@@ -35,6 +35,7 @@ from specdraft.formats.reading import folder_target, load_decoding, load_drafter
 from specdraft.inference.evaluate import parse_batch_sizes
 from specdraft.inference.measure import load_prompts
 from specdraft.inference.tune import (
+    MIN_GAIN,
     SEARCH_ORDER,
     NoExactSetting,
     changed,
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         schedule = tune_batch_schedule(
             target, drafter, prompts, space, base=best, batch_sizes=args.batch_sizes,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-            require_equal=not args.allow_mismatch,
+            require_equal=not args.allow_mismatch, min_gain=args.min_gain,
             log=lambda m: print(f"[tune] {m}", file=sys.stderr),
         )  # fmt: skip
         best, batch_rows = schedule.decode, schedule.rows
@@ -181,6 +182,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also race gamma (and a tree's budget) against plain decoding at each of these "
         "batch sizes, and save the winners as the settings' batch_schedule (e.g. 1,4,16)",
     )
+    parser.add_argument(
+        "--min-gain",
+        type=float,
+        default=MIN_GAIN,
+        help="with --batch-sizes: how much faster than plain decoding (a fraction) a setting must "
+        f"be in its race to get an entry; else drafting is off there (default {MIN_GAIN})",
+    )
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: as saved)")
     parser.add_argument("--device", default=None)
     parser.add_argument(
@@ -195,6 +203,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--num-prompts, --max-new-tokens and --passes must be >= 1")
     if args.temperature < 0:
         parser.error("--temperature must be >= 0")
+    if args.min_gain < 0:
+        parser.error("--min-gain must be >= 0 (0: any win over plain decoding gets an entry)")
     return args
 
 

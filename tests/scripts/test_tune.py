@@ -342,7 +342,8 @@ def test_copying_that_pays_only_in_long_copies_is_found(monkeypatch):
 
 
 def test_each_batch_size_gets_the_fastest_of_its_race(monkeypatch):
-    """Deep drafts pay at batch 1, shallow ones at 4, none at 16 (plain decoding wins there):
+    """Deep drafts pay at batch 1, shallow ones at 4, none at 16 (plain decoding wins there, and
+    keeps its entry against a win smaller than min_gain):
     the schedule holds each race's winner, a tree's budget raced with its depth, and above
     batch 1 each candidate drafting row by row too (here faster at 4, slower at 16); a faster
     candidate whose greedy output differs from plain decoding's never wins."""
@@ -399,6 +400,17 @@ def test_each_batch_size_gets_the_fastest_of_its_race(monkeypatch):
     )  # fmt: skip
     assert len(chain.rows) == 5
     assert chain.decode.batch_schedule == [{"batch_size": 4, "gamma": 2, "batch_drafting": "rows"}]
+    # a win within min_gain of plain decoding is no entry: 0.98 s against plain decoding's 1.0
+    # is 2% faster, below the default 3%; a gain of 1% asked for, it is the entry
+    speed[16][4, 12] = 0.98
+    close = {"gamma": [4], "tree_budget": [12]}
+    for gain, entry in ((tune.MIN_GAIN, {"batch_size": 16, "off": True}),
+                        (0.01, {"batch_size": 16})):  # fmt: skip
+        near = tune.tune_batch_schedule(
+            None, Trees(), prompts, close, base=base, batch_sizes=[16], max_new_tokens=4,
+            min_gain=gain,
+        )  # fmt: skip
+        assert near.decode.batch_schedule == [entry]
     with pytest.raises(ValueError, match="batch sizes must increase"):
         tune.tune_batch_schedule(
             None, Trees(), prompts, space, base=base, batch_sizes=[4, 1], max_new_tokens=4
