@@ -93,14 +93,24 @@ def simulated_tau_on(
 
 
 def folder_simulated_tau(
-    folder, target, prompts: Sequence[torch.Tensor], max_new_tokens: int, loaded: dict | None = None
+    folder,
+    target,
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    batch_size: int = 1,
+    loaded: dict | None = None,
 ) -> float | None:
-    """`simulated_tau_on` for a trained folder with its saved decoding settings, on the target
-    it decodes with (its own fine-tuned one for Medusa-2 and LayerSkip: `fine_tuned_target`,
-    which keeps those it loads in `loaded`)."""
+    """`simulated_tau_on` for a trained folder with its saved decoding settings as a batch of
+    `batch_size` decodes with them (its batch_schedule's entry), on the target it decodes with
+    (its own fine-tuned one for Medusa-2 and LayerSkip: `fine_tuned_target`, which keeps those
+    it loads in `loaded`). None where the entry turns drafting off, or the kind has no
+    simulation for the settings."""
+    decode = load_decoding(folder).for_batch(batch_size)
+    if decode is None:
+        return None
     decoder = fine_tuned_target(str(folder), target, loaded) or target
     drafter = load_drafter(folder, decoder).eval()
-    return simulated_tau_on(decoder, drafter, prompts, max_new_tokens, load_decoding(folder))
+    return simulated_tau_on(decoder, drafter, prompts, max_new_tokens, decode)
 
 
 def training_path_drafts(

@@ -3,8 +3,8 @@
     python scripts/bench_precision.py                 # the figures in BENCHMARKS.md, "Precision"
     python scripts/bench_precision.py --repeats 5 --shape 512x4x1408
 
-Random weights (time does not depend on their values), in this one process, fp32 and bf16
-taking turns after a warm-up; each figure is the median of --repeats. Three measurements:
+Random weights (time does not depend on their values), in this one process; each figure is the
+median of --repeats after a warm-up, fp32 timed first, then bf16. Three measurements:
 
 - a matrix product, 4096x512 @ 512x1408 (GFLOP/s);
 - a Llama of each --shape (hidden x layers x MLP, 4 heads, a 4,096-token vocabulary: the demo
@@ -149,13 +149,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--train-repeats", type=int, default=3, help="repeats of a training step")
     p.add_argument("--output", default=None, help="write the figures to this JSON file")
     args = p.parse_args(argv)
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        p.error(f"--output {args.output}: its folder does not exist; create it first")
     args.shape = args.shape or ["256x8x688"]
     for shape in args.shape:
         parts = shape.split("x")
         if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
             p.error(f"--shape {shape!r}: give HIDDENxLAYERSxMLP, three positive integers")
-        if int(parts[0]) % 4:
-            p.error(f"--shape {shape!r}: the hidden size must divide into 4 heads")
+        if int(parts[0]) % 8:
+            p.error(f"--shape {shape!r}: the hidden size must divide into 4 heads of even size")
     if args.repeats < 1 or args.train_repeats < 1:
         p.error("--repeats and --train-repeats must be >= 1")
     return args

@@ -5,8 +5,8 @@
 
 Each FOLDER[:KEY=VALUE,...] is a trained drafter with decoding settings over its saved ones, as
 `scripts/evaluate.py --drafter` takes it; all decode with the first folder's target (--target
-overrides it). Every drafter decodes the same prompts greedily in this one process, after a
-warm-up. A proposal is one call of the drafting session's `propose`: a chain of gamma head
+overrides it; Medusa-2 and LayerSkip decode with their own fine-tuned one). Every drafter
+decodes the same prompts greedily in this one process, after a warm-up. A proposal is one call of the drafting session's `propose`: a chain of gamma head
 passes for EAGLE, one forward for P-EAGLE's block of K or DFlash's block. Copying
 (`lookup_ngram`) drafts without a proposal: turn it off (`lookup_ngram=0`) to time the drafter
 alone.
@@ -32,7 +32,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from specdraft.config import override
-from specdraft.formats.reading import folder_target, load_decoding, load_drafter
+from specdraft.formats.reading import (
+    fine_tuned_target,
+    folder_target,
+    load_decoding,
+    load_drafter,
+)
 from specdraft.inference.evaluate import split_drafter_spec
 from specdraft.inference.generate import generate
 from specdraft.inference.measure import load_prompts
@@ -90,9 +95,13 @@ def plain_step_ms(target, prompts, max_new_tokens: int) -> float:
 
 def top_operations(prof, top: int) -> list[dict]:
     """The operations with the most self CPU time inside the proposals, largest first, each
-    with its share of the proposals' total self time."""
+    with its share of the proposals' whole time (the operations' and the Python between
+    them)."""
     self_us: dict[str, float] = defaultdict(float)
     for event in prof.events():
+        if event.name == PROPOSE:  # its own time: Python between the operations
+            self_us["(Python between operations)"] += event.self_cpu_time_total
+            continue
         parent = event.cpu_parent
         while parent is not None and parent.name != PROPOSE:
             parent = parent.cpu_parent
@@ -103,8 +112,9 @@ def top_operations(prof, top: int) -> list[dict]:
     return [{"op": name, "share": us / total, "ms": us / 1000} for name, us in ranked]
 
 
-def profile_one(spec: str, target, prompts, args) -> dict:
+def profile_one(spec: str, target, prompts, args, loaded: dict) -> dict:
     path, items = split_drafter_spec(spec)
+    target = fine_tuned_target(path, target, loaded) or target  # Medusa-2, LayerSkip: their own
     drafter = load_drafter(path, target).eval()
     decode = override(load_decoding(path), items, source=spec)
     decode_all(target, drafter, prompts[:1], decode, 16, new_record())  # warm-up
@@ -133,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target = folder_target(split_drafter_spec(args.drafters[0])[0], args.target)
         prompts = load_prompts(args.prompts, args.num_prompts, target)
-        rows = [profile_one(spec, target, prompts, args) for spec in args.drafters]
+        for spec in args.drafters:  # every folder and setting checked before any is timed
+            path, items = split_drafter_spec(spec)
+            override(load_decoding(path), items, source=spec)
+        loaded: dict = {}
+        rows = [profile_one(spec, target, prompts, args, loaded) for spec in args.drafters]
     except ValueError as e:  # a bad folder, setting or prompt source
         print(f"scripts/profile_drafting.py: error: {e}", file=sys.stderr)
         return 2
@@ -179,6 +193,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if min(args.num_prompts, args.max_new_tokens, args.top, args.profile_prompts) < 1:
         p.error("--num-prompts, --max-new-tokens, --top and --profile-prompts must be >= 1")
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        p.error(f"--output {args.output}: its folder does not exist; create it first")
     return args
 
 

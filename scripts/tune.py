@@ -17,8 +17,8 @@ every measurement as JSON.
 --batch-sizes 1,4,16 then races, at each of those batch sizes, the result at every gamma of
 the search (and a tree at every tree_budget) against plain decoding, on batches of the prompts,
 and saves the winners as the settings' batch_schedule: generate decodes a batch with the entry
-for its size, and not at all where plain decoding won. Without it, a schedule saved before is
-kept as it was.
+for its size, and not at all where plain decoding won or no setting beat it by more than
+--min-gain (3%). Without it, a schedule saved before is kept as it was.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--num-prompts, --max-new-tokens and --passes must be >= 1")
     if args.temperature < 0:
         parser.error("--temperature must be >= 0")
-    if args.min_gain < 0:
+    if not args.min_gain >= 0:  # NaN too
         parser.error("--min-gain must be >= 0 (0: any win over plain decoding gets an entry)")
     return args
 

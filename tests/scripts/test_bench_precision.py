@@ -30,7 +30,7 @@ def test_every_measurement_in_both_precisions(one_thread, tmp_path, capsys, monk
     assert "native bf16:" in printed and printed.count("\n| ") == len(rows) + 2
 
 
-@pytest.mark.parametrize("shape", ["256x8", "256x0x688", "255x8x688", "axbxc"])
+@pytest.mark.parametrize("shape", ["256x8", "256x0x688", "255x8x688", "36x1x64", "axbxc"])
 def test_a_bad_shape_is_named(shape, capsys):
     with pytest.raises(SystemExit) as e:
         bench_precision.main(["--shape", shape])
