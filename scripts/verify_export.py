@@ -32,6 +32,7 @@ accepted lengths are equal; 1 on any mismatch, and when the engine's side fails 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import subprocess
@@ -104,12 +105,25 @@ def engines_dir() -> Path:
 def engine_python(engine: str, log=print) -> Path:
     """The interpreter of `engine`'s virtual environment, made on first use (a marker file says
     it is complete; a half-made one is made again). torch is pinned to ours, which pip takes
-    from a local file where there is one, so no other build is downloaded."""
+    from a local file where there is one, so no other build is downloaded. Safe to call from
+    several processes at once: one makes it under a file lock, the others wait and reuse it."""
     spec = ENGINES[engine]
     venv = engines_dir() / spec.name
     python, ready = venv / "bin" / "python", venv / ".specdraft-ready"
     if ready.is_file():
         return python
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    # one process makes it (the test suite's two workers may both need it); the others wait
+    with open(venv.parent / f"{spec.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not ready.is_file():
+            _make_engine(engine, spec, venv, python, log)
+            ready.write_text(time.strftime("%Y-%m-%d %H:%M:%S\n"))
+    return python
+
+
+def _make_engine(engine: str, spec, venv: Path, python: Path, log) -> None:
+    """`engine`'s virtual environment at `venv`, made anew."""
     log(f"[verify] making {venv} ({', '.join(a[-1] for a in spec.install)}), once")
     torch_pin = f"torch=={torch.__version__.split('+')[0]}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,8 +142,6 @@ def engine_python(engine: str, log=print) -> Path:
                     f"{done.stderr.strip()[-2000:]}\n(needs the package registry; or pass "
                     "--python with an interpreter where it is installed)"
                 )
-    ready.write_text(time.strftime("%Y-%m-%d %H:%M:%S\n"))
-    return python
 
 
 # --- the check --------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -229,3 +231,23 @@ def test_bad_input_exits_2_naming_the_fix(target, tmp_path, capsys):
     assert "no export we know" in capsys.readouterr().err
     assert verify_export.main([str(folder), "--engine", "medusa", "--num-prompts", "0"]) == 2
     assert "would compare next to nothing" in capsys.readouterr().err
+
+
+def test_two_callers_at_once_make_an_environment_once(tmp_path, monkeypatch):
+    """The suite's two workers may need one engine at once: one makes its environment under the
+    lock, the other waits and reuses it (without the lock both would make it, each clearing
+    the other's half-made venv)."""
+    monkeypatch.setenv("SPECDRAFT_ENGINES", str(tmp_path))
+    made = []
+
+    def slow_make(engine, spec, venv, python, log):
+        made.append(engine)
+        venv.mkdir(parents=True)  # fails for a second maker too
+        time.sleep(0.3)
+
+    monkeypatch.setattr(verify_export, "_make_engine", slow_make)
+    quiet = lambda _: verify_export.engine_python("medusa", log=lambda *a: None)  # noqa: E731
+    with ThreadPoolExecutor(2) as pool:
+        pythons = list(pool.map(quiet, range(2)))
+    assert made == ["medusa"] and pythons[0] == pythons[1]
+    assert (pythons[0].parent.parent / ".specdraft-ready").is_file()
