@@ -3,7 +3,6 @@ report.json with the agreed fields, report.md and the three plots."""
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -40,14 +39,6 @@ FIELDS = {
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
-
-
-@pytest.fixture(scope="module")
-def draft_folder(tiny_target, tmp_path_factory):
-    """A plain HF folder holding a copy of the target: a two-model drafter that is always right."""
-    folder = tmp_path_factory.mktemp("draft") / "copy"
-    copy.deepcopy(tiny_target.model).save_pretrained(folder)
-    return folder
 
 
 def test_greedy_report(tiny_target_path, draft_folder, tmp_path):

@@ -8,7 +8,6 @@ its own), settings after the colon ignored."""
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 
@@ -17,14 +16,6 @@ import pytest
 from specdraft.scripts import profile_drafting
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
-
-
-@pytest.fixture(scope="module")
-def draft_folder(tiny_target, tmp_path_factory):
-    """A plain HF folder holding a copy of the target: a two-model drafter that is always right."""
-    folder = tmp_path_factory.mktemp("draft") / "copy"
-    copy.deepcopy(tiny_target.model).save_pretrained(folder)
-    return folder
 
 
 def test_proposals_timed_and_profiled(tiny_target_path, draft_folder, tmp_path, capsys):
