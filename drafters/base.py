@@ -361,10 +361,11 @@ class Drafter(nn.Module):
         return batch["loss_mask"][:, 1:].sum().float()
 
     def acceptance(
-        self, batch: Mapping[str, torch.Tensor], target_out, gamma: int
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per draft depth 1..gamma: (acceptance alpha summed, greedy agreement summed, count),
-        on held-out data, for the simulated tau of training's evaluation."""
+        """Per draft depth 1..decode.gamma: (acceptance alpha summed, greedy agreement summed,
+        count), on held-out data, for the simulated tau of training's evaluation; alpha at
+        temperature 1 (sum_x min(p(x), q(x)) of the softmaxed logits)."""
         raise NotImplementedError(f"the {self.kind} drafter has no simulated acceptance")
 
     def served_drafts(

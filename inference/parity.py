@@ -20,6 +20,7 @@ step, and the same statistics as the loop, whatever the session drafts.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -32,7 +33,7 @@ from specdraft.drafters.prompt_lookup import CopyingSession
 from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
 from specdraft.inference.continuations import served_examples
 from specdraft.inference.generate import drafting_session, generate
-from specdraft.inference.metrics import Stats, simulate_serving
+from specdraft.inference.metrics import Stats, simulate_serving, simulated_tau
 from specdraft.inference.verify import verify_greedy
 
 
@@ -92,6 +93,45 @@ def simulated_tau_on(
     return None if stats is None else merged(stats).tau
 
 
+@torch.no_grad()
+def sampled_tau_on(
+    target,
+    drafter,
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    decode: DecodeConfig,
+    seed: int = 0,
+) -> float:
+    """The tau training's acceptance predicts for sampling at temperature 1 with the drafter
+    alone (no copying): on the target's own continuations of the prompts sampled at T = 1
+    (cached), the drafter's expected acceptance per depth, sum_x min(p(x), q(x)) teacher-forced
+    along the continuation (`Drafter.acceptance`, as training's evaluation computes it),
+    averaged over the positions served and combined as a chain of decode.gamma
+    (`metrics.simulated_tau`). An estimate, unlike greedy's walk: the loop's acceptance at a
+    depth follows the drafts accepted before it, not the target's sample, and a tree served
+    accepts more than its chain."""
+    decode = drafter.decode_settings(decode)
+    examples = served_examples(target, prompts, max_new_tokens, temperature=1.0, seed=seed)
+    alpha = count = 0.0
+    for example in examples:
+        batch = example_batch(example, target.device)
+        a, _, c = drafter.acceptance(batch, heldout_forward(target, drafter, batch), decode)
+        alpha, count = alpha + a.double(), count + c.double()
+    return simulated_tau((alpha / count.clamp(min=1)).tolist())
+
+
+def heldout_forward(target, drafter, batch: dict[str, torch.Tensor]):
+    """The target's forward that held-out evaluation reads (train/trainer.py's): the layers the
+    drafter captures, the final one where its loss makes the target's logits from it, and every
+    position's logits."""
+    layers = list(drafter.capture_layers)
+    if not drafter.reads_target_logits and target.num_layers not in layers:
+        layers.append(target.num_layers)
+    return target.forward(
+        batch["input_ids"], attention_mask=batch["attention_mask"], capture_layers=layers
+    )
+
+
 def folder_simulated_tau(
     folder,
     target,
@@ -99,17 +139,22 @@ def folder_simulated_tau(
     max_new_tokens: int,
     batch_size: int = 1,
     loaded: dict | None = None,
+    temperature: float = 0.0,
 ) -> float | None:
-    """`simulated_tau_on` for a trained folder with its saved decoding settings as a batch of
-    `batch_size` decodes with them (its batch_schedule's entry), on the target it decodes with
-    (its own fine-tuned one for Medusa-2 and LayerSkip: `fine_tuned_target`, which keeps those
-    it loads in `loaded`). None where the entry turns drafting off, or the kind has no
-    simulation for the settings."""
+    """`simulated_tau_on` (at temperature 1: `sampled_tau_on`) for a trained folder with its
+    saved decoding settings as a batch of `batch_size` decodes with them (its batch_schedule's
+    entry), on the target it decodes with (its own fine-tuned one for Medusa-2 and LayerSkip:
+    `fine_tuned_target`, which keeps those it loads in `loaded`). None where the entry turns
+    drafting off, or the kind has no simulation for the settings."""
+    if temperature not in (0.0, 1.0):
+        raise ValueError(f"a simulated tau is computed at temperature 0 or 1, not {temperature}")
     decode = load_decoding(folder).for_batch(batch_size)
     if decode is None:
         return None
     decoder = fine_tuned_target(str(folder), target, loaded) or target
     drafter = load_drafter(folder, decoder).eval()
+    if temperature:
+        return sampled_tau_on(decoder, drafter, prompts, max_new_tokens, decode)
     return simulated_tau_on(decoder, drafter, prompts, max_new_tokens, decode)
 
 
@@ -242,21 +287,15 @@ def first_difference(
     order the drafter uses them. Names the first that differs and by how much: the target
     layers captured, then each layer's hidden states, then the drafts themselves (the
     drafter's output: its inputs agreed, so the difference is inside its computation when
-    served, e.g. positions, masks, norms or scales). None: in parity."""
+    served, e.g. positions, masks, norms or scales). Where the settings are simulated by
+    replaying the serving session (`training_path_drafts` has none: int8 drafting weights,
+    trees, dynamic gamma), the drafts are compared with the replay's. None: in parity."""
     decode = drafter.decode_settings(decode)
     record: dict = {"drafts": [], "hidden": {}}
-    make = drafter.new_session
-
-    def recorded(*args, **kwargs):
-        return _Recording(make(*args, **kwargs), record)
-
-    drafter.new_session = recorded  # an instance attribute, removed below
-    try:
-        start = example.loss_mask.index(1)
-        new = len(example.input_ids) - start
+    start = example.loss_mask.index(1)
+    new = len(example.input_ids) - start
+    with _recorded(drafter, record):
         generate(target, example.input_ids[:start], drafter, max_new_tokens=new, decode=decode)
-    finally:
-        del drafter.new_session
     trained = list(drafter.capture_layers)
     if sorted(record["capture_layers"]) != sorted(trained):
         return (
@@ -265,6 +304,7 @@ def first_difference(
         )
     batch = example_batch(example, target.device)
     target_out = target.forward(batch["input_ids"], capture_layers=trained)
+    rounding = 0.0  # the largest difference within the tolerance
     for layer in trained:
         for position, served in sorted(record["hidden"].get(layer, {}).items()):
             h = target_out.hidden_states[layer][0, position].to(served.dtype)
@@ -274,10 +314,13 @@ def first_difference(
                     f"captured hidden states, target layer {layer}, position {position}: served "
                     f"and training values differ by up to {diff:.3g}"
                 )
-    drafts = drafter.served_drafts(batch, target_out, decode)
+            rounding = max(rounding, diff)
+    drafts = training_path_drafts(drafter, batch, target_out, decode)
+    if drafts is None:
+        return _replayed_difference(target, drafter, batch, target_out, decode, record, rounding)
     ids = example.input_ids
     for length, tokens, tree in record["drafts"]:
-        if not tokens or drafts is None or not tree.is_chain:
+        if not tokens or not tree.is_chain:
             continue
         # the served chain's accepted prefix against the one the training path predicts for a
         # draft asked for at most as many tokens as the loop asked for then
@@ -294,3 +337,47 @@ def first_difference(
                 "drafter computes differently when served (its positions, masks, norms or scales)"
             )
     return None
+
+
+def _replayed_difference(
+    target, drafter, batch, target_out, decode, served, rounding
+) -> str | None:
+    """The first draft the serving session drafts otherwise when served than when replayed on
+    the continuation (`replay_serving`), after the same context; None where every draft
+    agrees. `served`: the loop's record; `rounding`: how far apart the hidden states it was
+    handed in the two were at most (both within the tolerance)."""
+    replayed: dict = {"drafts": [], "hidden": {}}
+    with _recorded(drafter, replayed):
+        replay_serving(target, drafter, batch, target_out, decode)
+    theirs = {length: tokens for length, tokens, _ in replayed["drafts"]}
+    for length, tokens, _ in served["drafts"]:
+        if length in theirs and theirs[length] != tokens:
+            cause = "the session computes differently when served"
+            if rounding > 0:
+                cause = (
+                    f"the hidden states it was handed differ by up to {rounding:.2g} (the "
+                    "loop's verification forwards against one forward over the continuation "
+                    "round differently)"
+                    + (", which its int8 drafting weights turn into another draft"
+                       if decode.draft_weights == "int8" else "")
+                )  # fmt: skip
+            return (
+                f"the serving session's drafts after position {length - 1}: served {tokens}, "
+                f"replayed on the continuation {theirs[length]}; {cause}"
+            )
+    return None
+
+
+@contextlib.contextmanager
+def _recorded(drafter, record: dict):
+    """The drafter's sessions, made inside, record into `record` (`_Recording`)."""
+    make = drafter.new_session
+
+    def recorded(*args, **kwargs):
+        return _Recording(make(*args, **kwargs), record)
+
+    drafter.new_session = recorded  # an instance attribute, removed below
+    try:
+        yield
+    finally:
+        del drafter.new_session

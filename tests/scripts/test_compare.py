@@ -96,6 +96,8 @@ def test_every_family_trained_tuned_measured_and_reported(tmp_path, capsys):
         assert r["train_tokens_per_s"] > 0 and r["tau_gap"] is not None
         # on the prompts measured, greedy, training's simulation predicts the measured tau
         assert abs(r["tau_gap_same_prompts"]) <= 0.02, (family, r["simulated_tau_same_prompts"])
+        # and at T = 1, an estimate from the acceptance on continuations sampled there
+        assert r["simulated_t1_same_prompts"] > 1 and r["tau_gap_t1_same_prompts"] is not None
         # evaluated on what it serves: the target's own greedy continuations
         assert r["simulated_on"] == state["evals"][-1]["eval_on"] == "served-greedy"
     # what only some families cost: weights beside the target, or the target's own quality
@@ -238,6 +240,6 @@ def test_a_batch_size_sweep_reaches_every_run_and_the_family_table(tmp_path, tin
     assert (out / "batch_sizes.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "report.md").read_text()
     assert "### Speedup against batch size" in md
-    assert "| simulated vs measured, same prompts | crossover |" in md
+    assert "| simulated vs measured T=1 without copying, same prompts | crossover |" in md
     shown = "none" if row["crossover"] is None else f"b={row['crossover']}"
     assert f"| {shown} |" in md.split("## Every run")[0]  # the family table's crossover
