@@ -8,10 +8,12 @@ On the target's own greedy continuations of the prompts (inference/continuations
 the drafter's training path simulates the loop (`Drafter.served_drafts`, walked by
 metrics.simulate_serving) and the loop decodes the same prompts; at temperature 0 the two agree
 exactly when the drafter computes the same thing in both paths. Prints tau and the acceptance
-per position of each. Where they differ by more than --tolerance (relative, on tau, or any
-acceptance), it compares, prompt by prompt, what the drafter was given in each path at the same
-positions (the target layers captured, their hidden states, then its drafts) and names the first
-that differs. Exits 1 on a difference, 0 in parity.
+per position of each. Where any step differs, it compares, on the first prompt that does, what
+the drafter was given in each path at the same positions (the target layers captured, their
+hidden states, then its drafts) and names the first that differs. Parity: tau within
+--tolerance (relative; default 1%, since fp32 rounds one forward over a continuation and the
+loop's verification forwards differently, which drafting in int8 can turn into another draft).
+Exits 1 when tau differs by more, 0 in parity.
 """
 
 from __future__ import annotations
@@ -47,20 +49,21 @@ def main(argv: list[str] | None = None) -> int:
     ):
         print(f"  {i + 1:5d}  {a:9.4f}  {b:6.4f}")
     gap = abs(sim.tau / real.tau - 1)
-    apart = len(sim.reached_at) != len(real.reached_at) or any(
-        abs(a - b) > args.tolerance
-        for a, b in zip(sim.acceptance_per_position, real.acceptance_per_position, strict=False)
-    )
-    if gap <= args.tolerance and not apart:
-        print("  in parity")
+    exact = [
+        a.emitted_per_pass == b.emitted_per_pass for a, b in zip(simulated, served, strict=True)
+    ]
+    if all(exact):
+        print("  in parity: every step alike")
         return 0
-    print(f"  NOT in parity: tau differs by {gap:.2%}")
-    for i, example in enumerate(examples):
-        if simulated[i].emitted_per_pass == served[i].emitted_per_pass:
-            continue
-        where = first_difference(target, drafter, example, decode)
-        print(f"  prompt {i}: {where or 'the inputs and drafts agree (numerics)'}")
-        break
+    prompt = exact.index(False)  # the first prompt whose steps differ
+    where = first_difference(target, drafter, examples[prompt], decode)
+    where = where or "the inputs and drafts agree (numerics)"
+    if gap <= args.tolerance:
+        print(f"  in parity within {args.tolerance:.0%}: tau differs by {gap:.2%}")
+        print(f"  prompt {prompt}: {where}")
+        return 0
+    print(f"  NOT in parity: tau differs by {gap:.2%}, over {args.tolerance:.0%}")
+    print(f"  prompt {prompt}: {where}")
     return 1
 
 
@@ -75,7 +78,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gamma", type=int, default=None, help="default: the folder's decoding")
-    p.add_argument("--tolerance", type=float, default=0.0, help="relative tau gap allowed")
+    p.add_argument(
+        "--tolerance", type=float, default=0.01,
+        help="relative tau gap called parity (default 1%%: the two paths round differently)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 

@@ -6,10 +6,12 @@ tree; and scripts/parity.py's comparison finds planted train/serve mismatches an
 from __future__ import annotations
 
 import pytest
-from spec_helpers import KINDS, build
+import torch
+from spec_helpers import KINDS, PROMPTS, build, fitted, perturbed
 
 from specdraft.core import DecodeConfig
-from specdraft.drafters.eagle import EagleSession
+from specdraft.drafters import lean
+from specdraft.drafters.eagle import EagleConfig, EagleDrafter, EagleSession
 from specdraft.inference.parity import (
     example_batch,
     first_difference,
@@ -112,6 +114,104 @@ def test_a_scale_inside_the_drafter_is_named(random_target, examples, eagle1, mo
     assert "computes differently" in found
 
 
+@pytest.fixture(scope="module")
+def eagle3(random_target, examples):
+    """An EAGLE-3 head with the reference layer's normed residual, fitted until most of its
+    first drafts are accepted (a mismatch must change accepted drafts to show)."""
+    config = EagleConfig(version="eagle3", ttt_steps=2, norm_before_residual=True)
+    return fitted(EagleDrafter.build(config, random_target), random_target, examples, steps=100)
+
+
+def _planted_position_offset(head, monkeypatch):
+    """Every one-token feed (each drafted level) one position further on than it sits."""
+    step = EagleSession._step
+
+    def planted(self, tokens, features, positions, visible=None):
+        level = tokens.shape[1] == 1 and not isinstance(positions, torch.Tensor)
+        return step(self, tokens, features, positions + int(level), visible)
+
+    monkeypatch.setattr(EagleSession, "_step", planted)
+
+
+def _planted_raw_residual(head, monkeypatch):
+    """Served with the raw feature as the layer's residual where it trained on the normed one
+    (an engine that ignores norm_before_residual)."""
+    init = lean.LayerWeights.__init__
+
+    def planted(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.hidden_weight = None
+
+    monkeypatch.setattr(lean.LayerWeights, "__init__", planted)
+    head._drafting.clear()  # drafting weights built before the plant
+    monkeypatch.setattr(head, "_drafting", head._drafting)  # cleared again after
+
+
+@pytest.mark.parametrize(
+    "plant", [_planted_position_offset, _planted_raw_residual], ids=["position-offset", "residual"]
+)
+def test_a_mismatch_inside_the_served_head_is_named(
+    random_target, examples, eagle3, monkeypatch, plant
+):
+    """A drafted level's position off by one, or the residual not normed: what the head was
+    handed agrees, its drafts do not, and the check says so."""
+    decode = DecodeConfig(gamma=3)
+    honest = [s.tau for s in serve(random_target, eagle3, examples, decode)]
+    plant(eagle3, monkeypatch)
+    sim, real = (f(random_target, eagle3, examples, decode) for f in (simulate, serve))
+    assert [s.tau for s in sim] == honest != [s.tau for s in real]
+    found = [first_difference(random_target, eagle3, e, decode) for e in examples]
+    named = [f for f in found if f is not None]
+    assert named and all(f.startswith("the drafter's drafts after position") for f in named)
+    assert all("the captured inputs agree" in f for f in named)
+    eagle3._drafting.clear()
+
+
+def test_a_scaled_embedding_in_the_serving_target_is_named(
+    random_target, examples, eagle3, monkeypatch
+):
+    """The target's token embedding scaled in the loop's forwards only (as a Gemma-style
+    normalizer applied by one implementation and not the other): the hidden states the head is
+    handed differ from those it trained on, named by layer and position."""
+    forward = type(random_target).forward_with_grad
+    embed = random_target.model.get_input_embeddings()
+
+    def planted(self, input_ids, **kwargs):
+        if kwargs.get("cache") is None:  # training's forward over the whole sequence
+            return forward(self, input_ids, **kwargs)
+        hook = embed.register_forward_hook(lambda module, args, out: out * 1.5)
+        try:
+            return forward(self, input_ids, **kwargs)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(type(random_target), "forward_with_grad", planted)
+    found = first_difference(random_target, eagle3, examples[0], DecodeConfig(gamma=3))
+    assert found.startswith("captured hidden states, target layer 1, position 0: served")
+    assert "differ by up to" in found
+
+
+def test_a_replayed_session_that_drafts_otherwise_is_named(
+    random_target, examples, eagle3, monkeypatch
+):
+    """Settings simulated by replaying the serving session (int8 drafting weights): where the
+    replay drafts otherwise than the loop after the same context, the check names that draft,
+    beside what the loop drafted."""
+    from specdraft.inference import parity
+
+    verified = parity._verified_states
+
+    def planted(*args):  # the replay hands the session other hidden states than the loop
+        return {k: v.roll(1, dims=-1) for k, v in verified(*args).items()}
+
+    monkeypatch.setattr(parity, "_verified_states", planted)
+    decode = DecodeConfig(gamma=3, draft_weights="int8")
+    found = [first_difference(random_target, eagle3, e, decode) for e in examples]
+    named = [f for f in found if f is not None]
+    assert named and all(f.startswith("the serving session's drafts after position") for f in named)
+    assert all("replayed on the continuation" in f for f in named)
+
+
 @pytest.mark.parametrize(
     ("kind", "settings"),
     [("eagle3", dict(gamma=3, tree_top_k=3, tree_budget=8)),
@@ -156,3 +256,21 @@ def test_a_session_on_the_target_cache_is_not_replayed(random_target, examples, 
     target_out = random_target.forward(batch["input_ids"])
     decode = drafter.decode_settings(DecodeConfig(gamma=3))
     assert replay_serving(random_target, drafter, batch, target_out, decode) is None
+
+
+def test_the_sampled_estimate_of_a_drafter_that_is_the_target(random_target, tmp_path):
+    """At T = 1 the estimate is the chain's expected acceptance on continuations sampled there:
+    a drafter that is the target accepts everything (sum_x min(p, q) = 1 at every depth), so
+    gamma + 1 tokens a pass; one that is not accepts less."""
+    import copy
+
+    from specdraft.drafters.distill import DistillDrafter
+    from specdraft.inference.parity import sampled_tau_on
+
+    prompts = [torch.tensor([p]) for p in PROMPTS]
+    same = DistillDrafter(copy.deepcopy(random_target.model))
+    decode = DecodeConfig(gamma=4)
+    tau = sampled_tau_on(random_target, same, prompts, 16, decode)
+    assert tau == pytest.approx(5.0, abs=1e-4)
+    other = DistillDrafter(perturbed(random_target.model, scale=0.05, seed=1))
+    assert 1 < sampled_tau_on(random_target, other, prompts, 16, decode) < 5
