@@ -2,7 +2,7 @@
 the dense (S, (k + 1) S) attention mask against ttt_attention, which builds none.
 
     python scripts/bench_ttt_memory.py                       # S=2048, k=7, an 8B-shaped head
-    python scripts/bench_ttt_memory.py --seq 1024 --steps 4 --dtype float32
+    python scripts/bench_ttt_memory.py --seq 1024 --steps 4 --dtype float32 --limit-gib 18
 
 The head is EAGLE-3's over a target of Llama-3.1-8B's attention shape (hidden 4096, 32 query
 and 8 key/value heads of 128) with random weights, sliced where attention memory does not
@@ -82,17 +82,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--limit-gib", type=float, default=20.0,
+        help="address-space limit of each variant's process (GiB); over it the variant fails",
+    )  # fmt: skip
     parser.add_argument("--one", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:  # a child: one variant, its figures as JSON
+        # over the limit an allocation fails: the variant is reported too big for the machine
+        # instead of swapping it or waking the kernel's out-of-memory killer
+        limit = int(args.limit_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         print(json.dumps(measure(args.seq, args.steps, args.dtype, args.one)))
         return
     for variant in VARIANTS:
         cmd = [sys.executable, __file__, "--seq", str(args.seq), "--steps", str(args.steps),
-               "--dtype", args.dtype, "--one", variant]  # fmt: skip
+               "--dtype", args.dtype, "--limit-gib", str(args.limit_gib), "--one", variant]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
-            why = "killed: out of memory" if proc.returncode == -9 else proc.stderr[-300:]
+            over = proc.returncode == -9 or "alloc" in proc.stderr or "MemoryError" in proc.stderr
+            why = f"over the {args.limit_gib:g} GiB limit" if over else proc.stderr[-300:]
             print(f"S={args.seq} k={args.steps} {args.dtype} {variant}: failed ({why})", flush=True)
             continue
         result = json.loads(proc.stdout)
