@@ -29,7 +29,7 @@ import torch
 from specdraft.config import override
 from specdraft.core import DecodeConfig, eos_ids, owner_of
 from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
-from specdraft.inference.measure import Run, loop_decoder, summarize
+from specdraft.inference.measure import Run, loop_decoder, read_prompts, summarize
 from specdraft.inference.report import Column, Report, acceptance_figure, markdown_table, styles
 from specdraft.precision import dtype_name, resolve_precision, to_dtype
 
@@ -113,6 +113,31 @@ class EvalSpec:
                 "holds as many) or drop the larger batch sizes"
             )
         return available - available % group
+
+    def check_prompts(self, target: str) -> None:
+        """Before any model is loaded, with the target's tokenizer and config alone: the prompts
+        exist, fill whole batches of every batch size (`prompts_measured`) and fit the
+        target's context with max_new_tokens more. ValueError names the problem and the fix."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        from specdraft.targets.target import target_path, unreachable
+
+        path = target_path(target)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            limit = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+        except OSError as err:
+            raise unreachable(target, err) from err
+        prompts = read_prompts(self.prompts, self.num_prompts, tokenizer)
+        given = f"--prompts {self.prompts}"
+        self.prompts_measured(len(prompts), given)
+        longest = max(p.shape[1] for p in prompts)
+        if limit is not None and longest + self.max_new_tokens > limit:
+            raise ValueError(
+                f"{given}: a prompt of {longest} tokens plus --max-new-tokens "
+                f"{self.max_new_tokens} is longer than the target's context ({limit} positions): "
+                "shorten the prompts or ask for fewer new tokens"
+            )
 
 
 def parse_batch_sizes(text: str) -> tuple[int, ...]:

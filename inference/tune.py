@@ -536,3 +536,37 @@ def _said(settings: dict | str) -> str:
     if settings == "off":
         return "off"
     return ", ".join(f"{k}={v}" for k, v in settings.items()) or "these settings"
+
+
+def summary(saved: DecodeConfig, best: DecodeConfig, tuned: Tuned, retuned: bool) -> list[str]:
+    """What a tuning chose, in lines for a person: the saved settings' and the result's speed in
+    the final race, what changed, each batch schedule entry, and whether the schedule saved
+    before still applies (`retuned`: the schedule was raced again)."""
+    measured, before = tuned.measured, tuned.measured["before"]
+    diff = changed(saved, best)
+    diff.pop("batch_schedule", None)  # said entry by entry below
+    lines = []
+    if tuned.kept_saved:
+        lines.append("the saved settings were as fast as the search's pick in the final race: kept")
+    lines.append(
+        f"saved settings: {before['tokens_per_s']:.1f} tok/s ({before['speedup']:.2f}x plain, "
+        f"tau {before['tau']:.2f}); tuned: {measured['tokens_per_s']:.1f} tok/s "
+        f"({measured['speedup']:.2f}x, tau {measured['tau']:.2f}); plain decoding "
+        f"{measured['plain_tokens_per_s']:.1f} tok/s; on {measured['hardware']}, "
+        f"{measured['dtype']}"
+    )
+    lines.append(
+        "changes: " + (", ".join(f"{k} {old} -> {new}" for k, (old, new) in diff.items()) or "none")
+    )
+    for row in measured.get("batch_schedule", []):
+        entry = "off (plain decoding)" if row["settings"] == "off" else _said(row["settings"])
+        lines.append(
+            f"batch size {row['batch_size']}: {entry}, {row['tokens_per_s']:.1f} tok/s "
+            f"({row['speedup']:.2f}x plain)"
+        )
+    if best.batch_schedule and not retuned:
+        lines.append(
+            "the saved batch_schedule is kept as it was, and its entries still change these "
+            "settings at their batch sizes: --batch-sizes tunes it again"
+        )
+    return lines

@@ -46,15 +46,17 @@ from specdraft.inference.evaluate import (
     parse_dtypes,
     runs_per_precision,
 )
-from specdraft.inference.measure import load_prompts, measure, read_prompts
+from specdraft.inference.measure import load_prompts, measure
 from specdraft.inference.report import write_report
 from specdraft.targets import load_target
 
 
 def main(argv: list[str] | None = None) -> int:
     args, spec = parse_args(argv)
-    if len(spec.batch_sizes) > 1 or spec.batch_sizes[0] > 1:
-        check_prompt_count(args.target, spec)  # before any model is loaded
+    try:
+        spec.check_prompts(args.target)  # before any model is loaded
+    except ValueError as e:  # TargetError too
+        raise SystemExit(f"scripts/evaluate.py: error: {e}") from None
     targets = [load_target(args.target, dtype=d, device=args.device) for d in args.dtypes]
     try:
         prompts = load_prompts(spec.prompts, spec.num_prompts, targets[0])
@@ -71,21 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     write_report(report, Path(args.output), args.wandb)
     print(report.markdown)
     return 0
-
-
-def check_prompt_count(target: str, spec: EvalSpec) -> None:
-    """SystemExit, naming the fix, where the prompts (read with the target's tokenizer alone)
-    cannot fill one batch of every batch size."""
-    from transformers import AutoTokenizer
-
-    from specdraft.targets.target import target_path
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(target_path(target))
-        found = len(read_prompts(spec.prompts, spec.num_prompts, tokenizer))
-        spec.prompts_measured(found, f"--prompts {spec.prompts}")
-    except ValueError as e:
-        raise SystemExit(f"scripts/evaluate.py: error: {e}") from None
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalSpec]:

@@ -38,10 +38,10 @@ from specdraft.inference.tune import (
     MIN_GAIN,
     SEARCH_ORDER,
     NoExactSetting,
-    changed,
     check_space,
     default_space,
     parse_space,
+    summary,
     tune_against_saved,
     tune_batch_schedule,
 )
@@ -85,32 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         measured["batch_schedule"] = schedule.measured
     else:  # tuned without it (tune_against_saved): a schedule saved before stays as it was
         best = best.replace(batch_schedule=saved.batch_schedule)
-    before = measured["before"]
-    diff = changed(saved, best)
-    diff.pop("batch_schedule", None)  # printed entry by entry below
-    if tuned.kept_saved:
-        print("the saved settings were as fast as the search's pick in the final race: kept")
-    print(
-        f"saved settings: {before['tokens_per_s']:.1f} tok/s ({before['speedup']:.2f}x plain, "
-        f"tau {before['tau']:.2f}); tuned: {measured['tokens_per_s']:.1f} tok/s "
-        f"({measured['speedup']:.2f}x, tau {measured['tau']:.2f}); plain decoding "
-        f"{measured['plain_tokens_per_s']:.1f} tok/s; on {measured['hardware']}, "
-        f"{measured['dtype']}"
-    )
-    print(
-        "changes: " + (", ".join(f"{k} {old} -> {new}" for k, (old, new) in diff.items()) or "none")
-    )
-    for row in measured.get("batch_schedule", []):
-        print(
-            f"batch size {row['batch_size']}: "
-            + ("off (plain decoding)" if row["settings"] == "off" else _entry(row))
-            + f", {row['tokens_per_s']:.1f} tok/s ({row['speedup']:.2f}x plain)"
-        )
-    if best.batch_schedule and not args.batch_sizes:
-        print(
-            "the saved batch_schedule is kept as it was, and its entries still change these "
-            "settings at their batch sizes: --batch-sizes tunes it again"
-        )
+    print("\n".join(summary(saved, best, tuned, retuned=bool(args.batch_sizes))))
     if args.output:
         out = {"folder": args.folder, "decode": dataclasses.asdict(best), "measured": measured}
         out["search"], out["batch_search"] = tuned.rows, batch_rows
@@ -119,12 +94,6 @@ def main(argv: list[str] | None = None) -> int:
         set_decode(args.folder, best, measured)
         print(f"{args.folder} now decodes with these settings by default")
     return 0
-
-
-def _entry(row: dict) -> str:
-    """A schedule entry's settings, said: what it changes, or that it changes nothing."""
-    changes = ", ".join(f"{k}={v}" for k, v in row["settings"].items())
-    return changes or "these settings"
 
 
 def batch_sizes(text: str) -> list[int]:

@@ -355,6 +355,14 @@ def target_path(name: str) -> str:
     return path
 
 
+def unreachable(name: str, err: OSError) -> TargetError:
+    """The error for a target whose files could not be read, naming what to pass instead."""
+    return TargetError(
+        f"could not load target {name!r}: {err}. Pass 'demo', a local model folder, or a hub "
+        "id that is reachable (or already in the HF cache when HF_HUB_OFFLINE=1)."
+    )
+
+
 def load_target(
     name: str = "demo",
     *,
@@ -389,10 +397,7 @@ def load_target(
                 trust_remote_code=trust_remote_code,
             )
     except OSError as err:
-        raise TargetError(
-            f"could not load target {name!r}: {err}. Pass 'demo', a local model folder, or a hub "
-            "id that is reachable (or already in the HF cache when HF_HUB_OFFLINE=1)."
-        ) from err
+        raise unreachable(name, err) from err
     if adapter is not None:
         model = merge_adapter(model, adapter)
     if device is not None and embeddings_only:  # the rest is on the meta device

@@ -47,7 +47,7 @@ from specdraft.inference.evaluate import (
     check_batch_sizes,
     make_report,
 )
-from specdraft.inference.measure import Run, load_prompts, measure, read_prompts
+from specdraft.inference.measure import Run, load_prompts, measure
 from specdraft.inference.metrics import simulated_tau
 from specdraft.inference.parity import folder_simulated_tau
 from specdraft.inference.report import (
@@ -55,7 +55,7 @@ from specdraft.inference.report import (
     write_report,
 )
 from specdraft.inference.tune import default_space, search_decode
-from specdraft.targets.target import load_target, target_path
+from specdraft.targets.target import load_target
 from specdraft.train.compare_report import (
     GAP_FLAG,
     SAME_PROMPTS_FLAG,
@@ -439,23 +439,9 @@ def family_rows(families: Sequence[Family], greedy: dict, sampled: dict | None) 
 
 
 def check_prompts(spec: CompareSpec) -> None:
-    """Before any training: the prompts exist and fit the target's context with the new tokens
-    (read with the target's tokenizer and config only). ValueError names the problem."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    path = target_path(spec.target)
-    prompts = read_prompts(spec.prompts, spec.num_prompts, AutoTokenizer.from_pretrained(path))
-    if not prompts:
-        raise ValueError(f"--prompts {spec.prompts}: no prompts in it")
-    spec.eval_spec(0.0).prompts_measured(len(prompts), f"--prompts {spec.prompts}")
-    limit = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
-    longest = max(p.shape[1] for p in prompts)
-    if limit is not None and longest + spec.max_new_tokens > limit:
-        raise ValueError(
-            f"--prompts {spec.prompts}: a prompt of {longest} tokens plus --max-new-tokens "
-            f"{spec.max_new_tokens} is longer than the target's context ({limit} positions): "
-            "shorten the prompts or ask for fewer new tokens"
-        )
+    """Before any training: the prompts exist, fill every batch size and fit the target's
+    context with the new tokens (EvalSpec.check_prompts). ValueError names the problem."""
+    spec.eval_spec(0.0).check_prompts(spec.target)
 
 
 def compare(spec: CompareSpec) -> Report:

@@ -173,7 +173,7 @@ def test_a_folder_of_another_family_is_refused(tmp_path, capsys, tiny_target):
 @pytest.mark.parametrize(
     ("content", "extra", "message"),
     [
-        ("", [], "no prompts in it"),
+        ("", [], "gives no prompts"),
         ("word " * 3000, [], "longer than the target's context"),
     ],
 )

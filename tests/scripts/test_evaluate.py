@@ -188,7 +188,7 @@ def test_bad_batch_sizes_are_refused_before_anything_loads(
     assert not (tmp_path / "out").exists()
 
 
-def test_a_prompt_file_too_short_for_a_batch_is_refused_before_the_target_loads(
+def test_prompts_that_cannot_be_measured_are_refused_before_the_target_loads(
     tiny_target_path, tmp_path, capsys, monkeypatch
 ):
     prompts = tmp_path / "p.txt"
@@ -197,6 +197,12 @@ def test_a_prompt_file_too_short_for_a_batch_is_refused_before_the_target_loads(
     with pytest.raises(SystemExit, match=f"--prompts {prompts} gives 3: raise --num-prompts to 4"):
         evaluate.main(["--target", tiny_target_path, "--prompts", str(prompts), "--num-prompts",
                        "8", "--batch-sizes", "1,4", "--output", str(tmp_path / "out")])  # fmt: skip
+    assert not (tmp_path / "out").exists()
+    # and at batch size 1, a prompt longer than the target's context leaves room for
+    prompts.write_text("word " * 3000)
+    with pytest.raises(SystemExit, match="longer than the target's context"):
+        evaluate.main(["--target", tiny_target_path, "--prompts", str(prompts),
+                       "--output", str(tmp_path / "out")])  # fmt: skip
     assert not (tmp_path / "out").exists()
 
 
