@@ -108,8 +108,9 @@ def sampled_tau_on(
     along the continuation (`Drafter.acceptance`, as training's evaluation computes it),
     averaged over the positions served and combined as a chain of decode.gamma
     (`metrics.simulated_tau`). An estimate, unlike greedy's walk: the loop's acceptance at a
-    depth follows the drafts accepted before it, not the target's sample, and a tree served
-    accepts more than its chain."""
+    depth follows the drafts accepted before it, not the target's sample; a tree served
+    accepts more than its chain; a stop rule (decode.stop_below) served ends chains this
+    estimate counts gamma deep."""
     decode = drafter.decode_settings(decode)
     examples = served_examples(target, prompts, max_new_tokens, temperature=1.0, seed=seed)
     alpha = count = 0.0
@@ -118,6 +119,27 @@ def sampled_tau_on(
         a, _, c = drafter.acceptance(batch, heldout_forward(target, drafter, batch), decode)
         alpha, count = alpha + a.double(), count + c.double()
     return simulated_tau((alpha / count.clamp(min=1)).tolist())
+
+
+@torch.no_grad()
+def served_sampled_tau(
+    target,
+    drafter,
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    decode: DecodeConfig,
+    seed: int,
+) -> float:
+    """The tau the loop serves sampling the prompts at temperature 1 with `decode`, with one
+    sampling seed: what `sampled_tau_on` estimates, with decode's copying off."""
+    total = Stats()
+    for prompt in prompts:
+        run = generate(
+            target, prompt, drafter, max_new_tokens=max_new_tokens, temperature=1.0, seed=seed,
+            decode=decode,
+        )  # fmt: skip
+        total = total.merge(run.stats)
+    return total.tau
 
 
 def heldout_forward(target, drafter, batch: dict[str, torch.Tensor]):

@@ -3,6 +3,7 @@
     python scripts/parity.py runs/eagle-demo/final
     python scripts/parity.py runs/medusa-demo/final --prompts demo --num-prompts 8 \\
         --max-new-tokens 128 --tolerance 0.02
+    python scripts/parity.py runs/eagle-demo/final:stop_below=0 --temperature 1 --num-prompts 20
 
 On the target's own greedy continuations of the prompts (inference/continuations.py, cached),
 the drafter's training path simulates the loop (`Drafter.served_drafts`, walked by
@@ -14,6 +15,12 @@ hidden states, then its drafts) and names the first that differs. Parity: tau wi
 --tolerance (relative; default 1%, since fp32 rounds one forward over a continuation and the
 loop's verification forwards differently, which drafting in int8 can turn into another draft).
 Exits 1 when tau differs by more, 0 in parity.
+
+At --temperature 1 there is no exact walk: it prints training's estimate (the expected
+acceptance per depth on continuations sampled at T = 1, as a chain of gamma,
+parity.sampled_tau_on) beside the tau served alone (copying off) with each of --seeds sampling
+seeds, and exits 1 where their mean is further than --tolerance (default 10%). FOLDER:KEY=VALUE,...
+overrides the saved decoding settings, as scripts/evaluate.py reads them.
 """
 
 from __future__ import annotations
@@ -21,18 +28,35 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specdraft.config import override
 from specdraft.formats.reading import folder_target, load_decoding, load_drafter
 from specdraft.inference.continuations import served_examples
+from specdraft.inference.evaluate import split_drafter_spec
 from specdraft.inference.measure import load_prompts
-from specdraft.inference.parity import first_difference, merged, serve, simulate
+from specdraft.inference.parity import (
+    first_difference,
+    merged,
+    sampled_tau_on,
+    serve,
+    served_sampled_tau,
+    simulate,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    target = folder_target(args.folder, args.target)
-    drafter = load_drafter(args.folder, target).eval()
-    decode = drafter.decode_settings(load_decoding(args.folder), gamma=args.gamma)
-    prompts = load_prompts(args.prompts, args.num_prompts, target)
+    folder, items = split_drafter_spec(args.folder)
+    try:
+        decode = override(load_decoding(folder), items, source=args.folder)  # before any load
+        target = folder_target(folder, args.target)
+        drafter = load_drafter(folder, target).eval()
+        decode = drafter.decode_settings(decode, gamma=args.gamma)
+        prompts = load_prompts(args.prompts, args.num_prompts, target)
+    except ValueError as e:  # a bad folder, setting or prompt file
+        print(f"scripts/parity.py: error: {e}", file=sys.stderr)
+        return 2
+    if args.temperature:
+        return sampled(args, target, drafter, decode, prompts)
     examples = served_examples(target, prompts, args.max_new_tokens, seed=0)
     simulated = simulate(target, drafter, examples, decode)
     if simulated is None:
@@ -58,13 +82,34 @@ def main(argv: list[str] | None = None) -> int:
     prompt = exact.index(False)  # the first prompt whose steps differ
     where = first_difference(target, drafter, examples[prompt], decode)
     where = where or "the inputs and drafts agree (numerics)"
-    if gap <= args.tolerance:
-        print(f"  in parity within {args.tolerance:.0%}: tau differs by {gap:.2%}")
+    tolerance = 0.01 if args.tolerance is None else args.tolerance
+    if gap <= tolerance:
+        print(f"  in parity within {tolerance:.0%}: tau differs by {gap:.2%}")
         print(f"  prompt {prompt}: {where}")
         return 0
-    print(f"  NOT in parity: tau differs by {gap:.2%}, over {args.tolerance:.0%}")
+    print(f"  NOT in parity: tau differs by {gap:.2%}, over {tolerance:.0%}")
     print(f"  prompt {prompt}: {where}")
     return 1
+
+
+def sampled(args, target, drafter, decode, prompts) -> int:
+    """--temperature 1: training's estimate beside the tau served alone, seed by seed."""
+    decode = decode.replace(lookup_ngram=0, lookup_gamma=0)  # the estimate has no copying
+    tolerance = 0.10 if args.tolerance is None else args.tolerance
+    estimate = sampled_tau_on(target, drafter, prompts, args.max_new_tokens, decode)
+    served = [
+        served_sampled_tau(target, drafter, prompts, args.max_new_tokens, decode, seed)
+        for seed in range(args.seeds)
+    ]
+    mean = sum(served) / len(served)
+    gap = estimate / mean - 1
+    print(f"{args.folder} ({drafter.kind}, gamma {decode.gamma}, alone), {len(prompts)} prompts "
+          f"x {args.max_new_tokens} tokens at temperature 1")  # fmt: skip
+    print(f"  tau  estimated {estimate:.4f}   served {', '.join(f'{t:.4f}' for t in served)} "
+          f"(seeds 0-{args.seeds - 1}; mean {mean:.4f})")  # fmt: skip
+    within = abs(gap) <= tolerance
+    print(f"  {'within' if within else 'NOT within'} {tolerance:.0%}: the estimate is {gap:+.2%}")
+    return 0 if within else 1
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,17 +117,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="scripts/parity.py", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    p.add_argument("folder", help="a trained drafter folder (e.g. runs/eagle-demo/final)")
+    p.add_argument(
+        "folder", help="a trained drafter folder, FOLDER[:KEY=VALUE,...] (runs/eagle-demo/final)"
+    )
     p.add_argument("--target", default=None, help="the target; default: the folder's own")
     p.add_argument("--prompts", default="demo", help="demo | a .txt/.json/.jsonl prompt file")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gamma", type=int, default=None, help="default: the folder's decoding")
     p.add_argument(
-        "--tolerance", type=float, default=0.01,
-        help="relative tau gap called parity (default 1%%: the two paths round differently)",
+        "--tolerance", type=float, default=None,
+        help="relative tau gap called parity (default 1%%: the two paths round differently; "
+        "10%% at --temperature 1)",
     )  # fmt: skip
-    return p.parse_args(argv)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (exact) or 1 (an estimate)")
+    p.add_argument("--seeds", type=int, default=3, help="at --temperature 1: sampling seeds")
+    args = p.parse_args(argv)
+    if args.temperature not in (0.0, 1.0):
+        p.error(f"--temperature must be 0 or 1, got {args.temperature:g}")
+    if args.seeds < 1 or args.num_prompts < 1 or args.max_new_tokens < 1:
+        p.error("--seeds, --num-prompts and --max-new-tokens must be >= 1")
+    return args
 
 
 if __name__ == "__main__":

@@ -519,7 +519,8 @@ def compare(spec: CompareSpec) -> Report:
         "greedy, the simulation predicts τ exactly where training and serving compute alike: "
         f"a gap there is a train/serve difference, (!) above {SAME_PROMPTS_FLAG:.0%} "
         "(scripts/parity.py names where); at T = 1, on continuations sampled there, the "
-        "expected acceptance per depth as a chain estimates the drafter alone, (!) above "
+        "expected acceptance per depth as a chain of gamma estimates the drafter alone "
+        "((chain): served as a tree; (no stop rule): served with stop_below), (!) above "
         f"{SAME_PROMPTS_FLAG_T1:.0%}. Best per column in bold."
     )
     report = compare_report({

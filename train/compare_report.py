@@ -22,6 +22,14 @@ def _chain_note(row: dict) -> str:
     return "" if row["simulated_basis"] == "served" else " (chain)"
 
 
+def _t1_note(decode: dict) -> str:
+    """What the T = 1 estimate leaves out of the settings served: a tree (it estimates the
+    chain), the stop rule (it estimates every chain drafted gamma deep)."""
+    notes = ["chain"] if decode.get("tree_top_k", 1) > 1 else []
+    notes += ["no stop rule"] if decode.get("stop_below", 0) > 0 else []
+    return f" ({', '.join(notes)})" if notes else ""
+
+
 def _flag(key: str, limit: float):
     """A note for the column `key`: (!) where training's prediction is off by more than
     `limit` (on the prompts measured, a train/serve difference: scripts/parity.py names it)."""
@@ -55,7 +63,12 @@ COLUMNS = (
         "{:+.1%}",
         note=_flag("tau_gap_same_prompts", SAME_PROMPTS_FLAG),
     ),
-    Column("simulated_t1_same_prompts", "simulated τ T=1, prompts measured", "{:.2f}"),
+    Column(
+        "simulated_t1_same_prompts",
+        "simulated τ T=1, prompts measured",
+        "{:.2f}",
+        note=lambda row: _t1_note(row["decode"]),
+    ),
     Column(
         "tau_gap_t1_same_prompts",
         "simulated vs measured T=1 without copying, same prompts",
