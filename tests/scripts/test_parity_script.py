@@ -24,10 +24,6 @@ def test_greedy_parity_and_the_sampled_estimate(tiny_target_path, draft_folder, 
     assert code == 0 and "tau  estimated 4.0000" in out and "(seeds 0-1; mean" in out
     served = float(out.split("mean ")[1].split(")")[0])
     assert 3 < served <= 4  # every draft accepted; shorter chains only where the budget ends
-    # held to the default 10%, the end of a 24-token budget is too far from gamma + 1
-    assert parity.main([f"{draft_folder}:gamma=3", *common, "--temperature", "1"]) == (
-        0 if 4 / served - 1 <= 0.10 else 1
-    )
 
 
 @pytest.mark.parametrize(
