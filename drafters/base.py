@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
+from specdraft.drafters.served import ServedDrafts, chain_drafts, chain_reach, greedy_confidence
 from specdraft.losses import DEFAULT_CHUNK_TOKENS
 
 
@@ -171,71 +172,6 @@ class RowSessions(BatchSession):
         return sum(session.extra_memory_bytes() for session in self.sessions)
 
 
-@dataclass
-class ServedDrafts:
-    """What a drafter drafts when served greedily, after every position of a batch: the input of
-    the simulation of serving (`inference.metrics.simulate_serving`), which walks these the way
-    the loop walks its steps. Index [b, c, d - 1]: row b, a context whose last token is at c,
-    a draft asked for at most d tokens (the loop asks for fewer near the end). Drafted on the
-    batch's own tokens (teacher-forced): while a draft agrees with them it is what the session
-    drafts, and after its first disagreement nothing it drafts is accepted."""
-
-    accepted: torch.Tensor  # (batch, seq, gamma) long: the path greedy verification accepts
-    depth: torch.Tensor  # (batch, seq, gamma) long: the draft's depth (0: none)
-    size: torch.Tensor  # (batch, seq, gamma) long: its nodes
-
-    @property
-    def gamma(self) -> int:
-        return self.accepted.shape[-1]
-
-
-def chain_drafts(
-    drafts: torch.Tensor, confident: torch.Tensor, input_ids: torch.Tensor, gamma: int
-) -> ServedDrafts:
-    """A chain drafter's ServedDrafts: drafts (batch, seq, D) target ids, [b, c, i] the token
-    drafted at depth i + 1 after a context ending at c whose depths before it agreed with the
-    batch; confident (batch, seq, D) bool, whether that draft's top probability is at least
-    stop_below (core.draft_chain ends the chain after the first that is not). D may be less
-    than gamma (a kind that drafts at most D)."""
-    T, D = drafts.shape[1], min(drafts.shape[2], gamma)
-    c = torch.arange(T, device=drafts.device)
-    at = c[:, None] + 1 + torch.arange(D, device=drafts.device)[None]  # (T, D) token compared
-    truth = input_ids[:, at.clamp(max=T - 1)]  # (B, T, D)
-    agree = (drafts[..., :D] == truth) & (at < T)
-    leading = agree.long().cumprod(-1).sum(-1)  # (B, T) depths accepted of the whole chain
-    # the chain's length: it ends after its first unconfident depth
-    length = confident[..., : D - 1].long().cumprod(-1).sum(-1) + 1  # (B, T)
-    caps = torch.arange(1, gamma + 1, device=drafts.device)
-    depth = torch.minimum(length[..., None], caps)  # (B, T, gamma)
-    accepted = torch.minimum(leading[..., None], depth)
-    return ServedDrafts(accepted, depth, depth.clone())
-
-
-def greedy_confidence(logits: torch.Tensor, stop_below: float) -> torch.Tensor:
-    """(..., vocab) draft logits -> (...) bool: the top probability is at least stop_below, as
-    core.draft_chain decides whether a greedy chain goes on."""
-    if stop_below <= 0:
-        return torch.ones(logits.shape[:-1], dtype=torch.bool, device=logits.device)
-    return logits.float().softmax(-1).max(-1).values >= stop_below
-
-
-def along_positions(values: torch.Tensor, depth: int) -> torch.Tensor:
-    """(batch, seq) per-position values -> (batch, seq, depth): [b, c, i] = values[b, c + i]
-    (the last position's where c + i runs past the end), what a drafter that predicts the next
-    token from each position drafts at depth i + 1 after a context ending at c."""
-    T = values.shape[1]
-    at = torch.arange(T, device=values.device)[:, None] + torch.arange(depth, device=values.device)
-    return values[:, at.clamp(max=T - 1)]
-
-
-def one_later(values: torch.Tensor, fill) -> torch.Tensor:
-    """(batch, S, ...) values at position t -> (batch, S + 1, ...) at c = t + 1, `fill` at 0: a
-    drafter fed the target's state at the token before the context's last (EAGLE, Medusa)
-    drafts after a context ending at c from what it computed at c - 1."""
-    first = torch.full_like(values[:, :1], fill)
-    return torch.cat([first, values], dim=1)
-
-
 # kind -> class, filled as each kind's class is defined (Drafter.__init_subclass__).
 _KINDS: dict[str, type[Drafter]] = {}
 _BUILTIN_IMPORTED: list[bool] = []
@@ -368,16 +304,64 @@ class Drafter(nn.Module):
         temperature 1 (sum_x min(p(x), q(x)) of the softmaxed logits)."""
         raise NotImplementedError(f"the {self.kind} drafter has no simulated acceptance")
 
+    def served_logits(
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
+    ) -> torch.Tensor | None:
+        """(batch, seq, D, draft vocab), D <= decode.gamma: the logits a chain session draws
+        from after every position of the batch, through the training path (the modules the
+        loss runs, teacher-forced): [b, c, i] depth i + 1's after a context ending at c whose
+        depths before it agreed with the batch. None where this kind or `decode` has no such
+        chain (the default; a dynamic gamma)."""
+        return None
+
     def served_drafts(
         self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
     ) -> ServedDrafts | None:
         """What greedy decoding with `decode` drafts after every position of the batch, through
-        the training path (the modules the loss runs, teacher-forced) unrolled as the session
-        drafts (chain or tree, gamma, stop rule, draft vocabulary): walked by
-        `inference.metrics.simulate_serving` on the target's own greedy continuation it gives
-        the served tau exactly. None where this kind or these settings have no such
-        simulation (the default; copying, a dynamic gamma): evaluation then estimates tau
-        from the per-depth agreement of `acceptance`."""
+        the training path unrolled as the session drafts (chain or tree, gamma, stop rule,
+        draft vocabulary): walked by `inference.metrics.simulate_serving` on the target's own
+        greedy continuation it gives the served tau exactly. A chain's from `served_logits`; a
+        kind that simulates its trees overrides this. None where this kind or these settings
+        have no such simulation: evaluation then estimates tau from the per-depth agreement of
+        `acceptance`."""
+        logits = self.served_logits(batch, target_out, decode) if decode.chain else None
+        if logits is None:
+            return None
+        drafts = self.target_ids(logits.argmax(-1))
+        confident = greedy_confidence(logits, decode.stop_below)
+        return chain_drafts(drafts, confident, batch["input_ids"], decode.gamma)
+
+    def sampled_reach(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        target_out,
+        decode: DecodeConfig,
+        temperature: float = 1.0,
+    ) -> torch.Tensor | None:
+        """(batch, seq, gamma): sampling at `temperature` with `decode`, the chance that the
+        draft after a context ending at c has its first d nodes on the batch's tokens accepted
+        (index d - 1), given that the loop emits the batch's tokens (served.chain_reach):
+        walked in expectation by `inference.metrics.expected_tau` on the target's own sampled
+        continuation. A chain's from `served_logits`; a kind that estimates its trees
+        overrides this. None where this kind or these settings have neither."""
+        logits = self.served_logits(batch, target_out, decode) if decode.chain else None
+        if logits is None:
+            return None
+        logits = logits / temperature  # q as the session processes it (no top-k, top-p)
+        confident = greedy_confidence(logits, decode.stop_below)
+        return chain_reach(
+            logits, target_out.logits / temperature, confident, batch["input_ids"],
+            decode.gamma, self.draft_index_of(),
+        )  # fmt: skip
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids as the target's: the same where the kind drafts over the
+        target's vocabulary (the default)."""
+        return draft_ids
+
+    def draft_index_of(self) -> torch.Tensor | None:
+        """(target vocab,) each target id's index in the draft vocabulary (-1: outside it);
+        None where the kind drafts over the target's vocabulary (the default)."""
         return None
 
     def prepare_batch(self, batch: dict, target, generator, shared) -> dict:

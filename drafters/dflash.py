@@ -61,14 +61,12 @@ from specdraft.drafters.base import (
     BatchSession,
     Drafter,
     Metrics,
-    ServedDrafts,
-    chain_drafts,
-    greedy_confidence,
     sum_and_count,
 )
 from specdraft.drafters.dflash_session import ContextKV, DFlashBatchSession, DFlashSession
 from specdraft.drafters.eagle import default_feature_layers
 from specdraft.drafters.eagle_layers import head_rope
+from specdraft.drafters.position_tree import tree_reach
 from specdraft.losses import token_losses
 
 # --- config ------------------------------------------------------------------------------------
@@ -531,21 +529,30 @@ class DFlashDrafter(Drafter):
         return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
 
     @torch.no_grad()
-    def served_drafts(
+    def served_logits(
         self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
-    ) -> ServedDrafts | None:
-        """The chain one block drafts after every position: every position is an anchor, and
-        the block after anchor c drafts depth i from its slot i. A tree (tree_top_k > 1) is not
-        simulated here: inference/parity.py replays the session."""
-        if not decode.chain:
-            return None
+    ) -> torch.Tensor | None:
+        """The chain's logits after every position: every position is an anchor, and the block
+        after anchor c drafts depth i from its slot i (the slots do not read the drafts, so a
+        tree's nodes take theirs from the same slots)."""
         ids = batch["input_ids"]
         B, T = ids.shape
         anchors = torch.arange(T, device=ids.device)[None].expand(B, T)
         logits = self.slots({**batch, "anchors": anchors}, target_out)["logits"]
-        logits = logits[:, :, : min(decode.gamma, self.block_size - 1)]  # (B, T, depth, V)
-        confident = greedy_confidence(logits, decode.stop_below)
-        return chain_drafts(logits.argmax(-1), confident, ids, decode.gamma)
+        return logits[:, :, : min(decode.gamma, self.block_size - 1)]  # (B, T, depth, V)
+
+    def sampled_reach(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        target_out,
+        decode: DecodeConfig,
+        temperature: float = 1.0,
+    ) -> torch.Tensor | None:
+        """A chain's (Drafter.sampled_reach), or the tree the session samples from each
+        block's own confidences (position_tree.tree_reach)."""
+        if decode.chain:
+            return super().sampled_reach(batch, target_out, decode, temperature)
+        return tree_reach(self, batch, target_out, decode, temperature=temperature)
 
     # --- decoding -------------------------------------------------------------------------------
 

@@ -28,10 +28,6 @@ from specdraft.drafters.base import (
     BatchSession,
     Drafter,
     Metrics,
-    ServedDrafts,
-    along_positions,
-    chain_drafts,
-    greedy_confidence,
     sum_and_count,
     vocab_mismatch_error,
     warn_once,
@@ -43,6 +39,7 @@ from specdraft.drafters.lean import (
     lean_model_supported,
     use_int8,
 )
+from specdraft.drafters.served import along_positions
 from specdraft.losses import divergence_per_row, token_losses
 from specdraft.targets.target import final_logits
 
@@ -391,23 +388,17 @@ class DistillDrafter(Drafter):
         return alpha.repeat(gamma), agree.repeat(gamma), count.repeat(gamma)
 
     @torch.no_grad()
-    def served_drafts(
+    def served_logits(
         self, batch: Mapping[str, torch.Tensor], target_out, decode: DistillDecode
-    ) -> ServedDrafts | None:
-        """The student's greedy chain after every position: its argmax at c + i - 1 is depth
-        i's draft after a context ending at c (its cache then holds the batch's tokens). Trees
-        and a dynamic gamma are not simulated."""
-        if not decode.chain or getattr(decode, "dynamic_gamma", False):
+    ) -> torch.Tensor | None:
+        """The student's chain logits after every position: its logits at c + i - 1 are depth
+        i's after a context ending at c (its cache then holds the batch's tokens). A dynamic
+        gamma has none."""
+        if getattr(decode, "dynamic_gamma", False):
             return None
         ids = batch["input_ids"]
         logits = self.hf_model(input_ids=ids, attention_mask=batch["attention_mask"]).logits
-        confident = greedy_confidence(logits, decode.stop_below)  # (batch, seq)
-        return chain_drafts(
-            along_positions(logits.argmax(-1), decode.gamma),
-            along_positions(confident, decode.gamma),
-            ids,
-            decode.gamma,
-        )
+        return along_positions(logits, decode.gamma)  # (batch, seq, gamma, vocab)
 
     def _aligned(self, batch, target_out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(student logits, target logits, next tokens) at the loss positions: (n, vocab) x2, (n,)."""

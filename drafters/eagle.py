@@ -47,10 +47,6 @@ from specdraft.drafters.base import (
     BatchSession,
     Drafter,
     Metrics,
-    ServedDrafts,
-    chain_drafts,
-    greedy_confidence,
-    one_later,
     sum_and_count,
     warn_once,
 )
@@ -69,6 +65,7 @@ from specdraft.drafters.lean import (
     lean_supported,
     use_int8,
 )
+from specdraft.drafters.served import one_later
 from specdraft.losses import token_losses
 
 # --- config ------------------------------------------------------------------------------------
@@ -538,22 +535,20 @@ class EagleDrafter(Drafter):
         return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
 
     @torch.no_grad()
-    def served_drafts(
+    def served_logits(
         self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
-    ) -> ServedDrafts | None:
-        """The chain the session drafts after every position, from the training-time test's
-        unroll: after a context ending at c, step k at t = c - 1 drafts depth k + 1 (its cache
-        holds the true features of positions < c - 1, as the session's does). EAGLE-2's
-        dynamic tree is not simulated."""
-        if not decode.chain:
-            return None
+    ) -> torch.Tensor | None:
+        """The chain's logits after every position, from the training-time test's unroll: after
+        a context ending at c, step k at t = c - 1 drafts depth k + 1 (its cache holds the true
+        features of positions < c - 1, as the session's does). EAGLE-2's dynamic tree has
+        none (Drafter.served_drafts asks only for chains)."""
         logits = torch.stack(
             [s["logits"] for s in self.unroll(batch, target_out, decode.gamma)], dim=2
         )  # (batch, seq - 1, gamma, draft vocab)
-        best = logits.argmax(-1)
-        if self.config.version == "eagle3":
-            best = self.d2t[best]
-        confident = greedy_confidence(logits, decode.stop_below)
-        return chain_drafts(
-            one_later(best, -1), one_later(confident, True), batch["input_ids"], decode.gamma
-        )
+        return one_later(logits, 0.0)  # nothing is drafted after the first token alone
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.d2t[draft_ids] if self.config.version == "eagle3" else draft_ids
+
+    def draft_index_of(self) -> torch.Tensor | None:
+        return self.t2d if self.config.version == "eagle3" else None

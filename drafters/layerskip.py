@@ -43,14 +43,11 @@ from specdraft.drafters.base import (
     LoraConfig,
     Metrics,
     RowSessions,
-    ServedDrafts,
-    along_positions,
-    chain_drafts,
-    greedy_confidence,
     sum_and_count,
 )
 from specdraft.drafters.distill import simulated_alpha
 from specdraft.drafters.layerskip_session import LayerSkipRowSession, LayerSkipSession, run_layers
+from specdraft.drafters.served import along_positions
 from specdraft.losses import token_losses
 from specdraft.targets.target import (
     final_logits,
@@ -489,21 +486,16 @@ class LayerSkipDrafter(Drafter):
         return alpha.repeat(gamma), agree.repeat(gamma), count.repeat(gamma)
 
     @torch.no_grad()
-    def served_drafts(
+    def served_logits(
         self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
-    ) -> ServedDrafts | None:
-        """The chain the first E layers draft after every position: the exit layer's argmax at
-        c + i - 1 is depth i's draft after a context ending at c (the early layers' cache then
-        holds the batch's tokens, as the shared cache does)."""
+    ) -> torch.Tensor | None:
+        """The chain's logits after every position: the exit layer's at c + i - 1 are depth
+        i's after a context ending at c (the early layers' cache then holds the batch's tokens,
+        as the shared cache does)."""
         e = self.draft_exit(decode)
         state = self.exit_states(batch, [e])[e]
         logits = final_logits(self.hf_model, state)  # (batch, seq, vocab)
-        confident = greedy_confidence(logits, decode.stop_below)
-        g = decode.gamma
-        return chain_drafts(
-            along_positions(logits.argmax(-1), g), along_positions(confident, g),
-            batch["input_ids"], g,
-        )  # fmt: skip
+        return along_positions(logits, decode.gamma)
 
     @torch.no_grad()
     def agreement_per_exit(self, batch: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:

@@ -33,16 +33,13 @@ from specdraft.drafters.base import (
     Drafter,
     LoraConfig,
     Metrics,
-    ServedDrafts,
-    chain_drafts,
-    greedy_confidence,
-    one_later,
     sum_and_count,
     warn_once,
 )
 from specdraft.drafters.lean import SharedWeights
 from specdraft.drafters.medusa_session import MedusaBatchSession, MedusaSession
-from specdraft.drafters.position_tree import expected_length, tree_paths
+from specdraft.drafters.position_tree import TreeShape, expected_length, tree_paths, tree_reach
+from specdraft.drafters.served import ServedDrafts, one_later
 from specdraft.losses import token_losses
 from specdraft.targets.target import adapter_hash
 
@@ -566,25 +563,35 @@ class MedusaDrafter(Drafter):
         return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
 
     @torch.no_grad()
-    def served_drafts(
+    def served_logits(
         self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
-    ) -> ServedDrafts | None:
-        """What the session drafts after every position: after a context ending at c, head k
-        reads the target's state at c - 1 and drafts depth k + 1; a chain of the heads' best
-        tokens, or (tree_top_k > 1) the tree of `tree_paths` over their ranked candidates, built
-        from the accuracies the heads carry (`heldout`), as the session builds it."""
+    ) -> torch.Tensor | None:
+        """The heads' logits after every position: after a context ending at c, head k reads
+        the target's state at c - 1 and drafts depth k + 1 (the heads do not read the drafts,
+        so every node of a tree at that depth takes its candidates from head k)."""
         h = self._target_out(batch, target_out).hidden_states[self.capture_layers[0]]
         depth = min(decode.gamma, self.config.num_heads)
         logits = self.logits(h[:, :-1])[:depth].permute(1, 2, 0, 3)  # (batch, seq - 1, depth, Vd)
-        ids = batch["input_ids"]
+        return one_later(logits, 0.0)  # nothing is drafted after the first token alone
+
+    @torch.no_grad()
+    def served_drafts(
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
+    ) -> ServedDrafts | None:
+        """What the session drafts after every position: a chain of the heads' best tokens
+        (Drafter.served_drafts), or (tree_top_k > 1) the tree of `tree_paths` over their
+        ranked candidates, built from the accuracies the heads carry (`heldout`), as the
+        session builds it."""
         if decode.chain:
-            best = self.d2t[logits.argmax(-1)]
-            confident = greedy_confidence(logits, decode.stop_below)
-            return chain_drafts(one_later(best, -1), one_later(confident, True), ids, decode.gamma)
+            return super().served_drafts(batch, target_out, decode)
+        logits = self.served_logits(batch, target_out, decode)
+        ids = batch["input_ids"]
+        depth = logits.shape[2]
         # the rank of the batch's token among head d's candidates after each context (-1: not one)
         accuracy = self.accuracies(greedy=True)
         width = min(decode.tree_top_k, accuracy.shape[1], logits.shape[-1])
-        ranked = one_later(self.d2t[logits.topk(width, dim=-1).indices], -1)  # (B, T, depth, w)
+        ranked = self.d2t[logits.topk(width, dim=-1).indices]  # (B, T, depth, w)
+        ranked[:, 0] = -1  # nothing is drafted after the first token alone
         B, T = ids.shape
         at = (
             torch.arange(T, device=ids.device)[:, None] + 1 + torch.arange(depth, device=ids.device)
@@ -605,6 +612,30 @@ class MedusaDrafter(Drafter):
                     shape[0, b, c, cap - 1] = k
         shape = shape.to(ids.device)
         return ServedDrafts(shape[0], shape[1], shape[2])
+
+    def sampled_reach(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        target_out,
+        decode: DecodeConfig,
+        temperature: float = 1.0,
+    ) -> torch.Tensor | None:
+        """A chain's (Drafter.sampled_reach), or the tree the session samples from the heads'
+        sampled accuracies (position_tree.tree_reach)."""
+        if decode.chain:
+            return super().sampled_reach(batch, target_out, decode, temperature)
+        paths = tree_paths(
+            self.accuracies(greedy=False), decode.tree_budget,
+            min(decode.gamma, self.config.num_heads), decode.tree_top_k,
+        )  # fmt: skip
+        shape = TreeShape.from_paths(paths)
+        return tree_reach(self, batch, target_out, decode, lambda _logits: shape, temperature)
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.d2t[draft_ids]
+
+    def draft_index_of(self) -> torch.Tensor | None:
+        return self.t2d
 
     @torch.no_grad()
     def eval_statistics(

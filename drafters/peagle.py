@@ -55,17 +55,14 @@ from specdraft.drafters.base import (
     BatchSession,
     Drafter,
     Metrics,
-    ServedDrafts,
-    chain_drafts,
-    greedy_confidence,
-    one_later,
     sum_and_count,
     warn_once,
 )
 from specdraft.drafters.eagle import EagleDrafter, default_feature_layers
 from specdraft.drafters.eagle_session import EagleBatchSession, EagleSession
 from specdraft.drafters.lean import use_int8
-from specdraft.drafters.position_tree import position_tree
+from specdraft.drafters.position_tree import position_tree, tree_reach
+from specdraft.drafters.served import one_later
 from specdraft.losses import token_losses
 
 # --- config ------------------------------------------------------------------------------------
@@ -386,23 +383,32 @@ class PEagleDrafter(EagleDrafter):
         return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
 
     @torch.no_grad()
-    def served_drafts(
+    def served_logits(
         self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
-    ) -> ServedDrafts | None:
-        """The chain one head pass drafts after every position: after a context ending at c,
-        the slots at anchor c - 1, depth 0 fed the true pair and the rest the mask. A tree
-        (tree_top_k > 1) is not simulated here: inference/parity.py replays the session."""
-        if not decode.chain:
-            return None
+    ) -> torch.Tensor | None:
+        """The chain's logits after every position from one head pass: after a context ending
+        at c, the slots at anchor c - 1, depth 0 fed the true pair and the rest the mask (they
+        do not read the drafts, so a tree's nodes take theirs from the same slots)."""
         ids = batch["input_ids"]
         B, T = ids.shape
         depths, S = min(decode.gamma, self.config.num_depths), T - 1
         keep = torch.ones(B, depths, S, dtype=torch.bool, device=ids.device)
         logits = self.slots(batch, target_out, keep)["logits"]  # (B, depths * S), depth-major
         logits = logits.view(B, depths, S, -1).transpose(1, 2)  # (B, S, depths, Vd)
-        best = self.d2t[logits.argmax(-1)]
-        confident = greedy_confidence(logits, decode.stop_below)
-        return chain_drafts(one_later(best, -1), one_later(confident, True), ids, decode.gamma)
+        return one_later(logits, 0.0)  # nothing is drafted after the first token alone
+
+    def sampled_reach(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        target_out,
+        decode: DecodeConfig,
+        temperature: float = 1.0,
+    ) -> torch.Tensor | None:
+        """A chain's (Drafter.sampled_reach), or the tree the session samples from each
+        block's own confidences (position_tree.tree_reach)."""
+        if decode.chain:
+            return super().sampled_reach(batch, target_out, decode, temperature)
+        return tree_reach(self, batch, target_out, decode, temperature=temperature)
 
     # --- decoding ---------------------------------------------------------------------------
 

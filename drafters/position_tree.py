@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +29,9 @@ from specdraft.core import (
     draft_chain,
     process_logits,
 )
+
+if TYPE_CHECKING:
+    from specdraft.drafters.base import Drafter
 
 
 def tree_paths(
@@ -189,3 +194,135 @@ def position_tree(
     if sampling.greedy:
         return ranked_tree(logits, shape, vocab, device)
     return sampled_tree(logits, shape, sampling, vocab, generator)
+
+
+def sampled_tree_reach(
+    q_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    contexts: torch.Tensor,
+    gamma: int,
+    shape_at: Callable[[torch.Tensor], TreeShape],
+    d2t: torch.Tensor | None = None,
+    samples: int = 64,
+) -> torch.Tensor:
+    """(batch, seq, gamma): sampling, the chance that the tree drafted after
+    a context ending at c has its first d nodes on the batch's tokens accepted (index d - 1),
+    given that the loop emits the batch's tokens: what `served.chain_reach` is for a chain,
+    for `sampled_tree`'s trees under recursive rejection sampling. Computed where `contexts`
+    (batch, seq) is true, 0 elsewhere.
+
+    q_logits (batch, seq, D, draft vocab): position d - 1's logits after a context ending at c
+    (the same for every node at depth d), and target_logits (batch, seq, vocab), both divided
+    by the temperature sampled at; shape_at: the
+    tree drafted from a context's (D, draft vocab) logits; d2t: draft ids as the target's.
+
+    Given its parent accepted, a node's children are drawn from q without replacement and
+    tried in order. Child m (0-based) is accepted holding the emitted token x with probability
+    R_m min(q_m(x), p_m(x)), summed over the draws of its elder siblings: R_m the chance they
+    were all rejected, q_m the q left after their tokens, p_m the residual the rejections leave
+    of the target's p. Divided by p(x), the chance x is emitted there, it is the chance child
+    m was accepted given x. Exact for the eldest child; for the others the mean over `samples`
+    draws of the elder siblings (seeded: the same figure every call)."""
+    B, T, D = q_logits.shape[:3]
+    out = q_logits.new_zeros(B, T, gamma, dtype=torch.float)
+    generator = torch.Generator(device=q_logits.device).manual_seed(0)
+    for b, c in contexts.nonzero().tolist():
+        depth = min(D, gamma, T - 1 - c)  # the nodes whose token the batch holds
+        if depth <= 0:
+            continue
+        shape = shape_at(q_logits[b, c])
+        siblings = [0] * len(shape.parents)  # each node's index among its parent's children
+        for kids in children_of(shape.parents).values():
+            for m, kid in enumerate(kids):
+                siblings[kid] = m
+        width = [0] * depth  # the most children a node at each depth has
+        for m, d in zip(siblings, shape.depths, strict=True):
+            if d <= depth:
+                width[d - 1] = max(width[d - 1], m + 1)
+        accepted = []  # per depth, per sibling index: the chance given x
+        for i in range(depth):
+            q = q_logits[b, c, i].float().softmax(-1)
+            if d2t is not None:
+                q = q.new_zeros(target_logits.shape[-1]).index_copy_(0, d2t, q)
+            p = target_logits[b, c + i].float().softmax(-1)
+            x = int(input_ids[b, c + 1 + i])
+            accepted.append(_child_acceptance(q, p, x, width[i], samples, generator))
+        reach = [1.0] * len(shape.parents)
+        for n, (parent, d) in enumerate(zip(shape.parents, shape.depths, strict=True)):
+            if d > depth:
+                reach[n] = 0.0
+                continue
+            above = reach[parent] if parent >= 0 else 1.0
+            reach[n] = above * accepted[d - 1][siblings[n]]
+            out[b, c, d - 1] += reach[n]
+    return out
+
+
+def _child_acceptance(
+    q: torch.Tensor, p: torch.Tensor, x: int, width: int, samples: int, generator
+) -> list[float]:
+    """`sampled_tree_reach`'s chance that child m (m < width) of a node is accepted holding token
+    x, given that x is emitted there: q, p (vocab,) the draft and target distributions."""
+    if width <= 0 or p[x] <= 0:
+        return [0.0] * max(width, 0)
+    out = [float(torch.minimum(q[x], p[x]) / p[x])]
+    if width == 1:
+        return out
+    # the elder siblings' draws: Gumbel top-k is drawing without replacement, in order
+    noise = (
+        -torch.empty(samples, q.shape[0], device=q.device).exponential_(generator=generator).log()
+    )
+    drawn = (q.log()[None] + noise).topk(width - 1, dim=-1).indices  # (samples, width - 1)
+    p_res = p[None].repeat(samples, 1)  # (samples, vocab): the residual after the rejections
+    q_left = q[None].repeat(samples, 1)  # q without the elder siblings' tokens, unnormalised
+    rejected = torch.ones(samples, device=q.device)  # the chance every elder one was rejected
+    for m in range(width - 1):
+        t = drawn[:, m : m + 1]
+        left = q_left.sum(-1, keepdim=True)  # (samples, 1)
+        q_m = q_left / left  # the q child m is drawn from and verified with
+        q_t, p_t = q_m.gather(-1, t)[:, 0], p_res.gather(-1, t)[:, 0]
+        a = torch.where(q_t > 0, (p_t / q_t.clamp(min=1e-30)).clamp(max=1.0), 0.0)
+        rejected = rejected * (1 - a)
+        residual = (p_res - q_m).clamp(min=0.0)
+        total = residual.sum(-1, keepdim=True)
+        # an empty residual only comes from rounding (the child was sure to be accepted)
+        p_res = torch.where(total > 1e-12, residual / total.clamp(min=1e-30), p_res)
+        q_left = q_left.scatter(-1, t, 0.0)
+        q_next = q_left[:, x] / q_left.sum(-1).clamp(min=1e-30)
+        out.append(float((rejected * torch.minimum(q_next, p_res[:, x])).mean() / p[x]))
+    return [min(a, 1.0) for a in out]
+
+
+def tree_reach(
+    drafter: Drafter,
+    batch: Mapping[str, torch.Tensor],
+    target_out,
+    decode: DecodeConfig,
+    shape_at: Callable[[torch.Tensor], TreeShape] | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor | None:
+    """`Drafter.sampled_reach` for a kind whose positions draft side by side and that serves
+    them as a tree: `sampled_tree_reach` over its `served_logits` at `temperature`, at the
+    contexts the walk visits (those whose next token is scored). shape_at: the tree the
+    session samples from a context's (depth, draft vocab) logits, divided by the temperature;
+    by default `confident_shape`, as a block drafter's session shapes each proposal."""
+    logits = drafter.served_logits(batch, target_out, decode)
+    if logits is None:
+        return None
+    logits = logits / temperature  # as the session processes them (no top-k, top-p)
+    if shape_at is None:
+        divided = SamplingSettings(temperature=1.0)  # the logits are divided already
+        shape_at = lambda q_logits: confident_shape(q_logits, decode, divided)  # noqa: E731
+    scored = batch["loss_mask"].bool()
+    contexts = torch.cat([scored[:, 1:], torch.zeros_like(scored[:, :1])], dim=1)
+    d2t = drafter.target_ids(torch.arange(logits.shape[-1], device=logits.device))
+    return sampled_tree_reach(
+        logits,
+        target_out.logits / temperature,
+        batch["input_ids"],
+        contexts,
+        decode.gamma,
+        shape_at,
+        d2t,
+    )

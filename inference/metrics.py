@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specdraft.core import DecodeConfig, DraftContext
-from specdraft.drafters.base import ServedDrafts
 from specdraft.drafters.prompt_lookup import PromptLookupSession
+from specdraft.drafters.served import ServedDrafts
 
 
 @dataclass
@@ -222,4 +222,44 @@ def simulate_serving(
             length += emitted
         stats.copies = lookup is not None
         rows.append(stats)
+    return rows
+
+
+def expected_passes(
+    reach: torch.Tensor, batch: dict[str, torch.Tensor], after_prefill: bool
+) -> list[tuple[int, float]]:
+    """Per row of a batch of the target's own continuations sampled at temperature 1: (tokens
+    emitted, expected target passes) of the loop sampling them at temperature 1 without
+    copying, from `Drafter.sampled_reach` (reach (batch, seq, gamma)): `simulate_serving`'s
+    walk taken in expectation.
+
+    Given the emitted tokens, a step after a context ending at c accepts at least d drafts
+    with probability reach[b, c, d - 1] (at most as deep as the tokens left allow), and emits
+    the accepted ones and the target's next token. The expected passes from each length on
+    follow backwards from the end: E[L] = 1 + sum_k P(k accepted) E[L + k + 1]. Where reach
+    is 0 or 1 (greedy agreement) this is `simulate_serving`'s count of passes exactly."""
+    rows = []
+    gamma = reach.shape[-1]
+    reach = reach.double().tolist()
+    loss_mask = batch["loss_mask"]
+    lengths = batch["attention_mask"].sum(1).tolist()
+    for b in range(loss_mask.shape[0]):
+        scored = loss_mask[b].nonzero()
+        if not len(scored):
+            continue
+        start, end = int(scored[0]), int(lengths[b])  # as simulate_serving reads them
+        stop = start + int(loss_mask[b].sum())
+        passes = [0.0] * (stop + 1)  # expected passes from each length on
+        for length in range(stop - 1, start - 1, -1):
+            cap = min(gamma, end - length - 1)
+            drafted = cap > 0 and not (after_prefill and length == start)
+            at_least = reach[b][length - 1][:cap] if drafted else []
+            expected, above = 1.0, 1.0  # P(at least k accepted), k = 0 first
+            for k in range(len(at_least) + 1):
+                # estimated reaches can rise by rounding; a deeper node never beats its parent
+                below = min(at_least[k], above) if k < len(at_least) else 0.0
+                expected += (above - below) * passes[min(length + k + 1, stop)]
+                above = below
+            passes[length] = expected
+        rows.append((stop - start, passes[start]))
     return rows

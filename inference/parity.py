@@ -27,13 +27,13 @@ import torch
 
 from specdraft.core import DecodeConfig, DraftContext, DraftTree
 from specdraft.data.formats import Example
-from specdraft.drafters.base import ServedDrafts
 from specdraft.drafters.lean import int8_supported
 from specdraft.drafters.prompt_lookup import CopyingSession
+from specdraft.drafters.served import ServedDrafts
 from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
 from specdraft.inference.continuations import served_examples
 from specdraft.inference.generate import drafting_session, generate
-from specdraft.inference.metrics import Stats, simulate_serving, simulated_tau
+from specdraft.inference.metrics import Stats, expected_passes, simulate_serving
 from specdraft.inference.verify import verify_greedy
 
 
@@ -101,24 +101,31 @@ def sampled_tau_on(
     max_new_tokens: int,
     decode: DecodeConfig,
     seed: int = 0,
-) -> float:
-    """The tau training's acceptance predicts for sampling at temperature 1 with the drafter
-    alone (no copying): on the target's own continuations of the prompts sampled at T = 1
-    (cached), the drafter's expected acceptance per depth, sum_x min(p(x), q(x)) teacher-forced
-    along the continuation (`Drafter.acceptance`, as training's evaluation computes it),
-    averaged over the positions served and combined as a chain of decode.gamma
-    (`metrics.simulated_tau`). An estimate, unlike greedy's walk: the loop's acceptance at a
-    depth follows the drafts accepted before it, not the target's sample; a tree served
-    accepts more than its chain; a stop rule (decode.stop_below) served ends chains this
-    estimate counts gamma deep."""
+) -> float | None:
+    """The tau the loop is expected to serve sampling these prompts at temperature 1 with the
+    drafter alone (no copying): on the target's own continuations of them sampled at T = 1
+    (cached, inference/continuations.py), the loop's walk in expectation
+    (`metrics.expected_passes`) over the chance each draft is accepted given the tokens
+    emitted (`Drafter.sampled_reach`: the drafter's q and the target's p at those tokens,
+    teacher-forced, the chain or tree and stop rule served). The continuation is one sample of
+    what the loop emits, so the figure varies with `seed` as the served tau does with its
+    sampling seed. None where the kind has no such walk for `decode` (EAGLE-2's dynamic tree,
+    the two-model tree, a dynamic gamma)."""
     decode = drafter.decode_settings(decode)
     examples = served_examples(target, prompts, max_new_tokens, temperature=1.0, seed=seed)
-    alpha = count = 0.0
+    tokens = passes = 0.0
     for example in examples:
         batch = example_batch(example, target.device)
-        a, _, c = drafter.acceptance(batch, heldout_forward(target, drafter, batch), decode)
-        alpha, count = alpha + a.double(), count + c.double()
-    return simulated_tau((alpha / count.clamp(min=1)).tolist())
+        target_out = target.forward(
+            batch["input_ids"], attention_mask=batch["attention_mask"],
+            capture_layers=list(drafter.capture_layers),
+        )  # fmt: skip
+        reach = drafter.sampled_reach(batch, target_out, decode)
+        if reach is None:
+            return None
+        for emitted, expected in expected_passes(reach, batch, drafter.drafts_after_prefill):
+            tokens, passes = tokens + emitted, passes + expected
+    return tokens / passes if passes else None
 
 
 @torch.no_grad()
@@ -140,18 +147,6 @@ def served_sampled_tau(
         )  # fmt: skip
         total = total.merge(run.stats)
     return total.tau
-
-
-def heldout_forward(target, drafter, batch: dict[str, torch.Tensor]):
-    """The target's forward that held-out evaluation reads (train/trainer.py's): the layers the
-    drafter captures, the final one where its loss makes the target's logits from it, and every
-    position's logits."""
-    layers = list(drafter.capture_layers)
-    if not drafter.reads_target_logits and target.num_layers not in layers:
-        layers.append(target.num_layers)
-    return target.forward(
-        batch["input_ids"], attention_mask=batch["attention_mask"], capture_layers=layers
-    )
 
 
 def folder_simulated_tau(

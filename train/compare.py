@@ -518,10 +518,11 @@ def compare(spec: CompareSpec) -> Report:
         "as a tree, for which training predicts its chain's τ only. On the prompts measured, "
         "greedy, the simulation predicts τ exactly where training and serving compute alike: "
         f"a gap there is a train/serve difference, (!) above {SAME_PROMPTS_FLAG:.0%} "
-        "(scripts/parity.py names where); at T = 1, on continuations sampled there, the "
-        "expected acceptance per depth as a chain of gamma estimates the drafter alone "
-        "((chain): served as a tree; (no stop rule): served with stop_below), (!) above "
-        f"{SAME_PROMPTS_FLAG_T1:.0%}. Best per column in bold."
+        "(scripts/parity.py names where); at T = 1, on continuations sampled there, the tau "
+        "expected of the drafter alone, the loop's walk in expectation over each draft's "
+        "chance of acceptance given the tokens emitted (its chain or tree and stop rule as "
+        f"served), beside one sampled run: (!) above {SAME_PROMPTS_FLAG_T1:.0%}. Best per "
+        "column in bold."
     )
     report = compare_report({
         "target": greedy["target"],

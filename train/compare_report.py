@@ -14,20 +14,12 @@ from specdraft.inference.report import Column, Report, acceptance_figure, markdo
 # only a train/serve difference to make a gap
 GAP_FLAG = 0.10
 SAME_PROMPTS_FLAG = 0.02
-SAME_PROMPTS_FLAG_T1 = 0.10  # at T = 1 an estimate (inference/parity.py, sampled_tau_on)
+SAME_PROMPTS_FLAG_T1 = 0.10  # at T = 1 an expectation beside one sample (parity.sampled_tau_on)
 
 
 def _chain_note(row: dict) -> str:
     """A tree served: training predicted its chain's tau only."""
     return "" if row["simulated_basis"] == "served" else " (chain)"
-
-
-def _t1_note(decode: dict) -> str:
-    """What the T = 1 estimate leaves out of the settings served: a tree (it estimates the
-    chain), the stop rule (it estimates every chain drafted gamma deep)."""
-    notes = ["chain"] if decode.get("tree_top_k", 1) > 1 else []
-    notes += ["no stop rule"] if decode.get("stop_below", 0) > 0 else []
-    return f" ({', '.join(notes)})" if notes else ""
 
 
 def _flag(key: str, limit: float):
@@ -67,7 +59,6 @@ COLUMNS = (
         "simulated_t1_same_prompts",
         "simulated τ T=1, prompts measured",
         "{:.2f}",
-        note=lambda row: _t1_note(row["decode"]),
     ),
     Column(
         "tau_gap_t1_same_prompts",

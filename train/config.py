@@ -235,6 +235,12 @@ class TrainConfig:
     # sum min(p, q): what lossless sampling accepts) | auto (greedy when the drafter is measured
     # greedy, eval_loop.temperature 0; else sampled).
     best_by: str = choice("auto", "greedy", "sampled")
+    # A later evaluation whose simulated tau is within this fraction of the best so far
+    # replaces best/: the held-out prompts cannot rank checkpoints closer than their noise (on
+    # the demo target 20 prompts ranked two EAGLE-3 checkpoints 0.8% one way and 40 others
+    # 2.1% the other; BENCHMARKS.md, "Which checkpoint best/ keeps"), and within it the
+    # checkpoint trained longer is the better bet. 0: only a higher one replaces it.
+    best_within: float = 0.02
 
     def served_tau_key(self) -> str:
         """The evaluation's simulated tau that matches how the drafter is served (best_by)."""
@@ -277,6 +283,11 @@ class TrainConfig:
         for key in ("min_lr_ratio", "adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, key) <= 1:
                 raise ConfigError(f"{key} must be in [0, 1]; got {getattr(self, key)}", key=key)
+        if not 0 <= self.best_within < 1:
+            raise ConfigError(
+                f"best_within must be in [0, 1) (a fraction of the best simulated tau, 0.02 for "
+                f"2%); got {self.best_within}", key="best_within",
+            )  # fmt: skip
         self._check_kind_rules()
         tune = self.eval_loop.tune
         if "lookup_gamma" in tune and "lookup_ngram" not in tune and not self.decode.lookup_ngram:

@@ -1,7 +1,9 @@
 """The held-out evaluation's figures over this process's share of the held-out examples, summed
-over every process: its loss and acceptance sums (`sums`) and the loop's statistics at
-temperature 0 simulated on the target's own continuations (`simulate_serving`). train/trainer.py
-calls both every eval_every steps; docs/architecture.md, "Training predicts serving".
+over every process: its loss and acceptance sums (`sums`), the loop's statistics at
+temperature 0 simulated on the target's own continuations (`simulate_serving`), and the tau
+expected at a sampling temperature on continuations sampled there (`expected_tau`).
+train/trainer.py calls them every eval_every steps; docs/architecture.md, "Training predicts
+serving".
 
 `chunks` are eval_chunks' (train/schedule.py): every process runs as many forwards, and the
 padding of a short share counts nothing (its weight is 0).
@@ -15,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specdraft.drafters.base import Drafter
-from specdraft.inference.metrics import Stats
+from specdraft.inference.metrics import Stats, expected_passes
 from specdraft.inference.metrics import simulate_serving as walk_served_drafts
 from specdraft.inference.parity import replay_serving, training_path_drafts
 from specdraft.train.config import TrainConfig
@@ -102,6 +104,45 @@ def simulate_serving(
         model.train()
     total = summed_over_processes(total, acc)
     return (total, how) if total.target_passes else (None, None)
+
+
+@torch.no_grad()
+def expected_tau(
+    model: Drafter,
+    heldout: dict,
+    chunks: Chunks,
+    examples: Sequence,
+    forward: Callable,
+    cfg: TrainConfig,
+    acc,
+) -> float | None:
+    """The tau the loop is expected to serve at eval_loop.temperature over the held-out
+    continuations sampled there (`Drafter.sampled_reach` walked by metrics.expected_passes,
+    as inference/parity.py's sampled_tau_on), with the decoding settings the run saves and
+    without copying; None where the kind has no such walk for them. The drafter is read as
+    `simulate_serving` reads it."""
+    tokens = torch.zeros((), device=acc.device, dtype=torch.float64)
+    passes = torch.zeros((), device=acc.device, dtype=torch.float64)
+    model.eval()
+    loaded = copy.copy(model)
+    loaded.heldout = heldout
+    try:
+        for chunk, weight in chunks:
+            batch = collate([examples[i] for i in chunk], acc.device)
+            target_out = forward(batch)
+            with acc.autocast():
+                reach = loaded.sampled_reach(
+                    batch, target_out, cfg.decode, cfg.eval_loop.temperature
+                )
+            if reach is None:
+                return None
+            for emitted, expected in expected_passes(reach, batch, model.drafts_after_prefill):
+                tokens += emitted * weight
+                passes += expected * weight
+    finally:
+        model.train()
+    tokens, passes = acc.reduce(tokens, "sum"), acc.reduce(passes, "sum")
+    return float(tokens / passes) if passes > 0 else None
 
 
 def summed_over_processes(total: Stats, acc) -> Stats:

@@ -42,7 +42,7 @@ from specdraft.attention import flash_varlen, target_inputs
 from specdraft.config import save_config
 from specdraft.drafters.base import Drafter
 from specdraft.formats import checkpoint
-from specdraft.inference.continuations import SERVED_GREEDY
+from specdraft.inference.continuations import SERVED_GREEDY, SERVED_SAMPLED
 from specdraft.inference.metrics import simulated_tau
 from specdraft.train import heldout, launch, schedule, tracking
 from specdraft.train.config import CONFIG_FILENAME, TrainConfig
@@ -71,7 +71,7 @@ class TrainResult:
     # per eval: step, loss, tau and alpha (sampled), tau_greedy and alpha_greedy, and "served":
     # the one of the two that matches how the drafter is served (TrainConfig.served_tau_key)
     evals: list[dict] = field(default_factory=list)
-    best_tau: float | None = None  # the best "served" simulated tau, which picked best/
+    best_tau: float | None = None  # the "served" simulated tau of the evaluation best/ holds
     stopped_by_signal: str | None = None  # "SIGTERM" / "SIGINT" when preempted
     output_dir: Path | None = None
     main_process: bool = True  # False on the other processes of a multi-process run
@@ -403,6 +403,7 @@ class _Training:
             "alpha_greedy": agreement,
             "eval_on": self.eval_on,
             "greedy_simulation": "agreement",  # the product of agreement per depth
+            "sampled_simulation": "acceptance",  # alpha per depth as a chain of gamma
         }
         served, how = (None, None)
         if self.eval_on == SERVED_GREEDY:  # the loop's own steps, walked on the continuations
@@ -413,10 +414,18 @@ class _Training:
             result["tau_greedy"] = served.tau
             result["alpha_greedy"] = served.acceptance_per_position
             result["greedy_simulation"] = how
+        if self.eval_on == SERVED_SAMPLED:  # the loop's walk in expectation there
+            walked = heldout.expected_tau(
+                model, self.heldout, chunks, self.eval_examples, forward, cfg, acc
+            )
+            if walked is not None:
+                result["tau"], result["sampled_simulation"] = walked, "walk"
         result["served"] = result[cfg.served_tau_key()]
         self.evals.append(result)
         tracking.log_evaluation(self.acc, self.cfg, result, bar, label)
-        if step > 0 and (self.best_tau is None or result["served"] > self.best_tau):
+        # best/: the latest evaluation within best_within of the best so far (config.py)
+        best = max((e["served"] for e in self.evals[:-1] if e["step"] > 0), default=None)
+        if step > 0 and (best is None or result["served"] >= best * (1 - cfg.best_within)):
             self.best_tau = result["served"]
             self._save_drafter(
                 self.out / "best", step, extra_provenance={"simulated_tau": result["served"]}

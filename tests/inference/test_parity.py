@@ -255,21 +255,3 @@ def test_a_session_on_the_target_cache_is_not_replayed(random_target, examples, 
     target_out = random_target.forward(batch["input_ids"])
     decode = drafter.decode_settings(DecodeConfig(gamma=3))
     assert replay_serving(random_target, drafter, batch, target_out, decode) is None
-
-
-def test_the_sampled_estimate_of_a_drafter_that_is_the_target(random_target, tmp_path):
-    """At T = 1 the estimate is the chain's expected acceptance on continuations sampled there:
-    a drafter that is the target accepts everything (sum_x min(p, q) = 1 at every depth), so
-    gamma + 1 tokens a pass; one that is not accepts less."""
-    import copy
-
-    from specdraft.drafters.distill import DistillDrafter
-    from specdraft.inference.parity import sampled_tau_on
-
-    prompts = [torch.tensor([p]) for p in PROMPTS]
-    same = DistillDrafter(copy.deepcopy(random_target.model))
-    decode = DecodeConfig(gamma=4)
-    tau = sampled_tau_on(random_target, same, prompts, 16, decode)
-    assert tau == pytest.approx(5.0, abs=1e-4)
-    other = DistillDrafter(perturbed(random_target.model, scale=0.05, seed=1))
-    assert 1 < sampled_tau_on(random_target, other, prompts, 16, decode) < 5

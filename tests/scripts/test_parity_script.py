@@ -1,8 +1,9 @@
 """scripts/parity.py on the tiny demo target with a draft that is the target itself: greedy, its
-simulation and the loop agree step for step; at T = 1 the estimate is a chain that accepts
-everything (gamma + 1 a pass), beside the tau served with each seed; bad input is named.
-Broken, it shows: a verdict other than parity for a drafter that cannot differ, an estimate
-that is not gamma + 1 for one that accepts everything, settings after the colon ignored."""
+simulation and the loop agree step for step; at T = 1 every draft is accepted, so the tau
+expected on each seed's continuation is the tau served with that seed; bad input is named.
+Broken, it shows: a verdict other than parity for a drafter that cannot differ, an expected
+tau other than the served one for a drafter that accepts everything, settings after the
+colon ignored."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ def test_greedy_parity_and_the_sampled_estimate(tiny_target_path, draft_folder, 
     assert parity.main([f"{draft_folder}:gamma=3", *common]) == 0
     out = capsys.readouterr().out
     assert "(distill, gamma 3)" in out and "in parity: every step alike" in out
-    code = parity.main([f"{draft_folder}:gamma=3", *common, "--temperature", "1", "--seeds", "2",
-                        "--tolerance", "0.5"])  # fmt: skip
+    code = parity.main([f"{draft_folder}:gamma=3", *common, "--temperature", "1", "--seeds", "2"])
     out = capsys.readouterr().out
-    assert code == 0 and "tau  estimated 4.0000" in out and "(seeds 0-1; mean" in out
-    served = float(out.split("mean ")[1].split(")")[0])
-    assert 3 < served <= 4  # every draft accepted; shorter chains only where the budget ends
+    assert code == 0 and "seeds 0-1" in out and "0.00%" in out.split("within 10%: expected")[1]
+    expected = out.split("tau  expected ")[1].split(" (mean")[0]
+    served = out.split("served   ")[1].split(" (mean")[0]
+    assert expected == served  # seed by seed
+    assert all(3 < float(t) <= 4 for t in served.split(", "))  # shorter only at the end
 
 
 @pytest.mark.parametrize(

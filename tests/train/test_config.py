@@ -592,3 +592,10 @@ def test_loss_chunk_tokens_default_null_and_bad_values():
     assert "loss_chunk_tokens=0" in str(err.value) and "-8" in str(err.value)
     with pytest.raises(ConfigError, match="loss_chunk_tokens"):
         load_config(TrainConfig, None, ["loss_chunk_tokens=1.5"])
+
+
+@pytest.mark.parametrize("value", ["1", "-0.1", "2"])
+def test_best_within_out_of_range_is_named(value):
+    with pytest.raises(ConfigError, match=r"best_within must be in \[0, 1\).*0\.02 for 2%") as err:
+        load_config(TrainConfig, None, [f"best_within={value}"])
+    assert err.value.key == "best_within"

@@ -1,0 +1,121 @@
+"""What a drafter drafts when served, after every position of a batch, computed through its
+training path teacher-forced on the batch's tokens: the input of the simulation of serving
+(inference/metrics.py), at temperature 0 (`ServedDrafts`, walked step by step) and at
+temperature 1 (`chain_reach`, walked in expectation). docs/architecture.md, "Training predicts
+serving".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ServedDrafts:
+    """What a drafter drafts when served greedily, after every position of a batch: the input of
+    the simulation of serving (`inference.metrics.simulate_serving`), which walks these the way
+    the loop walks its steps. Index [b, c, d - 1]: row b, a context whose last token is at c,
+    a draft asked for at most d tokens (the loop asks for fewer near the end). Drafted on the
+    batch's own tokens (teacher-forced): while a draft agrees with them it is what the session
+    drafts, and after its first disagreement nothing it drafts is accepted."""
+
+    accepted: torch.Tensor  # (batch, seq, gamma) long: the path greedy verification accepts
+    depth: torch.Tensor  # (batch, seq, gamma) long: the draft's depth (0: none)
+    size: torch.Tensor  # (batch, seq, gamma) long: its nodes
+
+    @property
+    def gamma(self) -> int:
+        return self.accepted.shape[-1]
+
+
+def chain_drafts(
+    drafts: torch.Tensor, confident: torch.Tensor, input_ids: torch.Tensor, gamma: int
+) -> ServedDrafts:
+    """A chain drafter's ServedDrafts: drafts (batch, seq, D) target ids, [b, c, i] the token
+    drafted at depth i + 1 after a context ending at c whose depths before it agreed with the
+    batch; confident (batch, seq, D) bool, whether that draft's top probability is at least
+    stop_below (core.draft_chain ends the chain after the first that is not). D may be less
+    than gamma (a kind that drafts at most D)."""
+    T, D = drafts.shape[1], min(drafts.shape[2], gamma)
+    c = torch.arange(T, device=drafts.device)
+    at = c[:, None] + 1 + torch.arange(D, device=drafts.device)[None]  # (T, D) token compared
+    truth = input_ids[:, at.clamp(max=T - 1)]  # (B, T, D)
+    agree = (drafts[..., :D] == truth) & (at < T)
+    leading = agree.long().cumprod(-1).sum(-1)  # (B, T) depths accepted of the whole chain
+    # the chain's length: it ends after its first unconfident depth
+    length = confident[..., : D - 1].long().cumprod(-1).sum(-1) + 1  # (B, T)
+    caps = torch.arange(1, gamma + 1, device=drafts.device)
+    depth = torch.minimum(length[..., None], caps)  # (B, T, gamma)
+    accepted = torch.minimum(leading[..., None], depth)
+    return ServedDrafts(accepted, depth, depth.clone())
+
+
+def greedy_confidence(logits: torch.Tensor, stop_below: float) -> torch.Tensor:
+    """(..., vocab) draft logits -> (...) bool: the top probability is at least stop_below, as
+    core.draft_chain decides whether a greedy chain goes on."""
+    if stop_below <= 0:
+        return torch.ones(logits.shape[:-1], dtype=torch.bool, device=logits.device)
+    return logits.float().softmax(-1).max(-1).values >= stop_below
+
+
+def along_positions(values: torch.Tensor, depth: int) -> torch.Tensor:
+    """(batch, seq) per-position values -> (batch, seq, depth): [b, c, i] = values[b, c + i]
+    (the last position's where c + i runs past the end), what a drafter that predicts the next
+    token from each position drafts at depth i + 1 after a context ending at c."""
+    T = values.shape[1]
+    at = torch.arange(T, device=values.device)[:, None] + torch.arange(depth, device=values.device)
+    return values[:, at.clamp(max=T - 1)]
+
+
+def one_later(values: torch.Tensor, fill) -> torch.Tensor:
+    """(batch, S, ...) values at position t -> (batch, S + 1, ...) at c = t + 1, `fill` at 0: a
+    drafter fed the target's state at the token before the context's last (EAGLE, Medusa)
+    drafts after a context ending at c from what it computed at c - 1."""
+    first = torch.full_like(values[:, :1], fill)
+    return torch.cat([first, values], dim=1)
+
+
+def chain_reach(
+    q_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    confident: torch.Tensor,
+    input_ids: torch.Tensor,
+    gamma: int,
+    t2d: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(batch, seq, gamma): for sampling at temperature 1, the chance that the chain drafted
+    after a context ending at c has its first d drafts accepted (index d - 1), given that the
+    loop emits the batch's tokens after c.
+
+    q_logits (batch, seq, D, draft vocab): the drafter's at [b, c, i], depth i + 1's after a
+    context ending at c whose depths before it agreed with the batch (as `chain_drafts`);
+    target_logits (batch, seq, vocab): the target's at every position; confident (batch, seq,
+    D) as `chain_drafts` takes it; t2d (vocab,): each target id's index in a reduced draft
+    vocabulary (-1: outside it), None where the drafter drafts over the target's.
+
+    A draft x ~ q is accepted with probability min(1, p(x) / q(x)), and the token emitted at
+    that depth is distributed as p (the loop is lossless), so given the emitted token x the
+    draft was accepted with probability min(p(x), q(x)) / p(x) = min(1, q(x) / p(x)). Given
+    every depth before it accepted, the drafter drew depth i + 1 after the batch's own tokens,
+    which is what q holds; the chain reaches depth i + 1 when depths 1..i were confident
+    (stop_below looks at q alone). Exact for a batch that is the target's sample at T = 1."""
+    B, T, D = q_logits.shape[:3]
+    D = min(D, gamma)
+    c = torch.arange(T, device=q_logits.device)
+    at = c[:, None] + 1 + torch.arange(D, device=q_logits.device)[None]  # (T, D) the token judged
+    inside = at < T
+    x = input_ids[:, at.clamp(max=T - 1)]  # (B, T, D)
+    x = x if t2d is None else t2d[x]  # its index among q's entries
+    p = target_logits.float().log_softmax(-1)  # (B, T, V): the target's after each position
+    p_x = p.gather(-1, input_ids[:, 1:, None])[..., 0].exp()  # (B, T - 1): of the next token
+    p_x = p_x[:, (at - 1).clamp(max=T - 2)]  # (B, T, D): of x, after the token before it
+    q_logits = q_logits[..., :D, :].float()
+    q_x = q_logits.gather(-1, x[..., None].clamp(min=0))[..., 0]
+    q_x = torch.where(x >= 0, (q_x - q_logits.logsumexp(-1)).exp(), 0.0)
+    ratio = torch.where(p_x > 0, q_x / p_x.clamp(min=1e-30), 1.0).clamp(max=1.0)  # q >= p: 1
+    accepted = (ratio * inside).cumprod(-1)  # (B, T, D): depths 1..i + 1 all accepted
+    goes_on = confident[..., : D - 1].to(accepted.dtype).cumprod(-1)
+    reach = accepted * torch.cat([torch.ones_like(accepted[..., :1]), goes_on], dim=-1)
+    return torch.cat([reach, reach.new_zeros(B, T, gamma - D)], dim=-1)
