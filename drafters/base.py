@@ -30,7 +30,13 @@ import torch
 from torch import nn
 
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
-from specdraft.drafters.served import ServedDrafts, chain_drafts, chain_reach, greedy_confidence
+from specdraft.drafters.served import (
+    ServedDrafts,
+    along_positions,
+    chain_drafts,
+    chain_reach,
+    greedy_confidence,
+)
 from specdraft.losses import DEFAULT_CHUNK_TOKENS
 
 
@@ -310,9 +316,17 @@ class Drafter(nn.Module):
         """(batch, seq, D, draft vocab), D <= decode.gamma: the logits a chain session draws
         from after every position of the batch, through the training path (the modules the
         loss runs, teacher-forced): [b, c, i] depth i + 1's after a context ending at c whose
-        depths before it agreed with the batch. None where this kind or `decode` has no such
-        chain (the default; a dynamic gamma)."""
+        depths before it agreed with the batch. Or (batch, seq, vocab) for a model that drafts
+        from its own next-token logits at each position, depth i + 1's after c being its
+        logits at c + i (the two-model draft, LayerSkip's early exit), which spares a copy
+        per depth of the whole vocabulary. None where this kind or `decode` has no such chain
+        (the default; a dynamic gamma)."""
         return None
+
+    def drafts_chain(self, decode: DecodeConfig) -> bool:
+        """Whether the session drafts a chain with `decode`: decode.chain, unless the kind
+        drafts chains whatever the settings say."""
+        return decode.chain
 
     def served_drafts(
         self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
@@ -324,11 +338,15 @@ class Drafter(nn.Module):
         kind that simulates its trees overrides this. None where this kind or these settings
         have no such simulation: evaluation then estimates tau from the per-depth agreement of
         `acceptance`."""
-        logits = self.served_logits(batch, target_out, decode) if decode.chain else None
+        chain = self.drafts_chain(decode)
+        logits = self.served_logits(batch, target_out, decode) if chain else None
         if logits is None:
             return None
         drafts = self.target_ids(logits.argmax(-1))
         confident = greedy_confidence(logits, decode.stop_below)
+        if logits.dim() == 3:  # one set per position: depth i + 1 after c is position c + i's
+            drafts = along_positions(drafts, decode.gamma)
+            confident = along_positions(confident, decode.gamma)
         return chain_drafts(drafts, confident, batch["input_ids"], decode.gamma)
 
     def sampled_reach(
@@ -341,10 +359,11 @@ class Drafter(nn.Module):
         """(batch, seq, gamma): sampling at `temperature` with `decode`, the chance that the
         draft after a context ending at c has its first d nodes on the batch's tokens accepted
         (index d - 1), given that the loop emits the batch's tokens (served.chain_reach):
-        walked in expectation by `inference.metrics.expected_tau` on the target's own sampled
+        walked in expectation by `inference.metrics.expected_passes` on the target's own sampled
         continuation. A chain's from `served_logits`; a kind that estimates its trees
         overrides this. None where this kind or these settings have neither."""
-        logits = self.served_logits(batch, target_out, decode) if decode.chain else None
+        chain = self.drafts_chain(decode)
+        logits = self.served_logits(batch, target_out, decode) if chain else None
         if logits is None:
             return None
         logits = logits / temperature  # q as the session processes it (no top-k, top-p)

@@ -39,7 +39,6 @@ from specdraft.drafters.lean import (
     lean_model_supported,
     use_int8,
 )
-from specdraft.drafters.served import along_positions
 from specdraft.losses import divergence_per_row, token_losses
 from specdraft.targets.target import final_logits
 
@@ -397,8 +396,7 @@ class DistillDrafter(Drafter):
         if getattr(decode, "dynamic_gamma", False):
             return None
         ids = batch["input_ids"]
-        logits = self.hf_model(input_ids=ids, attention_mask=batch["attention_mask"]).logits
-        return along_positions(logits, decode.gamma)  # (batch, seq, gamma, vocab)
+        return self.hf_model(input_ids=ids, attention_mask=batch["attention_mask"]).logits
 
     def _aligned(self, batch, target_out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(student logits, target logits, next tokens) at the loss positions: (n, vocab) x2, (n,)."""

@@ -47,7 +47,6 @@ from specdraft.drafters.base import (
 )
 from specdraft.drafters.distill import simulated_alpha
 from specdraft.drafters.layerskip_session import LayerSkipRowSession, LayerSkipSession, run_layers
-from specdraft.drafters.served import along_positions
 from specdraft.losses import token_losses
 from specdraft.targets.target import (
     final_logits,
@@ -374,6 +373,9 @@ class LayerSkipDrafter(Drafter):
         )  # fmt: skip
         return "hf_early_exit", settings, {"assistant_early_exit": self.draft_exit(decode)}
 
+    def drafts_chain(self, decode: DecodeConfig) -> bool:
+        return True  # tree_top_k > 1 is ignored (ignored_settings)
+
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = super().ignored_settings(decode)
         if not decode.chain:
@@ -494,8 +496,7 @@ class LayerSkipDrafter(Drafter):
         as the shared cache does)."""
         e = self.draft_exit(decode)
         state = self.exit_states(batch, [e])[e]
-        logits = final_logits(self.hf_model, state)  # (batch, seq, vocab)
-        return along_positions(logits, decode.gamma)
+        return final_logits(self.hf_model, state)  # (batch, seq, vocab): position-wise
 
     @torch.no_grad()
     def agreement_per_exit(self, batch: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:

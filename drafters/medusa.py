@@ -621,7 +621,10 @@ class MedusaDrafter(Drafter):
         temperature: float = 1.0,
     ) -> torch.Tensor | None:
         """A chain's (Drafter.sampled_reach), or the tree the session samples from the heads'
-        sampled accuracies (position_tree.tree_reach)."""
+        sampled accuracies (position_tree.tree_reach). None with typical acceptance: lossy, it
+        neither samples the drafts nor emits what the target samples."""
+        if decode.acceptance == "typical":
+            return None
         if decode.chain:
             return super().sampled_reach(batch, target_out, decode, temperature)
         paths = tree_paths(

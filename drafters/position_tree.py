@@ -223,7 +223,9 @@ def sampled_tree_reach(
     were all rejected, q_m the q left after their tokens, p_m the residual the rejections leave
     of the target's p. Divided by p(x), the chance x is emitted there, it is the chance child
     m was accepted given x. Exact for the eldest child; for the others the mean over `samples`
-    draws of the elder siblings (seeded: the same figure every call)."""
+    draws of the elder siblings (seeded: the same figure every call). Within gamma tokens of
+    a row's end the tree is shape_at's cut at the depth left, where a session builds a
+    shallower tree with the whole budget: an approximation there."""
     B, T, D = q_logits.shape[:3]
     out = q_logits.new_zeros(B, T, gamma, dtype=torch.float)
     generator = torch.Generator(device=q_logits.device).manual_seed(0)

@@ -90,10 +90,11 @@ def chain_reach(
     loop emits the batch's tokens after c.
 
     q_logits (batch, seq, D, draft vocab): the drafter's at [b, c, i], depth i + 1's after a
-    context ending at c whose depths before it agreed with the batch (as `chain_drafts`);
-    target_logits (batch, seq, vocab): the target's at every position; confident (batch, seq,
-    D) as `chain_drafts` takes it; t2d (vocab,): each target id's index in a reduced draft
-    vocabulary (-1: outside it), None where the drafter drafts over the target's.
+    context ending at c whose depths before it agreed with the batch (as `chain_drafts`), or
+    (batch, seq, vocab) position-wise (Drafter.served_logits); target_logits (batch, seq,
+    vocab): the target's at every position; confident (batch, seq, D), or (batch, seq)
+    position-wise, as `chain_drafts` takes it; t2d (vocab,): each target id's index in a
+    reduced draft vocabulary (-1: outside it), None where the drafter drafts over the target's.
 
     A draft x ~ q is accepted with probability min(1, p(x) / q(x)), and the token emitted at
     that depth is distributed as p (the loop is lossless), so given the emitted token x the
@@ -101,21 +102,32 @@ def chain_reach(
     every depth before it accepted, the drafter drew depth i + 1 after the batch's own tokens,
     which is what q holds; the chain reaches depth i + 1 when depths 1..i were confident
     (stop_below looks at q alone). Exact for a batch that is the target's sample at T = 1."""
-    B, T, D = q_logits.shape[:3]
-    D = min(D, gamma)
+    B, T = input_ids.shape
+    D = gamma if q_logits.dim() == 3 else min(q_logits.shape[2], gamma)
     c = torch.arange(T, device=q_logits.device)
     at = c[:, None] + 1 + torch.arange(D, device=q_logits.device)[None]  # (T, D) the token judged
     inside = at < T
-    x = input_ids[:, at.clamp(max=T - 1)]  # (B, T, D)
-    x = x if t2d is None else t2d[x]  # its index among q's entries
-    p = target_logits.float().log_softmax(-1)  # (B, T, V): the target's after each position
-    p_x = p.gather(-1, input_ids[:, 1:, None])[..., 0].exp()  # (B, T - 1): of the next token
-    p_x = p_x[:, (at - 1).clamp(max=T - 2)]  # (B, T, D): of x, after the token before it
-    q_logits = q_logits[..., :D, :].float()
-    q_x = q_logits.gather(-1, x[..., None].clamp(min=0))[..., 0]
-    q_x = torch.where(x >= 0, (q_x - q_logits.logsumexp(-1)).exp(), 0.0)
+    before = (at - 1).clamp(max=T - 2)  # the position that predicts it
+    p_x = _prob_of_next(target_logits, input_ids[:, 1:])[:, before]  # (B, T, D)
+    nxt = input_ids[:, 1:] if t2d is None else t2d[input_ids[:, 1:]]  # in q's entries
+    if q_logits.dim() == 3:  # position-wise: depth i + 1 after c is position c + i's
+        q_x = _prob_of_next(q_logits, nxt)[:, before]
+        confident = along_positions(confident, D)
+    else:
+        x = nxt[:, (at - 1).clamp(max=T - 2)]  # (B, T, D)
+        q_logits = q_logits[..., :D, :].float()
+        q_x = q_logits.gather(-1, x[..., None].clamp(min=0))[..., 0]
+        q_x = torch.where(x >= 0, (q_x - q_logits.logsumexp(-1)).exp(), 0.0)
     ratio = torch.where(p_x > 0, q_x / p_x.clamp(min=1e-30), 1.0).clamp(max=1.0)  # q >= p: 1
     accepted = (ratio * inside).cumprod(-1)  # (B, T, D): depths 1..i + 1 all accepted
     goes_on = confident[..., : D - 1].to(accepted.dtype).cumprod(-1)
     reach = accepted * torch.cat([torch.ones_like(accepted[..., :1]), goes_on], dim=-1)
     return torch.cat([reach, reach.new_zeros(B, T, gamma - D)], dim=-1)
+
+
+def _prob_of_next(logits: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
+    """(batch, seq - 1): softmax(logits[:, t])[nxt[:, t]], 0 where nxt is -1 (outside the
+    vocabulary the logits cover), without a copy of the softmax."""
+    logits = logits[:, : nxt.shape[1]]
+    picked = logits.gather(-1, nxt.clamp(min=0)[..., None])[..., 0].float()
+    return torch.where(nxt >= 0, (picked - logits.float().logsumexp(-1)).exp(), 0.0)

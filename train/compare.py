@@ -150,7 +150,7 @@ class Family:
     # training's simulation of serving on the very prompts measured, greedy: at T = 0 it predicts
     # the measured tau exactly where training and serving compute the same (inference/parity.py)
     simulated_measured: float | None = None
-    # and at T = 1 on continuations sampled there: expected acceptance per depth, as a chain
+    # and at T = 1 on continuations sampled there: the loop's walk in expectation
     simulated_measured_t1: float | None = None
 
 
@@ -425,7 +425,7 @@ def family_rows(families: Sequence[Family], greedy: dict, sampled: dict | None) 
             if found.simulated_measured
             else None,
             simulated_t1_same_prompts=found.simulated_measured_t1,
-            # an estimate of the drafter alone (no copying) as a chain
+            # an expectation for the drafter alone (no copying) beside one sampled run
             tau_gap_t1_same_prompts=found.simulated_measured_t1 / alone_t1["tau"] - 1
             if found.simulated_measured_t1 and s
             else None,

@@ -230,10 +230,11 @@ class TrainConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     # After training: the saved drafter's measured tau and speedup in the inference loop.
     eval_loop: LoopEvalConfig = field(default_factory=LoopEvalConfig)
-    # The simulated tau that picks best/ and is reported beside the measured one: greedy (from
-    # top-1 agreement along the unroll: what greedy verification accepts) | sampled (from
-    # sum min(p, q): what lossless sampling accepts) | auto (greedy when the drafter is measured
-    # greedy, eval_loop.temperature 0; else sampled).
+    # The simulated tau that picks best/ and is reported beside the measured one: greedy (what
+    # greedy verification accepts: the loop's walk on greedy continuations, else top-1
+    # agreement along the unroll) | sampled (what lossless sampling accepts: the walk in
+    # expectation on sampled continuations, else sum min(p, q) per depth as a chain) | auto
+    # (greedy when the drafter is measured greedy, eval_loop.temperature 0; else sampled).
     best_by: str = choice("auto", "greedy", "sampled")
     # A later evaluation whose simulated tau is within this fraction of the best so far
     # replaces best/: the held-out prompts cannot rank checkpoints closer than their noise (on

@@ -154,7 +154,8 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
     m["simulated_tau"] = simulated
     # which text the simulation ran on, and whether it walked the loop's steps
     m["simulated_on"] = result.evals[-1].get("eval_on", CORPUS) if result.evals else None
-    m["simulation"] = result.evals[-1].get("greedy_simulation") if result.evals else None
+    how = "greedy_simulation" if cfg.served_tau_key() == "tau_greedy" else "sampled_simulation"
+    m["simulation"] = result.evals[-1].get(how) if result.evals else None
     path = Path(result.output_dir) / "eval_loop.json"
     path.write_text(json.dumps(m, indent=2) + "\n")
     sim = "none" if simulated is None else f"{simulated:.3f} on {m['simulated_on']} text"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import KINDS, PROMPTS, build, fitted, perturbed
+from spec_helpers import KINDS, build, fitted
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters import lean
