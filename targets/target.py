@@ -556,7 +556,7 @@ def load_sharded_target(
             # distributed job of one, as under torchrun)
             os.environ["LOCAL_RANK"] = "0"
             torch.distributed.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+                backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
             )
     config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -598,7 +598,8 @@ def load_sharded_target(
     return target
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nothing listens on now (the OS's pick): for a process group of one."""
     import socket
 
     with socket.socket() as sock:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
+from specdraft.targets.target import free_port
 
 
 @torch.no_grad()
@@ -37,13 +38,6 @@ def run_script(args: list[str], cwd: Path = ROOT, env: dict | None = None) -> st
     proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now (the OS's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def assert_chunking_exact(
