@@ -627,12 +627,16 @@ class MedusaDrafter(Drafter):
             return None
         if decode.chain:
             return super().sampled_reach(batch, target_out, decode, temperature)
-        paths = tree_paths(
-            self.accuracies(greedy=False), decode.tree_budget,
-            min(decode.gamma, self.config.num_heads), decode.tree_top_k,
-        )  # fmt: skip
-        shape = TreeShape.from_paths(paths)
-        return tree_reach(self, batch, target_out, decode, lambda _logits: shape, temperature)
+        accuracy, shapes = self.accuracies(greedy=False), {}
+
+        def shape(logits: torch.Tensor) -> TreeShape:  # as the session builds it, per depth
+            depth = logits.shape[0]
+            if depth not in shapes:
+                paths = tree_paths(accuracy, decode.tree_budget, depth, decode.tree_top_k)
+                shapes[depth] = TreeShape.from_paths(paths)
+            return shapes[depth]
+
+        return tree_reach(self, batch, target_out, decode, shape, temperature)
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.d2t[draft_ids]

@@ -201,6 +201,7 @@ def sampled_tree_reach(
     target_logits: torch.Tensor,
     input_ids: torch.Tensor,
     contexts: torch.Tensor,
+    ends: torch.Tensor,
     gamma: int,
     shape_at: Callable[[torch.Tensor], TreeShape],
     d2t: torch.Tensor | None = None,
@@ -210,12 +211,14 @@ def sampled_tree_reach(
     a context ending at c has its first d nodes on the batch's tokens accepted (index d - 1),
     given that the loop emits the batch's tokens: what `served.chain_reach` is for a chain,
     for `sampled_tree`'s trees under recursive rejection sampling. Computed where `contexts`
-    (batch, seq) is true, 0 elsewhere.
+    (batch, seq) is true, 0 elsewhere; ends (batch,): each row's length.
 
     q_logits (batch, seq, D, draft vocab): position d - 1's logits after a context ending at c
     (the same for every node at depth d), and target_logits (batch, seq, vocab), both divided
-    by the temperature sampled at; shape_at: the
-    tree drafted from a context's (D, draft vocab) logits; d2t: draft ids as the target's.
+    by the temperature sampled at; shape_at: the tree drafted from a context's (depth, draft
+    vocab) logits, as deep as the loop drafts there (`generate`: no deeper than the tokens
+    left allow, so shallower within gamma tokens of a row's end); d2t: draft ids as the
+    target's.
 
     Given its parent accepted, a node's children are drawn from q without replacement and
     tried in order. Child m (0-based) is accepted holding the emitted token x with probability
@@ -223,17 +226,15 @@ def sampled_tree_reach(
     were all rejected, q_m the q left after their tokens, p_m the residual the rejections leave
     of the target's p. Divided by p(x), the chance x is emitted there, it is the chance child
     m was accepted given x. Exact for the eldest child; for the others the mean over `samples`
-    draws of the elder siblings (seeded: the same figure every call). Within gamma tokens of
-    a row's end the tree is shape_at's cut at the depth left, where a session builds a
-    shallower tree with the whole budget: an approximation there."""
+    draws of the elder siblings (seeded: the same figure every call)."""
     B, T, D = q_logits.shape[:3]
     out = q_logits.new_zeros(B, T, gamma, dtype=torch.float)
     generator = torch.Generator(device=q_logits.device).manual_seed(0)
     for b, c in contexts.nonzero().tolist():
-        depth = min(D, gamma, T - 1 - c)  # the nodes whose token the batch holds
+        depth = min(D, gamma, int(ends[b]) - 2 - c)  # as deep as the loop drafts after c
         if depth <= 0:
             continue
-        shape = shape_at(q_logits[b, c])
+        shape = shape_at(q_logits[b, c, :depth])
         siblings = [0] * len(shape.parents)  # each node's index among its parent's children
         for kids in children_of(shape.parents).values():
             for m, kid in enumerate(kids):
@@ -324,6 +325,7 @@ def tree_reach(
         target_out.logits / temperature,
         batch["input_ids"],
         contexts,
+        batch["attention_mask"].sum(1),
         decode.gamma,
         shape_at,
         d2t,
