@@ -362,8 +362,9 @@ class Drafter(nn.Module):
         walked in expectation by `inference.metrics.expected_passes` on the target's own sampled
         continuation. A chain's from `served_logits`; a kind that estimates its trees
         overrides this. None where this kind or these settings have neither."""
-        chain = self.drafts_chain(decode)
-        logits = self.served_logits(batch, target_out, decode) if chain else None
+        if not self.drafts_chain(decode):
+            return self.sampled_tree_reach(batch, target_out, decode, temperature)
+        logits = self.served_logits(batch, target_out, decode)
         if logits is None:
             return None
         logits = logits / temperature  # q as the session processes it (no top-k, top-p)
@@ -372,6 +373,17 @@ class Drafter(nn.Module):
             logits, target_out.logits / temperature, confident, batch["input_ids"],
             decode.gamma, self.draft_index_of(),
         )  # fmt: skip
+
+    def sampled_tree_reach(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        target_out,
+        decode: DecodeConfig,
+        temperature: float,
+    ) -> torch.Tensor | None:
+        """`sampled_reach` for the tree `decode` serves: None by default (no walk); a kind
+        whose session samples position trees returns position_tree.tree_reach's."""
+        return None
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids as the target's: the same where the kind drafts over the

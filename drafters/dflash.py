@@ -541,17 +541,15 @@ class DFlashDrafter(Drafter):
         logits = self.slots({**batch, "anchors": anchors}, target_out)["logits"]
         return logits[:, :, : min(decode.gamma, self.block_size - 1)]  # (B, T, depth, V)
 
-    def sampled_reach(
+    def sampled_tree_reach(
         self,
         batch: Mapping[str, torch.Tensor],
         target_out,
         decode: DecodeConfig,
-        temperature: float = 1.0,
+        temperature: float,
     ) -> torch.Tensor | None:
-        """A chain's (Drafter.sampled_reach), or the tree the session samples from each
+        """The tree the session samples from each
         block's own confidences (position_tree.tree_reach)."""
-        if decode.chain:
-            return super().sampled_reach(batch, target_out, decode, temperature)
         return tree_reach(self, batch, target_out, decode, temperature=temperature)
 
     # --- decoding -------------------------------------------------------------------------------

@@ -620,13 +620,21 @@ class MedusaDrafter(Drafter):
         decode: DecodeConfig,
         temperature: float = 1.0,
     ) -> torch.Tensor | None:
-        """A chain's (Drafter.sampled_reach), or the tree the session samples from the heads'
-        sampled accuracies (position_tree.tree_reach). None with typical acceptance: lossy, it
-        neither samples the drafts nor emits what the target samples."""
+        """None with typical acceptance: lossy, it neither samples the drafts nor emits what
+        the target samples, chain or tree; else Drafter.sampled_reach."""
         if decode.acceptance == "typical":
             return None
-        if decode.chain:
-            return super().sampled_reach(batch, target_out, decode, temperature)
+        return super().sampled_reach(batch, target_out, decode, temperature)
+
+    def sampled_tree_reach(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        target_out,
+        decode: DecodeConfig,
+        temperature: float,
+    ) -> torch.Tensor | None:
+        """The tree the session samples from the heads' sampled accuracies
+        (position_tree.tree_reach)."""
         accuracy, shapes = self.accuracies(greedy=False), {}
 
         def shape(logits: torch.Tensor) -> TreeShape:  # as the session builds it, per depth

@@ -397,17 +397,15 @@ class PEagleDrafter(EagleDrafter):
         logits = logits.view(B, depths, S, -1).transpose(1, 2)  # (B, S, depths, Vd)
         return one_later(logits, 0.0)  # nothing is drafted after the first token alone
 
-    def sampled_reach(
+    def sampled_tree_reach(
         self,
         batch: Mapping[str, torch.Tensor],
         target_out,
         decode: DecodeConfig,
-        temperature: float = 1.0,
+        temperature: float,
     ) -> torch.Tensor | None:
-        """A chain's (Drafter.sampled_reach), or the tree the session samples from each
+        """The tree the session samples from each
         block's own confidences (position_tree.tree_reach)."""
-        if decode.chain:
-            return super().sampled_reach(batch, target_out, decode, temperature)
         return tree_reach(self, batch, target_out, decode, temperature=temperature)
 
     # --- decoding ---------------------------------------------------------------------------
