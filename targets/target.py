@@ -32,6 +32,13 @@ from specdraft.attention import AttentionError, AttentionLayout
 from specdraft.core import TargetOutput
 from specdraft.precision import to_dtype
 from specdraft.targets.demo import ensure_demo_target
+from specdraft.targets.packaged import (
+    PACKAGED_TARGETS,
+    SOURCE_ATTRIBUTE,
+    PackagedTargetError,
+    ensure_gguf_target,
+    ensure_packaged_target,
+)
 
 DEMO_TARGETS = ("demo", "demo-tiny")
 
@@ -314,6 +321,11 @@ def make_fingerprint(model: PreTrainedModel, tokenizer) -> dict:
     adapter = getattr(config, ADAPTER_ATTRIBUTE, None)
     if adapter:
         fingerprint["adapter"] = adapter
+    # Weights dequantized from a GGUF file (targets/packaged.py) name the file: a drafter trained
+    # on them is refused on the hub's original weights by name, and the other way round.
+    source = getattr(config, SOURCE_ATTRIBUTE, None)
+    if source:
+        fingerprint["source"] = source
     return fingerprint
 
 
@@ -345,21 +357,34 @@ def tokenizer_hash(tokenizer) -> str:
 
 
 def target_path(name: str) -> str:
-    """Where load_target reads `name` from: the demo targets' cached folders (built on first
-    use), a local folder, or a hub id as given. TargetError for a local path that is missing."""
+    """Where load_target reads `name` from: a packaged target's cached folder (fetched from the
+    package registry and dequantized on first use, targets/packaged.py), the demo targets'
+    (built on first use), a GGUF file's dequantized folder, a local folder, or a hub id as
+    given. TargetError for a local path that is missing or a package that cannot be had."""
+    try:
+        if name in PACKAGED_TARGETS:
+            return str(ensure_packaged_target(PACKAGED_TARGETS[name]))
+        if name.endswith(".gguf"):
+            return str(ensure_gguf_target(name))
+    except PackagedTargetError as err:
+        raise TargetError(str(err)) from None
     if name in DEMO_TARGETS:
         return str(ensure_demo_target(variant="tiny" if name == "demo-tiny" else "default"))
     path = os.path.expanduser(name)
     if not Path(path).exists() and (path.startswith((".", "/", "~")) or os.sep in path[:1]):
-        raise TargetError(f"target folder {path} does not exist; pass a folder, a hub id or 'demo'")
+        raise TargetError(
+            f"target folder {path} does not exist; pass a folder, a .gguf file, a hub id or a "
+            f"packaged target ({', '.join(PACKAGED_TARGETS)})"
+        )
     return path
 
 
 def unreachable(name: str, err: OSError) -> TargetError:
     """The error for a target whose files could not be read, naming what to pass instead."""
     return TargetError(
-        f"could not load target {name!r}: {err}. Pass 'demo', a local model folder, or a hub "
-        "id that is reachable (or already in the HF cache when HF_HUB_OFFLINE=1)."
+        f"could not load target {name!r}: {err}. Pass a packaged target "
+        f"({', '.join(PACKAGED_TARGETS)}), a .gguf file, a local model folder, or a hub id that "
+        "is reachable (or already in the HF cache when HF_HUB_OFFLINE=1)."
     )
 
 
@@ -398,6 +423,13 @@ def load_target(
             )
     except OSError as err:
         raise unreachable(name, err) from err
+    except ValueError as err:  # transformers' "Unrecognized configuration class" and kin
+        if "Unrecognized configuration class" not in str(err):
+            raise
+        raise TargetError(
+            f"{name!r} is not a causal language model ({str(err).splitlines()[0][:200]}): a "
+            "target must load with AutoModelForCausalLM (a decoder such as Llama, Qwen, Gemma)"
+        ) from err
     if adapter is not None:
         model = merge_adapter(model, adapter)
     if device is not None and embeddings_only:  # the rest is on the meta device

