@@ -3,10 +3,20 @@ what the target actually says (the distribution they will be verified against).
 
     python scripts/regenerate.py --data chats.jsonl --output chats.regen.jsonl --target demo
     python scripts/regenerate.py ... --temperature 0.7 --top-p 0.9 --seed 1   # sampled
+    python scripts/regenerate.py --data stdlib-requests --limit 2000 --target smollm2-135m \
+        --output data/stdlib-requests.smollm2.jsonl --batch-size 16
 
 Each conversation is replayed turn by turn: the target answers every user turn given the history
 so far, its earlier answers included (so a multi-turn row stays coherent). System and user turns
-are kept; rows that are not conversations, or cannot be parsed, are counted and skipped.
+are kept; a conversation that ends with a user turn gets that turn answered (a file of prompts
+alone); rows that are not conversations, or cannot be parsed, are counted and skipped.
+`--data stdlib-requests` is a chat dataset that is on every machine: requests built from the
+Python standard library's documented functions (data/requests.py), for training a drafter of a
+chat target offline.
+
+Conversations are answered `--batch-size` at a time, in one batched decode of the project's own
+loop per turn (plain decoding by default, or `--drafter prompt_lookup|FOLDER`): greedy, each row
+is exactly what it would be alone. Progress (conversations, tokens, tokens/s) goes to stderr.
 
 Plain text (a text file, `{"text": ...}` rows, or `--data demo` for the demo corpus's training
 files) is continued instead when `--prompt-tokens N` is given: the target writes the rest after
@@ -20,7 +30,9 @@ Output is JSON lines, one per conversation, `{"messages": [...], "source": "<row
 by the data pipeline (`data.format: messages` or `text`). The run is resumable: rerunning the same
 command skips conversations already in the output (matched by `source`), and a last line cut off
 by a crash is dropped first. Sampling is seeded per conversation, so a resumed run writes what an
-uninterrupted one would have.
+uninterrupted one would have; greedy, that holds whatever the batch size (sampled, a batch draws
+from one generator seeded by its first row, so a resumed run's batches are other draws from the
+same distribution).
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -36,7 +49,9 @@ import torch
 
 from specdraft.data.demo import demo_corpus_texts
 from specdraft.data.formats import Conversation, Text, parse_record
+from specdraft.data.requests import stdlib_requests
 from specdraft.data.sources import DataError, Row, SkipRow, read_rows
+from specdraft.formats import load_drafter
 from specdraft.inference import generate
 from specdraft.targets.target import TargetError, load_target
 
@@ -56,20 +71,41 @@ def regenerate(
     stride: int = 0,
     name: str | None = None,
     split: str = "train",
+    batch_size: int = 1,
+    drafter=None,
+    log=print,
 ) -> Counter:
     """Append regenerated conversations of `data` to `output` (and continuations of its plain
-    text when `prompt_tokens` > 0, see the module docstring); returns counts of what happened.
-    `name` and `split`: the configuration and split of a hub dataset (UltraChat's is
-    train_sft)."""
+    text when `prompt_tokens` > 0, see the module docstring); returns counts of what happened,
+    `generated_tokens` and `seconds` among them. `name` and `split`: the configuration and split
+    of a hub dataset (UltraChat's is train_sft). Conversations are answered `batch_size` at a
+    time, drafted by `drafter` (None: plain decoding; "prompt_lookup"; a loaded drafter)."""
     if prompt_tokens < 0 or stride < 0:
         raise DataError(f"--prompt-tokens and --stride must be >= 0; got {prompt_tokens}, {stride}")
+    if batch_size < 1:
+        raise DataError(f"--batch-size must be >= 1; got {batch_size}")
     output = Path(output)
     done = _done_sources(output)
     counts: Counter = Counter(already_done=len(done))
     output.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    batch: list[tuple[int, str, Conversation]] = []
+
+    def answer(out) -> None:
+        replies = _replay_batch(target, [c for _, _, c in batch], drafter, max_new_tokens,
+                                temperature, top_p, seed + batch[0][0])  # fmt: skip
+        for (_, where, _), (messages, tokens) in zip(batch, replies, strict=True):
+            _write(out, {"messages": messages, "source": where})
+            counts["written"] += 1
+            counts["generated_tokens"] += tokens
+        batch.clear()
+        seconds = time.perf_counter() - start
+        log(f"[specdraft] regenerate: {counts['written']} written, {counts['generated_tokens']:,}"
+            f" tokens, {counts['generated_tokens'] / seconds:.1f} tokens/s")  # fmt: skip
+
     with output.open("a", encoding="utf-8") as out:
         for index, row in enumerate(_rows(data, name, split)):
-            if limit is not None and counts["written"] >= limit:
+            if limit is not None and counts["written"] + len(batch) >= limit:
                 break
             if row.where in done:
                 continue
@@ -77,7 +113,7 @@ def regenerate(
                 counts[f"skipped: {row.error.reason}"] += 1
                 continue
             try:
-                item = parse_record(row.record, fmt)
+                item = parse_record(_answer_slot(row.record), fmt)
             except SkipRow as e:
                 counts[f"skipped: {e.reason}"] += 1
                 continue
@@ -91,20 +127,38 @@ def regenerate(
                         continue
                     if limit is not None and counts["written"] >= limit:
                         break
-                    text = _continue(target, prompt, max_new_tokens, temperature, top_p,
-                                     (seed + index) * 100_003 + n)  # fmt: skip
+                    text, tokens = _continue(target, prompt, max_new_tokens, temperature, top_p,
+                                             (seed + index) * 100_003 + n)  # fmt: skip
                     _write(out, {"text": text, "source": source})
                     counts["written"] += 1
+                    counts["generated_tokens"] += tokens
                 continue
             if not isinstance(item, Conversation):
                 plain = isinstance(item, Text)
                 reason = "plain text (see --prompt-tokens)" if plain else "not a conversation"
                 counts[f"skipped: {reason}"] += 1
                 continue
-            messages = _replay(target, item, max_new_tokens, temperature, top_p, seed + index)
-            _write(out, {"messages": messages, "source": row.where})
-            counts["written"] += 1
+            batch.append((index, row.where, item))
+            if len(batch) == batch_size:
+                answer(out)
+        if batch:
+            answer(out)
+    counts["seconds"] = round(time.perf_counter() - start)
     return counts
+
+
+def _answer_slot(record):
+    """A conversation row that ends with a user turn, with an empty assistant turn after it for
+    the target to answer (a file of prompts alone); any other row as it is."""
+    if not isinstance(record, dict):
+        return record
+    for key in ("messages", "conversations"):
+        turns = record.get(key)
+        if isinstance(turns, list) and turns and isinstance(turns[-1], dict):
+            role = str(turns[-1].get("role", turns[-1].get("from", ""))).strip().lower()
+            if role in ("user", "human"):
+                return {**record, key: [*turns, {"role": "assistant", "content": ""}]}
+    return record
 
 
 def _write(out, record: dict) -> None:
@@ -116,6 +170,10 @@ def _write(out, record: dict) -> None:
 def _rows(data: str, name: str | None = None, split: str = "train"):
     """read_rows(data, name, split), or the demo corpus's training files for "demo" (one row
     per file)."""
+    if data == "stdlib-requests":
+        for row in stdlib_requests(None, split="heldout" if split == "heldout" else "train"):
+            yield Row(where=row["source"], record=row)
+        return
     if data != "demo":
         yield from read_rows(data, name, split)
         return
@@ -131,39 +189,59 @@ def _prompt_ends(target, text: str, prompt_tokens: int, stride: int) -> list[tup
     return [(end, ids[end - prompt_tokens : end]) for end in ends if end < len(ids)]
 
 
-def _continue(target, prompt: list[int], max_new_tokens, temperature, top_p, seed) -> str:
+def _continue(
+    target, prompt: list[int], max_new_tokens, temperature, top_p, seed
+) -> tuple[str, int]:
     """The prompt's text followed by the target's continuation (exact: our loop, prompt lookup
-    drafting)."""
+    drafting), and the tokens generated."""
     out = generate(
         target, prompt, "prompt_lookup", max_new_tokens=max_new_tokens,
         temperature=temperature, top_p=top_p, seed=seed,
     )  # fmt: skip
     tokenizer = target.tokenizer
-    return tokenizer.decode(prompt) + tokenizer.decode(out.tokens[0], skip_special_tokens=True)
+    text = tokenizer.decode(prompt) + tokenizer.decode(out.tokens[0], skip_special_tokens=True)
+    return text, out.lengths[0]
 
 
-@torch.no_grad()
-def _replay(target, conversation: Conversation, max_new_tokens, temperature, top_p, seed) -> list:
-    """The conversation with every assistant turn replaced by the target's answer."""
-    tokenizer, model = target.tokenizer, target.model
-    torch.manual_seed(seed)
-    history: list[dict] = []
-    for message in conversation.messages:
-        if message.role != "assistant":
-            history.append({"role": message.role, "content": message.content})
-            continue
-        prompt = tokenizer.apply_chat_template(
-            history, add_generation_prompt=True, return_tensors="pt", return_dict=True
-        ).to(target.device)
-        sampling = {"do_sample": False}
-        if temperature > 0:
-            sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p}
-        out = model.generate(
-            **prompt, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
-        )
-        reply = tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
-        history.append({"role": "assistant", "content": reply})  # exactly what it wrote
-    return history
+def _replay_batch(
+    target, conversations: list[Conversation], drafter, max_new_tokens, temperature, top_p, seed
+) -> list[tuple[list[dict], int]]:
+    """Each conversation with every assistant turn replaced by the target's answer, and the
+    tokens generated for it. The n-th answers of all conversations are decoded as one batch."""
+    tokenizer = target.tokenizer
+    histories: list[list[dict]] = [[] for _ in conversations]
+    tokens = [0] * len(conversations)
+    at = [0] * len(conversations)  # each conversation's next message
+    for step in range(max(len(c.messages) for c in conversations)):
+        asking = []
+        for i, conversation in enumerate(conversations):
+            messages = conversation.messages
+            while at[i] < len(messages) and messages[at[i]].role != "assistant":
+                histories[i].append(
+                    {"role": messages[at[i]].role, "content": messages[at[i]].content}
+                )
+                at[i] += 1
+            if at[i] < len(messages):
+                asking.append(i)
+        if not asking:
+            break
+        prompts = [
+            tokenizer.apply_chat_template(
+                histories[i], add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+            for i in asking
+        ]
+        out = generate(
+            target, prompts if len(prompts) > 1 else prompts[0], drafter,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            seed=seed * 1_000 + step,
+        )  # fmt: skip
+        for i, row in zip(asking, out.rows(), strict=True):
+            reply = tokenizer.decode(row, skip_special_tokens=True)
+            histories[i].append({"role": "assistant", "content": reply})  # exactly what it wrote
+            tokens[i] += len(row)
+            at[i] += 1
+    return list(zip(histories, tokens, strict=True))
 
 
 def _done_sources(output: Path) -> set[str]:
@@ -191,12 +269,18 @@ def _done_sources(output: Path) -> set[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.threads > 0:
+            torch.set_num_threads(args.threads)
         target = load_target(args.target, dtype=args.dtype, device=args.device)
+        drafter = args.drafter
+        if drafter not in (None, "prompt_lookup"):
+            drafter = load_drafter(drafter, target)
         counts = regenerate(
             target, args.data, args.output, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_p=args.top_p, seed=args.seed, limit=args.limit,
             fmt=args.format, prompt_tokens=args.prompt_tokens, stride=args.stride,
-            name=args.name, split=args.split,
+            name=args.name, split=args.split, batch_size=args.batch_size, drafter=drafter,
+            log=lambda line: print(line, file=sys.stderr),
         )  # fmt: skip
     except (DataError, TargetError) as e:
         print(f"regenerate.py: error: {e}", file=sys.stderr)
@@ -210,14 +294,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--data",
         required=True,
-        help="conversations or text: a local file/folder, a hub id, or demo (the demo corpus)",
+        help="conversations or text: a local file/folder, a hub id, demo (the demo corpus), or "
+        "stdlib-requests (chat requests built from the standard library, data/requests.py)",
     )
     parser.add_argument("--name", default=None, help="a hub dataset's configuration name")
     parser.add_argument(
         "--split", default="train", help="a hub dataset's split (UltraChat 200k: train_sft)"
     )
     parser.add_argument("--output", required=True, help="the JSON lines file to write (appended)")
-    parser.add_argument("--target", default="demo", help="demo, a model folder or a hub id")
+    parser.add_argument(
+        "--target", default="demo",
+        help="a packaged target (smollm2-135m, gemma3-270m), a .gguf file, a model folder, a hub "
+        "id, or demo",
+    )  # fmt: skip
+    parser.add_argument(
+        "--batch-size", type=int, default=16,
+        help="conversations answered together, one batched decode per turn",
+    )  # fmt: skip
+    parser.add_argument(
+        "--drafter", default=None,
+        help="draft the answers: prompt_lookup or a drafter folder (default: plain decoding)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads (0: torch's default, one per core)"
+    )
     parser.add_argument("--format", default="auto", help="auto | sharegpt | messages | ultrachat")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

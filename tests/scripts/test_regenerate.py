@@ -130,3 +130,37 @@ def test_a_hub_datasets_configuration_and_split_reach_the_reader(
                               "--output", str(tmp_path / "out.jsonl")])  # fmt: skip
     regenerate(tiny_target, args.data, args.output, name=args.name, split=args.split)
     assert asked == [("org/chats", "default", "train_sft")]
+
+
+def test_batched_answers_equal_one_at_a_time_and_a_lone_prompt_is_answered(
+    tiny_target, data_file, tmp_path
+):
+    """Greedy, a batch of conversations (of different lengths and turn counts) decoded together
+    writes what one at a time writes; a row that ends with a user turn gets its answer."""
+    with data_file.open("a") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "def mul(a, b):"}]}) + "\n")
+    alone, together = tmp_path / "alone.jsonl", tmp_path / "together.jsonl"
+    regenerate(tiny_target, str(data_file), alone, max_new_tokens=10)
+    counts = regenerate(tiny_target, str(data_file), together, max_new_tokens=10, batch_size=3)
+    assert together.read_text() == alone.read_text()
+    assert counts["written"] == 4 and counts["generated_tokens"] > 4
+    lone = _lines(together)[-1]["messages"]
+    assert [m["role"] for m in lone] == ["user", "assistant"]
+    assert lone[1]["content"] == _greedy(tiny_target, lone[:1], 10) != ""
+
+
+def test_stdlib_requests_are_a_dataset_on_every_machine(tiny_target, tmp_path):
+    out = tmp_path / "requests.jsonl"
+    counts = regenerate(tiny_target, "stdlib-requests", out, max_new_tokens=4, limit=3,
+                        batch_size=2)  # fmt: skip
+    rows = _lines(out)
+    assert counts["written"] == 3 and len(rows) == 3
+    assert all(r["source"].startswith("stdlib/") for r in rows)
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in rows)
+
+
+def test_a_bad_batch_size_is_refused_before_anything_is_written(tiny_target, data_file, tmp_path):
+    out = tmp_path / "o.jsonl"
+    with pytest.raises(DataError, match="--batch-size must be >= 1"):
+        regenerate(tiny_target, str(data_file), out, batch_size=0)
+    assert not out.exists()
