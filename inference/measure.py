@@ -23,6 +23,7 @@ import torch
 
 from specdraft.core import DecodeConfig
 from specdraft.data.demo import demo_prompts
+from specdraft.data.requests import stdlib_requests
 from specdraft.drafters.base import Drafter
 from specdraft.inference.generate import generate
 from specdraft.inference.metrics import Stats
@@ -77,8 +78,10 @@ def read_prompts(
 
     source: "demo" (the demo corpus's held-out prompts), "eval" (the prompt part of held-out
     training examples: the tokens before the first loss-bearing one, or the first half of a
-    plain-text example), or a .txt (blank-line separated) / .json / .jsonl file (strings, or
-    objects with a "prompt" field).
+    plain-text example), "stdlib-requests" (the held-out chat requests of data/requests.py), or
+    a .txt (blank-line separated) / .json / .jsonl file (strings, objects with a "prompt"
+    field, or conversations: objects with a "messages" list, rendered through the tokenizer's
+    chat template up to their last user turn, `chat_prompt`).
     """
     if source == "eval":
         if not examples:
@@ -96,6 +99,8 @@ def read_prompts(
         return prompts
     if source == "demo":
         texts = demo_prompts(n)
+    elif source == "stdlib-requests":
+        texts = [chat_prompt(tokenizer, r["messages"]) for r in stdlib_requests(n, "heldout")]
     else:
         path = Path(source)
         if not path.is_file():
@@ -107,11 +112,46 @@ def read_prompts(
                 if path.suffix == ".json"
                 else [json.loads(line) for line in text.splitlines() if line.strip()]
             )
-            texts = [r["prompt"] if isinstance(r, dict) else r for r in rows]
+            texts = [_prompt_text(tokenizer, r, f"{path}, row {i + 1}") for i, r in enumerate(rows)]
         else:  # plain text: prompts separated by blank lines
             texts = [t for t in path.read_text().split("\n\n") if t.strip()]
         texts = texts[:n]
     return [tokenizer(t, return_tensors="pt").input_ids for t in texts]
+
+
+def _prompt_text(tokenizer, row, where: str) -> str:
+    """One prompt file row as text: a string, a "prompt" field, or a conversation's chat prompt."""
+    if isinstance(row, str):
+        return row
+    if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+        return row["prompt"]
+    if isinstance(row, dict) and isinstance(row.get("messages"), list):
+        return chat_prompt(tokenizer, row["messages"], where)
+    raise ValueError(
+        f'{where}: a prompt row must be a string, an object with a "prompt" string, or a '
+        f'conversation (an object with a "messages" list); got {str(row)[:80]!r}'
+    )
+
+
+def chat_prompt(tokenizer, messages: list, where: str = "a conversation") -> str:
+    """The text a chat model answers: `messages` up to their last user turn, through the
+    tokenizer's chat template with the assistant's turn opened. A tokenizer without a chat
+    template (a base model) gets the user turns' text as it is, blank-line separated."""
+    turns = [m for m in messages if isinstance(m, dict)]
+    last = max((i for i, m in enumerate(turns) if m.get("role") == "user"), default=None)
+    if last is None or len(turns) != len(messages):
+        raise ValueError(
+            f"{where}: a conversation prompt needs a user turn, as role/content objects"
+        )
+    turns = turns[: last + 1]
+    if not tokenizer.chat_template:
+        return "\n\n".join(str(m.get("content", "")) for m in turns if m.get("role") == "user")
+    text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    # the template wrote the BOS token the tokenizer adds again
+    bos = tokenizer.bos_token
+    if bos and text.startswith(bos) and tokenizer("x").input_ids[:1] == [tokenizer.bos_token_id]:
+        text = text[len(bos) :]
+    return text
 
 
 def loop_decoder(target, drafter, **options) -> Decode:

@@ -3,6 +3,7 @@ turns; the sweep's crossover and batch sizes (inference/evaluate.py)."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -35,6 +36,28 @@ def test_a_prompt_file_is_read_with_the_tokenizer_alone(tmp_path, tiny_target):
         tokenize(t).tolist() for t in ("def f(x):", "import os")
     ]
     assert all(p.device.type == "cpu" for p in prompts)
+
+
+def test_conversation_rows_are_rendered_through_the_chat_template(tmp_path, tiny_target):
+    """A {"messages": [...]} prompt file (what chat benchmarks ship) is the chat prompt up to the
+    last user turn, the assistant's turn opened, BOS once; a row of no known shape is named."""
+    tok = tiny_target.tokenizer
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def f():"},
+            {"role": "assistant", "content": "pass"}]  # fmt: skip
+    rows = [{"messages": chat}, {"prompt": "x = 1"}, "y = 2"]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = read_prompts(str(tmp_path / "p.jsonl"), 3, tok)
+    expected = tok.apply_chat_template(chat[:2], add_generation_prompt=True, return_dict=True)
+    assert prompts[0][0].tolist() == expected["input_ids"]
+    assert prompts[1][0].tolist() == tok("x = 1").input_ids
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "?"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl, row 1: a prompt row must be .*messages"):
+        read_prompts(str(tmp_path / "bad.jsonl"), 1, tok)
+    (tmp_path / "nouser.jsonl").write_text(json.dumps({"messages": chat[:1]}) + "\n")
+    with pytest.raises(ValueError, match="needs a user turn"):
+        read_prompts(str(tmp_path / "nouser.jsonl"), 1, tok)
+    requests = read_prompts("stdlib-requests", 2, tok)
+    assert len(requests) == 2 and requests[0][0, 0] == tok.bos_token_id != requests[0][0, 1]
 
 
 def test_batch_sizes_take_turns_on_the_same_prompts_in_whole_batches():
