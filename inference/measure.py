@@ -281,6 +281,38 @@ def measure_vs_plain(
     return {**row, "max_new_tokens": max_new_tokens, **options}
 
 
+def choose_threads(asked: int, target, log: Callable[[str], None] | None = None) -> int:
+    """Set torch's CPU threads for decoding with `target` and return the count: `asked` when
+    > 0; 0 picks, among 1, the powers of two and every core this process may use, the count at
+    which a short forward of the target runs fastest on the machine as it is now. Beside another
+    busy process a full thread pool waits on the busy cores (a fifth of one thread's speed was
+    seen with 2 threads on 2 shared cores), so "all cores" is not always the fastest."""
+    if asked < 0:
+        raise ValueError(f"--threads must be >= 0 (0: the fastest now); got {asked}")
+    if asked > 0 or target.device.type != "cpu":
+        torch.set_num_threads(asked or torch.get_num_threads())
+        return torch.get_num_threads()
+    cores = usable_cores()
+    candidates = sorted({1, cores, *(2**i for i in range(1, cores.bit_length()) if 2**i < cores)})
+    ids = torch.ones(1, 8, dtype=torch.long, device=target.device)
+    seconds = {}
+    for n in candidates:
+        torch.set_num_threads(n)
+        target.forward(ids)  # warm-up: the pool starts
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            target.forward(ids)
+            times.append(time.perf_counter() - start)
+        seconds[n] = min(times)
+    best = min(seconds, key=seconds.get)
+    torch.set_num_threads(best)
+    if log is not None:
+        said = ", ".join(f"{n}: {1000 * t:.0f} ms" for n, t in seconds.items())
+        log(f"threads: {best} (a short target forward with {said})")
+    return best
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its affinity where the OS reports one)."""
     if hasattr(os, "sched_getaffinity"):

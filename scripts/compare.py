@@ -44,7 +44,11 @@ def parse_args(argv: list[str] | None) -> CompareSpec:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target", default="demo", help="demo, a model folder or a hub id")
+    parser.add_argument(
+        "--target",
+        default="demo",
+        help="a packaged target (smollm2-135m, gemma3-270m), a .gguf file, a model folder, a hub id, or demo",
+    )
     parser.add_argument(
         "--families", default="", help=f"comma-separated (default: all, {','.join(families())})"
     )

@@ -53,6 +53,7 @@ from specdraft.data.requests import stdlib_requests
 from specdraft.data.sources import DataError, Row, SkipRow, read_rows
 from specdraft.formats import load_drafter
 from specdraft.inference import generate
+from specdraft.inference.measure import choose_threads
 from specdraft.targets.target import TargetError, load_target
 
 
@@ -269,9 +270,10 @@ def _done_sources(output: Path) -> set[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.threads > 0:
-            torch.set_num_threads(args.threads)
         target = load_target(args.target, dtype=args.dtype, device=args.device)
+        choose_threads(
+            args.threads, target, log=lambda m: print(f"[regenerate] {m}", file=sys.stderr)
+        )
         drafter = args.drafter
         if drafter not in (None, "prompt_lookup"):
             drafter = load_drafter(drafter, target)
@@ -316,8 +318,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="draft the answers: prompt_lookup or a drafter folder (default: plain decoding)",
     )  # fmt: skip
     parser.add_argument(
-        "--threads", type=int, default=0, help="torch threads (0: torch's default, one per core)"
-    )
+        "--threads", type=int, default=0,
+        help="CPU threads (0: the count that runs the target fastest on the machine as it is now)",
+    )  # fmt: skip
     parser.add_argument("--format", default="auto", help="auto | sharegpt | messages | ultrachat")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

@@ -33,7 +33,7 @@ from specdraft.drafters.base import kinds_own_settings
 from specdraft.formats.checkpoint import set_decode
 from specdraft.formats.reading import folder_target, load_decoding, load_drafter
 from specdraft.inference.evaluate import parse_batch_sizes
-from specdraft.inference.measure import load_prompts
+from specdraft.inference.measure import choose_threads, load_prompts
 from specdraft.inference.tune import (
     MIN_GAIN,
     SEARCH_ORDER,
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         target, drafter = load(args)
+        choose_threads(args.threads, target, log=lambda m: print(f"[tune] {m}", file=sys.stderr))
         prompts = load_prompts(args.prompts, args.num_prompts, target)
         space = parse_space(args.search, default_space(drafter, target), drafter.decode_class)
         check_space(drafter, space)
@@ -135,6 +136,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--threads", type=int, default=0,
+        help="CPU threads (0: the count that runs the target fastest on the machine as it is now)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--passes",

@@ -149,3 +149,19 @@ def test_every_batch_size_measures_the_same_prompts_in_whole_batches():
         EvalSpec(num_prompts=8, batch_sizes=(3, 4))
     with pytest.raises(ValueError, match=r"--prompts p\.txt gives 3"):
         sweep.prompts_measured(3, "--prompts p.txt")
+
+
+def test_threads_are_as_asked_or_the_fastest_measured_now(tiny_target):
+    from specdraft.inference.measure import choose_threads, usable_cores
+
+    before = torch.get_num_threads()
+    try:
+        assert choose_threads(1, tiny_target) == 1 == torch.get_num_threads()
+        said = []
+        chosen = choose_threads(0, tiny_target, log=said.append)
+        assert 1 <= chosen <= usable_cores() and chosen == torch.get_num_threads()
+        assert said and said[0].startswith(f"threads: {chosen} (a short target forward with 1: ")
+        with pytest.raises(ValueError, match="--threads must be >= 0"):
+            choose_threads(-1, tiny_target)
+    finally:
+        torch.set_num_threads(before)
