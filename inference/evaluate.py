@@ -29,7 +29,7 @@ import torch
 from specdraft.config import override
 from specdraft.core import DecodeConfig, eos_ids, owner_of
 from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
-from specdraft.inference.measure import Run, loop_decoder, read_prompts, summarize
+from specdraft.inference.measure import Run, loop_decoder, memory_bound, read_prompts, summarize
 from specdraft.inference.report import Column, Report, acceptance_figure, markdown_table, styles
 from specdraft.precision import dtype_name, resolve_precision, to_dtype
 
@@ -371,7 +371,9 @@ def split_drafter_spec(spec: str) -> tuple[str, list[str]]:
 # --- report ------------------------------------------------------------------------------------
 
 
-def make_report(spec: EvalSpec, targets, runs: Sequence[Run]) -> dict:
+def make_report(
+    spec: EvalSpec, targets, runs: Sequence[Run], bandwidth: float | None = None
+) -> dict:
     """report.json's content: the target, the settings, one row of figures per run (a method at
     one batch size), each with the short `label` the plots name it by (the same at every batch
     size), and each method's `crossover` batch size. `targets`: the target, or one per precision
@@ -383,7 +385,9 @@ def make_report(spec: EvalSpec, targets, runs: Sequence[Run]) -> dict:
     decoding in the run's own precision and batch size. Greedy output is checked (`matches_ar`)
     against the plain decoding of the run's own precision and batch size (or its `same_as`): in
     bf16 a multi-token pass can round a near tie differently from a one-token step, and the
-    report says so as measured."""
+    report says so as measured. `bandwidth`: the machine's measured read bandwidth
+    (measure.read_bandwidth), against which each precision's plain decoding at batch size 1 is
+    set as a fraction of its memory bound (`memory_bound`)."""
     targets = list(targets) if isinstance(targets, (list, tuple)) else [targets]
     of_dtype = {dtype_name(t.dtype): t for t in targets}
     greedy = spec.greedy
@@ -439,6 +443,12 @@ def make_report(spec: EvalSpec, targets, runs: Sequence[Run]) -> dict:
     for row in rows:
         if row["method"] != "ar":  # plain decoding, of the base or a fine-tuned target
             speedups.setdefault(row["name"], {})[row["batch_size"]] = row["speedup_vs_ar"]
+    if bandwidth is not None:
+        settings["memory_bound"] = {
+            dtype: memory_bound(of_dtype.get(dtype, targets[0]), _tokens_per_s(run), bandwidth)
+            for (dtype, b), run in plain.items()
+            if b == 1
+        }
     return {
         "target": {"name": targets[0].name, **targets[0].fingerprint},
         "settings": settings,
@@ -550,8 +560,32 @@ def markdown(report: dict) -> str:
         "",
         *runs_markdown(report["runs"]),
         *sweep_markdown(report),
+        *memory_markdown(s.get("memory_bound", {})),
     ]
     return "\n".join(lines) + "\n"
+
+
+def memory_markdown(bounds: Mapping[str, dict]) -> list[str]:
+    """Plain decoding against the memory limit, per precision: nothing when not measured."""
+    if not bounds:
+        return []
+    lines = [
+        "",
+        "## Plain decoding against the memory limit",
+        "",
+        "Weight bytes a step reads over the time a token takes, against this machine's read "
+        "bandwidth measured in the same process (batch size 1; KV-cache reads left out).",
+        "",
+        "| precision | weight MB per token | read GB/s | bound tokens/s | plain tokens/s | of bound |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for dtype, m in bounds.items():
+        lines.append(
+            f"| {dtype} | {m['weight_bytes_per_token'] / 1e6:.0f} | "
+            f"{m['read_bandwidth_gb_s']:.1f} | {m['bound_tokens_per_s']:.1f} | "
+            f"{m['tokens_per_s']:.1f} | {m['fraction_of_bound']:.0%} |"
+        )
+    return lines
 
 
 def sweep_markdown(report: dict) -> list[str]:

@@ -313,6 +313,51 @@ def choose_threads(asked: int, target, log: Callable[[str], None] | None = None)
     return best
 
 
+def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """The machine's memory read bandwidth in bytes per second as this process sees it now, with
+    torch's current threads: the fastest of `repeats` sums over a float32 buffer far larger than
+    any cache. Plain decoding of a model whose weights do not fit in cache reads every weight
+    once a token, so bandwidth / weight bytes bounds its tokens per second (`memory_bound`)."""
+    buffer = torch.ones(megabytes * 2**20 // 4)
+    buffer.sum()  # pages touched, threads started
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * 4 / best
+
+
+def weight_bytes_per_token(target) -> int:
+    """Bytes of weights one plain decoding step reads: every weight once (shared ones once),
+    except an input embedding the LM head does not share, of which a step reads one row."""
+    model = target.model
+    embedding = model.get_input_embeddings().weight
+    tied = embedding is model.get_output_embeddings().weight
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) in seen or (p is embedding and not tied):
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total
+
+
+def memory_bound(target, tokens_per_s: float, bandwidth: float) -> dict:
+    """How close plain decoding at `tokens_per_s` (batch 1) comes to the memory limit: the
+    weight bytes it reads a token, over the time a token takes, against the measured read
+    `bandwidth` (bytes/s). The KV cache's reads, small at these contexts, are left out."""
+    per_token = weight_bytes_per_token(target)
+    bound = bandwidth / per_token
+    return {
+        "weight_bytes_per_token": per_token,
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "bound_tokens_per_s": bound,
+        "tokens_per_s": tokens_per_s,
+        "fraction_of_bound": tokens_per_s / bound,
+    }
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its affinity where the OS reports one)."""
     if hasattr(os, "sched_getaffinity"):

@@ -46,7 +46,7 @@ from specdraft.inference.evaluate import (
     parse_dtypes,
     runs_per_precision,
 )
-from specdraft.inference.measure import choose_threads, load_prompts, measure
+from specdraft.inference.measure import choose_threads, load_prompts, measure, read_bandwidth
 from specdraft.inference.report import write_report
 from specdraft.targets import load_target
 
@@ -74,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a bad --drafter: its folder, or a decoding setting
         raise SystemExit(str(e)) from None
     measure(runs, prompts, targets[0], log=lambda m: print(f"[evaluate] {m}", file=sys.stderr))
+    bandwidth = read_bandwidth() if targets[0].device.type == "cpu" else None
 
-    report = evaluation_report(make_report(spec, targets, runs), runs)
+    report = evaluation_report(make_report(spec, targets, runs, bandwidth), runs)
     write_report(report, Path(args.output), args.wandb)
     print(report.markdown)
     return 0

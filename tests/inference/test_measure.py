@@ -165,3 +165,21 @@ def test_threads_are_as_asked_or_the_fastest_measured_now(tiny_target):
             choose_threads(-1, tiny_target)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_step_reads_every_weight_once_and_one_row_of_an_untied_embedding(tiny_target):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdraft.inference.measure import weight_bytes_per_token
+    from specdraft.targets.target import Target
+
+    tied = weight_bytes_per_token(tiny_target)  # the demo target ties its LM head
+    assert tied == sum(p.numel() * 4 for p in tiny_target.model.parameters())  # shared once
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, tie_word_embeddings=False)  # fmt: skip
+    untied = Target(LlamaForCausalLM(config), tiny_target.tokenizer)
+    everything = sum(p.numel() * 4 for p in untied.model.parameters())
+    assert weight_bytes_per_token(untied) == everything - 64 * 16 * 4
+    assert weight_bytes_per_token(Target(untied.model.bfloat16(), tiny_target.tokenizer)) * 2 == (
+        everything - 64 * 16 * 4
+    )
