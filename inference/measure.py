@@ -284,7 +284,8 @@ def measure_vs_plain(
 def choose_threads(asked: int, target, log: Callable[[str], None] | None = None) -> int:
     """Set torch's CPU threads for decoding with `target` and return the count: `asked` when
     > 0; 0 picks, among 1, the powers of two and every core this process may use, the count at
-    which a short forward of the target runs fastest on the machine as it is now. Beside another
+    which a one-token decoding step of the target runs fastest on the machine as it is now (the
+    most threads within 5% of the fastest). Beside another
     busy process a full thread pool waits on the busy cores (a fifth of one thread's speed was
     seen with 2 threads on 2 shared cores), so "all cores" is not always the fastest."""
     if asked < 0:
@@ -294,22 +295,33 @@ def choose_threads(asked: int, target, log: Callable[[str], None] | None = None)
         return torch.get_num_threads()
     cores = usable_cores()
     candidates = sorted({1, cores, *(2**i for i in range(1, cores.bit_length()) if 2**i < cores)})
-    ids = torch.ones(1, 8, dtype=torch.long, device=target.device)
-    seconds = {}
-    for n in candidates:
-        torch.set_num_threads(n)
-        target.forward(ids)  # warm-up: the pool starts
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            target.forward(ids)
-            times.append(time.perf_counter() - start)
-        seconds[n] = min(times)
-    best = min(seconds, key=seconds.get)
+    seconds = {n: _decode_step_seconds(target, n) for n in candidates}
+    # the most threads within 5% of the fastest: a near tie is noise, and more threads read
+    # more memory at once when the machine is quiet
+    fastest = min(seconds.values())
+    best = max(n for n, t in seconds.items() if t <= 1.05 * fastest)
     torch.set_num_threads(best)
     if log is not None:
-        said = ", ".join(f"{n}: {1000 * t:.0f} ms" for n, t in seconds.items())
-        log(f"threads: {best} (a short target forward with {said})")
+        said = ", ".join(f"{n}: {1000 * t:.1f} ms" for n, t in seconds.items())
+        log(f"threads: {best} (a one-token decoding step of the target with {said})")
+    return best
+
+
+def _decode_step_seconds(target, threads: int, context: int = 32, repeats: int = 5) -> float:
+    """The fastest of `repeats` one-token steps of `target` after a `context`-token prompt, at
+    `threads` threads: what plain decoding repeats (the cache is cut back after each)."""
+    from transformers import DynamicCache
+
+    torch.set_num_threads(threads)
+    ids = torch.ones(1, context + 1, dtype=torch.long, device=target.device)
+    cache = DynamicCache()
+    target.forward(ids[:, :context], cache=cache, use_cache=True)
+    best = math.inf
+    for _ in range(repeats + 1):  # the first warms the pool up
+        start = time.perf_counter()
+        target.forward(ids[:, context:], cache=cache, use_cache=True)
+        best = min(best, time.perf_counter() - start)
+        cache.crop(-1)
     return best
 
 

@@ -160,7 +160,9 @@ def test_threads_are_as_asked_or_the_fastest_measured_now(tiny_target):
         said = []
         chosen = choose_threads(0, tiny_target, log=said.append)
         assert 1 <= chosen <= usable_cores() and chosen == torch.get_num_threads()
-        assert said and said[0].startswith(f"threads: {chosen} (a short target forward with 1: ")
+        assert said and said[0].startswith(
+            f"threads: {chosen} (a one-token decoding step of the target with 1: "
+        )
         with pytest.raises(ValueError, match="--threads must be >= 0"):
             choose_threads(-1, tiny_target)
     finally:
