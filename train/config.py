@@ -77,8 +77,9 @@ class LoopEvalConfig:
     # evaluate.py and a user decode it by default), whatever training loaded it in: the demo
     # target trains in bf16 on a CPU with native bf16 but decodes fastest in fp32 (one-token
     # steps gain nothing from bf16 there; BENCHMARKS.md, "Precision"). Or float32 | bfloat16 |
-    # float16.
-    dtype: str = choice("auto", "float32", "bfloat16", "float16")
+    # float16; native: bf16 where the device computes it natively (AVX-512 BF16 or AMX CPUs,
+    # most GPUs), else fp32 (a real target decodes fastest so: BENCHMARKS.md, "Real targets").
+    dtype: str = choice("auto", "native", "float32", "bfloat16", "float16")
     # CPU threads for the measurement; 0: every core this process may use, as decoding would.
     # (`accelerate launch` pins a lone CPU process to 1 thread for training; decoding speedups
     # differ by thread count, so the measurement states the count it ran with.)

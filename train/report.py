@@ -19,7 +19,7 @@ from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference.continuations import CORPUS, SERVED_GREEDY, SERVED_SAMPLED, served_examples
 from specdraft.inference.measure import load_prompts, measure_vs_plain, usable_cores
 from specdraft.inference.tune import default_space, search_decode
-from specdraft.precision import to_dtype
+from specdraft.precision import native_bf16, to_dtype
 from specdraft.targets.hidden_cache import CachedTarget
 from specdraft.targets.target import load_target
 
@@ -75,6 +75,16 @@ def warn_the_loop_loads_the_whole_target(cfg, prompts) -> None:
         )
 
 
+def loop_dtype(asked: str, target) -> torch.dtype:
+    """The target's precision in the end-of-run measurement: as saved (auto), bf16 where the
+    device computes it natively and fp32 elsewhere (native: what a user serves), or as named."""
+    if asked == "auto":
+        return target.saved_dtype
+    if asked == "native":
+        return torch.bfloat16 if native_bf16(target.device) else torch.float32
+    return to_dtype(asked)
+
+
 def report_after_training(target, result, prompts, cfg) -> dict | None:
     """The end of a training script (`result` from `train`, `cfg` its config): print the simulated
     tau before and after training, then serve the saved `final/` drafter in our loop against
@@ -97,7 +107,7 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
         )
     if not prompts:
         return None
-    dtype = target.saved_dtype if cfg.eval_loop.dtype == "auto" else to_dtype(cfg.eval_loop.dtype)
+    dtype = loop_dtype(cfg.eval_loop.dtype, target)
     # the whole target, loaded here where training held a part of it (a ZeRO-3 shard, or the
     # embeddings-only copy beside a hidden-state cache) or held it in another precision (e.g.
     # trained against a bf16 copy, decoded as saved: fp32)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+import torch
 
 from specdraft.config import (
     ConfigError,
@@ -599,3 +600,17 @@ def test_best_within_out_of_range_is_named(value):
     with pytest.raises(ConfigError, match=r"best_within must be in \[0, 1\).*0\.02 for 2%") as err:
         load_config(TrainConfig, None, [f"best_within={value}"])
     assert err.value.key == "best_within"
+
+
+def test_the_loop_measures_in_native_precision_where_asked(tiny_target, monkeypatch):
+    """eval_loop.dtype=native: bf16 where the CPU computes it natively, else fp32; auto: as the
+    target was saved."""
+    from specdraft.precision import native_bf16
+    from specdraft.train.report import loop_dtype
+
+    assert loop_dtype("auto", tiny_target) == tiny_target.saved_dtype == torch.float32
+    expected = torch.bfloat16 if native_bf16("cpu") else torch.float32
+    assert loop_dtype("native", tiny_target) == expected
+    monkeypatch.setenv("SPECDRAFT_NO_BF16", "1")
+    assert loop_dtype("native", tiny_target) == torch.float32
+    assert loop_dtype("bfloat16", tiny_target) == torch.bfloat16
