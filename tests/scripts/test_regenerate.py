@@ -164,3 +164,9 @@ def test_a_bad_batch_size_is_refused_before_anything_is_written(tiny_target, dat
     with pytest.raises(DataError, match="--batch-size must be >= 1"):
         regenerate(tiny_target, str(data_file), out, batch_size=0)
     assert not out.exists()
+
+
+def test_a_target_without_a_chat_template_is_named(tiny_target, data_file, tmp_path, monkeypatch):
+    monkeypatch.setattr(tiny_target.tokenizer, "chat_template", None)
+    with pytest.raises(DataError, match=r"has no chat template.*--prompt-tokens"):
+        regenerate(tiny_target, str(data_file), tmp_path / "o.jsonl", max_new_tokens=4)

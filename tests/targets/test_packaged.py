@@ -49,12 +49,9 @@ def test_a_gguf_file_loads_as_the_model_it_holds(tiny_gguf, tiny_target, one_thr
     assert torch.allclose(target(ids).logits, tiny_target(ids).logits, atol=1e-5, rtol=0)
     text = "def add(a, b):\n    return a + b\n"
     assert target.tokenizer(text).input_ids == tiny_target.tokenizer(text).input_ids
-    assert (
-        target.fingerprint["source"]
-        == f"{tiny_gguf.name} (sha256 {sha(tiny_gguf.read_bytes())[:16]})"
-    )
+    assert target.fingerprint["source"] == f"GGUF sha256 {sha(tiny_gguf.read_bytes())[:16]}"
     assert target.fingerprint["weights"] == tiny_target.fingerprint["weights"]
-    with pytest.raises(ValueError, match=r"source: expected None, got 'tiny-demo\.F32\.gguf"):
+    with pytest.raises(ValueError, match=r"source: expected None, got 'GGUF sha256 [0-9a-f]{16}'"):
         check_fingerprint(tiny_target.fingerprint, target.fingerprint, "a drafter")
     # A second load reads the cached folder: nothing is dequantized again.
     assert load_target(str(tiny_gguf)).fingerprint == target.fingerprint
@@ -162,6 +159,40 @@ def test_a_full_disk_while_dequantizing_leaves_nothing(registry, tiny_gguf, monk
     with pytest.raises(CacheError, match=r"disk is full .* nothing was left in the cache"):
         ensure_gguf_target(tiny_gguf)
     assert cache_entries() == []
+
+
+def test_a_full_disk_while_saving_the_weights_is_named(registry, tiny_gguf, monkeypatch):
+    """safetensors reports a full disk as its own error, not as an OSError: still named."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    def full(*_, **__):
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    with pytest.raises(CacheError, match=r"disk is full .* nothing was left in the cache"):
+        ensure_gguf_target(tiny_gguf)
+    assert cache_entries() == []
+
+
+def test_the_file_is_read_by_its_path_and_known_by_its_bytes(
+    registry, tiny_gguf, tiny_target_path, tiny_target, tmp_path, monkeypatch
+):
+    """A file of the same name in the working directory is not read instead, and the same
+    bytes under another name are the same target (same folder, same fingerprint)."""
+    decoy = tmp_path / "elsewhere"
+    decoy.mkdir()
+    write_llama_gguf(Path(tiny_target_path), decoy / tiny_gguf.name, tensor_type="Q8_0")
+    monkeypatch.chdir(decoy)
+    target = load_target(str(tiny_gguf))
+    ids = torch.arange(1, 20).unsqueeze(0)
+    assert torch.allclose(target(ids).logits, tiny_target(ids).logits, atol=1e-5, rtol=0)
+    renamed = tmp_path / "renamed.GGUF"
+    renamed.write_bytes(tiny_gguf.read_bytes())
+    assert ensure_gguf_target(renamed) == ensure_gguf_target(tiny_gguf)
+    assert load_target(str(renamed)).fingerprint == target.fingerprint
 
 
 def test_two_processes_at_once_build_it_once(registry, tiny_gguf, monkeypatch):
