@@ -80,7 +80,9 @@ class LoopEvalConfig:
     # float16; native: bf16 where the device computes it natively (AVX-512 BF16 or AMX CPUs,
     # most GPUs), else fp32 (a real target decodes fastest so: BENCHMARKS.md, "Real targets").
     dtype: str = choice("auto", "native", "float32", "bfloat16", "float16")
-    # CPU threads for the measurement; 0: every core this process may use, as decoding would.
+    # CPU threads for the measurement; 0: the count at which a one-token step of the target runs
+    # fastest on the machine as it is (inference/measure.py, choose_threads; --threads 0 of the
+    # scripts).
     # (`accelerate launch` pins a lone CPU process to 1 thread for training; decoding speedups
     # differ by thread count, so the measurement states the count it ran with.)
     threads: int = 0
@@ -88,7 +90,7 @@ class LoopEvalConfig:
     def __post_init__(self) -> None:
         if self.threads < 0:
             raise ConfigError(
-                f"eval_loop.threads must be >= 0 (0: all cores); got {self.threads}",
+                f"eval_loop.threads must be >= 0 (0: the fastest now); got {self.threads}",
                 key="eval_loop.threads",
             )
         if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.tune_budgets):

@@ -17,7 +17,7 @@ from accelerate import PartialState
 from specdraft.formats.checkpoint import set_decode
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference.continuations import CORPUS, SERVED_GREEDY, SERVED_SAMPLED, served_examples
-from specdraft.inference.measure import load_prompts, measure_vs_plain, usable_cores
+from specdraft.inference.measure import choose_threads, load_prompts, measure_vs_plain
 from specdraft.inference.tune import default_space, search_decode
 from specdraft.precision import native_bf16, to_dtype
 from specdraft.targets.hidden_cache import CachedTarget
@@ -117,7 +117,7 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
         target = load_target(cfg.target, dtype=dtype, device=target.device, adapter=adapter)
     threads = torch.get_num_threads()
     if target.device.type == "cpu":
-        torch.set_num_threads(cfg.eval_loop.threads or usable_cores())
+        choose_threads(cfg.eval_loop.threads, target, log=lambda m: print(f"[specdraft] {m}"))
     try:
         drafter = load_drafter(final, target)
         decode, tuning = load_decoding(final), None
