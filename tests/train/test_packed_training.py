@@ -181,11 +181,13 @@ def test_one_trainer_step_on_packed_rows_equals_one_on_padded_conversations(
         results[name] = (result.losses[0], {n: p.detach() for n, p in drafter.named_parameters()})
     assert results["packed"][0] == pytest.approx(results["padded"][0], rel=1e-5)
     # AdamW's first step moves a weight by about lr * g / (|g| + eps): a gradient's rounding
-    # near 0 moves it by up to a part in 1e3 of lr, and where |g| is near eps (1e-8: one of
-    # DFlash's MLP weights here) by a part in 1e2, hence the absolute tolerance; the gradients
-    # themselves are held equal above, tightly
+    # near 0 moves it by up to a part in 1e3 of lr, and where |g| is within a few eps (1e-8)
+    # by more: one of DFlash's 4,096 MLP weights here moved 3.3e-4 (3% of lr) apart on an AMD
+    # EPYC with AVX-512 BF16, 1e-4 on an Intel Xeon; hence the absolute tolerance, a tenth of
+    # lr. A packing bug moves weights by about lr (1e-2), and the loss is held equal above,
+    # tightly.
     for name, weight in results["padded"][1].items():
-        torch.testing.assert_close(results["packed"][1][name], weight, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(results["packed"][1][name], weight, rtol=1e-5, atol=1e-3)
 
 
 @pytest.mark.parametrize("trained", [True, False], ids=["step-draws", "held-out-draws"])
