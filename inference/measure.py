@@ -116,11 +116,14 @@ def read_prompts(
         else:  # plain text: prompts separated by blank lines
             texts = [t for t in path.read_text().split("\n\n") if t.strip()]
         texts = texts[:n]
-    return [tokenizer(t, return_tensors="pt").input_ids for t in texts]
+    return [
+        torch.tensor([t]) if isinstance(t, list) else tokenizer(t, return_tensors="pt").input_ids
+        for t in texts
+    ]
 
 
-def _prompt_text(tokenizer, row, where: str) -> str:
-    """One prompt file row as text: a string, a "prompt" field, or a conversation's chat prompt."""
+def _prompt_text(tokenizer, row, where: str) -> str | list[int]:
+    """One prompt file row: a string, a "prompt" field, or a conversation's chat prompt (ids)."""
     if isinstance(row, str):
         return row
     if isinstance(row, dict) and isinstance(row.get("prompt"), str):
@@ -133,10 +136,12 @@ def _prompt_text(tokenizer, row, where: str) -> str:
     )
 
 
-def chat_prompt(tokenizer, messages: list, where: str = "a conversation") -> str:
-    """The text a chat model answers: `messages` up to their last user turn, through the
-    tokenizer's chat template with the assistant's turn opened. A tokenizer without a chat
-    template (a base model) gets the user turns' text as it is, blank-line separated."""
+def chat_prompt(tokenizer, messages: list, where: str = "a conversation") -> str | list[int]:
+    """What a chat model answers: `messages` up to their last user turn, through the
+    tokenizer's chat template with the assistant's turn opened, as token ids tokenized the way
+    training data is (data/chat.py: the template's text, no special tokens added to it). A
+    tokenizer without a chat template (a base model) gets the user turns' text as it is,
+    blank-line separated, to be tokenized as any text prompt."""
     turns = [m for m in messages if isinstance(m, dict)]
     last = max((i for i, m in enumerate(turns) if m.get("role") == "user"), default=None)
     if last is None or len(turns) != len(messages):
@@ -146,12 +151,8 @@ def chat_prompt(tokenizer, messages: list, where: str = "a conversation") -> str
     turns = turns[: last + 1]
     if not tokenizer.chat_template:
         return "\n\n".join(str(m.get("content", "")) for m in turns if m.get("role") == "user")
-    text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-    # the template wrote the BOS token the tokenizer adds again
-    bos = tokenizer.bos_token
-    if bos and text.startswith(bos) and tokenizer("x").input_ids[:1] == [tokenizer.bos_token_id]:
-        text = text[len(bos) :]
-    return text
+    rendered = tokenizer.apply_chat_template(turns, add_generation_prompt=True, return_dict=True)
+    return list(rendered["input_ids"])
 
 
 def loop_decoder(target, drafter, **options) -> Decode:
