@@ -10,6 +10,7 @@ the training scripts end with.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -280,6 +281,23 @@ def measure_vs_plain(
     row["ar_tokens_per_s"] = ar.stats.new_tokens / ar.seconds
     row["ar_mean_log_p"] = ar.stats.mean_log_p
     return {**row, "max_new_tokens": max_new_tokens, **options}
+
+
+THREADS_HELP = "CPU threads (0: the count that runs the target fastest on the machine as it is now)"
+
+
+def add_threads_argument(parser) -> None:
+    """Every measuring script's --threads, which it hands to `choose_threads`; a negative count
+    is refused by the parser."""
+
+    def count(text: str) -> int:
+        if not text.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= 0 (0: the fastest now), got {text!r}"
+            )
+        return int(text)
+
+    parser.add_argument("--threads", type=count, default=0, help=THREADS_HELP)
 
 
 def choose_threads(asked: int, target, log: Callable[[str], None] | None = None) -> int:

@@ -46,7 +46,13 @@ from specdraft.inference.evaluate import (
     parse_dtypes,
     runs_per_precision,
 )
-from specdraft.inference.measure import choose_threads, load_prompts, measure, read_bandwidth
+from specdraft.inference.measure import (
+    add_threads_argument,
+    choose_threads,
+    load_prompts,
+    measure,
+    read_bandwidth,
+)
 from specdraft.inference.report import write_report
 from specdraft.targets import load_target
 
@@ -58,12 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # TargetError too
         raise SystemExit(f"scripts/evaluate.py: error: {e}") from None
     targets = [load_target(args.target, dtype=d, device=args.device) for d in args.dtypes]
-    try:
-        choose_threads(
-            args.threads, targets[0], log=lambda m: print(f"[evaluate] {m}", file=sys.stderr)
-        )
-    except ValueError as e:
-        raise SystemExit(f"scripts/evaluate.py: error: {e}") from None
+    choose_threads(
+        args.threads, targets[0], log=lambda m: print(f"[evaluate] {m}", file=sys.stderr)
+    )
     try:
         prompts = load_prompts(spec.prompts, spec.num_prompts, targets[0])
         prompts = prompts[: spec.prompts_measured(len(prompts), f"--prompts {spec.prompts}")]
@@ -145,10 +148,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalSpec]:
         help="float32, bfloat16, float16 or several (float32,bfloat16), for the target and "
         "drafters (default: as saved); bf16 on a CPU without native bf16 is emulated and slow",
     )
-    parser.add_argument(
-        "--threads", type=int, default=0,
-        help="CPU threads (0: the count that runs the target fastest on the machine as it is now)",
-    )  # fmt: skip
+    add_threads_argument(parser)
     parser.add_argument("--output", required=True, help="folder for report.json/.md and plots")
     parser.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to W&B")
     args = parser.parse_args(argv)

@@ -33,7 +33,7 @@ from specdraft.config import override
 from specdraft.formats.reading import folder_target, load_decoding, load_drafter
 from specdraft.inference.continuations import served_examples
 from specdraft.inference.evaluate import split_drafter_spec
-from specdraft.inference.measure import choose_threads, load_prompts
+from specdraft.inference.measure import add_threads_argument, choose_threads, load_prompts
 from specdraft.inference.parity import (
     first_difference,
     merged,
@@ -130,10 +130,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--target", default=None, help="the target; default: the folder's own")
     p.add_argument("--prompts", default="demo", help="demo | a .txt/.json/.jsonl prompt file")
-    p.add_argument(
-        "--threads", type=int, default=0,
-        help="CPU threads (0: the count that runs the target fastest on the machine as it is now)",
-    )  # fmt: skip
+    add_threads_argument(p)
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gamma", type=int, default=None, help="default: the folder's decoding")

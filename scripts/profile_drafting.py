@@ -40,7 +40,7 @@ from specdraft.formats.reading import (
 )
 from specdraft.inference.evaluate import split_drafter_spec
 from specdraft.inference.generate import generate
-from specdraft.inference.measure import choose_threads, load_prompts
+from specdraft.inference.measure import add_threads_argument, choose_threads, load_prompts
 
 PROPOSE = "specdraft.propose"  # the profiler's label around each proposal
 
@@ -183,10 +183,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--target", default=None, help="default: the first folder's own target")
     p.add_argument("--prompts", default="demo", help="demo | a .txt/.json/.jsonl prompt file")
-    p.add_argument(
-        "--threads", type=int, default=0,
-        help="CPU threads (0: the count that runs the target fastest on the machine as it is now)",
-    )  # fmt: skip
+    add_threads_argument(p)
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--top", type=int, default=8, help="operations listed per drafter")

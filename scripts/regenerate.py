@@ -54,7 +54,7 @@ from specdraft.data.requests import stdlib_requests
 from specdraft.data.sources import DataError, Row, SkipRow, read_rows
 from specdraft.formats import load_drafter
 from specdraft.inference import generate
-from specdraft.inference.measure import choose_threads
+from specdraft.inference.measure import add_threads_argument, choose_threads
 from specdraft.targets.target import load_target
 
 
@@ -324,10 +324,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--drafter", default=None,
         help="draft the answers: prompt_lookup or a drafter folder (default: plain decoding)",
     )  # fmt: skip
-    parser.add_argument(
-        "--threads", type=int, default=0,
-        help="CPU threads (0: the count that runs the target fastest on the machine as it is now)",
-    )  # fmt: skip
+    add_threads_argument(parser)
     parser.add_argument("--format", default="auto", help="auto | sharegpt | messages | ultrachat")
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

@@ -33,7 +33,7 @@ from specdraft.drafters.base import kinds_own_settings
 from specdraft.formats.checkpoint import set_decode
 from specdraft.formats.reading import folder_target, load_decoding, load_drafter
 from specdraft.inference.evaluate import parse_batch_sizes
-from specdraft.inference.measure import choose_threads, load_prompts
+from specdraft.inference.measure import add_threads_argument, choose_threads, load_prompts
 from specdraft.inference.tune import (
     MIN_GAIN,
     SEARCH_ORDER,
@@ -136,10 +136,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument(
-        "--threads", type=int, default=0,
-        help="CPU threads (0: the count that runs the target fastest on the machine as it is now)",
-    )  # fmt: skip
+    add_threads_argument(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--passes",
