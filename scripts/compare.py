@@ -26,6 +26,7 @@ import argparse
 import sys
 
 from specdraft.inference.evaluate import parse_batch_sizes
+from specdraft.targets.target import TARGET_HELP
 from specdraft.train.compare import CompareSpec, compare, families
 
 
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None) -> CompareSpec:
     parser.add_argument(
         "--target",
         default="demo",
-        help="a packaged target (smollm2-135m, gemma3-270m), a .gguf file, a model folder, a hub id, or demo",
+        help=TARGET_HELP,
     )
     parser.add_argument(
         "--families", default="", help=f"comma-separated (default: all, {','.join(families())})"

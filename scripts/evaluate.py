@@ -55,6 +55,7 @@ from specdraft.inference.measure import (
 )
 from specdraft.inference.report import write_report
 from specdraft.targets import load_target
+from specdraft.targets.target import TARGET_HELP
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +95,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalSpec]:
     parser.add_argument(
         "--target",
         default="demo",
-        help="a packaged target (smollm2-135m, gemma3-270m), a .gguf file, a model folder, a hub id, or demo",
+        help=TARGET_HELP,
     )
     parser.add_argument(
         "--drafter",

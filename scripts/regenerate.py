@@ -55,7 +55,7 @@ from specdraft.data.sources import DataError, Row, SkipRow, read_rows
 from specdraft.formats import load_drafter
 from specdraft.inference import generate
 from specdraft.inference.measure import add_threads_argument, choose_threads
-from specdraft.targets.target import load_target
+from specdraft.targets.target import TARGET_HELP, load_target
 
 
 def regenerate(
@@ -313,8 +313,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", required=True, help="the JSON lines file to write (appended)")
     parser.add_argument(
         "--target", default="demo",
-        help="a packaged target (smollm2-135m, gemma3-270m), a .gguf file, a model folder, a hub "
-        "id, or demo",
+        help=TARGET_HELP,
     )  # fmt: skip
     parser.add_argument(
         "--batch-size", type=int, default=16,

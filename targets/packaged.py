@@ -117,11 +117,6 @@ PACKAGED_TARGETS: dict[str, PackagedTarget] = {
 }
 
 
-def packaged_names() -> str:
-    """The packaged targets, one line each, for --help texts and errors."""
-    return "; ".join(f"{s.name} ({s.model}: {s.summary})" for s in PACKAGED_TARGETS.values())
-
-
 def targets_home() -> Path:
     return specdraft_home() / "targets"
 

