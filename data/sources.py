@@ -9,6 +9,7 @@ Problems with the source as a whole (a missing file, an unsupported file type) a
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from collections import Counter
@@ -19,7 +20,16 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-JSON_SUFFIXES = (".json", ".jsonl")
+# Training sets that ship with specdraft, by name (data/answers/, docs/real-targets.md): a chat
+# target's own answers to the standard-library requests of data/requests.py, made by
+# scripts/regenerate.py (too slow to make on 2 CPU cores within the main job).
+SHIPPED_ANSWERS = {
+    "stdlib-requests.smollm2-135m": Path(__file__).parent
+    / "answers"
+    / "stdlib-requests.smollm2-135m.jsonl.gz",
+}
+
+JSON_SUFFIXES = (".json", ".jsonl", ".jsonl.gz")
 PARQUET_SUFFIXES = (".parquet",)
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
 SUPPORTED_SUFFIXES = JSON_SUFFIXES + PARQUET_SUFFIXES + TEXT_SUFFIXES
@@ -37,8 +47,9 @@ _FILE_LIKE_SUFFIXES = (
 )
 
 SUPPORTED_HELP = (
-    f"supported: a .json, .jsonl or .parquet file, a text file ({', '.join(TEXT_SUFFIXES)}), "
-    "a folder of these, 'demo', or a hub dataset id such as 'HuggingFaceH4/ultrachat_200k'"
+    f"supported: a .json, .jsonl(.gz) or .parquet file, a text file "
+    f"({', '.join(TEXT_SUFFIXES)}), a folder of these, 'demo', a shipped set "
+    f"({', '.join(SHIPPED_ANSWERS)}), or a hub dataset id such as 'HuggingFaceH4/ultrachat_200k'"
 )
 
 
@@ -72,10 +83,19 @@ def read_rows(path: str, name: str | None = None, split: str = "train") -> Itera
     """All rows of `path`: a local file or folder when it looks like one, else a dataset id for
     `datasets.load_dataset(path, name, split=split)`. A missing file, an unsupported file type or
     a dataset that cannot be loaded raise `DataError` here, before the first row is read."""
+    if path in SHIPPED_ANSWERS:
+        return _read_local_files([SHIPPED_ANSWERS[path]])
     if looks_local(path):
         files = _local_files(Path(path).expanduser())
         return _read_local_files(files)
     return read_hub(path, name, split)
+
+
+def suffix(file: Path) -> str:
+    """A file's type as its name says it: `.jsonl.gz` for gzipped JSON Lines, else the last
+    suffix, lower-cased."""
+    name = file.name.lower()
+    return ".jsonl.gz" if name.endswith(".jsonl.gz") else file.suffix.lower()
 
 
 def looks_local(path: str) -> bool:
@@ -94,7 +114,7 @@ def _local_files(path: Path) -> list[Path]:
     if not path.exists():
         raise DataError(f"data path not found: {path}. Check the path ({SUPPORTED_HELP}).")
     if path.is_file():
-        if path.suffix.lower() not in SUPPORTED_SUFFIXES:
+        if suffix(path) not in SUPPORTED_SUFFIXES:
             raise DataError(
                 f"unsupported file type '{path.suffix}' for {path}; {SUPPORTED_HELP}. "
                 "Convert it to .jsonl or .parquet."
@@ -107,12 +127,12 @@ def _local_files(path: Path) -> list[Path]:
         relative = file.relative_to(path)
         if not file.is_file() or any(part.startswith(".") for part in relative.parts):
             continue
-        if file.suffix.lower() in SUPPORTED_SUFFIXES:
+        if suffix(file) in SUPPORTED_SUFFIXES:
             files.append(file)
         else:
             ignored[file.suffix or "(no suffix)"] += 1
     if not files:
-        found = ", ".join(f"{suffix} x{n}" for suffix, n in ignored.most_common()) or "nothing"
+        found = ", ".join(f"{kind} x{n}" for kind, n in ignored.most_common()) or "nothing"
         raise DataError(
             f"no supported data files in folder {path} (found: {found}); {SUPPORTED_HELP}."
         )
@@ -128,13 +148,18 @@ def _local_files(path: Path) -> list[Path]:
 
 def _read_local_files(files: list[Path]) -> Iterator[Row]:
     for file in files:
-        suffix = file.suffix.lower()
-        if suffix == ".jsonl":
-            with file.open("rb") as f:
-                yield from _read_json_lines(file, f)
-        elif suffix == ".json":
+        kind = suffix(file)
+        if kind in (".jsonl", ".jsonl.gz"):
+            with (gzip.open if kind == ".jsonl.gz" else open)(file, "rb") as f:
+                try:
+                    yield from _read_json_lines(file, f)
+                except (OSError, EOFError) as e:  # gzip: not gzipped, or cut short
+                    raise DataError(
+                        f"cannot read {file} as gzipped JSON Lines: {e}. Is the file complete?"
+                    ) from e
+        elif kind == ".json":
             yield from _read_json(file)
-        elif suffix in PARQUET_SUFFIXES:
+        elif kind in PARQUET_SUFFIXES:
             yield from _read_parquet(file)
         else:
             yield _read_text(file)

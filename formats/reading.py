@@ -128,20 +128,24 @@ def folder_target(
     is its own target (LayerSkip); else the target its run trained against (its
     train_config.yaml). A Medusa-2 folder gets that target with its adapter merged. Raises
     ValueError where the folder does not say."""
-    meta, _ = read_metadata(folder)
-    if name is None:
-        if meta is not None and drafter_class(meta["kind"]).uses_target_weights:
-            name = str(folder)
-        else:
-            config = Path(folder) / "train_config.yaml"
-            if not config.is_file():
-                raise ValueError(
-                    f"{folder} does not say which target it drafts for (no train_config.yaml): "
-                    "pass --target"
-                )
-            name = str(yaml.safe_load(config.read_text())["target"])
-    target = load_target(name, dtype=dtype, device=device)
+    target = load_target(name or folder_target_name(folder), dtype=dtype, device=device)
     return fine_tuned_target(str(folder), target) or target
+
+
+def folder_target_name(folder: str | Path) -> str:
+    """The name of the target a drafter folder decodes with: the folder itself for a kind that
+    is its own target (LayerSkip), else the target its run trained against (its
+    train_config.yaml). Raises ValueError where the folder does not say."""
+    meta, _ = read_metadata(folder)
+    if meta is not None and drafter_class(meta["kind"]).uses_target_weights:
+        return str(folder)
+    config = Path(folder) / "train_config.yaml"
+    if not config.is_file():
+        raise ValueError(
+            f"{folder} does not say which target it drafts for (no train_config.yaml): "
+            "pass --target"
+        )
+    return str(yaml.safe_load(config.read_text())["target"])
 
 
 def _load_once(loaded: dict | None, key: tuple, load):

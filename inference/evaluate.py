@@ -372,7 +372,11 @@ def split_drafter_spec(spec: str) -> tuple[str, list[str]]:
 
 
 def make_report(
-    spec: EvalSpec, targets, runs: Sequence[Run], bandwidth: float | None = None
+    spec: EvalSpec,
+    targets,
+    runs: Sequence[Run],
+    bandwidth: float | None = None,
+    prompts: Sequence[torch.Tensor] | None = None,
 ) -> dict:
     """report.json's content: the target, the settings, one row of figures per run (a method at
     one batch size), each with the short `label` the plots name it by (the same at every batch
@@ -387,7 +391,9 @@ def make_report(
     bf16 a multi-token pass can round a near tie differently from a one-token step, and the
     report says so as measured. `bandwidth`: the machine's measured read bandwidth
     (measure.read_bandwidth), against which each precision's plain decoding at batch size 1 is
-    set as a fraction of its memory bound (`memory_bound`)."""
+    set as a fraction of its memory bound (`memory_bound`). `prompts` (the measured ones, in
+    order): report.json's `outputs` holds each prompt's text and what every run decoded from it
+    at the smallest batch size, so a reader sees what was produced, not only how fast."""
     targets = list(targets) if isinstance(targets, (list, tuple)) else [targets]
     of_dtype = {dtype_name(t.dtype): t for t in targets}
     greedy = spec.greedy
@@ -449,12 +455,29 @@ def make_report(
             for (dtype, b), run in plain.items()
             if b == 1
         }
-    return {
+    report = {
         "target": {"name": targets[0].name, **targets[0].fingerprint},
         "settings": settings,
         "runs": rows,
         "crossover": {name: crossover(by_size) for name, by_size in speedups.items()},
     }
+    if prompts is not None:
+        report["outputs"] = decoded_texts(targets[0].tokenizer, prompts, runs, label_of)
+    return report
+
+
+def decoded_texts(tokenizer, prompts, runs: Sequence[Run], label_of: Mapping[str, str]) -> list:
+    """Per prompt, its text and each method's decoded text (by its short label) at the smallest
+    batch size measured."""
+    smallest = min(run.batch_size for run in runs)
+    shown = [run for run in runs if run.batch_size == smallest]
+    return [
+        {
+            "prompt": tokenizer.decode(prompt[0].tolist()),
+            "outputs": {label_of[run.name]: tokenizer.decode(run.outputs[i]) for run in shown},
+        }
+        for i, prompt in enumerate(prompts)
+    ]
 
 
 def crossover(speedups: Mapping[int, float]) -> int | None:

@@ -261,25 +261,46 @@ def measure_vs_plain(
     *,
     max_new_tokens: int,
     log=None,
+    alone: bool = False,
     **options,
 ) -> dict:
     """A drafter in our loop against plain decoding on `prompts`: summarize's figures for the
     drafter (tau, speedup_vs_ar, drafted, matches_ar at temperature 0, ...) plus the plain run's
-    tokens/s. options go to both generate calls (temperature, seed, ...), except the decoding
-    settings (decode=, gamma=, ...), which are the drafter's."""
+    tokens/s and, as "outputs", each prompt's decoded text. options go to both generate calls
+    (temperature, seed, ...), except the decoding settings (decode=, gamma=, ...), which are the
+    drafter's. alone: also measure the drafter with copying from the context off
+    (lookup_ngram=0), side by side, its figures under "alone" (where the drafter copies)."""
     drafting = {"decode", *(f.name for f in dataclasses.fields(DecodeConfig))}
     shared = {k: v for k, v in options.items() if k not in drafting}
     ar = Run("ar", "ar", loop_decoder(target, None, max_new_tokens=max_new_tokens, **shared))
+    extra = drafter.num_extra_parameters(target)
     run = Run(
         drafter.kind,
         drafter.kind,
         loop_decoder(target, drafter, max_new_tokens=max_new_tokens, **options),
-        drafter.num_extra_parameters(target),
+        extra,
     )
-    measure([ar, run], prompts, target, log)
-    row = summarize(run, ar, target, greedy=options.get("temperature", 0.0) == 0)
+    decode = options.get("decode")
+    copies = options.get("lookup_ngram", decode.lookup_ngram if decode else 0)
+    solo = None
+    if alone and copies:
+        solo_options = {**options, "lookup_ngram": 0}
+        decoder = loop_decoder(target, drafter, max_new_tokens=max_new_tokens, **solo_options)
+        solo = Run(f"{drafter.kind} alone", drafter.kind, decoder, extra)
+    measure([r for r in (ar, run, solo) if r is not None], prompts, target, log)
+    greedy = options.get("temperature", 0.0) == 0
+    row = summarize(run, ar, target, greedy=greedy)
     row["ar_tokens_per_s"] = ar.stats.new_tokens / ar.seconds
     row["ar_mean_log_p"] = ar.stats.mean_log_p
+    if solo is not None:
+        keep = ("tau", "acceptance_per_position", "tokens_per_s", "speedup_vs_ar", "matches_ar")
+        row["alone"] = {
+            k: v for k, v in summarize(solo, ar, target, greedy=greedy).items() if k in keep
+        }
+    row["outputs"] = [
+        {"prompt": target.tokenizer.decode(p[0].tolist()), "text": target.tokenizer.decode(out)}
+        for p, out in zip(prompts, run.outputs, strict=True)
+    ]
     return {**row, "max_new_tokens": max_new_tokens, **options}
 
 

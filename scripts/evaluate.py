@@ -36,6 +36,7 @@ from pathlib import Path
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.base import kinds_own_settings
+from specdraft.formats.reading import folder_target_name
 from specdraft.inference.evaluate import (
     BASELINES,
     HF_GAMMA,
@@ -45,6 +46,7 @@ from specdraft.inference.evaluate import (
     parse_batch_sizes,
     parse_dtypes,
     runs_per_precision,
+    split_drafter_spec,
 )
 from specdraft.inference.measure import (
     add_threads_argument,
@@ -55,7 +57,7 @@ from specdraft.inference.measure import (
 )
 from specdraft.inference.report import write_report
 from specdraft.targets import load_target
-from specdraft.targets.target import TARGET_HELP
+from specdraft.targets.target import DEFAULT_TARGET, TARGET_HELP
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     measure(runs, prompts, targets[0], log=lambda m: print(f"[evaluate] {m}", file=sys.stderr))
     bandwidth = read_bandwidth() if targets[0].device.type == "cpu" else None
 
-    report = evaluation_report(make_report(spec, targets, runs, bandwidth), runs)
+    report = evaluation_report(make_report(spec, targets, runs, bandwidth, prompts), runs)
     write_report(report, Path(args.output), args.wandb)
     print(report.markdown)
     return 0
@@ -94,8 +96,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalSpec]:
     )
     parser.add_argument(
         "--target",
-        default="demo",
-        help=TARGET_HELP,
+        default=None,
+        help=f"{TARGET_HELP} (default: the first --drafter folder's own, else {DEFAULT_TARGET})",
     )
     parser.add_argument(
         "--drafter",
@@ -170,6 +172,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalSpec]:
         args.dtypes = parse_dtypes(args.dtype, args.device)
     except ValueError as e:
         parser.error(f"--dtype: {e}")
+    if args.target is None:
+        try:
+            first = args.drafter and split_drafter_spec(args.drafter[0])[0]
+            known = first and Path(first).is_dir()  # else the drafter's own error, later
+            args.target = folder_target_name(first) if known else DEFAULT_TARGET
+        except ValueError as e:  # the folder does not say: --target
+            parser.error(str(e))
     return args, spec
 
 

@@ -53,6 +53,22 @@ class ConfigError(ValueError):
         self.key = key
 
 
+# The folder of every kind's configs (configs/KIND/demo.yaml and its recipes) in a checkout
+CHECKOUT_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def configs_folder() -> Path:
+    """Where each kind's default config, KIND/demo.yaml, is read from: the folder
+    SPECDRAFT_CONFIGS names (a team's own defaults; the test suite's tiny-target ones), else the
+    checkout's configs/."""
+    return Path(os.environ.get("SPECDRAFT_CONFIGS") or CHECKOUT_CONFIGS)
+
+
+def default_config(kind: str) -> Path:
+    """A kind's default config: `configs_folder()`/KIND/demo.yaml."""
+    return configs_folder() / kind / "demo.yaml"
+
+
 # --- building a config: layers merged by OmegaConf, errors traced back to their layer -----------
 
 

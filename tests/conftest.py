@@ -8,6 +8,11 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The entry scripts' default configs (configs/KIND/demo.yaml) train on a real target fetched from
+# the package registry; the suite's (tests/configs/KIND/demo.yaml) are the tiny target on the demo
+# corpus, which every test shrinks further. Set here, before any test module imports a trainer,
+# and inherited by the processes tests start.
+os.environ["SPECDRAFT_CONFIGS"] = os.path.join(os.path.dirname(__file__), "configs")
 # "auto" precision (the trainer's mixed_precision, the demo build) resolves as on the machine the
 # suite runs on: bf16 where the CPU has it natively, else fp32. A test that compares with an fp32
 # reference, or asserts an exact or tight figure, pins its precision (mixed_precision=no, an fp32

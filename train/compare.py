@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.config import load_config
+from specdraft.config import default_config, load_config
 from specdraft.drafters.base import Drafter, drafter_kinds, hf_model_kind
 from specdraft.formats.checkpoint import read_metadata, set_decode
 from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
@@ -55,7 +55,7 @@ from specdraft.inference.report import (
     write_report,
 )
 from specdraft.inference.tune import default_space, search_decode
-from specdraft.targets.target import load_target
+from specdraft.targets.target import DEFAULT_TARGET, load_target
 from specdraft.train.compare_report import (
     GAP_FLAG,
     SAME_PROMPTS_FLAG,
@@ -65,8 +65,6 @@ from specdraft.train.compare_report import (
 from specdraft.train.config import TrainConfig
 from specdraft.train.trainer import TrainResult
 
-# configs/KIND/demo.yaml: the config a family trains with, and what makes a kind a family
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # beside a run trained by compare: its wall-clock time and training tokens, so a later
 # comparison that takes the folder (--folder) still reports what training it cost
 TRAINING_RECORD = "compare_training.json"
@@ -74,19 +72,19 @@ TRAINING_RECORD = "compare_training.json"
 
 def families() -> list[str]:
     """Every registered drafter kind with a demo config to train from, by name."""
-    return sorted(k for k in drafter_kinds() if (CONFIGS / k / "demo.yaml").is_file())
+    return sorted(k for k in drafter_kinds() if default_config(k).is_file())
 
 
 @dataclass
 class CompareSpec:
     """What scripts/compare.py compares, and how. ValueError names a bad value."""
 
-    target: str = "demo"  # demo, a model folder or a hub id
+    target: str = DEFAULT_TARGET  # a packaged target, .gguf, model folder, hub id or demo
     families: tuple[str, ...] = ()  # empty: every family (`families()`)
-    budget_tokens: int = 1_000_000  # training tokens per family (padded length)
+    budget_tokens: int = 300_000  # training tokens per family (padded length)
     folders: Mapping[str, str] = field(default_factory=dict)  # family -> a folder trained already
     settings: Mapping[str, Sequence[str]] = field(default_factory=dict)  # family -> key=value, ...
-    prompts: str = "demo"  # demo, or a .txt/.json/.jsonl file
+    prompts: str = "stdlib-requests"  # stdlib-requests, demo, or a .txt/.json/.jsonl file
     num_prompts: int = 20
     max_new_tokens: int = 128
     tune_prompts: int = 4  # 0: keep the saved decoding settings
@@ -338,7 +336,7 @@ def measure_all(
         )
         runs += [r for r in extra if r.name not in names]
     measure(runs, prompts, target, log=lambda m: print(f"[compare] {m}", file=sys.stderr))
-    return make_report(eval_spec, [target], runs), runs
+    return make_report(eval_spec, [target], runs, prompts=prompts), runs
 
 
 def predict_tree(found: Family, target, loaded: dict | None = None) -> None:

@@ -1,7 +1,7 @@
 """Train a DFlash drafter on the target's hidden states: `accelerate launch train/dflash.py [key=value ...]`.
 
-Defaults to configs/dflash/demo.yaml (a one-layer DFlash drafter on the demo target, on a CPU in
-minutes); `--config configs/dflash/qwen3-8b.yaml` picks a recipe, `--help` lists every key.
+Defaults to configs/dflash/demo.yaml (a one-layer DFlash drafter for SmolLM2-135M-Instruct, on a
+CPU); `--config configs/dflash/qwen3-8b.yaml` picks a recipe, `--help` lists every key.
 Setup, training and the report are train/eagle.py's `run` (online or from the hidden-state cache,
 `hidden_cache`), given this kind's drafter; the drafter and its loss are drafters/dflash.py.
 """
@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
-from specdraft.config import parse_cli
+from specdraft.config import default_config, parse_cli
 from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
 from specdraft.train import eagle
 from specdraft.train.config import SetupError
 from specdraft.train.trainer import TrainResult
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "dflash" / "demo.yaml"
+DEFAULT_CONFIG = default_config("dflash")
 
 
 @dataclass

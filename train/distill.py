@@ -1,6 +1,6 @@
 """Distil a small draft model from the target: `accelerate launch train/distill.py [key=value ...]`.
 
-Defaults to configs/distill/demo.yaml (the demo target, on a CPU in minutes); `--config
+Defaults to configs/distill/demo.yaml (a student for SmolLM2-135M-Instruct, on a CPU); `--config
 llama3-8b.yaml` picks a recipe beside it, `--help` lists every key. Setup, train, save: the loop
 is train/trainer.py, the student and its losses drafters/distill.py.
 """
@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from specdraft.config import parse_cli
+from specdraft.config import default_config, parse_cli
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.distill import DistillConfig, DistillDecode, DistillDrafter
 from specdraft.targets.frozen import frozen_targets
@@ -27,7 +26,7 @@ from specdraft.train.report import (
 )
 from specdraft.train.trainer import TrainResult, train
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "distill" / "demo.yaml"
+DEFAULT_CONFIG = default_config("distill")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Train an EAGLE head on the target's hidden states: `accelerate launch train/eagle.py [key=value ...]`.
 
-Defaults to configs/eagle/demo.yaml (an EAGLE-3 head on the demo target, on a CPU in minutes);
+Defaults to configs/eagle/demo.yaml (the main job: an EAGLE-3 head for SmolLM2-135M-Instruct, on a
+CPU in about 15 minutes; SPECDRAFT_CONFIGS names another folder of defaults);
 `--config configs/eagle/llama3.1-8b-eagle3.yaml` picks a recipe, `--help` lists every key.
 Setup, train, report: the loop is train/trainer.py, the head and its loss drafters/eagle.py.
 """
@@ -9,12 +10,11 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from specdraft.config import ConfigError, parse_cli
+from specdraft.config import ConfigError, default_config, parse_cli
 from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
@@ -29,7 +29,7 @@ from specdraft.train.report import (
 )
 from specdraft.train.trainer import TrainResult, train
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "eagle" / "demo.yaml"
+DEFAULT_CONFIG = default_config("eagle")
 
 
 @dataclass

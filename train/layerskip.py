@@ -1,6 +1,6 @@
 """Fine-tune the target for LayerSkip: `accelerate launch train/layerskip.py [key=value ...]`.
 
-Defaults to configs/layerskip/demo.yaml (the demo target, fully fine-tuned on a CPU in minutes);
+Defaults to configs/layerskip/demo.yaml (SmolLM2-135M-Instruct, fully fine-tuned on a CPU);
 `--help` lists every key. The target itself trains (layer dropout and the early-exit loss,
 drafters/layerskip.py; drafter.lora.rank > 0 trains LoRA adapters instead), so every checkpoint
 is a plain HF model folder that is its own target: `evaluate.py --target runs/layerskip-demo/final
@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
-from specdraft.config import parse_cli
+from specdraft.config import default_config, parse_cli
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDecode, LayerSkipDrafter
 from specdraft.targets.target import load_target
@@ -24,7 +23,7 @@ from specdraft.train.launch import whole_model_loading
 from specdraft.train.report import loop_prompts
 from specdraft.train.trainer import TrainResult, train
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "layerskip" / "demo.yaml"
+DEFAULT_CONFIG = default_config("layerskip")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Train Medusa heads: `accelerate launch train/medusa.py [key=value ...]`.
 
-Defaults to configs/medusa/demo.yaml (Medusa-1 heads on the frozen demo target, on a CPU in
-minutes); `--config medusa2-demo.yaml` co-trains the target through LoRA adapters (Medusa-2),
+Defaults to configs/medusa/demo.yaml (Medusa-1 heads on the frozen SmolLM2-135M-Instruct, on a
+CPU); `--config medusa2-demo.yaml` co-trains the target through LoRA adapters (Medusa-2),
 `--help` lists every key. Setup, train, report: the loop is
 train/trainer.py, the heads, their loss and their tree drafters/medusa.py.
 """
@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from specdraft.config import parse_cli
+from specdraft.config import default_config, parse_cli
 from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
 from specdraft.drafters.medusa import MedusaConfig, MedusaDecode, MedusaDrafter
@@ -30,7 +29,7 @@ from specdraft.train.report import (
 )
 from specdraft.train.trainer import TrainResult, train
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "medusa" / "demo.yaml"
+DEFAULT_CONFIG = default_config("medusa")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Train a P-EAGLE head on the target's hidden states: `accelerate launch train/peagle.py [key=value ...]`.
 
-Defaults to configs/peagle/demo.yaml (a P-EAGLE head on the demo target, on a CPU in minutes);
+Defaults to configs/peagle/demo.yaml (a P-EAGLE head for SmolLM2-135M-Instruct, on a CPU);
 `--config configs/peagle/llama3.1-8b.yaml` picks a recipe, `--help` lists every key. The head
 is EAGLE-3's, so setup, training and the report are train/eagle.py's `run` (online or from the
 hidden-state cache, `hidden_cache`), given this kind's head; the head and its COD loss are
@@ -12,16 +12,15 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import ClassVar
 
-from specdraft.config import parse_cli
+from specdraft.config import default_config, parse_cli
 from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter
 from specdraft.train import eagle
 from specdraft.train.config import SetupError
 from specdraft.train.trainer import TrainResult
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "peagle" / "demo.yaml"
+DEFAULT_CONFIG = default_config("peagle")
 
 
 @dataclass

@@ -152,7 +152,7 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
             for folder in tuned:  # (their train_config.yaml keeps the settings trained with)
                 set_decode(folder, decode)
         m = measure_vs_plain(
-            target, drafter, prompts, seed=cfg.seed, decode=decode,
+            target, drafter, prompts, seed=cfg.seed, decode=decode, alone=True,
             max_new_tokens=cfg.eval_loop.max_new_tokens, temperature=cfg.eval_loop.temperature,
         )  # fmt: skip
         m["torch_threads"] = torch.get_num_threads()
@@ -184,6 +184,13 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
         f"{m['ar_tokens_per_s']:.1f} tokens/s, same process, {m['torch_threads']} CPU "
         f"thread(s)){notes}; {path}"
     )
+    if "alone" in m:  # the drafter's own share: the same settings with copying off
+        solo = m["alone"]
+        print(
+            f"[specdraft] the drafter alone (lookup_ngram=0, measured beside it): tau "
+            f"{solo['tau']:.3f}, speedup {solo['speedup_vs_ar']:.2f}x ({solo['tokens_per_s']:.1f} "
+            "tokens/s)"
+        )
     # The parity check that costs nothing more: on the same prompts, greedy, with the settings
     # trained for, the walk of the loop's steps predicts the measured tau exactly
     exact = m["simulation"] == "served" and m["simulated_on"] == SERVED_GREEDY

@@ -3,13 +3,14 @@ missing file, an unsupported type, and a malformed line (skipped, not fatal)."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from specdraft.data.sources import DataError, looks_local, read_hub, read_rows
+from specdraft.data.sources import SHIPPED_ANSWERS, DataError, looks_local, read_hub, read_rows
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
 
@@ -20,6 +21,33 @@ def test_jsonl_rows_carry_their_line_numbers(tmp_path):
     rows = list(read_rows(str(path)))
     assert [row.where for row in rows] == [f"{path}:1", f"{path}:3"]  # blank line 2 is no row
     assert rows[0].record == CHAT and rows[0].error is None
+
+
+def test_gzipped_json_lines_in_a_file_and_a_folder_and_a_cut_file_is_named(tmp_path):
+    path = tmp_path / "chats.jsonl.gz"
+    whole = gzip.compress((json.dumps(CHAT) + "\n" + json.dumps({"text": "x"}) + "\n").encode())
+    path.write_bytes(whole)
+    rows = list(read_rows(str(path)))
+    assert [r.where for r in rows] == [f"{path}:1", f"{path}:2"] and rows[0].record == CHAT
+    assert [r.record for r in read_rows(str(tmp_path))] == [CHAT, {"text": "x"}]
+    path.write_bytes(whole[: len(whole) // 2])  # a download cut short
+    with pytest.raises(DataError, match=r"chats\.jsonl\.gz as gzipped JSON Lines.*complete"):
+        list(read_rows(str(path)))
+    path.write_text(json.dumps(CHAT))  # named .gz, never gzipped
+    with pytest.raises(DataError, match="gzipped JSON Lines"):
+        list(read_rows(str(path)))
+
+
+def test_a_shipped_set_is_read_by_name_from_any_folder(tmp_path, monkeypatch):
+    """The main job's data ships with specdraft and is named, not a path relative to a checkout:
+    the target's own answers, conversations with an assistant turn to learn."""
+    monkeypatch.chdir(tmp_path)
+    name = "stdlib-requests.smollm2-135m"
+    assert SHIPPED_ANSWERS[name].is_file()
+    rows = list(read_rows(name))
+    assert len(rows) >= 500 and all(r.error is None for r in rows)
+    roles = [m["role"] for m in rows[0].record["messages"]]
+    assert roles[0] == "user" and roles[-1] == "assistant"
 
 
 def test_malformed_json_line_is_one_skipped_row(tmp_path):

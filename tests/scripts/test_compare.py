@@ -37,7 +37,7 @@ TINY = [
     "--set", "peagle:drafter.num_depths=3",
 ]  # fmt: skip
 SMALL = [
-    "--target", "demo-tiny", "--budget-tokens", "2000", "--num-prompts", "2",
+    "--target", "demo-tiny", "--prompts", "demo", "--budget-tokens", "2000", "--num-prompts", "2",
     "--max-new-tokens", "10", "--tune-prompts", "1",
 ]  # fmt: skip
 for family in ("dflash", "distill", "eagle", "medusa", "layerskip", "peagle"):

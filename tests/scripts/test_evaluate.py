@@ -4,6 +4,7 @@ report.json with the agreed fields, report.md and the three plots."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -70,6 +71,11 @@ def test_greedy_report(tiny_target_path, draft_folder, tmp_path):
         "copy",
         "hf_assisted[copy]",
     }
+    # what each method decoded, by its label, beside each prompt's text: greedy, all the same
+    texts = report["outputs"]
+    assert len(texts) == 2 and all(t["prompt"] for t in texts)
+    labels = {r["label"] for r in runs.values()}
+    assert all(set(t["outputs"]) == labels and len(set(t["outputs"].values())) == 1 for t in texts)
     for r in runs.values():
         assert set(r) == FIELDS
         assert r["mean_log_p"] is None and r["lossy"] is False  # greedy: p is a point mass
@@ -327,3 +333,20 @@ def test_a_drafters_own_settings_shape_its_drafts(tiny_target, tiny_target_path,
     # tree_top_k=3, tree_budget=9: more nodes per pass than a chain 4 deep can hold.
     assert tree["drafted"] > 4 * drafting_passes(tree)
     assert len(tree["acceptance_per_position"]) <= 4
+
+
+def test_the_target_defaults_to_the_drafters_own_else_the_embedded_one(tmp_path, draft_folder):
+    """No --target: the first drafter folder's run names it (train_config.yaml), with no drafter
+    the embedded default; a drafter folder that does not say is an error asking for --target."""
+    from specdraft.targets.target import DEFAULT_TARGET
+
+    args, _ = evaluate.parse_args(["--output", str(tmp_path)])
+    assert args.target == DEFAULT_TARGET == "smollm2-135m"
+    run = tmp_path / "run"
+    shutil.copytree(draft_folder, run)
+    (run / "train_config.yaml").write_text("target: some/model\n")
+    args, _ = evaluate.parse_args(["--drafter", f"{run}:gamma=3", "--output", str(tmp_path)])
+    assert args.target == "some/model"
+    for folder in (draft_folder, tmp_path):  # no train_config.yaml; no drafter at all
+        with pytest.raises(SystemExit):
+            evaluate.parse_args(["--drafter", str(folder), "--output", str(tmp_path)])

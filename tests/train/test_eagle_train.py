@@ -5,19 +5,18 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 import torch
 
-from specdraft.config import load_config
+from specdraft.config import CHECKOUT_CONFIGS, load_config
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference import generate
 from specdraft.scripts import export
-from specdraft.train.eagle import DEFAULT_CONFIG, EagleTrainConfig, main
+from specdraft.train.eagle import EagleTrainConfig, main
 
-RECIPES = sorted(Path(DEFAULT_CONFIG).parent.glob("*.yaml"))
+RECIPES = sorted((CHECKOUT_CONFIGS / "eagle").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("version", ["eagle3", "eagle1"])
@@ -62,6 +61,12 @@ def test_training_lowers_the_loss_and_final_loads(tiny_target, tiny_target_path,
     assert after["eval_on"] == "served-greedy" and after["greedy_simulation"] == how
     assert served["simulated_on"] == "served-greedy" and served["simulated_tau"] == served["tau"]
     assert served["torch_threads"] == 1  # as asked, and stated beside the speedup
+    # copying on (lookup_ngram 2): the head alone measured beside it, also exact; and what
+    # each prompt decoded to, for a reader
+    assert served["decode"]["lookup_ngram"] == 2 and served["alone"]["matches_ar"] is True
+    assert served["alone"]["tau"] >= 1 and served["alone"]["speedup_vs_ar"] > 0
+    rows = served["outputs"]
+    assert len(rows) == 2 and all(r["prompt"] and r["text"] for r in rows)
     # the trained head goes to the serving engines' layouts and comes back the same head
     prompt = tiny_target.tokenizer("def add(a, b):")["input_ids"]
     decode = load_decoding(out / "final")

@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdraft.config import load_config
+from specdraft.config import CHECKOUT_CONFIGS, load_config
 from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.formats.checkpoint import CheckpointError
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference import generate
 from specdraft.scripts import evaluate
 from specdraft.targets.target import TargetError, load_target
-from specdraft.train.medusa import DEFAULT_CONFIG, MedusaTrainConfig, main
+from specdraft.train.medusa import MedusaTrainConfig, main
 
-RECIPES = sorted(Path(DEFAULT_CONFIG).parent.glob("*.yaml"))
+RECIPES = sorted((CHECKOUT_CONFIGS / "medusa").glob("*.yaml"))
 
 
 @pytest.mark.parametrize(

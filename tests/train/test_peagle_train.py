@@ -6,23 +6,22 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdraft.config import load_config
+from specdraft.config import CHECKOUT_CONFIGS, load_config
 from specdraft.core import DecodeConfig
 from specdraft.data.formats import Example
 from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter
 from specdraft.formats.reading import load_drafter
 from specdraft.targets.target import load_target
-from specdraft.train.peagle import DEFAULT_CONFIG, PEagleTrainConfig, main
+from specdraft.train.peagle import PEagleTrainConfig, main
 from specdraft.train.schedule import collate, examples_for, step_seed
 from specdraft.train.trainer import train
 
-RECIPES = sorted(Path(DEFAULT_CONFIG).parent.glob("*.yaml"))
+RECIPES = sorted((CHECKOUT_CONFIGS / "peagle").glob("*.yaml"))
 
 COMMON = [
     "micro_batch_size=4", "data.max_samples=40", "data.max_length=32", "warmup_steps=1",
