@@ -377,8 +377,8 @@ def parse_cli(
     """The config of an entry script: `[--config PATH] [key=value ...]`, or `-h/--help`.
 
     `--config PATH` replaces `default_config`; a relative PATH is looked up in the current
-    directory, then next to `default_config`, so `--config llama3-8b.yaml` finds a recipe beside
-    the kind's demo.yaml. `--help` prints every key with its type, value and meaning, and exits 0.
+    directory, then next to `default_config`, then in the checkout's configs/ folder of the same
+    name, so `--config llama3-8b.yaml` finds a recipe beside the kind's demo.yaml. `--help` prints every key with its type, value and meaning, and exits 0.
     A bad config prints the error and exits 2, as argparse does, so the user sees one line rather
     than a traceback.
     """
@@ -396,9 +396,12 @@ def parse_cli(
         path = default_config
         if args.config is not None:
             path = Path(args.config).expanduser()
-            beside = Path(default_config or ".").parent / path
-            if not path.exists() and not path.is_absolute() and beside.exists():
-                path = beside
+            kind_folder = Path(default_config or ".").parent
+            # beside the default, then among the checkout's recipes of the same kind (where
+            # SPECDRAFT_CONFIGS names a folder of defaults only)
+            for beside in (kind_folder / path, CHECKOUT_CONFIGS / kind_folder.name / path):
+                if not path.exists() and not path.is_absolute() and beside.exists():
+                    path = beside
         if args.help:
             print(format_help(cls, path, overrides, prog=prog))
             raise SystemExit(0)

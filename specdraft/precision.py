@@ -1,9 +1,10 @@
 """Which floating-point precision a machine runs fast, and the one place that decides it.
 
 bf16 is a different machine on CPUs with native bf16 (AVX-512 BF16, AMX): a bf16 matmul runs
-2-10x faster than fp32 there (BENCHMARKS.md, "Precision"), so the demo target's build and the
-trainer's autocast use it where it exists. Elsewhere bf16 is emulated and slower than fp32, so
-"auto" falls back to fp32 and says so once. GPUs: bf16 where torch says the device supports it.
+2-10x faster than fp32 there (git history of BENCHMARKS.md, "Precision"), so the demo target's
+build and the trainer's autocast use it where it exists. Elsewhere bf16 is emulated and slower
+than fp32, so "auto" falls back to fp32 and says so once. GPUs: bf16 where torch says the device
+supports it.
 
 `SPECDRAFT_NO_BF16=1` makes every CPU look like one without native bf16: the fallback, testable
 on any machine.

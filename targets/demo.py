@@ -75,7 +75,8 @@ class DemoSpec:
     # 0: the phase above, after the likelihood steps (build 3). r > 0: no extra steps; instead r of
     # the batch_size rows of each of the last `repeat_steps` likelihood steps are pseudo-repetitive,
     # trained at the schedule's lr by the same optimizers (repeat_lr unused). A cheaper build that
-    # sees r * repeat_steps fewer training blocks (BENCHMARKS.md, "Demo target, build 3").
+    # sees r * repeat_steps fewer training blocks (git history of BENCHMARKS.md, "Demo target,
+    # build 3").
     repeat_rows: int = 0
 
 
