@@ -218,8 +218,8 @@ class TrainConfig:
     loss_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
     # Autocast precision of training (accelerate's values): auto | no | bf16 | fp16. auto: bf16
     # where the device has native bf16 (GPUs that support it; CPUs with AVX-512 BF16 or AMX,
-    # where it trains 1.6-2.5x faster, BENCHMARKS.md "Precision"), else no (fp32). The saved
-    # train_config.yaml holds the precision the run used.
+    # where it trained 1.6-2.5x faster: git history of BENCHMARKS.md, "Precision"), else no
+    # (fp32). The saved train_config.yaml holds the precision the run used.
     mixed_precision: str = choice("auto", "no", "bf16", "fp16")
     # Threads per process when training on a CPU; 0: OMP_NUM_THREADS where you set it for a plain
     # `python` run, else the physical cores this process may use divided by the processes on this
@@ -241,8 +241,8 @@ class TrainConfig:
     best_by: str = choice("auto", "greedy", "sampled")
     # A later evaluation whose simulated tau is within this fraction of the best so far
     # replaces best/: the held-out prompts cannot rank checkpoints closer than their noise (on
-    # the demo target 20 prompts ranked two EAGLE-3 checkpoints 0.8% one way and 40 others
-    # 2.1% the other; BENCHMARKS.md, "Which checkpoint best/ keeps"), and within it the
+    # the demo target 20 prompts ranked two EAGLE-3 checkpoints 0.8% one way (3.59 against 3.56)
+    # and 40 others 2.1% the other; BENCHMARKS.md, "Which checkpoint best/ keeps"), and within it the
     # checkpoint trained longer is the better bet. 0: only a higher one replaces it.
     best_within: float = 0.02
 
