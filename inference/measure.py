@@ -280,8 +280,8 @@ def measure_vs_plain(
         loop_decoder(target, drafter, max_new_tokens=max_new_tokens, **options),
         extra,
     )
-    decode = options.get("decode")
-    copies = options.get("lookup_ngram", decode.lookup_ngram if decode else 0)
+    decode = options.get("decode") or drafter.decode_class()  # None: the kind's defaults
+    copies = options.get("lookup_ngram", decode.lookup_ngram)
     solo = None
     if alone and copies:
         solo_options = {**options, "lookup_ngram": 0}
