@@ -28,10 +28,16 @@ import torch
 
 from specdraft.config import override
 from specdraft.core import DecodeConfig, eos_ids, owner_of
-from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
+from specdraft.formats.reading import (
+    fine_tuned_target,
+    folder_target_name,
+    load_decoding,
+    load_drafter,
+)
 from specdraft.inference.measure import Run, loop_decoder, memory_bound, read_prompts, summarize
 from specdraft.inference.report import Column, Report, acceptance_figure, markdown_table, styles
 from specdraft.precision import dtype_name, resolve_precision, to_dtype
+from specdraft.targets.target import DEFAULT_TARGET
 
 BASELINES = ("ar", "hf_ar", "prompt_lookup", "hf_assisted", "hf_prompt_lookup", "hf_early_exit")
 # gamma for transformers' prompt lookup when --gamma is not given: our prompt lookup's default
@@ -358,6 +364,14 @@ def drafter_runs(
         for run in runs[1:]:
             run.same_as = runs[0].name
     return runs
+
+
+def default_target(drafters: Sequence[str]) -> str:
+    """The target to measure when none is named: the first drafter folder's own (its run's
+    train_config.yaml), else the embedded default. ValueError where that folder does not say;
+    a folder that does not exist is left to the drafter's own error, later."""
+    first = split_drafter_spec(drafters[0])[0] if drafters else None
+    return folder_target_name(first) if first and Path(first).is_dir() else DEFAULT_TARGET
 
 
 def split_drafter_spec(spec: str) -> tuple[str, list[str]]:

@@ -36,17 +36,16 @@ from pathlib import Path
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.base import kinds_own_settings
-from specdraft.formats.reading import folder_target_name
 from specdraft.inference.evaluate import (
     BASELINES,
     HF_GAMMA,
     EvalSpec,
+    default_target,
     evaluation_report,
     make_report,
     parse_batch_sizes,
     parse_dtypes,
     runs_per_precision,
-    split_drafter_spec,
 )
 from specdraft.inference.measure import (
     add_threads_argument,
@@ -172,13 +171,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalSpec]:
         args.dtypes = parse_dtypes(args.dtype, args.device)
     except ValueError as e:
         parser.error(f"--dtype: {e}")
-    if args.target is None:
-        try:
-            first = args.drafter and split_drafter_spec(args.drafter[0])[0]
-            known = first and Path(first).is_dir()  # else the drafter's own error, later
-            args.target = folder_target_name(first) if known else DEFAULT_TARGET
-        except ValueError as e:  # the folder does not say: --target
-            parser.error(str(e))
+    try:
+        args.target = args.target or default_target(args.drafter)
+    except ValueError as e:  # the drafter's folder does not say: --target
+        parser.error(str(e))
     return args, spec
 
 
