@@ -360,8 +360,15 @@ class LayerSkipDrafter(Drafter):
     def resolved_decode(self, decode: LayerSkipDecode) -> LayerSkipDecode:
         return decode.replace(exit_layer=self.draft_exit(decode))
 
+    def candidate_exits(self) -> list[int]:
+        """The exit layers a draft may stop at that training taught to: every one the loss
+        trains (drafter.early_exit_layers, or every early_exit_every-th, and exit_layer), the
+        last layer left out. Tuning races them and the end of a run measures each (on a 30-layer
+        target each costs an LM head over the held-out tokens)."""
+        return [e for e in self.config.exits(self.num_layers) if e < self.num_layers]
+
     def search_space(self, target) -> dict[str, list]:
-        return {"exit_layer": list(range(1, self.num_layers))}  # every exit the depth allows
+        return {"exit_layer": self.candidate_exits()}
 
     def transformers_baseline(self, decode: DecodeConfig):
         # the target drafting with its own first layers: transformers' early-exit assisted
@@ -500,20 +507,21 @@ class LayerSkipDrafter(Drafter):
 
     @torch.no_grad()
     def agreement_per_exit(self, batch: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """For every exit e in 1..L-1: (top-1 agreements with the final layer, summed sampled
-        acceptance alpha, positions) over the batch's loss positions, as a (3,) tensor: how well
-        each candidate exit layer would draft, without layer dropout."""
+        """For every candidate exit e (`candidate_exits`): (top-1 agreements with the final
+        layer, summed sampled acceptance alpha, positions) over the batch's loss positions, as a
+        (3,) tensor: how well each would draft, without layer dropout."""
+        exits = self.candidate_exits()
         training = self.training
         self.eval()
         try:
-            states = self.exit_states(batch, list(range(1, self.num_layers + 1)))
+            states = self.exit_states(batch, [*exits, self.num_layers])
         finally:
             self.train(training)
         keep = batch["loss_mask"][:, 1:].bool()
         lm_head = partial(final_logits, self.hf_model)  # soft-capped as the model caps
         final = lm_head(states[self.num_layers][:, :-1][keep]).float()
         out = {}
-        for e in range(1, self.num_layers):
+        for e in exits:
             logits = lm_head(states[e][:, :-1][keep]).float()
             agree = (logits.argmax(-1) == final.argmax(-1)).sum().float()
             alpha = simulated_alpha(final, logits).sum()

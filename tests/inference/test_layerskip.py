@@ -186,3 +186,12 @@ def test_another_model_as_target_is_refused(deep_target):
     other = make_target(tiny_llama(384, seed=8, layers=4))
     with pytest.raises(ValueError, match="its own fine-tuned model"):
         generate(other, [1, 2], self_drafter(deep_target, 2), max_new_tokens=4)
+
+
+def test_tuning_and_the_exit_table_cover_the_exits_training_taught(deep_target):
+    trained = LayerSkipConfig(exit_layer=2, early_exit_layers=[1])
+    drafter = LayerSkipDrafter(trained, deep_target.model)
+    assert drafter.candidate_exits() == [1, 2]  # the last layer (4) is no draft
+    assert drafter.search_space(deep_target) == {"exit_layer": [1, 2]}
+    every = self_drafter(deep_target, 2)  # no early_exit_layers: every layer's exit trains
+    assert every.candidate_exits() == [1, 2, 3]
