@@ -81,11 +81,11 @@ class CompareSpec:
 
     target: str = DEFAULT_TARGET  # a packaged target, .gguf, model folder, hub id or demo
     families: tuple[str, ...] = ()  # empty: every family (`families()`)
-    budget_tokens: int = 300_000  # training tokens per family (padded length)
+    budget_tokens: int = 100_000  # training tokens per family (padded length)
     folders: Mapping[str, str] = field(default_factory=dict)  # family -> a folder trained already
     settings: Mapping[str, Sequence[str]] = field(default_factory=dict)  # family -> key=value, ...
     prompts: str = "stdlib-requests"  # stdlib-requests, demo, or a .txt/.json/.jsonl file
-    num_prompts: int = 20
+    num_prompts: int = 10
     max_new_tokens: int = 128
     tune_prompts: int = 4  # 0: keep the saved decoding settings
     sampled: bool = True  # also measure at temperature 1
