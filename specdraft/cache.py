@@ -1,5 +1,6 @@
 """Folders specdraft builds once and keeps under SPECDRAFT_HOME (default ~/.cache/specdraft): the
-demo target (targets/demo.py), the dequantized real targets (targets/packaged.py).
+demo target (targets/demo.py), the dequantized real targets (targets/packaged.py), the
+benchmark prompt sets (data/benchmarks.py).
 
 `build_once` makes such a folder safely from several processes at once (one builds under a file
 lock while the others wait and reuse it) and atomically (it is assembled under a temporary name
