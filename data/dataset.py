@@ -2,6 +2,8 @@
 
 1. Read rows (sources.py), or the demo corpus for `path: demo`.
 2. Parse each into a conversation or a text (formats.py); unusable rows are counted and skipped.
+   Every row is checked against the benchmark prompt sets (benchmarks.py): a row that holds a
+   benchmark prompt is a `DataError` naming it.
 3. Shuffle with `seed`, keep `max_samples`, split off `eval_fraction` for evaluation. The split is
    by row, before tokenization, so the same data and seed give the same split for any tokenizer,
    and text documents never straddle the two splits.
@@ -19,6 +21,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
+from specdraft.data.benchmarks import benchmark_index, check_no_benchmark
 from specdraft.data.chat import encode_conversation
 from specdraft.data.config import FORMATS, OVERLONG, DataConfig
 from specdraft.data.demo import demo_corpus_texts
@@ -49,6 +52,9 @@ class DataSummary:
     eval_examples: int = 0
     tokens: int = 0  # all tokens in train + eval examples
     loss_tokens: int = 0  # tokens with loss_mask == 1 (the tokens the model is trained on)
+    # the benchmark prompt sets the rows were checked against (none of their prompts is in them)
+    benchmarks_checked: tuple[str, ...] = ()
+    benchmarks_unchecked: list[str] = field(default_factory=list)  # "set: why it was not"
 
     def skip(self, reason: str, where: str, detail: str) -> None:
         self.skipped[reason] += 1
@@ -77,6 +83,12 @@ class DataSummary:
                 f"  {self.packed_conversations} conversations packed into {self.packed_rows} rows "
                 f"of at most max_length tokens"
             )
+        if self.benchmarks_checked:
+            lines.append(
+                f"  no prompt of {', '.join(self.benchmarks_checked)} in the rows (benchmark "
+                "contamination check)"
+            )
+        lines.extend(f"  not checked against {line}" for line in self.benchmarks_unchecked)
         for reason, count in self.skipped.most_common():
             lines.append(f"  skipped {count} x {reason}, e.g.")
             lines.extend(f"    {example}" for example in self.skipped_where[reason])
@@ -89,6 +101,7 @@ def build_datasets(cfg: DataConfig, tokenizer) -> tuple[list[Example], list[Exam
     _check_config(cfg, tokenizer)
     summary = DataSummary(source=cfg.path)
     items = _parse_rows(_rows(cfg), cfg.format if cfg.path != "demo" else "text", summary)
+    _refuse_benchmarks(items, cfg, summary)
 
     rng = random.Random(cfg.seed)
     rng.shuffle(items)
@@ -177,6 +190,35 @@ def _parse_rows(rows, fmt: str, summary: DataSummary) -> list[tuple[str, Convers
         except SkipRow as e:
             summary.skip(e.reason, row.where, e.detail)
     return items
+
+
+def _refuse_benchmarks(
+    items: list[tuple[str, Conversation | Text]], cfg: DataConfig, summary: DataSummary
+) -> None:
+    """A DataError naming the rows that hold a prompt of a benchmark set (data/benchmarks.py):
+    a drafter trained on the prompts it is measured on flatters its figures."""
+    index, summary.benchmarks_unchecked = benchmark_index()
+    texts = (
+        (
+            where,
+            item.text if isinstance(item, Text) else "\n".join(m.content for m in item.messages),
+        )
+        for where, item in items
+    )
+    found = check_no_benchmark(texts, index)
+    if found:
+        shown = "\n  ".join(found[:5]) + (
+            f"\n  ... and {len(found) - 5} more" if len(found) > 5 else ""
+        )
+        raise DataError(
+            f"{len(found)} {'row' if len(found) == 1 else 'rows'} of {cfg.path} "
+            f"{'holds' if len(found) == 1 else 'hold'} benchmark prompts, and a drafter is not "
+            f"trained on the prompts it is measured on:\n  {shown}\nRemove these rows from the "
+            "data (data/benchmarks.py says how a match is found)."
+        )
+    summary.benchmarks_checked = index.sets
+    for line in summary.benchmarks_unchecked:
+        logger.warning("data %s: not checked against %s", cfg.path, line)
 
 
 def _eval_count(n: int, fraction: float) -> int:

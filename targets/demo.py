@@ -29,10 +29,10 @@ from transformers import (
     LlamaForCausalLM,
 )
 
+from specdraft.cache import build_once, specdraft_home
 from specdraft.core import loops
 from specdraft.data.demo import END, build_demo_tokenizer, demo_corpus_texts, demo_prompts
 from specdraft.precision import resolve_precision
-from specdraft.cache import build_once, specdraft_home
 
 # Bump when a change to this file changes what a build produces for the same settings.
 BUILD_VERSION = 3  # 3: fp32 builds orthogonalize Muon's updates in fp32; the repetition phase

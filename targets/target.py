@@ -29,9 +29,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.utils import cached_file
 
 from specdraft.attention import AttentionError, AttentionLayout
+from specdraft.cache import CacheError
 from specdraft.core import TargetOutput
 from specdraft.precision import to_dtype
-from specdraft.cache import CacheError
 from specdraft.targets.demo import ensure_demo_target
 from specdraft.targets.packaged import (
     PACKAGED_TARGETS,

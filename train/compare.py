@@ -47,7 +47,7 @@ from specdraft.inference.evaluate import (
     check_batch_sizes,
     make_report,
 )
-from specdraft.inference.measure import Run, load_prompts, measure
+from specdraft.inference.measure import Run, measure_requests, read_requests, request_ids
 from specdraft.inference.metrics import simulated_tau
 from specdraft.inference.parity import folder_simulated_tau
 from specdraft.inference.report import (
@@ -84,8 +84,8 @@ class CompareSpec:
     budget_tokens: int = 100_000  # training tokens per family (padded length)
     folders: Mapping[str, str] = field(default_factory=dict)  # family -> a folder trained already
     settings: Mapping[str, Sequence[str]] = field(default_factory=dict)  # family -> key=value, ...
-    prompts: str = "stdlib-requests"  # stdlib-requests, demo, or a .txt/.json/.jsonl file
-    num_prompts: int = 10
+    prompts: str = "mt-bench"  # a named set, stdlib-requests, a file, ... (measure.read_requests)
+    num_prompts: int = 8  # requests, every turn measured (MT-Bench: one of each category)
     max_new_tokens: int = 128
     tune_prompts: int = 4  # 0: keep the saved decoding settings
     sampled: bool = True  # also measure at temperature 1
@@ -312,11 +312,12 @@ def measure_all(
     families: Sequence[Family],
     spec: CompareSpec,
     target,
-    prompts,
+    requests,
     temperature: float,
     loaded: dict | None = None,
 ) -> tuple[dict, list[Run]]:
-    """Every trained family plus the baselines on `prompts` at `temperature`, in this process:
+    """Every trained family plus the baselines on every turn of `requests` at `temperature`, in
+    this process:
     evaluate.py's runs and report rows (one per run). Transformers' own methods run greedy only;
     a drafter that copies from the context also runs alone (lookup_ngram=0): what the drafter
     buys by itself, and greedy the tau that training's simulated tau predicts. `loaded`: the
@@ -335,8 +336,10 @@ def measure_all(
             dataclasses.replace(eval_spec, drafters=alone, baselines=()), target, loaded=loaded
         )
         runs += [r for r in extra if r.name not in names]
-    measure(runs, prompts, target, log=lambda m: print(f"[compare] {m}", file=sys.stderr))
-    return make_report(eval_spec, [target], runs, prompts=prompts), runs
+    cases = measure_requests(
+        runs, requests, target, log=lambda m: print(f"[compare] {m}", file=sys.stderr)
+    )
+    return make_report(eval_spec, [target], runs, cases=cases, requests=requests), runs
 
 
 def predict_tree(found: Family, target, loaded: dict | None = None) -> None:
@@ -419,18 +422,24 @@ def family_rows(families: Sequence[Family], greedy: dict, sampled: dict | None) 
             simulated_over_training=found.simulated, tuned=found.tuned,
             # on the prompts measured: the gap a train/serve difference alone makes
             simulated_tau_same_prompts=found.simulated_measured,
-            tau_gap_same_prompts=found.simulated_measured / g["tau"] - 1
+            tau_gap_same_prompts=found.simulated_measured / first_turn(g)["tau"] - 1
             if found.simulated_measured
             else None,
             simulated_t1_same_prompts=found.simulated_measured_t1,
             # an expectation for the drafter alone (no copying) beside one sampled run
-            tau_gap_t1_same_prompts=found.simulated_measured_t1 / alone_t1["tau"] - 1
+            tau_gap_t1_same_prompts=found.simulated_measured_t1 / first_turn(alone_t1)["tau"] - 1
             if found.simulated_measured_t1 and s
             else None,
             crossover=greedy["crossover"][g["name"]] if multi else None,
         )  # fmt: skip
         out.append(row)
     return out
+
+
+def first_turn(row: dict) -> dict:
+    """A report row's figures on the requests' first turns: the prompts training's simulation
+    ran on (the later turns follow answers it never saw). The row itself where single-turn."""
+    return row.get("by_turn", {}).get("1", row)
 
 
 # --- the whole comparison ---------------------------------------------------------------------
@@ -465,9 +474,11 @@ def compare(spec: CompareSpec) -> Report:
             print(f"[compare] failed: {e}", file=sys.stderr)
             found.append(Family(name, error=str(e)))
     target = load_target(spec.target, dtype=spec.dtype, device=spec.device)
-    prompts = load_prompts(spec.prompts, spec.num_prompts, target)
-    # every batch size decodes the same prompts in whole batches
-    prompts = prompts[: spec.eval_spec(0.0).prompts_measured(len(prompts))]
+    requests = read_requests(spec.prompts, spec.num_prompts)
+    # every batch size decodes the same requests in whole batches
+    requests = requests[: spec.eval_spec(0.0).prompts_measured(len(requests))]
+    # tuning and training's simulation take the first turns (the later ones follow answers)
+    prompts = [request_ids(target.tokenizer, r, []).to(target.device) for r in requests]
     trained = [f for f in found if f.folder is not None]
     if spec.tune_prompts:
         for f in trained:
@@ -483,13 +494,16 @@ def compare(spec: CompareSpec) -> Report:
             f.simulated_measured_t1 = at(temperature=1.0) if spec.sampled else None
         except (ValueError, RuntimeError) as e:
             print(f"[compare] {f.name}: no simulation on these prompts: {e}", file=sys.stderr)
-    greedy, _ = measure_all(found, spec, target, prompts, 0.0, loaded)
+    greedy, _ = measure_all(found, spec, target, requests, 0.0, loaded)
     sampled = None
     if spec.sampled:
-        sampled, _ = measure_all(found, spec, target, prompts, 1.0, loaded)
+        sampled, _ = measure_all(found, spec, target, requests, 1.0, loaded)
     rows = family_rows(found, greedy, sampled)
+    turns = greedy["benchmark"]["turns"]
     summary = (
-        f"{len(prompts)} prompts x {spec.max_new_tokens} new tokens, {greedy['settings']['dtype']}"
+        f"{len(requests)} requests of {spec.prompts}"
+        + (f", all {turns} turns of each," if turns > 1 else "")
+        + f" x {spec.max_new_tokens} new tokens, {greedy['settings']['dtype']}"
         f" on {greedy['settings']['device']} ({greedy['settings']['torch_threads']} threads); "
         "speedups against plain decoding in the same process (a drafter that fine-tunes the "
         "target decodes with its own fine-tuned model, checked against that model's plain "

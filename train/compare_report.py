@@ -6,6 +6,7 @@ inference/report.py's write_report.
 
 from __future__ import annotations
 
+from specdraft.inference.benchmark_report import breakdown_markdown, category_figure
 from specdraft.inference.evaluate import batch_size_figure, runs_markdown, sweep_markdown
 from specdraft.inference.report import Column, Report, acceptance_figure, markdown_table, styles
 
@@ -97,15 +98,17 @@ def markdown(report: dict) -> str:
         if report[mode] is not None:
             title = "greedy" if mode == "greedy" else "sampled at temperature 1"
             lines += ["", f"## Every run, {title}", "", *runs_markdown(report[mode]["runs"])]
-            lines += [line.replace("## ", "### ", 1) for line in sweep_markdown(report[mode])]
+            for part in (breakdown_markdown(report[mode]), sweep_markdown(report[mode])):
+                lines += [line.replace("## ", "### ", 1) for line in part]
     return "\n".join(lines) + "\n"
 
 
 def compare_report(report: dict) -> Report:
     """What scripts/compare.py writes (inference/report.py's write_report): `report` as
     report.json, its markdown, and frontier.png (speedup vs extra memory), tau_vs_speedup.png
-    (with overhead lines), acceptance.png (per position, per family) and simulated_tau.png
-    (over training, and measured)."""
+    (with overhead lines), acceptance.png (per position, per family), simulated_tau.png
+    (over training, and measured) and, where the prompts have categories, categories.png
+    (greedy speedup and tau per category)."""
     ok = [r for r in report["families"] if "error" not in r]
     labelled = [{**r, "label": r["family"]} for r in ok]
     figures = {
@@ -116,6 +119,8 @@ def compare_report(report: dict) -> Report:
     }
     if len(report["greedy"]["settings"]["batch_sizes"]) > 1:
         figures["batch_sizes"] = lambda plt: batch_size_figure(plt, report["greedy"])
+    if any("by_category" in r for r in report["greedy"]["runs"]):
+        figures["categories"] = lambda plt: category_figure(plt, report["greedy"])
     return Report(
         report, markdown(report), figures, job_type="compare",
         config={"summary": report["summary"], "target": report["target"]}, table_name="families",

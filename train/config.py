@@ -50,9 +50,11 @@ class LoopEvalConfig:
     # Run the measurement at the end of training (it decodes every prompt twice).
     enabled: bool = True
     # auto: the demo's held-out prompts when data.path is demo, else the prompt part of the
-    # held-out split; or demo | eval | a .txt/.json/.jsonl file of prompts.
+    # held-out split; or mt-bench | humaneval | stdlib-requests | demo | eval | hub:DATASET |
+    # a .txt/.json/.jsonl file of prompts (inference/measure.py, read_requests).
     prompts: str = "auto"
-    # Prompts decoded, by each of the drafter and plain decoding.
+    # Requests decoded, every turn of each, by each of the drafter and plain decoding (a named
+    # set's taken round-robin over its categories: 8 is one of each of MT-Bench's).
     num_prompts: int = 8
     # New tokens per prompt (fewer if EOS comes first).
     max_new_tokens: int = 128

@@ -14,27 +14,38 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
+from specdraft.data.benchmarks import Request
 from specdraft.formats.checkpoint import set_decode
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference.continuations import CORPUS, SERVED_GREEDY, SERVED_SAMPLED, served_examples
-from specdraft.inference.measure import choose_threads, load_prompts, measure_vs_plain
+from specdraft.inference.measure import (
+    choose_threads,
+    load_prompts,
+    measure_vs_plain,
+    read_requests,
+    request_ids,
+)
 from specdraft.inference.tune import default_space, search_decode
 from specdraft.precision import native_bf16, to_dtype
 from specdraft.targets.hidden_cache import CachedTarget
 from specdraft.targets.target import load_target
 
 
-def loop_prompts(eval_loop, data_path: str, target, eval_examples) -> list[torch.Tensor]:
-    """The prompts a training script measures its drafter on after training, loaded before
-    training starts so that a bad prompt file fails at once. `eval_loop` is the config's
-    `LoopEvalConfig`; prompts=auto means the demo's held-out prompts for the demo corpus, else
-    the prompt part of the held-out split. Empty when the measurement is off."""
+def loop_prompts(eval_loop, data_path: str, target, eval_examples) -> list[Request]:
+    """The requests a training script measures its drafter on after training (every turn of
+    each), read before training starts so that a bad prompt file fails at once (their first
+    turns are tokenized here). `eval_loop` is the config's `LoopEvalConfig`; prompts=auto means
+    the demo's held-out prompts for the demo corpus, else the prompt part of the held-out split.
+    Empty when the measurement is off."""
     if not eval_loop.enabled:
         return []
     source = eval_loop.prompts
     if source == "auto":
         source = "demo" if data_path == "demo" else "eval"
-    return load_prompts(source, eval_loop.num_prompts, target, eval_examples)
+    requests = read_requests(source, eval_loop.num_prompts, eval_examples)
+    for r in requests:
+        request_ids(target.tokenizer, r, [])
+    return requests
 
 
 def heldout_examples(cfg, target, eval_examples) -> tuple[list, str]:
@@ -88,7 +99,7 @@ def loop_dtype(asked: str, target) -> torch.dtype:
 def report_after_training(target, result, prompts, cfg) -> dict | None:
     """The end of a training script (`result` from `train`, `cfg` its config): print the simulated
     tau before and after training, then serve the saved `final/` drafter in our loop against
-    plain decoding on `prompts` (from `loop_prompts`), write output_dir/eval_loop.json with the
+    plain decoding on every turn of the requests `prompts` (from `loop_prompts`), write output_dir/eval_loop.json with the
     simulated tau beside the measured one, and print one line. The drafter decodes with the
     settings saved with it (cfg.decode). Returns the figures, or None where nothing was
     measured."""
@@ -126,8 +137,12 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
             space["tree_budget"] = cfg.eval_loop.tune_budgets
         if space:
             # the best settings depend on the hardware as much as on the drafter
+            firsts = [
+                request_ids(target.tokenizer, r, []).to(target.device)
+                for r in prompts[: cfg.eval_loop.tune_prompts]
+            ]
             decode, tuning = search_decode(
-                target, drafter, prompts[: cfg.eval_loop.tune_prompts], space,
+                target, drafter, firsts, space,
                 max_new_tokens=cfg.eval_loop.max_new_tokens, start=decode,
                 passes=cfg.eval_loop.tune_passes,
                 temperature=cfg.eval_loop.temperature, seed=cfg.seed,
@@ -177,8 +192,9 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
             f"; LOSSY (typical acceptance): mean log p {m['mean_log_p']:.3f} vs plain "
             f"sampling's {m['ar_mean_log_p']:.3f}"
         )
+    turns = f" ({len(prompts)} requests, every turn)" if m["num_prompts"] > len(prompts) else ""
     print(
-        f"[specdraft] in the loop on {m['num_prompts']} prompts x "
+        f"[specdraft] in the loop on {m['num_prompts']} prompts{turns} x "
         f"{m['max_new_tokens']} new tokens: measured tau {m['tau']:.3f} (simulated {sim}), "
         f"speedup {m['speedup_vs_ar']:.2f}x plain decoding ({m['tokens_per_s']:.1f} vs "
         f"{m['ar_tokens_per_s']:.1f} tokens/s, same process, {m['torch_threads']} CPU "
@@ -191,11 +207,25 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
             f"{solo['tau']:.3f}, speedup {solo['speedup_vs_ar']:.2f}x ({solo['tokens_per_s']:.1f} "
             "tokens/s)"
         )
+    for key, what in (("by_category", "per category"), ("by_turn", "per turn")):
+        if key in m:  # the drafter as measured, then alone: speedup (tau) per group
+            for figures, who in (
+                (m, "with copying" if "alone" in m else ""),
+                (m.get("alone"), "alone"),
+            ):
+                if figures and key in figures:
+                    cells = ", ".join(
+                        f"{'turn ' if key == 'by_turn' else ''}{g} {f['speedup_vs_ar']:.2f}x "
+                        f"(τ {f['tau']:.2f})"
+                        for g, f in figures[key].items()
+                    )
+                    print(f"[specdraft] {what}{' ' + who if who else ''}: {cells}")
     # The parity check that costs nothing more: on the same prompts, greedy, with the settings
     # trained for, the walk of the loop's steps predicts the measured tau exactly
+    # (the simulation walks the first turns' continuations: against turn 1's measured tau)
     exact = m["simulation"] == "served" and m["simulated_on"] == SERVED_GREEDY
     if exact and tuning is None and m["decode"] == dataclasses.asdict(cfg.decode):
-        gap = simulated / m["tau"] - 1
+        gap = simulated / m.get("by_turn", {}).get("1", m)["tau"] - 1
         print(
             "[specdraft] training predicts serving: simulated and measured tau agree"
             if abs(gap) < 1e-9

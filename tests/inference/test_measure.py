@@ -9,9 +9,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specdraft.data.benchmarks import Request
 from specdraft.data.formats import Example
 from specdraft.inference.evaluate import EvalSpec, at_batch_sizes, crossover, parse_batch_sizes
-from specdraft.inference.measure import Run, measure, read_prompts
+from specdraft.inference.measure import (
+    Case,
+    Run,
+    breakdown,
+    group_figures,
+    loop_decoder,
+    measure,
+    measure_requests,
+    read_prompts,
+)
+from specdraft.inference.metrics import Stats
 
 
 def test_eval_prompts_are_the_part_before_the_loss():
@@ -51,10 +62,10 @@ def test_conversation_rows_are_rendered_through_the_chat_template(tmp_path, tiny
     assert prompts[0][0].tolist() == expected["input_ids"]
     assert prompts[1][0].tolist() == tok("x = 1").input_ids
     (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "?"}) + "\n")
-    with pytest.raises(ValueError, match=r"bad\.jsonl, row 1: a prompt row must be .*messages"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl, row 1: no prompt in this row .*messages"):
         read_prompts(str(tmp_path / "bad.jsonl"), 1, tok)
     (tmp_path / "nouser.jsonl").write_text(json.dumps({"messages": chat[:1]}) + "\n")
-    with pytest.raises(ValueError, match="needs a user turn"):
+    with pytest.raises(ValueError, match="must start with the user's turn"):
         read_prompts(str(tmp_path / "nouser.jsonl"), 1, tok)
     requests = read_prompts("stdlib-requests", 2, tok)
     assert len(requests) == 2 and requests[0][0, 0] == tok.bos_token_id != requests[0][0, 1]
@@ -185,3 +196,49 @@ def test_a_step_reads_every_weight_once_and_one_row_of_an_untied_embedding(tiny_
     assert weight_bytes_per_token(Target(untied.model.bfloat16(), tiny_target.tokenizer)) * 2 == (
         everything - 64 * 16 * 4
     )
+
+
+def test_tau_of_a_group_is_pooled_over_its_target_passes_not_a_mean_of_prompts():
+    """As vLLM and SGLang count acceptance length: every token emitted over every target pass of
+    the group's prompts. Prompt 0 emits 10 tokens in 2 passes (tau 5), prompt 1 3 in 3 (tau 1):
+    pooled 13 / 5 = 2.6, where the mean of the two would say 3."""
+    run, plain = Run("d", "x", None), Run("ar", "ar", None)
+    run.calls = [(0, Stats(new_tokens=10, target_passes=2), 1.0),
+                 (1, Stats(new_tokens=3, target_passes=3), 1.0)]  # fmt: skip
+    plain.calls = [(0, Stats(new_tokens=10, target_passes=10), 4.0),
+                   (1, Stats(new_tokens=3, target_passes=3), 2.0)]  # fmt: skip
+    run.outputs = plain.outputs = [[0] * 10, [0] * 3]
+    both = group_figures(run, plain, [0, 1])
+    mean_of_prompts = (10 / 2 + 3 / 3) / 2
+    assert both["tau"] == pytest.approx(13 / 5) and abs(both["tau"] - mean_of_prompts) > 0.3
+    assert both["speedup_vs_ar"] == pytest.approx((13 / 2) / (13 / 6))
+    assert group_figures(run, plain, [1])["tau"] == 1.0
+    cases = [Case(0, 1, "math", None), Case(1, 2, "code", None)]
+    split = breakdown(run, plain, cases)
+    assert split["by_category"]["math"]["tau"] == 5.0 and split["by_turn"]["2"]["tau"] == 1.0
+
+
+def test_a_later_turn_follows_the_targets_own_answer_for_every_method(tiny_target):
+    """measure_requests: first turns of every request, then second turns, each rendered through
+    the chat template after the earlier turn and plain decoding's answer to it; every run
+    decodes the same prompts, and the cases say which request, turn and category each was."""
+    tok = tiny_target.tokenizer
+    requests = [
+        Request(("def add(a, b):", "Now subtract."), category="code", id="1"),
+        Request(("import os",), category="other", id="2"),
+    ]
+    decode = loop_decoder(tiny_target, None, max_new_tokens=4)
+    ar, other = Run("ar", "ar", decode), Run("again", "x", decode)
+    cases = measure_requests([ar, other], requests, tiny_target)
+    assert [(c.request, c.turn, c.category) for c in cases] == [
+        (0, 1, "code"), (1, 1, "other"), (0, 2, "code")
+    ]  # fmt: skip
+    assert len(ar.outputs) == len(other.outputs) == 3 and ar.outputs == other.outputs
+    answer = tok.decode(ar.outputs[0], skip_special_tokens=True)
+    chat = [{"role": "user", "content": "def add(a, b):"},
+            {"role": "assistant", "content": answer}, {"role": "user", "content": "Now subtract."}]  # fmt: skip
+    expected = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)
+    assert cases[2].prompt[0].tolist() == expected["input_ids"]
+    split = breakdown(other, ar, cases)
+    assert set(split["by_category"]) == {"code", "other"} and set(split["by_turn"]) == {"1", "2"}
+    assert split["by_turn"]["2"]["prompts"] == 1 and split["by_category"]["code"]["prompts"] == 2

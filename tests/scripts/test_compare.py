@@ -173,8 +173,8 @@ def test_a_folder_of_another_family_is_refused(tmp_path, capsys, tiny_target):
 @pytest.mark.parametrize(
     ("content", "extra", "message"),
     [
-        ("", [], "gives no prompts"),
-        ("word " * 3000, [], "longer than the target's context"),
+        ("", [], "no prompts in the file"),
+        ("word " * 3000, [], "more than the target's context"),
     ],
 )
 def test_bad_prompts_are_named_before_any_training(tmp_path, capsys, content, extra, message):

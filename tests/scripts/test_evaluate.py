@@ -71,15 +71,26 @@ def test_greedy_report(tiny_target_path, draft_folder, tmp_path):
         "copy",
         "hf_assisted[copy]",
     }
-    # what each method decoded, by its label, beside each prompt's text: greedy, all the same
+    # MT-Bench by default: 2 requests (writing, roleplay), both turns, each turn-2 prompt after
+    # the target's own answer; what each method decoded, by its label: greedy, all the same
+    assert report["benchmark"] == {"prompts": "mt-bench", "requests": 2, "turns": 2,
+                                   "categories": ["writing", "roleplay"], "chat_template": True}  # fmt: skip
     texts = report["outputs"]
-    assert len(texts) == 2 and all(t["prompt"] for t in texts)
+    assert [(t["id"], t["turn"]) for t in texts] == [("81", 1), ("91", 1), ("81", 2), ("91", 2)]
+    assert texts[0]["outputs"]["ar"] in texts[2]["prompt"]  # the answer, then the next turn
     labels = {r["label"] for r in runs.values()}
     assert all(set(t["outputs"]) == labels and len(set(t["outputs"].values())) == 1 for t in texts)
+    copy = runs["copy"]  # pooled: the groups' tokens add up to the run's
+    assert sum(g["new_tokens"] for g in copy["by_turn"].values()) == copy["new_tokens"]
+    markdown = (out / "report.md").read_text()
+    assert "| label | writing | roleplay | overall |" in markdown
+    assert "| label | turn 1 | turn 2 | overall |" in markdown
+    assert (out / "categories.png").exists()
     for r in runs.values():
-        assert set(r) == FIELDS
+        assert set(r) == FIELDS | {"by_category", "by_turn"}
+        assert set(r["by_category"]) == {"writing", "roleplay"} and set(r["by_turn"]) == {"1", "2"}
         assert r["mean_log_p"] is None and r["lossy"] is False  # greedy: p is a point mass
-        assert r["num_prompts"] == 2 and 0 < r["new_tokens"] <= 24
+        assert r["num_prompts"] == 4 and 0 < r["new_tokens"] <= 48
         assert r["matches_ar"] is True  # greedy: every method reproduces plain decoding
         assert r["tokens_per_s"] > 0
     assert runs["ar"]["tau"] == 1.0 and runs["ar"]["speedup_vs_ar"] == 1.0
@@ -133,7 +144,8 @@ def test_batch_size_sweep_report(tiny_target_path, draft_folder, tmp_path):
     out = tmp_path / "eval"
     evaluate.main(
         ["--target", tiny_target_path, "--drafter", str(draft_folder), "--num-prompts", "5",
-         "--max-new-tokens", "8", "--gamma", "3", "--batch-sizes", "4,1,2", "--output", str(out)]
+         "--max-new-tokens", "8", "--gamma", "3", "--batch-sizes", "4,1,2", "--output", str(out),
+         "--prompts", "demo"]
     )  # fmt: skip
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["batch_sizes"] == [1, 2, 4]
@@ -206,7 +218,7 @@ def test_prompts_that_cannot_be_measured_are_refused_before_the_target_loads(
     assert not (tmp_path / "out").exists()
     # and at batch size 1, a prompt longer than the target's context leaves room for
     prompts.write_text("word " * 3000)
-    with pytest.raises(SystemExit, match="longer than the target's context"):
+    with pytest.raises(SystemExit, match="more than the target's context"):
         evaluate.main(["--target", tiny_target_path, "--prompts", str(prompts),
                        "--output", str(tmp_path / "out")])  # fmt: skip
     assert not (tmp_path / "out").exists()
