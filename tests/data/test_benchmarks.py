@@ -147,3 +147,11 @@ def test_a_training_set_holding_an_mt_bench_question_is_refused_by_name(tmp_path
     _, _, summary = build_datasets(_chats(tmp_path, ordinary), chatml_tokenizer)
     assert summary.benchmarks_checked == ("mt-bench", "humaneval")
     assert "no prompt of mt-bench, humaneval in the rows" in summary.format()
+
+
+def test_a_hub_prompt_set_offline_is_named(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(
+        ValueError, match=r"could not load dataset 'HuggingFaceH4/mt_bench_prompts'"
+    ):
+        read_requests("hub:HuggingFaceH4/mt_bench_prompts", 4)

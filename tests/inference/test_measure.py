@@ -21,6 +21,7 @@ from specdraft.inference.measure import (
     measure,
     measure_requests,
     read_prompts,
+    request_ids,
 )
 from specdraft.inference.metrics import Stats
 
@@ -242,3 +243,17 @@ def test_a_later_turn_follows_the_targets_own_answer_for_every_method(tiny_targe
     split = breakdown(other, ar, cases)
     assert set(split["by_category"]) == {"code", "other"} and set(split["by_turn"]) == {"1", "2"}
     assert split["by_turn"]["2"]["prompts"] == 1 and split["by_category"]["code"]["prompts"] == 2
+
+
+def test_a_base_model_gets_the_turns_and_answers_as_plain_text(tiny_target):
+    """A tokenizer without a chat template (Gemma-3-270M base): turn 2 is turn 1, the answer and
+    turn 2, blank-line separated; a HumanEval request gives the bare code to continue."""
+    import copy
+
+    tok = copy.deepcopy(tiny_target.tokenizer)
+    tok.chat_template = None
+    two = Request(("def add(a, b):", "Now subtract."), category="code")
+    got = request_ids(tok, two, ["    return a + b"])
+    assert got[0].tolist() == tok("def add(a, b):\n\n    return a + b\n\nNow subtract.").input_ids
+    code = Request(("Complete this:\n```python\ndef f():```",), completion="def f():")
+    assert request_ids(tok, code, [])[0].tolist() == tok("def f():").input_ids
