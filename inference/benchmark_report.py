@@ -26,10 +26,14 @@ def breakdown_markdown(report: dict) -> list[str]:
         f"## Per category and turn: {title}",
         "",
         f"{bench.get('requests', '?')} requests"
-        + (f", every one of their {turns} turns measured" if turns > 1 else "")
-        + " (a later turn follows the target's own answer to the one before, the same for every "
-        "method). Each cell: speedup over plain decoding on the same prompts, with tau pooled "
-        "over the group (tokens emitted / target passes). Plain decoding: its tokens/s.",
+        + (
+            f", every one of their {turns} turns measured (a later turn follows the target's "
+            "own answer to the one before, the same for every method)"
+            if turns > 1
+            else ""
+        )
+        + ". Each cell: speedup over plain decoding on the same prompts, with tau pooled over "
+        "the group (tokens emitted / target passes). Plain decoding: its tokens/s.",
     ]
     if bench and not bench.get("chat_template", True):
         lines += [
