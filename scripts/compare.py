@@ -26,7 +26,7 @@ import argparse
 import sys
 
 from specdraft.inference.evaluate import parse_batch_sizes
-from specdraft.inference.measure import PROMPTS_HELP
+from specdraft.inference.measure import add_prompts_arguments
 from specdraft.targets.target import DEFAULT_TARGET, TARGET_HELP
 from specdraft.train.compare import CompareSpec, compare, families
 
@@ -76,14 +76,7 @@ def parse_args(argv: list[str] | None) -> CompareSpec:
         metavar="FAMILY:KEY=VALUE",
         help="a training setting for one family, over its demo config",
     )
-    parser.add_argument("--prompts", default=CompareSpec.prompts, help=PROMPTS_HELP)
-    parser.add_argument(
-        "--num-prompts",
-        type=int,
-        default=CompareSpec.num_prompts,
-        help="requests measured, every turn of each (a named set's round-robin over its "
-        "categories)",
-    )
+    add_prompts_arguments(parser, CompareSpec.prompts, CompareSpec.num_prompts)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--tune-prompts", type=int, default=4, help="0: no tuning")
     parser.add_argument("--no-sampled", dest="sampled", action="store_false",

@@ -34,7 +34,7 @@ from specdraft.formats.reading import folder_target, load_decoding, load_drafter
 from specdraft.inference.continuations import served_examples
 from specdraft.inference.evaluate import split_drafter_spec
 from specdraft.inference.measure import (
-    PROMPTS_HELP,
+    add_prompts_arguments,
     add_threads_argument,
     choose_threads,
     load_prompts,
@@ -134,9 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "folder", help="a trained drafter folder, FOLDER[:KEY=VALUE,...] (runs/eagle-demo/final)"
     )
     p.add_argument("--target", default=None, help="the target; default: the folder's own")
-    p.add_argument("--prompts", default="mt-bench", help=PROMPTS_HELP + " (their first turns)")
+    add_prompts_arguments(p, "mt-bench", 8, first_turns=True)
     add_threads_argument(p)
-    p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gamma", type=int, default=None, help="default: the folder's decoding")
     p.add_argument(

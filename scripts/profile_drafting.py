@@ -41,7 +41,7 @@ from specdraft.formats.reading import (
 from specdraft.inference.evaluate import split_drafter_spec
 from specdraft.inference.generate import generate
 from specdraft.inference.measure import (
-    PROMPTS_HELP,
+    add_prompts_arguments,
     add_threads_argument,
     choose_threads,
     load_prompts,
@@ -187,9 +187,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="trained drafters, each with decoding settings over its saved ones",
     )  # fmt: skip
     p.add_argument("--target", default=None, help="default: the first folder's own target")
-    p.add_argument("--prompts", default="mt-bench", help=PROMPTS_HELP + " (their first turns)")
+    add_prompts_arguments(p, "mt-bench", 4, first_turns=True)
     add_threads_argument(p)
-    p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--top", type=int, default=8, help="operations listed per drafter")
     p.add_argument(

@@ -49,7 +49,7 @@ from specdraft.formats.checkpoint import CheckpointError
 from specdraft.formats.export import imported_format
 from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
-from specdraft.inference.measure import PROMPTS_HELP, load_prompts
+from specdraft.inference.measure import add_prompts_arguments, load_prompts
 from specdraft.targets.target import TargetError, load_target, target_path
 
 PROG = "scripts/verify_export.py"
@@ -458,8 +458,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--setup", action="store_true", help="make the environment, check nothing")
     parser.add_argument("--engine", required=True, choices=sorted(ENGINES))
     parser.add_argument("--target", default=None, help="default: the target the export names")
-    parser.add_argument("--prompts", default="demo", help=PROMPTS_HELP + " (their first turns)")
-    parser.add_argument("--num-prompts", type=int, default=6)
+    add_prompts_arguments(parser, "demo", 6, first_turns=True)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument(
         "--steps", type=int, default=3,
