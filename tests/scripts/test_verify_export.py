@@ -18,7 +18,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from testkit import perturb
-from transformers import LlamaForCausalLM
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
@@ -26,7 +25,6 @@ from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.formats.export import export_drafter
 from specdraft.scripts import verify_export
-from specdraft.targets.target import load_target
 
 pytestmark = pytest.mark.slow
 
@@ -52,18 +50,6 @@ def engine(name: str):
         return test
 
     return mark
-
-
-@pytest.fixture(scope="module")
-def target(tiny_target, tmp_path_factory):
-    """(folder, Target): a random 6-layer Llama with the tiny demo target's tokenizer, saved as
-    a model folder the engines load too."""
-    config = tiny_target.config.__class__(**{**tiny_target.config.to_dict(), "num_hidden_layers": 6})  # fmt: skip
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("verify") / "target"
-    LlamaForCausalLM(config).save_pretrained(path)
-    tiny_target.tokenizer.save_pretrained(path)
-    return path, load_target(str(path), dtype=torch.float32)
 
 
 def repeating(module_weights: list[torch.nn.Parameter], noise: float) -> None:
