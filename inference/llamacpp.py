@@ -7,8 +7,12 @@ stops it on exit; a model llama.cpp cannot load is an error that quotes llama.cp
 no prompt cache, and reads back what it generated, its decode time (`timings.predicted_ms`, the
 prompt's processing apart), the draft tokens it proposed and accepted (`timings.draft_n`,
 `draft_n_accepted`) and, from `/metrics`, how many verification passes it ran
-(`spec_decode_num_drafts_total`). `next_token_logprobs` asks for the top of one position's
-distribution, which is how a disagreement is told from a near-tie (scripts/verify_export.py).
+(`spec_decode_num_drafts_total`).
+
+Below the server: the checks on an export's files before llama.cpp runs (`gguf_problems`);
+greedy agreement with plain decoding, a near-tie told from a disagreement by the two tokens'
+logit gap against llama.cpp's own arithmetic noise (`agreement`, `arithmetic_noise`); and what
+a target pass over a block of tokens costs (`block_costs`), the ceiling of any drafter there.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdraft.llamacpp import LlamaCpp, LlamaCppError
+from specdraft.llamacpp import COMMIT, LlamaCpp, LlamaCppError
 
 START_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 1800
@@ -107,6 +111,7 @@ class LlamaServer:
     context: int = 4096
     log: Path | None = None  # where llama.cpp's own output goes (default: a temporary file)
     trace: bool = False  # llama.cpp's trace-level log, which holds its drafting statistics
+    flags: tuple[str, ...] = ()  # more llama-server flags
     _process: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _url: str = field(default="", init=False, repr=False)
 
@@ -117,6 +122,7 @@ class LlamaServer:
             "--port", str(port), "--threads", threads, "--threads-batch", threads,
             "--ctx-size", str(self.context), "--parallel", "1", "--metrics", "--no-webui",
         ]  # fmt: skip
+        command += list(self.flags)
         if self.trace:
             command += ["--log-verbosity", "4"]
         if self.drafting is not None:
@@ -172,7 +178,8 @@ class LlamaServer:
         text = self.log.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
 
-    def _post(self, path: str, body: dict) -> dict:
+    def post(self, path: str, body: dict) -> dict:
+        """`body` sent to the server's `path`; its JSON answer, or LlamaCppError saying why not."""
         request = urllib.request.Request(
             self._url + path,
             data=json.dumps(body).encode(),
@@ -200,7 +207,7 @@ class LlamaServer:
         """The greedy continuation of `ids` (at most `max_new_tokens`, stopping at the model's
         end-of-generation tokens), with llama.cpp's counters for it."""
         before = self.verifications()
-        answer = self._post("/completion", greedy(ids, max_new_tokens))
+        answer = self.post("/completion", greedy(ids, max_new_tokens))
         timings = answer.get("timings", {})
         return Completion(
             tokens=[int(t) for t in answer.get("tokens", [])],
@@ -217,7 +224,7 @@ class LlamaServer:
         at each position the log-probabilities of the `top` likeliest tokens (llama.cpp's
         distribution before sampling)."""
         body = {**greedy(ids, steps), "n_probs": top, "post_sampling_probs": False}
-        answer = self._post("/completion", body)
+        answer = self.post("/completion", body)
         return [
             {int(p["id"]): float(p["logprob"]) for p in position.get("top_logprobs", [])}
             for position in answer.get("completion_probabilities") or []
@@ -262,6 +269,7 @@ class GgufExport:
     target_name: str
     gamma: int
     draft_type: str = ""
+    fingerprint: dict | None = None  # the target's it was trained for
 
 
 def read_gguf_export(folder: Path, target_gguf: str | None = None) -> GgufExport:
@@ -294,6 +302,7 @@ def read_gguf_export(folder: Path, target_gguf: str | None = None) -> GgufExport
     return GgufExport(
         folder, kind, spec_type, draft, target, str(manifest.get("target_name", "")),
         int(manifest.get("gamma") or 3), str(manifest.get("draft_type", "")),
+        manifest.get("target_fingerprint"),
     )  # fmt: skip
 
 
@@ -309,7 +318,9 @@ def gguf_fields(path: Path) -> dict:
     for name, field_ in reader.fields.items():
         if name == "tokenizer.ggml.tokens":
             fields[name] = field_.contents()
-        elif not name.startswith("tokenizer.ggml.") or name.endswith(("_id", "model", "pre")):
+        elif not name.startswith("tokenizer.ggml.") or name.endswith(
+            ("_id", "model", "pre", "_token")
+        ):
             try:
                 fields[name] = field_.contents()
             except (ValueError, IndexError):
@@ -317,34 +328,56 @@ def gguf_fields(path: Path) -> dict:
     return fields
 
 
-def gguf_problems(target: Path, draft: Path, spec_type: str) -> list[str]:
+def gguf_problems(
+    target: Path,
+    draft: Path,
+    spec_type: str,
+    fingerprint: dict | None = None,
+    source: Path | None = None,
+) -> list[str]:
     """What llama.cpp would refuse, or serve wrongly, in serving `draft` for `target`, each a
     sentence: the vocabulary rules of its draft-model check (same tokenizer type, BOS and EOS,
-    sizes within 128, the same token text) and, for an EAGLE-3 head, the target's width and
-    layers it reads."""
+    sizes within 128, the same token text), for an EAGLE-3 head the target's width and layers it
+    reads, and the shape of the target the drafter was trained for (`fingerprint`, as its export
+    recorded it: layers, width, vocabulary) against the target file's. With llama.cpp's
+    `source`, an EAGLE-3 head for a target whose llama.cpp model does not hand its layers'
+    inputs to a drafter (its src/models/ARCH.cpp never sets them) is refused: llama.cpp would
+    abort on the first request."""
     t, d = gguf_fields(target), gguf_fields(draft)
-    problems = []
-    for key in ("tokenizer.ggml.model", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):  # fmt: skip
-        if t.get(key) != d.get(key):
-            problems.append(
-                f"{key.split('.')[-1]}: the target's is {t.get(key)!r}, the drafter's "
-                f"{d.get(key)!r}"
-            )
     tv, dv = t.get("tokenizer.ggml.tokens") or [], d.get("tokenizer.ggml.tokens") or []
-    if abs(len(tv) - len(dv)) > 128:
-        problems.append(f"vocabulary sizes {len(tv)} (target) and {len(dv)} (drafter) differ")
-    differ = [i for i in range(min(len(tv), len(dv))) if tv[i] != dv[i]]
-    if differ:
-        i = differ[0]
-        problems.append(
-            f"{len(differ)} tokens differ in text, the first id {i}: {tv[i]!r} in the target, "
-            f"{dv[i]!r} in the drafter"
-        )
+    problems = []
+    if spec_type == "draft-eagle3":  # it drafts target ids (d2t): only the sizes must agree
+        if len(tv) != len(dv):
+            problems.append(f"vocabulary sizes {len(tv)} (target) and {len(dv)} (drafter)")
+    else:  # a draft model: llama.cpp's own check (common/speculative.cpp)
+        keys = ["tokenizer.ggml.model"]
+        keys += [
+            f"tokenizer.ggml.{w}_token_id"
+            for w in ("bos", "eos")
+            if t.get(f"tokenizer.ggml.add_{w}_token") or d.get(f"tokenizer.ggml.add_{w}_token")
+        ]
+        for key in keys:
+            if t.get(key) != d.get(key):
+                problems.append(
+                    f"{key.split('.')[-1]}: the target's is {t.get(key)!r}, the drafter's "
+                    f"{d.get(key)!r}"
+                )
+        if abs(len(tv) - len(dv)) > 128:
+            problems.append(f"vocabulary sizes {len(tv)} (target) and {len(dv)} (drafter)")
+        differ = [i for i in range(5, min(len(tv), len(dv))) if tv[i] != dv[i]]
+        if differ:
+            i = differ[0]
+            problems.append(
+                f"{len(differ)} tokens differ in text, the first id {i}: {tv[i]!r} in the "
+                f"target, {dv[i]!r} in the drafter"
+            )
     if problems:
         problems = [
             f"{draft.name} was made with another tokenizer than {target.name}'s: "
             + "; ".join(problems)
-            + ". Export the drafter with the target it was trained for"
+            + ". Export the drafter with the target it was trained for (where the target's own "
+            "GGUF writes the same tokenizer otherwise, --gguf-target convert writes both files "
+            "from one folder)"
         ]
     if spec_type == "draft-eagle3":
         arch = t.get("general.architecture")
@@ -355,11 +388,35 @@ def gguf_problems(target: Path, draft: Path, spec_type: str) -> list[str]:
                 f"the EAGLE-3 head reads a target of width {wants}; {target.name} has {width}: "
                 "it was exported for another target"
             )
+        model = source / "src" / "models" / f"{arch}.cpp" if source else None
+        if model is not None and model.is_file() and "t_layer_inp" not in model.read_text():
+            problems.append(
+                f"llama.cpp {COMMIT} cannot serve an EAGLE-3 head for a "
+                f"{arch} target: its {arch} model does not hand its layers' inputs to a drafter "
+                "(it aborts on the first request); serve this head with vLLM (--format "
+                "speculators)"
+            )
         reads = list(d.get("eagle3.target_layers") or [])
         if layers is not None and any(i > layers for i in reads):
             problems.append(
                 f"the EAGLE-3 head reads target layers {reads}; {target.name} has {layers}"
             )
+    arch = t.get("general.architecture")
+    found = {
+        "num_layers": t.get(f"{arch}.block_count"),
+        "hidden_size": t.get(f"{arch}.embedding_length"),
+        "vocab_size": len(tv) or None,
+    }
+    differ = [
+        f"{key} {fingerprint[key]} (trained for) against {value} ({target.name})"
+        for key, value in found.items()
+        if fingerprint and key in fingerprint and value is not None and value != fingerprint[key]
+    ]
+    if differ:
+        problems.append(
+            "the drafter was trained for another target: " + ", ".join(differ) + "; pass the "
+            "target it was exported with (--target-gguf)"
+        )
     return problems
 
 
@@ -477,7 +534,9 @@ def verify_gguf_export(
     within `tie_gap`, by default llama.cpp's own arithmetic noise measured on these prompts,
     `arithmetic_noise`) and its counters read back. `ok` when no prompt disagrees and drafts
     were proposed."""
-    problems = gguf_problems(export.target, export.draft, export.spec_type)
+    problems = gguf_problems(
+        export.target, export.draft, export.spec_type, export.fingerprint, engine.source
+    )
     if problems:
         raise LlamaCppError("; ".join(problems))
     report: dict = {"folder": str(export.folder), "target": str(export.target), "runs": []}
@@ -518,11 +577,12 @@ def block_costs(
     """What one target pass over a block of k new tokens costs, as a multiple of a one-token
     pass, for each k in `sizes` (1 is added): llama.cpp's own prompt time for k tokens after a
     cached prefix of `context` tokens, the median of `repeats`. What verifying a draft of k - 1
-    tokens costs on this machine's kernels, drafting apart. The tokens are taken from `text`."""
+    tokens costs on this machine's kernels, drafting apart. The tokens are taken from `text`.
+    The server must keep a whole prompt's cache (a sliding-window model: `--swa-full`)."""
     text = [int(t) for t in text] or [0]
     prefix = (text * (context // len(text) + 1))[:context]
     body = {"n_predict": 1, "cache_prompt": True, "temperature": 0.0}
-    server._post("/completion", {**body, "prompt": prefix})
+    server.post("/completion", {**body, "prompt": prefix})
     seconds, start, first = {}, 0, None
     for k in sorted({1, *sizes}):
         times = []
@@ -533,7 +593,7 @@ def block_costs(
                 start += 1
             extra = [text[(start + j) % len(text)] for j in range(k)]
             first = extra[0]
-            timings = server._post("/completion", {**body, "prompt": prefix + extra})["timings"]
+            timings = server.post("/completion", {**body, "prompt": prefix + extra})["timings"]
             if int(timings.get("prompt_n", -1)) != k:
                 raise LlamaCppError(
                     f"llama-server processed {timings.get('prompt_n')} prompt tokens where {k} "

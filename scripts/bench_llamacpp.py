@@ -79,8 +79,11 @@ def bench(args: argparse.Namespace) -> dict:
     target = target or (exports[0].target if exports else target_original(folder))
     if target is None:
         raise LlamaCppError(f"{name} has no GGUF file of its own: pass --target-gguf")
+    engine = ensure_llamacpp()
     for export in exports:  # before anything runs
-        problems = gguf_problems(target, export.draft, export.spec_type)
+        problems = gguf_problems(
+            target, export.draft, export.spec_type, export.fingerprint, engine.source
+        )
         if problems:
             raise LlamaCppError(f"{export.folder}: " + "; ".join(problems))
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else []
@@ -91,7 +94,6 @@ def bench(args: argparse.Namespace) -> dict:
     flags = tuple(args.flags.split()) if args.flags else ()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     requests = read_requests(args.prompts, args.num_prompts)
-    engine = ensure_llamacpp()
 
     def serve(drafting: Drafting | None, contexts: list[list[int]]):
         trace = drafting is not None  # its drafting time is in llama.cpp's trace log
@@ -125,7 +127,8 @@ def bench(args: argparse.Namespace) -> dict:
             if args.with_ngram:
                 both = f"ngram-simple,{export.spec_type}"
                 methods.append((f"{label} + ngram-simple", Drafting(both, export.draft, n, flags)))
-    with LlamaServer(engine, target, None, threads=args.threads) as server:
+    full = ("--swa-full",)  # a sliding-window model's whole cache, so a prefix is reused
+    with LlamaServer(engine, target, None, threads=args.threads, flags=full) as server:
         text = [t for ids, out in zip(contexts, plain, strict=True) for t in ids + out.tokens]
         costs = block_costs(server, list(range(1, max([*lengths, 7]) + 2)), text)
     runs, outputs = [], []

@@ -235,7 +235,7 @@ def test_an_eagle1_head_is_refused_saying_what_serves_it(target, engine, tmp_pat
 
 
 def test_an_eagle3_head_for_another_target_is_refused(target, engine, tmp_path, tiny_target):
-    _, t = target
+    path, t = target
     head = EagleDrafter.build(EagleConfig(feature_layers=[1, 2, 4], draft_vocab_size=100), t)
     out = export_gguf(engine, head, t, tmp_path / "eagle", gguf_type="f16", log=lambda *a: None)
     config = tiny_target.config.__class__(
@@ -245,7 +245,12 @@ def test_an_eagle3_head_for_another_target_is_refused(target, engine, tmp_path, 
     LlamaForCausalLM(config).save_pretrained(wide)
     tiny_target.tokenizer.save_pretrained(wide)
     other = write_llama_gguf(wide, tmp_path / "wide.gguf")
-    problems = gguf_problems(other, out / "draft.gguf", "draft-eagle3")
+    problems = gguf_problems(other, out / "draft.gguf", "draft-eagle3", t.fingerprint)
     assert any("exported for another target" in p for p in problems), problems
+    assert any(f"hidden_size {t.hidden_size} (trained for)" in p for p in problems), problems
+    # llama.cpp's Gemma-3 model hands no layer inputs to a drafter: it would abort
+    gemma = write_llama_gguf(path, tmp_path / "gemma.gguf", architecture="gemma3")
+    (problem,) = gguf_problems(gemma, out / "draft.gguf", "draft-eagle3", None, engine.source)
+    assert "cannot serve an EAGLE-3 head for a gemma3 target" in problem
     code = verify_export.main([str(out), "--engine", "llama.cpp", "--target-gguf", str(other)])
     assert code == 2
