@@ -28,7 +28,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdraft.llamacpp import COMMIT, LlamaCpp, LlamaCppError
+from specdraft.formats.gguf_export import gguf_problems
+from specdraft.llamacpp import LlamaCpp, LlamaCppError
 
 START_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 1800
@@ -304,120 +305,6 @@ def read_gguf_export(folder: Path, target_gguf: str | None = None) -> GgufExport
         int(manifest.get("gamma") or 3), str(manifest.get("draft_type", "")),
         manifest.get("target_fingerprint"),
     )  # fmt: skip
-
-
-def gguf_fields(path: Path) -> dict:
-    """The metadata of a GGUF file (no tensor is read)."""
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # the reader raises several types for a file that is not GGUF
-        raise LlamaCppError(f"{path} is not a GGUF file llama.cpp can read ({e})") from e
-    fields = {}
-    for name, field_ in reader.fields.items():
-        if name == "tokenizer.ggml.tokens":
-            fields[name] = field_.contents()
-        elif not name.startswith("tokenizer.ggml.") or name.endswith(
-            ("_id", "model", "pre", "_token")
-        ):
-            try:
-                fields[name] = field_.contents()
-            except (ValueError, IndexError):
-                continue
-    return fields
-
-
-def gguf_problems(
-    target: Path,
-    draft: Path,
-    spec_type: str,
-    fingerprint: dict | None = None,
-    source: Path | None = None,
-) -> list[str]:
-    """What llama.cpp would refuse, or serve wrongly, in serving `draft` for `target`, each a
-    sentence: the vocabulary rules of its draft-model check (same tokenizer type, BOS and EOS,
-    sizes within 128, the same token text), for an EAGLE-3 head the target's width and layers it
-    reads, and the shape of the target the drafter was trained for (`fingerprint`, as its export
-    recorded it: layers, width, vocabulary) against the target file's. With llama.cpp's
-    `source`, an EAGLE-3 head for a target whose llama.cpp model does not hand its layers'
-    inputs to a drafter (its src/models/ARCH.cpp never sets them) is refused: llama.cpp would
-    abort on the first request."""
-    t, d = gguf_fields(target), gguf_fields(draft)
-    tv, dv = t.get("tokenizer.ggml.tokens") or [], d.get("tokenizer.ggml.tokens") or []
-    problems = []
-    if spec_type == "draft-eagle3":  # it drafts target ids (d2t): only the sizes must agree
-        if len(tv) != len(dv):
-            problems.append(f"vocabulary sizes {len(tv)} (target) and {len(dv)} (drafter)")
-    else:  # a draft model: llama.cpp's own check (common/speculative.cpp)
-        keys = ["tokenizer.ggml.model"]
-        keys += [
-            f"tokenizer.ggml.{w}_token_id"
-            for w in ("bos", "eos")
-            if t.get(f"tokenizer.ggml.add_{w}_token") or d.get(f"tokenizer.ggml.add_{w}_token")
-        ]
-        for key in keys:
-            if t.get(key) != d.get(key):
-                problems.append(
-                    f"{key.split('.')[-1]}: the target's is {t.get(key)!r}, the drafter's "
-                    f"{d.get(key)!r}"
-                )
-        if abs(len(tv) - len(dv)) > 128:
-            problems.append(f"vocabulary sizes {len(tv)} (target) and {len(dv)} (drafter)")
-        differ = [i for i in range(5, min(len(tv), len(dv))) if tv[i] != dv[i]]
-        if differ:
-            i = differ[0]
-            problems.append(
-                f"{len(differ)} tokens differ in text, the first id {i}: {tv[i]!r} in the "
-                f"target, {dv[i]!r} in the drafter"
-            )
-    if problems:
-        problems = [
-            f"{draft.name} was made with another tokenizer than {target.name}'s: "
-            + "; ".join(problems)
-            + ". Export the drafter with the target it was trained for (where the target's own "
-            "GGUF writes the same tokenizer otherwise, --gguf-target convert writes both files "
-            "from one folder)"
-        ]
-    if spec_type == "draft-eagle3":
-        arch = t.get("general.architecture")
-        width, layers = t.get(f"{arch}.embedding_length"), t.get(f"{arch}.block_count")
-        wants = d.get("eagle3.target_hidden_size")
-        if wants != width:
-            problems.append(
-                f"the EAGLE-3 head reads a target of width {wants}; {target.name} has {width}: "
-                "it was exported for another target"
-            )
-        model = source / "src" / "models" / f"{arch}.cpp" if source else None
-        if model is not None and model.is_file() and "t_layer_inp" not in model.read_text():
-            problems.append(
-                f"llama.cpp {COMMIT} cannot serve an EAGLE-3 head for a "
-                f"{arch} target: its {arch} model does not hand its layers' inputs to a drafter "
-                "(it aborts on the first request); serve this head with vLLM (--format "
-                "speculators)"
-            )
-        reads = list(d.get("eagle3.target_layers") or [])
-        if layers is not None and any(i > layers for i in reads):
-            problems.append(
-                f"the EAGLE-3 head reads target layers {reads}; {target.name} has {layers}"
-            )
-    arch = t.get("general.architecture")
-    found = {
-        "num_layers": t.get(f"{arch}.block_count"),
-        "hidden_size": t.get(f"{arch}.embedding_length"),
-        "vocab_size": len(tv) or None,
-    }
-    differ = [
-        f"{key} {fingerprint[key]} (trained for) against {value} ({target.name})"
-        for key, value in found.items()
-        if fingerprint and key in fingerprint and value is not None and value != fingerprint[key]
-    ]
-    if differ:
-        problems.append(
-            "the drafter was trained for another target: " + ", ".join(differ) + "; pass the "
-            "target it was exported with (--target-gguf)"
-        )
-    return problems
 
 
 # --- greedy agreement with llama.cpp's plain decoding ---------------------------------------------

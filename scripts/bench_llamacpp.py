@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from specdraft.formats.gguf_export import target_original
+from specdraft.formats.gguf_export import gguf_problems, target_original
 from specdraft.inference.llamacpp import (
     Drafting,
     LlamaServer,
@@ -43,7 +43,6 @@ from specdraft.inference.llamacpp import (
     block_costs,
     counters,
     drafting_ms,
-    gguf_problems,
     read_gguf_export,
 )
 from specdraft.inference.measure import add_prompts_arguments, read_requests, request_ids

@@ -23,12 +23,10 @@ from specdraft import llamacpp
 from specdraft.core import DecodeConfig
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.formats.checkpoint import save_drafter
-from specdraft.formats.gguf_export import ExportError, export_gguf
+from specdraft.formats.gguf_export import ExportError, export_gguf, gguf_fields, gguf_problems
 from specdraft.inference.llamacpp import (
     Drafting,
     LlamaServer,
-    gguf_fields,
-    gguf_problems,
     read_gguf_export,
 )
 from specdraft.scripts import bench_llamacpp, export, verify_export
