@@ -72,6 +72,7 @@ EXTERNAL = {
     ".", "source", "cd", "export", "env", "echo", "mkdir", "ls", "cat", "head", "tail", "tee",
     "cp", "mv", "rm", "du", "df", "tar", "curl", "wget", "git", "docker", "nvidia-smi", "watch",
     "huggingface-cli", "hf", "wandb", "tensorboard", "vllm", "deepspeed", "torchrun", "uv",
+    "llama-server",
 }  # fmt: skip
 PYTHON = re.compile(r"(.*/)?python(\d+(\.\d+)?)?$")
 ELIDED = {"...", "…"}
