@@ -488,6 +488,11 @@ def check_destination(out: Path, overwrite: bool) -> None:
     names = {p.name for p in out.iterdir()}
     if names <= known and imported_format(out) is not None:
         return
+    if (
+        names <= {"draft.gguf", "target.gguf", "specdraft_gguf.json"}
+        and "specdraft_gguf.json" in names
+    ):
+        return  # a previous --format gguf export (formats/gguf_export.py)
     raise ExportError(
         f"{out} is not empty and holds no previous export ({', '.join(sorted(names)[:5])}"
         f"{', ...' if len(names) > 5 else ''}): export to a new or empty folder, or replace the "

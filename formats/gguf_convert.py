@@ -8,7 +8,8 @@ tokenizer that its table of known tokenizers does not list (the converter recogn
 by the hash of its output on a test string, so any newly trained vocabulary is unknown, such as
 the demo target's) is written with llama.cpp's `gpt-2` pre-tokenizer when its tokenizer.json
 declares exactly GPT-2's splitting (a ByteLevel pre-tokenizer with its regex and no prefix
-space), which is what that name runs. Any other unknown tokenizer stays the converter's error.
+space, and no normalizer), which is what that name runs; it says so on stdout, which the
+exporter logs. Any other unknown tokenizer stays the converter's error.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ from pathlib import Path
 
 def gpt2_splitting(folder: Path) -> bool:
     try:
-        pre = json.loads((folder / "tokenizer.json").read_text()).get("pre_tokenizer") or {}
+        tokenizer = json.loads((folder / "tokenizer.json").read_text())
     except (OSError, ValueError):
         return False
+    pre = tokenizer.get("pre_tokenizer") or {}
+    if (tokenizer.get("normalizer") or None) is not None:
+        return False  # llama.cpp's gpt-2 splitting normalizes nothing
     if pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 1:
         pre = pre["pretokenizers"][0]
     return (
@@ -46,7 +50,11 @@ def main() -> None:
             return known(self, tokenizer)
         except NotImplementedError:
             if gpt2_splitting(Path(self.dir_model)):
-                print("[gguf] unknown byte-level BPE with GPT-2's splitting: pre-tokenizer gpt-2")
+                print(
+                    "[gguf] the converter does not know this byte-level BPE; its tokenizer.json "
+                    "splits as GPT-2's does: written with llama.cpp's gpt-2 pre-tokenizer",
+                    flush=True,
+                )
                 return "gpt-2"
             raise
 

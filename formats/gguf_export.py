@@ -124,9 +124,12 @@ def export_gguf(
             )
             + "\n"
         )
-        if out.exists():
-            shutil.rmtree(out)
+        old = out.with_name(f".{out.name}-old")
+        if out.exists():  # set aside, not deleted, until the new folder is in place
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
         tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -159,6 +162,9 @@ def convert(
         command += ["--target-model-dir", str(target_folder)]
     env = {**os.environ, "NO_LOCAL_GGUF": "1"}  # the environment's gguf-py is the vendored one
     done = subprocess.run(command, capture_output=True, text=True, env=env)
+    for line in done.stdout.splitlines():
+        if line.startswith("[gguf]"):  # what gguf_convert.py added to the converter's work
+            log(line)
     if done.returncode != 0 or not out.is_file():
         said = "\n".join(done.stderr.strip().splitlines()[-12:])
         raise ExportError(
@@ -240,7 +246,8 @@ def gguf_problems(
     recorded it: layers, width, vocabulary) against the target file's. With llama.cpp's
     `source`, an EAGLE-3 head for a target whose llama.cpp model does not hand its layers'
     inputs to a drafter (its src/models/ARCH.cpp never sets them) is refused: llama.cpp would
-    abort on the first request."""
+    abort on the first request. That last check is best-effort: an architecture whose file is
+    named otherwise (gpt-oss is openai-moe.cpp) is not checked."""
     t, d = gguf_fields(target), gguf_fields(draft)
     tv, dv = t.get("tokenizer.ggml.tokens") or [], d.get("tokenizer.ggml.tokens") or []
     problems = []
@@ -249,11 +256,12 @@ def gguf_problems(
             problems.append(f"vocabulary sizes {len(tv)} (target) and {len(dv)} (drafter)")
     else:  # a draft model: llama.cpp's own check (common/speculative.cpp)
         keys = ["tokenizer.ggml.model"]
-        keys += [
-            f"tokenizer.ggml.{w}_token_id"
-            for w in ("bos", "eos")
-            if t.get(f"tokenizer.ggml.add_{w}_token") or d.get(f"tokenizer.ggml.add_{w}_token")
-        ]
+        for w in ("bos", "eos"):  # where both files say whether it is added, they must agree
+            flag = f"tokenizer.ggml.add_{w}_token"
+            if flag in t and flag in d:
+                keys.append(flag)
+            if t.get(flag) or d.get(flag):
+                keys.append(f"tokenizer.ggml.{w}_token_id")
         for key in keys:
             if t.get(key) != d.get(key):
                 problems.append(

@@ -40,6 +40,8 @@ LENGTH_FLAG = {
     "draft-simple": "--spec-draft-n-max",
     "draft-eagle3": "--spec-draft-n-max",
     "draft-dflash": "--spec-draft-n-max",
+    "draft-dspark": "--spec-draft-n-max",
+    "draft-mtp": "--spec-draft-n-max",
     "ngram-simple": "--spec-ngram-simple-size-m",
     "ngram-map-k": "--spec-ngram-map-k-size-m",
     "ngram-mod": "--spec-ngram-mod-n-max",
@@ -114,6 +116,7 @@ class LlamaServer:
     trace: bool = False  # llama.cpp's trace-level log, which holds its drafting statistics
     flags: tuple[str, ...] = ()  # more llama-server flags
     _process: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    _own_log: bool = field(default=False, init=False, repr=False)
     _url: str = field(default="", init=False, repr=False)
 
     def command(self, port: int) -> list[str]:
@@ -135,7 +138,14 @@ class LlamaServer:
         if self.log is None:
             fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
             os.close(fd)
-            self.log = Path(name)
+            self.log, self._own_log = Path(name), True
+        try:
+            return self._start()
+        except BaseException:
+            self._stop()
+            raise
+
+    def _start(self) -> LlamaServer:
         port = free_port()
         self._url = f"http://127.0.0.1:{port}"
         with open(self.log, "w") as out:
@@ -156,10 +166,14 @@ class LlamaServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.2)
-        self.__exit__(None, None, None)
         raise LlamaCppError(f"llama-server did not start in {START_TIMEOUT_S} s:\n{self.said()}")
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
+        self._stop()
+        if kind is None and self._own_log and self.log is not None:
+            self.log.unlink(missing_ok=True)  # kept where something went wrong
+
+    def _stop(self) -> None:
         if self._process is not None and self._process.poll() is None:
             self._process.terminate()
             try:
@@ -170,7 +184,9 @@ class LlamaServer:
 
     def _with(self) -> str:
         d = self.drafting
-        return f" with {d.label}" + (f" ({d.draft.name})" if d and d.draft else "") if d else ""
+        if d is None:
+            return ""
+        return f" with {d.label}" + (f" ({d.draft.name})" if d.draft else "")
 
     def said(self, lines: int = 25) -> str:
         """The last meaningful lines of llama.cpp's own output."""
@@ -351,9 +367,9 @@ def agreement(
             along = plain.logprobs_along(ids, at + 1)
             top = along[at] if len(along) > at else {}
             x, y = a.tokens[at], b.tokens[at]
-            if x in top:
-                # a token outside the top 20 is at least as far as the 20th
-                gap = round(top[x] - top.get(y, min(top.values())), 4)
+            if x in top and y in top:
+                gap = round(top[x] - top[y], 4)
+            # the drafted token outside plain decoding's top 20: far from a tie (gap None)
         results.append(
             Agreement(i, len(a.tokens), False, at, gap, gap is not None and abs(gap) <= tie_gap)
         )
@@ -373,7 +389,8 @@ def arithmetic_noise(
         if n < 2:
             continue
         along = plain.logprobs_along(ids, n)
-        for p in sorted({round(k * (n - 1) / max(positions - 1, 1)) for k in range(positions)}):
+        # position 0's one-token figure is the prompt's own pass: skipped
+        for p in sorted({1 + round(k * (n - 2) / max(positions - 1, 1)) for k in range(positions)}):
             one = along[p] if p < len(along) else {}
             if len(one) < 2:
                 continue
@@ -395,7 +412,8 @@ def counters(outs: list[Completion]) -> dict:
     return {
         "tokens": tokens,
         "decode_seconds": round(seconds, 3),
-        "tokens_per_second": round(tokens / seconds, 2) if seconds else None,
+        # as llama.cpp's predicted_per_second: the first token comes from the prompt's pass
+        "tokens_per_second": round((tokens - len(outs)) / seconds, 2) if seconds else None,
         "drafted": drafted,
         "accepted": accepted,
         "verifications": verifications,
@@ -463,8 +481,9 @@ def block_costs(
 ) -> dict:
     """What one target pass over a block of k new tokens costs, as a multiple of a one-token
     pass, for each k in `sizes` (1 is added): llama.cpp's own prompt time for k tokens after a
-    cached prefix of `context` tokens, the median of `repeats`. What verifying a draft of k - 1
-    tokens costs on this machine's kernels, drafting apart. The tokens are taken from `text`.
+    cached prefix of `context` tokens, the median of `repeats`. A lower bound on what verifying a
+    draft of k - 1 tokens costs on this machine's kernels: a prompt's pass computes logits for
+    its last token only, verification for all k. The tokens are taken from `text`.
     The server must keep a whole prompt's cache (a sliding-window model: `--swa-full`)."""
     text = [int(t) for t in text] or [0]
     prefix = (text * (context // len(text) + 1))[:context]
@@ -495,8 +514,9 @@ def block_costs(
 
 def drafting_ms(server: LlamaServer) -> float:
     """The time llama.cpp spent drafting so far (its speculative statistics: each
-    implementation's generation time, `dur(b,g,a)`, last reported; written by a server started
-    with `trace`), in milliseconds."""
+    implementation's `dur(b,g,a)`, begin, generate and accept, last reported; written by a
+    server started with `trace`), in milliseconds. The drafter's pass over each verified batch
+    (its `process`) is not timed by llama.cpp, so not counted here."""
     last: dict[str, float] = {}
     for line in (server.log.read_text(errors="replace") if server.log else "").splitlines():
         if "statistics" in line and "dur(b,g,a) =" in line:

@@ -91,7 +91,7 @@ def built_llamacpp() -> LlamaCpp | None:
 
 
 def ensure_llamacpp(log=print) -> LlamaCpp:
-    """The machine's llama.cpp, built on first use (minutes: about 25 on 2 cores) and reused.
+    """The machine's llama.cpp, built on first use (about 8 minutes on 2 cores) and reused.
     Safe from several processes at once: one builds under a file lock, the others wait."""
     found = built_llamacpp()
     if found is not None:
@@ -190,11 +190,16 @@ def _make_converter_venv(out: Path) -> None:
 
 def _run(command: list[str], what: str) -> None:
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        done = subprocess.run(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            timeout=BUILD_TIMEOUT_S,
+        )  # fmt: skip
     except subprocess.TimeoutExpired as e:
         raise LlamaCppError(f"{what} took over {BUILD_TIMEOUT_S} s; nothing was kept") from e
     if done.returncode != 0:
-        said = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+        lines = done.stdout.strip().splitlines()  # Ninja writes the compiler's errors there
+        errors = [line for line in lines if "error" in line.lower()]
+        said = "\n".join(([*errors[:10], "..."] if errors else []) + lines[-8:])
         raise LlamaCppError(
             f"{what} failed (exit {done.returncode}); nothing was kept, the next call builds "
             f"again. Its last lines:\n{said}"

@@ -25,8 +25,11 @@ from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.formats.checkpoint import save_drafter
 from specdraft.formats.gguf_export import ExportError, export_gguf, gguf_fields, gguf_problems
 from specdraft.inference.llamacpp import (
+    Completion,
     Drafting,
     LlamaServer,
+    agreement,
+    counters,
     read_gguf_export,
 )
 from specdraft.scripts import bench_llamacpp, export, verify_export
@@ -51,13 +54,16 @@ def engine(monkeypatch):
 def distill_gguf(tiny_target_path, draft_folder, tmp_path_factory):
     """The tiny target and a copy of it as a two-model draft, exported to GGUF by the script
     (the target converted too: the tiny target has no GGUF of its own)."""
-    os.environ.setdefault("SPECDRAFT_ENGINES", str(MACHINE_ENGINES))
-    if llamacpp.built_llamacpp() is None:
-        pytest.skip("llama.cpp is not built on this machine (see the module's docstring)")
-    out = tmp_path_factory.mktemp("gguf") / "distill"
-    args = [str(draft_folder), str(out), "--format", "gguf", "--target", tiny_target_path]
-    assert export.main([*args, "--gguf-type", "f32"]) == 0
-    return out
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECDRAFT_ENGINES", os.environ.get("SPECDRAFT_ENGINES", str(MACHINE_ENGINES)))  # fmt: skip
+        if llamacpp.built_llamacpp() is None:
+            pytest.skip("llama.cpp is not built on this machine (see the module's docstring)")
+        out = tmp_path_factory.mktemp("gguf") / "distill"
+        args = [str(draft_folder), str(out), "--format", "gguf", "--target", tiny_target_path]
+        assert export.main([*args, "--gguf-type", "f32"]) == 0
+        # a second export into it replaces it, as a previous export, without --force
+        assert export.main([*args, "--gguf-type", "f32"]) == 0
+        return out
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.llamacpp]
@@ -84,9 +90,10 @@ def test_two_model_draft_exports_and_decodes_exactly_in_llamacpp(distill_gguf, e
 
 
 def test_eagle3_head_exports_through_the_converter_and_decodes_exactly(target, engine, tmp_path):
-    """An EAGLE-3 head (reduced draft vocabulary) goes through llama.cpp's converter with its
-    target and is served by draft-eagle3: its target layers and width are in the file, and
-    llama.cpp's output with it equals its plain decoding's."""
+    """An EAGLE-3 head (reduced draft vocabulary: d2t) goes through llama.cpp's converter with
+    its target and is served by draft-eagle3: its target layers and width are in the file, and
+    llama.cpp's output with it equals its plain decoding's (the random head drafts, and llama.cpp
+    rejects what it drafts)."""
     _, t = target
     torch.manual_seed(0)
     head = EagleDrafter.build(EagleConfig(feature_layers=[1, 2, 4], draft_vocab_size=100), t)
@@ -176,8 +183,10 @@ def test_bench_measures_plain_ngram_and_the_drafter(distill_gguf, engine, tmp_pa
     report = json.loads((out / "report.json").read_text())
     methods = [(r["method"], r["length"]) for r in report["runs"]]
     assert methods == [("plain", None), ("ngram-simple", None), ("distill (distill, f32)", 2)]
-    plain, _, drafted = report["runs"]
-    assert plain["speedup"] == 1.0 and drafted["equal_outputs"] >= 1
+    drafted = report["runs"][-1]
+    assert drafted["equal_outputs"] + drafted["near_ties"] == report["turns"] == 2
+    assert not drafted["disagreements"]
+    assert drafted["tau"] > 1.5  # the draft is the target
     assert drafted["drafted"] > 0 and drafted["accepted"] > 0
     assert set(report["block_costs"]) >= {"1", "2", "3", "one_token_ms"}
     assert "best speedup" in (out / "report.md").read_text()
@@ -252,3 +261,32 @@ def test_an_eagle3_head_for_another_target_is_refused(target, engine, tmp_path, 
     assert "cannot serve an EAGLE-3 head for a gemma3 target" in problem
     code = verify_export.main([str(out), "--engine", "llama.cpp", "--target-gguf", str(other)])
     assert code == 2
+
+
+def test_counters_count_target_passes_as_llamacpp_decodes():
+    """Two answers of 9 tokens: the first token of each comes from the prompt's pass; one
+    decoded with 3 verification passes accepting 4 drafts (so 8 = 3 + 4 + 1 plain pass), one
+    plainly (8 passes). tau = 16 tokens after the first over 12 passes."""
+    drafted = Completion(list(range(9)), "", 1.0, drafted=6, accepted=4, verifications=3)
+    plain = Completion(list(range(9)), "", 2.0)
+    assert drafted.passes == 4 and plain.passes == 8
+    figures = counters([drafted, plain])
+    assert figures["tau"] == round(16 / 12, 3) and figures["tokens_per_second"] == round(16 / 3, 2)
+    assert figures["acceptance_rate"] == round(4 / 6, 4)
+    assert figures["mean_accepted_length"] == round(1 + 4 / 3, 3)
+
+
+def test_agreement_tells_a_near_tie_from_a_disagreement():
+    """Where outputs part, the gap of the two tokens in plain decoding decides; a drafted token
+    outside plain decoding's top tokens is a disagreement, never a tie."""
+
+    class Plain:  # plain decoding's top log-probabilities at each position
+        def logprobs_along(self, ids, steps, top=20):
+            return [{1: -0.1, 2: -2.0}, {3: -0.5, 4: -0.6, 5: -3.0}][:steps]
+
+    out = [Completion(t, "", 1.0) for t in ([1, 3], [1, 3], [1, 3])]
+    drafted = [Completion(t, "", 1.0) for t in ([1, 3], [1, 4], [1, 9])]
+    same, tie, far = agreement(Plain(), [[0], [0], [0]], out, drafted, tie_gap=0.2)
+    assert same.equal and not same.disagrees
+    assert tie.first_difference == 1 and tie.gap == 0.1 and tie.near_tie
+    assert far.gap is None and far.disagrees
