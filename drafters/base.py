@@ -645,3 +645,16 @@ def vocab_mismatch_error(what: str, drafter_vocab: int, target) -> ValueError:
         f"{target.vocab_size}: speculative decoding needs the draft to share the target's "
         "tokenizer. Use a draft trained with this target's tokenizer (e.g. one distilled from it)."
     )
+
+
+def check_features_known(session: str, known: int, length: int, row: int | None = None) -> None:
+    """The contract of a session drafting from the target's features: it has them for every
+    position of the context but the last (whose features come with the next verification).
+    RuntimeError naming the loop's duty where it does not."""
+    if known != length - 1:
+        where = f" of row {row}" if row is not None else ""
+        raise RuntimeError(
+            f"{session} has the target's features of {known} positions{where} but the context "
+            f"has {length}: the loop must call accept(tree, path, hidden_states) after every "
+            "verification forward, and pass the context that forward extended"
+        )

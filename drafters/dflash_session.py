@@ -20,6 +20,7 @@ from specdraft.core import (
 from specdraft.drafters.base import (
     BatchSession,
     DraftSession,
+    check_features_known,
 )
 from specdraft.drafters.eagle_session import verified_rows
 from specdraft.drafters.position_tree import position_tree
@@ -71,12 +72,7 @@ class DFlashSession(DraftSession):
         depth = min(self.decode.gamma, self.drafter.block_size - 1, context.max_depth)
         if self.context is None or self.known == 0 or depth <= 0:
             return DraftTree.empty(seq.shape[0], seq.device)
-        if self.known != length - 1:
-            raise RuntimeError(
-                f"DFlashSession has the target's features of {self.known} positions but the "
-                f"context has {length}: the loop must call accept(tree, path, hidden_states) "
-                "after every verification forward, and pass the context that forward extended"
-            )
+        check_features_known("DFlashSession", self.known, length)
         d = self.drafter
         device = d.fc.weight.device
         tokens = d.block_tokens(seq[:, -1].to(device))  # (batch, B)
@@ -172,13 +168,7 @@ class DFlashBatchSession(BatchSession):
                 depths.append(0)
                 continue
             length = context.tokens.shape[1]
-            if self.known[r] != length - 1:
-                raise RuntimeError(
-                    f"DFlashBatchSession has the target's features of {self.known[r]} positions "
-                    f"of row {r} but its context has {length}: the loop must call accept(trees, "
-                    "paths, hidden_states) after every verification forward, and pass the "
-                    "contexts that forward extended"
-                )
+            check_features_known("DFlashBatchSession", self.known[r], length, row=r)
             depths.append(depth)
         drafting = [r for r, depth in enumerate(depths) if depth > 0]
         trees = [DraftTree.empty(1, self.device) for _ in contexts]

@@ -23,7 +23,7 @@ from specdraft.core import (
     float_mask,
     kv_bytes,
 )
-from specdraft.drafters.base import BatchSession, DraftSession, warn_once
+from specdraft.drafters.base import BatchSession, DraftSession, check_features_known, warn_once
 from specdraft.drafters.lean import (
     DraftLinear,
     LayerWeights,
@@ -163,12 +163,7 @@ class EagleSession(DraftSession):
         depth = min(self.decode.gamma, context.max_depth)
         if self.features is None or depth <= 0:  # no features before the prompt's forward
             return DraftTree.empty(seq.shape[0], seq.device)
-        if self._known != length - 1:
-            raise RuntimeError(
-                f"EagleSession has the target's features of {self._known} positions but the "
-                f"context has {length}: the loop must call accept(tree, path, hidden_states) "
-                "after every verification forward, and pass the context that forward extended"
-            )
+        check_features_known("EagleSession", self._known, length)
         if self.layer is None:  # room for the whole call: prompt, new tokens, one more draft
             self._build(capacity=length + context.max_depth + depth + 1)
         # 1. Feed the pairs with true features not yet in the head's cache (causally, at

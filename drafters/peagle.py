@@ -55,6 +55,7 @@ from specdraft.drafters.base import (
     BatchSession,
     Drafter,
     Metrics,
+    check_features_known,
     sum_and_count,
     warn_once,
 )
@@ -487,12 +488,7 @@ class PEagleSession(EagleSession):
         depth = min(self.decode.gamma, K, context.max_depth)
         if self.features is None or depth <= 0:  # no features before the prompt's forward
             return DraftTree.empty(seq.shape[0], seq.device)
-        if self._known != length - 1:
-            raise RuntimeError(
-                f"PEagleSession has the target's features of {self._known} positions but the "
-                f"context has {length}: the loop must call accept(tree, path, hidden_states) "
-                "after every verification forward"
-            )
+        check_features_known("PEagleSession", self._known, length)
         if self.layer is None:  # room for the whole call and one group of slots
             self._build(capacity=length + context.max_depth + K + 1)
         # 1. One pass: the pairs with true features not yet cached (positions fed .. length - 2;
