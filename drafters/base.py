@@ -208,6 +208,9 @@ class Drafter(nn.Module):
     # drafter fed by the target's hidden states has none yet (EAGLE, Medusa, DFlash). The
     # simulation of serving starts the same way.
     drafts_after_prefill: ClassVar[bool] = False
+    # True when tree_top_k > 1 drafts a tree (where stop_below, which ends chains, is ignored);
+    # False for a kind that drafts chains only (LayerSkip).
+    drafts_trees: ClassVar[bool] = True
     # Target hidden-state ids the loss needs (the trainer captures them in the target forward).
     capture_layers: Sequence[int] = ()
     # True when the loss runs the target itself (Medusa-2's adapters, LayerSkip): the trainer
@@ -494,13 +497,19 @@ class Drafter(nn.Module):
 
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         """What in `decode` this kind cannot honour, each said in a sentence (the loop warns
-        once per sentence and drafts without it). Here what no kind honours; kinds add theirs."""
+        once per sentence and drafts without it). Here what no kind honours, and stop_below in
+        the trees of a kind that drafts them (`drafts_trees`); kinds add theirs."""
+        ignored = []
         if decode.lookup_gamma and not decode.lookup_ngram:
-            return [
+            ignored.append(
                 f"lookup_gamma={decode.lookup_gamma} is ignored without copying: it caps copied "
                 "drafts, and lookup_ngram=0 copies nothing (set lookup_ngram, e.g. 3)"
-            ]
-        return []
+            )
+        if self.drafts_trees and not decode.chain and decode.stop_below > 0:
+            ignored.append(
+                f"stop_below is ignored by {self.title} trees (tree_top_k > 1): it ends chains"
+            )
+        return ignored
 
     def transformers_baseline(self, decode: DecodeConfig) -> tuple[str, dict, dict] | None:
         """transformers' assisted generation doing what this drafter does with `decode`, for

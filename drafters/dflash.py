@@ -588,8 +588,6 @@ class DFlashDrafter(Drafter):
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = super().ignored_settings(decode)
         drafts = self.block_size - 1
-        if not decode.chain and decode.stop_below > 0:
-            ignored.append("stop_below is ignored by DFlash trees (tree_top_k > 1): it ends chains")
         if decode.gamma > drafts:
             ignored.append(
                 f"gamma={decode.gamma} is capped at {drafts} by this DFlash drafter: a block of "

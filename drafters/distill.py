@@ -253,10 +253,6 @@ class DistillDrafter(Drafter):
                 "draft_weights=int8 is ignored by two-model trees (tree_top_k > 1): they draft "
                 "with the student's full weights; int8 is for chains"
             )
-        if decode.stop_below > 0:
-            ignored.append(
-                "stop_below is ignored by two-model trees (tree_top_k > 1): it ends chains"
-            )
         return ignored
 
     @property

@@ -290,12 +290,6 @@ class EagleDrafter(Drafter):
             self, target, batch_size, sampling=sampling, decode=decode, generator=generator
         )
 
-    def ignored_settings(self, decode: DecodeConfig) -> list[str]:
-        ignored = super().ignored_settings(decode)
-        if not decode.chain and decode.stop_below > 0:
-            ignored.append("stop_below is ignored by EAGLE trees (tree_top_k > 1): it ends chains")
-        return ignored
-
     def drafting_weights(self, int8: bool) -> EagleDraftingWeights | None:
         """The head's weights as drafting runs them (drafters/lean.py), or None where its layer
         is not one LeanLayer reproduces (sessions then call the modules). Built once and shared

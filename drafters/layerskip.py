@@ -229,6 +229,7 @@ class LayerSkipDrafter(Drafter):
 
     kind = "layerskip"
     title = "LayerSkip"
+    drafts_trees = False  # tree_top_k > 1 is ignored: it drafts chains
     config_class = LayerSkipConfig
     # the loss runs the model itself (the trainer hands it no target output)
     runs_target = True

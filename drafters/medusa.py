@@ -349,8 +349,6 @@ class MedusaDrafter(Drafter):
                 f"gamma={decode.gamma} is more than the {self.config.num_heads} Medusa heads: "
                 f"drafts are at most {self.config.num_heads} deep"
             )
-        if not decode.chain and decode.stop_below > 0:
-            ignored.append("stop_below is ignored by Medusa trees (tree_top_k > 1): it ends chains")
         ranks = self.accuracy_ranks
         if decode.tree_top_k > ranks:
             ignored.append(

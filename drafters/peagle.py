@@ -451,10 +451,6 @@ class PEagleDrafter(EagleDrafter):
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = Drafter.ignored_settings(self, decode)
         K = self.config.num_depths
-        if not decode.chain and decode.stop_below > 0:
-            ignored.append(
-                "stop_below is ignored by P-EAGLE trees (tree_top_k > 1): it ends chains"
-            )
         if decode.gamma > K:
             ignored.append(
                 f"gamma={decode.gamma} is more than the {K} tokens one P-EAGLE forward drafts "
