@@ -40,7 +40,7 @@ for family in $FAMILIES; do
 done
 
 # Held-out prompts of PROMPT_LINES lines of standard-library source, each ending at a `def`.
-python -c "import json, sys; from specdraft.data.demo import demo_prompts; \
+python -c "import json, sys; from specdraft.data.stdlib_corpus import demo_prompts; \
 json.dump(demo_prompts(int(sys.argv[1]), lines=int(sys.argv[2])), open(sys.argv[3], 'w'))" \
     "$PROMPTS" "$PROMPT_LINES" "$OUT/prompts.json"
 python scripts/evaluate.py --target "$TARGET" --dtype float32 "${drafters[@]}" --baselines ar \

@@ -8,7 +8,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The entry scripts' default configs (configs/KIND/demo.yaml) train on a real target fetched from
+# The trainers' default configs (configs/KIND/demo.yaml) train on a real target fetched from
 # the package registry; the suite's (tests/configs/KIND/demo.yaml) are the tiny target on the demo
 # corpus, which every test shrinks further. Set here, before any test module imports a trainer,
 # and inherited by the processes tests start.
@@ -70,7 +70,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_target_path(specdraft_home) -> str:
     """The tiny demo target, built once per test session (about a second)."""
-    from specdraft.targets.demo import ensure_demo_target
+    from specdraft.targets.demo_target import ensure_demo_target
 
     return str(ensure_demo_target(variant="tiny"))
 

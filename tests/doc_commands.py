@@ -19,11 +19,12 @@ command keeps the doc's file and the line it starts on.
 What is checked:
 - `python FILE ...` and `accelerate launch [its options] FILE ...`: the file exists; for a .py
   file of the repository, its `main(["--help"])` exits 0, and the documented arguments parse:
-  through the script's `parse_args(argv)` (scripts/), or for a training entry script (train/:
+  through the script's `parse_args(argv)` (scripts/), or for a trainer (train/:
   a TrainConfig subclass and DEFAULT_CONFIG) through `specdraft.config.parse_cli`, exactly as
   its `main` reads `--config` and `key=value`, so an unknown key or a bad value fails with the
   config parser's own message. accelerate's options go through accelerate's own parser.
-- `python -m specdraft.X` / `python -m scripts.X`: as the file it names; `python -m venv`,
+- `python -m specdraft.X` as the file it names, `specdraft train KIND` as train/KIND.py and
+  `specdraft TOOL` as its module in src/specdraft/tools (`python -m specdraft`: the same); `python -m venv`,
   `python -m pip`, `python -m pytest` as those tools; another `-m` module is another tool's.
 - `python -c CODE` compiles; `pytest` names test paths that exist; `pip install` names
   constraint/requirement files that exist, and `-e PATH[extras]` a project with those extras;
@@ -35,7 +36,7 @@ What is checked:
 Placeholders, kept narrow: a word that is `...` (or `…`) elides the rest of its command (the
 words before it are checked; a missing required argument is then not a problem). A placeholder
 is `<name>`, `$VAR` / `${VAR}`, or a word in capitals (FOLDER, OUT_DIR), whole or as the value
-of `key=` / `--opt=`: for a training entry script, `key=PLACEHOLDER` checks the key but not its
+of `key=` / `--opt=`: for a trainer, `key=PLACEHOLDER` checks the key but not its
 value, `--config PLACEHOLDER` reads the default config, and a bare placeholder word (standing
 for arguments) is dropped; for an argparse script, an error that quotes a placeholder is
 forgiven by dropping that word (and the option it is the value of) and parsing again; a path
@@ -216,8 +217,8 @@ def _known(command: Command) -> bool:
     program = command.words[0]
     return not command.unreadable and bool(
         PYTHON.match(program)
-        or program in EXTERNAL | {"accelerate", "pytest", "pip", "pip3"}
-        or re.match(r"(\./)?(scripts|train)/", program)
+        or program in EXTERNAL | {"accelerate", "pytest", "pip", "pip3", "specdraft"}
+        or re.match(r"(\./)?(scripts|train|benchmarks)/", program)
     )
 
 
@@ -255,7 +256,9 @@ class Checker:
             problems += self._pytest(args)
         elif program in ("pip", "pip3"):
             problems += self._pip(args)
-        elif re.match(r"(\./)?(scripts|train)/", program):
+        elif program == "specdraft":
+            problems += self._specdraft(args)
+        elif re.match(r"(\./)?(scripts|train|benchmarks)/", program):
             path = self.root / program
             if not path.is_file():
                 problems.append(f"{program} does not exist")
@@ -303,11 +306,25 @@ class Checker:
         return self._script(args[0], args[1:])
 
     def _module_path(self, module: str) -> str | None:
-        """The repository file of a `python -m` module (pyproject's package-dir), or None."""
-        dirs = self.pyproject["tool"]["setuptools"].get("package-dir", {})
-        dirs = {**dirs, **{d: d for d in dirs.values()}}  # `python -m scripts.x` from the root
-        package, _, name = module.rpartition(".")
-        return f"{dirs[package]}/{name}.py" if package in dirs else None
+        """The repository file of a `python -m` module (the library is src/), or None."""
+        if module == "specdraft":
+            return "src/specdraft/cli.py"
+        path = "src/" + module.replace(".", "/") + ".py"
+        return path if (self.root / path).is_file() else None
+
+    def _specdraft(self, args: list[str]) -> list[str]:
+        """`specdraft train KIND ...` as train/KIND.py, `specdraft TOOL ...` as the tool's
+        module; `specdraft`, `--help` and `configs` take no arguments to check."""
+        if not args or args[0] in ("-h", "--help", "configs"):
+            return []
+        if args[0] == "train":
+            if len(args) < 2 or args[1] in ("-h", "--help"):
+                return []
+            return self._script(f"train/{args[1]}.py", args[2:])
+        tool = f"src/specdraft/tools/{args[0].replace('-', '_')}.py"
+        if not (self.root / tool).is_file():
+            return [f"specdraft {args[0]}: no such command (src/specdraft/tools/ has no module)"]
+        return self._script(tool, args[1:])
 
     def _accelerate(self, args: list[str]) -> list[str]:
         if not args or args[0] != "launch":
@@ -369,7 +386,7 @@ class Checker:
             return [f"{rel} does not import: {type(e).__name__}: {e}"]
         problems = []
         if rel not in self._help:
-            code, out = _call(module.main, ["--help"])
+            code, out = _call(_main_of(module), ["--help"])
             if code is None:
                 self._help[rel] = f"{rel} --help returned {out!r} instead of exiting after its help"
             else:
@@ -391,7 +408,7 @@ class Checker:
         return problems
 
     def _parse_config(self, module: Any, config: type, prog: str, args: list[str]) -> list[str]:
-        """A training entry script's command line, read as its main reads it (parse_cli)."""
+        """A trainer's command line, read as its main reads it (parse_cli)."""
         from specdraft.config import parse_cli
 
         args = [p for w in args for p in (w.split("=", 1) if w.startswith("--config=") else [w])]
@@ -412,7 +429,12 @@ class Checker:
         return [] if code is None else [_last_error(out)]
 
     def _module(self, rel: str) -> Any:
-        """The file at `rel`, loaded once by path, as `python FILE` runs it (not as __main__)."""
+        """The file at `rel`, loaded once by path, as `python FILE` runs it (not as __main__);
+        for a checkout launcher (train/KIND.py, scripts/TOOL.py) or a file of the library, the
+        library module it runs."""
+        library = _library_module(self.root, rel)
+        if library is not None:
+            return importlib.import_module(library)
         if rel not in self._modules:
             name = "_doc_commands." + rel.removesuffix(".py").replace("/", ".")
             spec = importlib.util.spec_from_file_location(name, self.root / rel)
@@ -427,9 +449,34 @@ class Checker:
         return self._modules[rel]
 
 
+def _library_module(root: Path, rel: str) -> str | None:
+    """The library module a repository file stands for: itself under src/, the trainer a
+    train/KIND.py launcher runs, the tool a scripts/TOOL.py launcher runs; None for others."""
+    parts = Path(rel.removesuffix(".py")).parts
+    if parts[0] == "src":
+        return ".".join(parts[1:])
+    if len(parts) == 2 and parts[0] == "train":
+        return f"specdraft.train.{parts[1]}_trainer"
+    tool = root / "src" / "specdraft" / "tools" / f"{parts[-1]}.py"
+    if len(parts) == 2 and parts[0] == "scripts" and tool.is_file():
+        return f"specdraft.tools.{parts[1]}"
+    return None
+
+
+def _main_of(module: Any) -> Any:
+    """What runs a module's command line: its main, or for a trainer the shared entry's."""
+    if hasattr(module, "main"):
+        return module.main
+    from functools import partial
+
+    from specdraft.train.entry import main
+
+    return partial(main, module.__name__.rpartition(".")[2].removesuffix("_trainer"))
+
+
 def _train_config(module: Any) -> type | None:
-    """A training entry script's config class: the TrainConfig subclass it defines."""
-    from specdraft.train.config import TrainConfig
+    """A trainer's config class: the TrainConfig subclass it defines."""
+    from specdraft.train.train_config import TrainConfig
 
     if not hasattr(module, "DEFAULT_CONFIG"):
         return None

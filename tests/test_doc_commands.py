@@ -4,7 +4,7 @@ The commands are read from the docs as they are when the test runs (tests/doc_co
 the extraction rules, the checks and the placeholder rule); each documented script's `--help`
 runs and its documented arguments go through the script's own parser, so a renamed config key or
 option fails here, naming the doc, the line and the key, before a reader meets it. Nothing is
-trained or built: a training entry script's command line is only resolved through its config.
+trained or built: a trainer's command line is only resolved through its config.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def test_commands_that_hold_run_clean(checker: Checker):
             --config configs/eagle/demo.yaml max_steps=5 data.max_length=64 2>&1 | tee train.log
         python train/medusa.py --config medusa2-demo.yaml   # found beside the kind's demo.yaml
         python scripts/evaluate.py --drafter runs/eagle-demo/final:tree_top_k=4 --output runs/e
-        python -m specdraft.scripts.export --format eagle runs/a/final exports/a
+        python -m specdraft.tools.export --format eagle runs/a/final exports/a
         python -c "import specdraft"
         vllm serve meta-llama/Llama-3.1-8B-Instruct --speculative-config '{"method": "eagle3"}'
         ```

@@ -1,5 +1,4 @@
-"""The install maps the repository's folders into the specdraft namespace (docs/architecture.md,
-"Layout")."""
+"""The library is src/specdraft, each folder its import path (docs/architecture.md, "Layout")."""
 
 from __future__ import annotations
 
@@ -12,14 +11,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = ROOT / "src" / "specdraft"
 
 
 @pytest.mark.parametrize(
-    "package", ["data", "targets", "drafters", "formats", "inference", "train", "scripts"]
+    "package", ["data", "targets", "drafters", "formats", "inference", "train", "tools"]
 )
 def test_subpackages_resolve_to_this_repository(package):
     module = importlib.import_module(f"specdraft.{package}")
-    assert Path(module.__file__).resolve() == ROOT / package / "__init__.py"
+    assert Path(module.__file__).resolve() == LIBRARY / package / "__init__.py"
 
 
 def test_imports_work_from_any_directory(tmp_path):
@@ -27,7 +27,17 @@ def test_imports_work_from_any_directory(tmp_path):
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )
-    assert Path(out.stdout.strip()).resolve() == ROOT / "data" / "__init__.py"
+    assert Path(out.stdout.strip()).resolve() == LIBRARY / "data" / "__init__.py"
+
+
+def test_every_library_file_name_is_one_module():
+    """No two modules of the library share a file name (docs/architecture.md, "Layout")."""
+    seen: dict[str, list[str]] = {}
+    for path in LIBRARY.rglob("*.py"):
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.name, []).append(str(path.relative_to(LIBRARY)))
+    repeated = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not repeated, repeated
 
 
 def test_demo_prompts_is_exported():
@@ -38,8 +48,18 @@ def test_demo_prompts_is_exported():
 
 # The layering (docs/architecture.md, "Layers"): a package may import only from the packages
 # below it.
-# specdraft (core) <- data <- targets <- drafters <- formats <- inference <- train <- scripts
-LAYERS = ["specdraft", "data", "targets", "drafters", "formats", "inference", "train", "scripts"]
+# specdraft (core) <- data <- targets <- drafters <- formats <- inference <- train <- tools <- cli
+LAYERS = [
+    "specdraft",
+    "data",
+    "targets",
+    "drafters",
+    "formats",
+    "inference",
+    "train",
+    "tools",
+    "cli",
+]
 
 
 def _imports(path: Path) -> set[str]:
@@ -59,20 +79,23 @@ def _package(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) > 1 and parts[1] in LAYERS[1:]:
         return parts[1]
+    if parts[:2] == ["specdraft", "__main__"]:
+        return "cli"
     return "specdraft" if parts[0] == "specdraft" else None
 
 
 def _library_files() -> list[tuple[str, Path]]:
     files = []
-    for layer in LAYERS:
-        folder = ROOT / layer
-        files += [(layer, p) for p in sorted(folder.glob("*.py"))]
+    for layer in LAYERS[1:-1]:
+        files += [(layer, p) for p in sorted((LIBRARY / layer).glob("*.py"))]
+    for path in sorted(LIBRARY.glob("*.py")):
+        files.append(("cli" if path.stem in ("cli", "__main__") else "specdraft", path))
     return files
 
 
 def test_imports_run_down_the_layers_only():
     """No package imports a package above it, so there is no cycle between packages and no
-    library module imports a script. The entry scripts in train/ sit in the train layer."""
+    library module imports a tool or the command line."""
     wrong = []
     for layer, path in _library_files():
         for module in _imports(path):
@@ -87,9 +110,10 @@ def test_imports_run_down_the_layers_only():
 def test_the_layer_check_sees_a_violation(tmp_path):
     """The check above is not vacuous: it parses imports the way the tree writes them."""
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from specdraft.scripts.evaluate import main\n")
-    assert "specdraft.scripts.evaluate" in _imports(bad)
-    assert _package("specdraft.scripts.evaluate") == "scripts"
+    bad.write_text("def f():\n    from specdraft.tools.evaluate import main\n")
+    assert "specdraft.tools.evaluate" in _imports(bad)
+    assert _package("specdraft.tools.evaluate") == "tools"
+    assert _package("specdraft.cli") == "cli"
     assert _package("specdraft.core") == "specdraft"
     assert len(_library_files()) > 30
 
@@ -97,22 +121,23 @@ def test_the_layer_check_sees_a_violation(tmp_path):
 # The code every kind shares knows kinds only through the Drafter hooks and the registry
 # (docs/architecture.md, "Drafter").
 SHARED = [
-    "train/trainer.py", "train/config.py", "formats/checkpoint.py", "inference/generate.py",
-    "inference/tune.py", "inference/measure.py", "inference/evaluate.py", "inference/report.py",
-    "train/compare.py", "scripts/tune.py", "scripts/evaluate.py", "scripts/compare.py",
+    "train/trainer.py", "train/train_config.py", "train/entry.py", "formats/checkpoint.py",
+    "inference/generate.py", "inference/tuning.py", "inference/measure.py", "inference/evaluation.py",
+    "inference/report_writer.py", "train/comparison.py", "tools/tune.py", "tools/evaluate.py",
+    "tools/compare.py", "cli.py",
 ]  # fmt: skip
 
 
 def test_shared_code_names_no_kind_and_probes_no_hook():
     """No string literal in the shared code is a registered kind's name, and no hasattr/getattr
     asks a drafter or a session whether it has a hook. Shown to fail: with the old
-    `if drafter.kind == "layerskip":` in inference/evaluate.py it names the line."""
+    `if drafter.kind == "layerskip":` in inference/evaluation.py it names the line."""
     from specdraft.drafters.base import drafter_kinds
 
     kinds = set(drafter_kinds()) - {"prompt_lookup"}  # the loop's own drafter, not a kind
     wrong = []
     for name in SHARED:
-        tree = ast.parse((ROOT / name).read_text(), filename=name)
+        tree = ast.parse((LIBRARY / name).read_text(), filename=name)
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and node.value in kinds:
                 wrong.append(f"{name}:{node.lineno} names the kind {node.value!r}")

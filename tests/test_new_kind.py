@@ -23,9 +23,9 @@ from specdraft.drafters.base import Drafter, DraftSession, Metrics, sum_and_coun
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference.generate import generate
 from specdraft.inference.measure import load_prompts
-from specdraft.scripts import evaluate
-from specdraft.scripts import tune as tune_script
-from specdraft.train.config import TrainConfig
+from specdraft.tools import evaluate
+from specdraft.tools import tune as tune_script
+from specdraft.train.train_config import TrainConfig
 from specdraft.train.trainer import train
 
 pytestmark = pytest.mark.exact

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from specdraft import precision
-from specdraft.scripts import evaluate
-from specdraft.targets.demo import demo_target_dir, resolve_spec
-from specdraft.train.config import TrainConfig
-from specdraft.train.eagle import main as train_eagle
+from specdraft.targets.demo_target import demo_target_dir, resolve_spec
+from specdraft.tools import evaluate
+from specdraft.train.entry import main as train_main
+from specdraft.train.train_config import TrainConfig
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = pytest.mark.exact
@@ -105,7 +105,7 @@ def test_bf16_training_on_cpu_then_measured_as_saved(native, tiny_target_path, t
     """mixed_precision=bf16 on a CPU (accelerate's CPU autocast) against a bf16 copy of the
     target; the end-of-run measurement decodes the target as saved (fp32), exactly."""
     out = tmp_path / "run"
-    code = train_eagle([
+    code = train_main("eagle", [
         f"target={tiny_target_path}", f"output_dir={out}", "max_steps=6", "micro_batch_size=4",
         "eval_every=6", "eval_batches=2", "save_every=0", "data.max_samples=40",
         "data.max_length=32", "warmup_steps=1", "lr=3e-3", "drafter.version=eagle1",

@@ -1,66 +1,7 @@
-"""Train a DFlash drafter on the target's hidden states: `accelerate launch train/dflash.py [key=value ...]`.
-
-Defaults to configs/dflash/demo.yaml (a one-layer DFlash drafter for SmolLM2-135M-Instruct, on a
-CPU); `--config configs/dflash/qwen3-8b.yaml` picks a recipe, `--help` lists every key.
-Setup, training and the report are train/eagle.py's `run` (online or from the hidden-state cache,
-`hidden_cache`), given this kind's drafter; the drafter and its loss are drafters/dflash.py.
-"""
-
-from __future__ import annotations
-
-import sys
-from dataclasses import dataclass, field
-from typing import ClassVar
-
-from specdraft.config import default_config, parse_cli
-from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
-from specdraft.train import eagle
-from specdraft.train.config import SetupError
-from specdraft.train.trainer import TrainResult
-
-DEFAULT_CONFIG = default_config("dflash")
-
-
-@dataclass
-class DFlashTrainConfig(eagle.EagleTrainConfig):
-    kind: ClassVar[str] = "dflash"
-    drafter: DFlashConfig = field(default_factory=DFlashConfig)
-    # hidden_cache (EagleTrainConfig's): a folder written by scripts/dump_hidden_states.py
-    # --kind dflash, holding the drafter's aux_layers
-
-
-def build_drafter(cfg: DFlashConfig, target, train_examples) -> DFlashDrafter:
-    return DFlashDrafter.build(cfg, target)
-
-
-def drafter_summary(drafter: DFlashDrafter) -> str:
-    dc = drafter.config
-    return (
-        f"DFlash drafter, {dc.num_layers} layer(s), blocks of {dc.block_size} (mask token "
-        f"{dc.mask_token_id}), {dc.anchors} anchors a sequence"
-    )
-
-
-def run(cfg: DFlashTrainConfig) -> TrainResult:
-    """Set up, train and report one run of `cfg` (train/eagle.py's `run` with a DFlash drafter,
-    which shares the target's LM head, so a sharded run keeps it)."""
-    return eagle.run(
-        cfg, build=build_drafter, describe=drafter_summary, release_lm_head=lambda _: False
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    prog = "train/dflash.py"
-    cfg = parse_cli(
-        DFlashTrainConfig, sys.argv[1:] if argv is None else argv, DEFAULT_CONFIG, prog=prog
-    )
-    try:
-        run(cfg)
-    except SetupError as e:  # missing data, bad target, bad layer ids or mask token
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
+"""`accelerate launch train/dflash.py [--config PATH] [key=value ...]` from a checkout: the same
+program as `specdraft train dflash` (src/specdraft/train/dflash.py; --help lists every key)."""
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from specdraft.cli import launch
+
+    launch(__file__)

@@ -18,7 +18,7 @@ from specdraft.data.benchmarks import (
     first_of_each_category,
     read_request_rows,
 )
-from specdraft.data.config import DataConfig
+from specdraft.data.data_config import DataConfig
 from specdraft.data.dataset import build_datasets
 from specdraft.data.sources import DataError
 from specdraft.inference.measure import read_requests

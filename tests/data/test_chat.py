@@ -98,9 +98,9 @@ def test_llama3_content_is_trimmed_in_the_mask_too(llama3_tokenizer):
 
 
 def test_demo_template_golden():
-    demo = pytest.importorskip("specdraft.data.demo")
+    demo = pytest.importorskip("specdraft.data.stdlib_corpus")
     if not hasattr(demo, "build_demo_tokenizer"):
-        pytest.skip("specdraft.data.demo.build_demo_tokenizer is not written yet")
+        pytest.skip("specdraft.data.stdlib_corpus.build_demo_tokenizer is not written yet")
     texts = ["def add(a, b):\n    return a + b\n", "Hello there. What is two plus two? Four."] * 8
     tokenizer = demo.build_demo_tokenizer(texts, vocab_size=320)
 

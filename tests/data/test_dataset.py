@@ -205,9 +205,9 @@ def test_text_folder_is_packed_per_split_with_loss_everywhere(tmp_path, llama3_t
 
 
 def test_demo_corpus_is_read_as_plain_text(llama3_tokenizer):
-    demo = pytest.importorskip("specdraft.data.demo")
+    demo = pytest.importorskip("specdraft.data.stdlib_corpus")
     if not hasattr(demo, "demo_corpus_texts"):
-        pytest.skip("specdraft.data.demo.demo_corpus_texts is not written yet")
+        pytest.skip("specdraft.data.stdlib_corpus.demo_corpus_texts is not written yet")
     cfg = DataConfig(path="demo", max_length=32, max_samples=4, eval_fraction=0.25)
     train, evaluation, summary = build_datasets(cfg, llama3_tokenizer)
     assert summary.rows_read > 100 and summary.rows_kept == 4

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdraft.data.demo import demo_corpus_files, demo_prompts
-from specdraft.targets import demo as bdt
+from specdraft.data.stdlib_corpus import demo_corpus_files, demo_prompts
+from specdraft.targets import demo_target as bdt
 
 
 def test_tiny_build_is_a_standard_hf_folder(tiny_target_path):
@@ -112,7 +112,7 @@ def test_muon_takes_the_layer_matrices_and_adamw_the_rest():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdraft.targets.demo import _optimizers, resolve_spec
+    from specdraft.targets.demo_target import _optimizers, resolve_spec
 
     spec = replace(resolve_spec("tiny", overrides={"precision": "fp32"}), optimizer="muon")
     config = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -138,7 +138,7 @@ def test_our_muon_is_torchs_in_bf16_and_close_in_fp32():
     to bf16 rounding."""
     import torch
 
-    from specdraft.targets.demo import Muon
+    from specdraft.targets.demo_target import Muon
 
     torch.manual_seed(0)
     start = [torch.randn(24, 40), torch.randn(40, 16)]  # wide and tall: both orientations

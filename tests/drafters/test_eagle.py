@@ -307,7 +307,7 @@ def test_eagle1_trains_with_the_papers_feature_noise_by_default(tiny_target):
     assert noise(version="eagle1", feature_noise=0.0) == 0.0
     # set by a later layer (the command line), the version still decides the default
     from specdraft.config import override
-    from specdraft.train.eagle import EagleTrainConfig
+    from specdraft.train.eagle_trainer import EagleTrainConfig
 
     cfg = override(EagleTrainConfig(), ["drafter.version=eagle1"])
     assert resolve_config(cfg.drafter, tiny_target).feature_noise == 0.1

@@ -1,5 +1,5 @@
 """inference/measure.py without a model: prompt sources, and how a batch-size sweep takes
-turns; the sweep's crossover and batch sizes (inference/evaluate.py)."""
+turns; the sweep's crossover and batch sizes (inference/evaluation.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from specdraft.data.benchmarks import Request
 from specdraft.data.formats import Example
-from specdraft.inference.evaluate import EvalSpec, at_batch_sizes, crossover, parse_batch_sizes
+from specdraft.inference.evaluation import EvalSpec, at_batch_sizes, crossover, parse_batch_sizes
 from specdraft.inference.measure import (
     Case,
     Run,

@@ -1,4 +1,4 @@
-"""formats/export.py: Medusa heads written in FasterDecoding/Medusa's and vLLM's layouts with
+"""formats/medusa_export.py: Medusa heads written in FasterDecoding/Medusa's and vLLM's layouts with
 exactly the names and shapes those readers take, the files computing our heads' logits when read
 the way the engines read them, published folders loading into our loop as the heads they hold,
 and every bad input a clear error that writes nothing."""
@@ -18,7 +18,7 @@ from testkit import perturb
 from specdraft.core import DecodeConfig
 from specdraft.drafters.medusa import MedusaConfig, MedusaDecode, MedusaDrafter
 from specdraft.formats.checkpoint import CheckpointError
-from specdraft.formats.export import ExportError, export_drafter, medusa_choices
+from specdraft.formats.medusa_export import ExportError, export_drafter, medusa_choices
 from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
 

@@ -12,7 +12,7 @@ from spec_helpers import KINDS, build, fitted
 from specdraft.core import DecodeConfig
 from specdraft.drafters import lean
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter, EagleSession
-from specdraft.inference.parity import (
+from specdraft.inference.serving_parity import (
     example_batch,
     first_difference,
     replay_serving,
@@ -196,14 +196,15 @@ def test_a_replayed_session_that_drafts_otherwise_is_named(
     """Settings simulated by replaying the serving session (int8 drafting weights): where the
     replay drafts otherwise than the loop after the same context, the check names that draft,
     beside what the loop drafted."""
-    from specdraft.inference import parity
 
-    verified = parity._verified_states
+    from specdraft.inference import serving_parity
+
+    verified = serving_parity._verified_states
 
     def planted(*args):  # the replay hands the session other hidden states than the loop
         return {k: v.roll(1, dims=-1) for k, v in verified(*args).items()}
 
-    monkeypatch.setattr(parity, "_verified_states", planted)
+    monkeypatch.setattr(serving_parity, "_verified_states", planted)
     decode = DecodeConfig(gamma=3, draft_weights="int8")
     found = [first_difference(random_target, eagle3, e, decode) for e in examples]
     named = [f for f in found if f is not None]
@@ -228,7 +229,7 @@ def test_the_serving_session_replayed_equals_served(
     """Settings the training path has no served drafts for (EAGLE-2's dynamic tree, the two-model
     tree, dynamic gamma), or computes otherwise than serving (int8 drafting weights, which its
     full-precision modules do not round), are simulated by walking the serving session on the
-    continuations (parity.replay_serving): the loop's statistics exactly, with no target pass
+    continuations (serving_parity.replay_serving): the loop's statistics exactly, with no target pass
     per step."""
     drafter = kind_drafter(kind)
     decode = drafter.decode_settings(None, **settings)

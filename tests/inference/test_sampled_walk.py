@@ -1,4 +1,4 @@
-"""The T = 1 estimate of training predicts serving (inference/parity.py, sampled_tau_on): the
+"""The T = 1 estimate of training predicts serving (inference/serving_parity.py, sampled_tau_on): the
 loop's walk in expectation over each draft's chance of acceptance given the tokens emitted."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from specdraft.core import DecodeConfig, DraftTree, SamplingSettings
 from specdraft.drafters.distill import DistillDrafter
 from specdraft.drafters.position_tree import TreeShape, _child_acceptance, sampled_tree
 from specdraft.inference.metrics import expected_passes, simulate_serving
-from specdraft.inference.parity import example_batch, sampled_tau_on, served_sampled_tau
+from specdraft.inference.serving_parity import example_batch, sampled_tau_on, served_sampled_tau
 from specdraft.inference.verify import verify_sampling
 
 

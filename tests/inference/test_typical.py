@@ -17,7 +17,7 @@ from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.medusa import MedusaDecode, MedusaDrafter
 from specdraft.drafters.medusa_session import verify_typical
 from specdraft.inference import generate
-from specdraft.inference.evaluate import EvalSpec, make_report, markdown
+from specdraft.inference.evaluation import EvalSpec, make_report, markdown
 from specdraft.inference.measure import Run, loop_decoder, measure
 
 PROMPTS = MEDUSA_PROMPTS

@@ -1,7 +1,7 @@
 """Every kind on the architectures people train drafters for: tiny random Llama (tied
 embeddings), Qwen2, Phi-3, OLMo-2, Qwen3, Qwen3-MoE, Mistral (sliding window), Gemma-2 (alternating windows, soft-capping) and Gemma-3 (a pattern of
 local layers with their own rope) targets, saved as model folders with the tiny demo target's
-tokenizer; each kind trained 3 steps through its entry script (sequences longer than the
+tokenizer; each kind trained 3 steps through its trainer (sequences longer than the
 window), then greedy decoding on prompts past the window against the model's own greedy
 decoding, and the EAGLE-3 and Medusa heads exported and read back. (The untied Llama is the
 tiny demo target the rest of the suite uses.)
@@ -37,11 +37,11 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from specdraft.formats.export import export_drafter
+from specdraft.formats.medusa_export import export_drafter
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference import generate
 from specdraft.targets.target import load_target
-from specdraft.train import distill, eagle, layerskip, medusa
+from specdraft.train.entry import main as train_main
 
 pytestmark = pytest.mark.slow
 
@@ -100,21 +100,21 @@ def architecture(request, tiny_target_path, tmp_path_factory):
 
 KINDS = {
     "eagle3": (
-        eagle,
+        "eagle",
         ["drafter.feature_layers=[1,2,3]", "drafter.ttt_steps=2", "drafter.draft_vocab_size=128"],
     ),
-    "medusa": (medusa, ["drafter.num_heads=2"]),
-    "layerskip": (layerskip, ["drafter.exit_layer=2", "drafter.layer_dropout=0.0"]),
-    "distill": (distill, ["drafter.num_layers=1"]),
+    "medusa": ("medusa", ["drafter.num_heads=2"]),
+    "layerskip": ("layerskip", ["drafter.exit_layer=2", "drafter.layer_dropout=0.0"]),
+    "distill": ("distill", ["drafter.num_layers=1"]),
 }
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_each_kind_trains_decodes_exactly_and_exports(architecture, kind, tmp_path):
     name, folder = architecture
-    script, args = KINDS[kind]
+    trained, args = KINDS[kind]
     out = tmp_path / "run"
-    code = script.main([
+    code = train_main(trained, [
         f"target={folder}", f"output_dir={out}", "max_steps=3", "micro_batch_size=2",
         "eval_every=0", "save_every=0", "data.max_samples=12", f"data.max_length={2 * WINDOW}",
         "warmup_steps=1", "lr=1e-3", "eval_loop.enabled=false", "decode.gamma=3", *args,

@@ -20,8 +20,8 @@ from specdraft.config import (
     parse_cli,
     save_config,
 )
-from specdraft.data.config import DataConfig
-from specdraft.train.config import CONFIG_FILENAME, TrainConfig
+from specdraft.data.data_config import DataConfig
+from specdraft.train.train_config import CONFIG_FILENAME, TrainConfig
 
 
 @dataclass
@@ -359,12 +359,12 @@ def test_default_configs_come_from_the_checkout_or_the_folder_specdraft_configs_
 ):
     """An entry script's default config is configs/KIND/demo.yaml of the checkout, or of the
     folder SPECDRAFT_CONFIGS names (the suite's own, tests/configs, set by tests/conftest.py)."""
-    from specdraft.config import CHECKOUT_CONFIGS, default_config
+    from specdraft.config import SHIPPED_CONFIGS, default_config
 
     assert default_config("eagle") == Path(__file__).parents[1] / "configs" / "eagle" / "demo.yaml"
     monkeypatch.delenv("SPECDRAFT_CONFIGS")
-    assert default_config("eagle") == CHECKOUT_CONFIGS / "eagle" / "demo.yaml"
-    assert (CHECKOUT_CONFIGS / "eagle" / "demo.yaml").is_file()
+    assert default_config("eagle") == SHIPPED_CONFIGS / "eagle" / "demo.yaml"
+    assert (SHIPPED_CONFIGS / "eagle" / "demo.yaml").is_file()
     monkeypatch.setenv("SPECDRAFT_CONFIGS", str(tmp_path))
     assert default_config("medusa") == tmp_path / "medusa" / "demo.yaml"
 
@@ -509,9 +509,9 @@ def test_target_sharding_is_for_a_frozen_target():
     naming what to do instead; Medusa-1, EAGLE and distillation take it."""
     from specdraft.drafters.base import LoraConfig
     from specdraft.drafters.medusa import MedusaConfig
-    from specdraft.train.eagle import EagleTrainConfig
-    from specdraft.train.layerskip import LayerSkipTrainConfig
-    from specdraft.train.medusa import MedusaTrainConfig
+    from specdraft.train.eagle_trainer import EagleTrainConfig
+    from specdraft.train.layerskip_trainer import LayerSkipTrainConfig
+    from specdraft.train.medusa_trainer import MedusaTrainConfig
 
     with pytest.raises(ConfigError, match=r"LayerSkip fine-tunes the target itself.*ZeRO-3"):
         LayerSkipTrainConfig(target_sharding="zero3")
@@ -524,7 +524,7 @@ def test_target_sharding_is_for_a_frozen_target():
 
 @pytest.mark.parametrize("key", ["tune_prompts", "tune_passes"])
 def test_tuning_needs_a_prompt_and_a_pass(key):
-    from specdraft.train.config import LoopEvalConfig
+    from specdraft.train.train_config import LoopEvalConfig
 
     with pytest.raises(ConfigError, match=rf"eval_loop\.{key} must be >= 1; got 0"):
         LoopEvalConfig(**{key: 0})
@@ -538,7 +538,7 @@ def test_a_files_keys_for_one_version_do_not_carry_into_another():
     file's values carried over (ttt_steps 3)."""
     from specdraft.config import ConfigNote
     from specdraft.drafters.eagle import resolve_config
-    from specdraft.train.eagle import EagleTrainConfig
+    from specdraft.train.eagle_trainer import EagleTrainConfig
 
     demo = Path(__file__).parents[2] / "configs" / "eagle" / "demo.yaml"
     with pytest.warns(ConfigNote, match=r"drafter\.ttt_steps \(set in .*demo\.yaml, line \d+\)"):
@@ -560,7 +560,7 @@ def test_override_drops_the_followers_of_what_it_changes():
     """`override` on a loaded config: changing the version drops the values the config held
     for the old one, as the command line does over a file."""
     from specdraft.config import ConfigNote
-    from specdraft.train.eagle import EagleTrainConfig
+    from specdraft.train.eagle_trainer import EagleTrainConfig
 
     demo = Path(__file__).parents[2] / "configs" / "eagle" / "demo.yaml"
     loaded = load_config(EagleTrainConfig, demo)
@@ -584,12 +584,12 @@ KIND_RECIPES = sorted(
 )
 def test_every_recipe_in_configs_loads_with_its_kinds_config(kind, recipe):
     """Every configs/<kind>/*.yaml (the demo configs and the real-model recipes the README
-    lists) passes its entry script's config checks, so a renamed key in a recipe fails here
+    lists) passes its trainer's config checks, so a renamed key in a recipe fails here
     rather than on a GPU machine; none trains for the toy demo target: a demo config names a
     real target the package registry provides, with the data that ships with specdraft."""
     from specdraft.data.sources import SHIPPED_ANSWERS
     from specdraft.targets.packaged import PACKAGED_TARGETS
-    from specdraft.train.compare import Recipe
+    from specdraft.train.comparison import Recipe
 
     cfg = load_config(Recipe.of(kind).config_class, recipe)
     assert cfg.kind == kind and not cfg.target.startswith("demo"), recipe
@@ -624,7 +624,7 @@ def test_the_loop_measures_in_native_precision_where_asked(tiny_target, monkeypa
     """eval_loop.dtype=native: bf16 where the CPU computes it natively, else fp32; auto: as the
     target was saved."""
     from specdraft.precision import native_bf16
-    from specdraft.train.report import loop_dtype
+    from specdraft.train.after_training import loop_dtype
 
     assert loop_dtype("auto", tiny_target) == tiny_target.saved_dtype == torch.float32
     expected = torch.bfloat16 if native_bf16("cpu") else torch.float32

@@ -10,16 +10,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdraft.config import CHECKOUT_CONFIGS, load_config
+from specdraft.config import SHIPPED_CONFIGS, load_config
 from specdraft.core import DecodeConfig
 from specdraft.data.formats import Example
 from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
 from specdraft.formats.reading import load_decoding, load_drafter
-from specdraft.train.dflash import DFlashTrainConfig, main
-from specdraft.train.schedule import collate, step_seed
+from specdraft.train.dflash_trainer import DFlashTrainConfig
+from specdraft.train.entry import main as train_main
+from specdraft.train.lr_schedule import collate, step_seed
 from specdraft.train.trainer import train
 
-RECIPES = sorted((CHECKOUT_CONFIGS / "dflash").glob("*.yaml"))
+RECIPES = sorted((SHIPPED_CONFIGS / "dflash").glob("*.yaml"))
 
 COMMON = [
     "micro_batch_size=4", "data.max_samples=40", "data.max_length=32", "warmup_steps=1",
@@ -32,7 +33,7 @@ def test_trains_saves_and_drafts_exactly_in_its_end_of_run_loop(
     tiny_target, tiny_target_path, tmp_path
 ):
     out = tmp_path / "run"
-    code = main([
+    code = train_main("dflash", [
         f"target={tiny_target_path}", f"output_dir={out}", "max_steps=2", "eval_every=2",
         "eval_batches=2", "save_every=0", *COMMON, "eval_loop.num_prompts=2",
         "eval_loop.max_new_tokens=16", "eval_loop.threads=1",
@@ -55,10 +56,13 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tiny_target_path, tmp_path):
         f"target={tiny_target_path}", "max_steps=4", "eval_every=0", "save_every=2",
         "eval_loop.enabled=false", *COMMON,
     ]  # fmt: skip
-    assert main([*common, f"output_dir={tmp_path / 'straight'}"]) == 0
+    assert train_main("dflash", [*common, f"output_dir={tmp_path / 'straight'}"]) == 0
     (tmp_path / "resumed").mkdir()
     shutil.copytree(tmp_path / "straight" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
-    assert main([*common, f"output_dir={tmp_path / 'resumed'}", "resume_from=latest"]) == 0
+    assert (
+        train_main("dflash", [*common, f"output_dir={tmp_path / 'resumed'}", "resume_from=latest"])
+        == 0
+    )
     a, b = (
         load_file(tmp_path / d / "final" / "model.safetensors") for d in ("straight", "resumed")
     )
@@ -73,7 +77,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tiny_target_path, tmp_path):
 def test_offline_training_from_the_hidden_cache_equals_online(tiny_target_path, tmp_path):
     """scripts/dump_hidden_states.py --kind dflash stores the aux layers and the final state;
     training from that cache gives the online run's losses and weights."""
-    from specdraft.scripts import dump_hidden_states
+    from specdraft.tools import dump_hidden_states
 
     data = tmp_path / "code.txt"  # a few dozen examples: the dump stores every one
     data.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(60)))
@@ -84,8 +88,11 @@ def test_offline_training_from_the_hidden_cache_equals_online(tiny_target_path, 
     ]  # fmt: skip
     cache = tmp_path / "cache"
     assert dump_hidden_states.main(["--kind", "dflash", "--out", str(cache), "--dtype", "fp32", *args]) == 0  # fmt: skip
-    assert main([*args, f"output_dir={tmp_path / 'online'}"]) == 0
-    assert main([*args, f"output_dir={tmp_path / 'offline'}", f"hidden_cache={cache}"]) == 0
+    assert train_main("dflash", [*args, f"output_dir={tmp_path / 'online'}"]) == 0
+    assert (
+        train_main("dflash", [*args, f"output_dir={tmp_path / 'offline'}", f"hidden_cache={cache}"])
+        == 0
+    )
     on, off = (
         json.loads((tmp_path / d / "checkpoint-2" / "trainer_state.json").read_text())
         for d in ("online", "offline")
@@ -130,7 +137,7 @@ def test_bad_input_is_a_clear_error(tiny_target_path, tmp_path, capsys):
         ("drafter.mask_token_id=100000", "mask_token_id=100000 is outside"),
         ("drafter.aux_layers=[1,9]", "layer id 9 is out of range"),
     ]:
-        code = main([
+        code = train_main("dflash", [
             f"target={tiny_target_path}", f"output_dir={tmp_path / 'run'}",
             "data.max_samples=8", setting,
         ])  # fmt: skip

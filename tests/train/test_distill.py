@@ -19,7 +19,7 @@ from specdraft.drafters.distill import (
     simulated_alpha,
 )
 from specdraft.targets.target import TargetOutput
-from specdraft.train.distill import main
+from specdraft.train.entry import main as train_main
 
 
 def _naive(p_logits: list[float], q_logits: list[float], kind: str, t: float, beta: float) -> float:
@@ -185,7 +185,7 @@ def test_final_checkpoint_is_an_assistant_model_for_transformers(
     tiny_target, tiny_target_path, tmp_path
 ):
     out = tmp_path / "run"
-    code = main([
+    code = train_main("distill", [
         f"target={tiny_target_path}", f"output_dir={out}", "max_steps=4", "micro_batch_size=4",
         "eval_every=2", "eval_batches=2", "save_every=0", "data.max_samples=20",
         "data.max_length=32", "warmup_steps=1", "eval_loop.num_prompts=2",
@@ -210,17 +210,17 @@ def test_final_checkpoint_is_an_assistant_model_for_transformers(
 
 def test_entry_script_rejects_bad_input_with_a_clear_message(tiny_target_path, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main([f"target={tiny_target_path}", "lerning_rate=1e-3"])
+        train_main("distill", [f"target={tiny_target_path}", "lerning_rate=1e-3"])
     assert exit_.value.code == 2
     assert "lerning_rate" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["max_steps=many"])
+        train_main("distill", ["max_steps=many"])
     assert "max_steps" in capsys.readouterr().err
 
     other = AutoModelForCausalLM.from_pretrained(tiny_target_path)
     other.resize_token_embeddings(100)
     other.save_pretrained(tmp_path / "other_vocab")
-    code = main([
+    code = train_main("distill", [
         f"target={tiny_target_path}", "drafter.init=path",
         f"drafter.student_path={tmp_path / 'other_vocab'}", f"output_dir={tmp_path / 'x'}",
     ])  # fmt: skip
@@ -228,7 +228,7 @@ def test_entry_script_rejects_bad_input_with_a_clear_message(tiny_target_path, t
     assert "vocabulary of 100" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
-    code = main([
+    code = train_main("distill", [
         f"target={tiny_target_path}", f"data.path={tmp_path / 'missing.jsonl'}",
         f"output_dir={tmp_path / 'y'}",
     ])  # fmt: skip

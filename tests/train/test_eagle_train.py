@@ -9,20 +9,21 @@ import shlex
 import pytest
 import torch
 
-from specdraft.config import CHECKOUT_CONFIGS, load_config
+from specdraft.config import SHIPPED_CONFIGS, load_config
 from specdraft.drafters.eagle import EagleDrafter
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference import generate
-from specdraft.scripts import export
-from specdraft.train.eagle import EagleTrainConfig, main
+from specdraft.tools import export
+from specdraft.train.eagle_trainer import EagleTrainConfig
+from specdraft.train.entry import main as train_main
 
-RECIPES = sorted((CHECKOUT_CONFIGS / "eagle").glob("*.yaml"))
+RECIPES = sorted((SHIPPED_CONFIGS / "eagle").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("version", ["eagle3", "eagle1"])
 def test_training_lowers_the_loss_and_final_loads(tiny_target, tiny_target_path, tmp_path, version):
     out = tmp_path / "run"
-    code = main([
+    code = train_main("eagle", [
         f"target={tiny_target_path}", f"output_dir={out}", "max_steps=8", "micro_batch_size=4",
         "eval_every=8", "eval_batches=2", "save_every=0", "data.max_samples=40",
         "data.max_length=32", "warmup_steps=1", "lr=3e-3", f"drafter.version={version}",
@@ -74,7 +75,7 @@ def test_training_lowers_the_loss_and_final_loads(tiny_target, tiny_target_path,
     ours = generate(tiny_target, prompt, head, max_new_tokens=16, decode=decode)
     if version == "eagle3":
         # the tiny target has 2 layers: its head fuses layer 1 thrice, which no engine can
-        # capture (tests/scripts/test_export.py exports EAGLE-3 heads of a deeper target)
+        # capture (tests/tools/test_export.py exports EAGLE-3 heads of a deeper target)
         assert export.main(["--format", "speculators", str(out / "final"), str(tmp_path / "s")]) == 2  # fmt: skip
         return
     for fmt in ["eagle"]:
@@ -89,18 +90,20 @@ def test_bad_input_is_a_clear_error(tiny_target_path, tmp_path, capsys):
     data = tmp_path / "tiny.txt"
     data.write_text("def f(x):\n    return x + 1\n" * 20)
     common = [f"target={tiny_target_path}", f"data.path={data}", f"output_dir={tmp_path / 'run'}"]
-    assert main([*common, "drafter.feature_layers=[1,2,9]"]) == 2
+    assert train_main("eagle", [*common, "drafter.feature_layers=[1,2,9]"]) == 2
     assert "layer id 9 is out of range" in capsys.readouterr().err
-    assert main([*common, "drafter.draft_vocab_size=5000"]) == 2
+    assert train_main("eagle", [*common, "drafter.draft_vocab_size=5000"]) == 2
     assert "larger than the target" in capsys.readouterr().err
     # a sharded target is for online training: offline, no target forward runs
     with pytest.raises(SystemExit) as stop:
-        main([*common, "target_sharding=zero3", f"hidden_cache={tmp_path}"])
+        train_main("eagle", [*common, "target_sharding=zero3", f"hidden_cache={tmp_path}"])
     assert stop.value.code == 2 and "drop one of them" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main([*common, "target_sharding=fsdp"])
+        train_main("eagle", [*common, "target_sharding=fsdp"])
     assert "not one of: none | zero3" in capsys.readouterr().err
-    assert main([*common, "target_sharding=zero3", f"target={tmp_path / 'none'}"]) == 2
+    assert (
+        train_main("eagle", [*common, "target_sharding=zero3", f"target={tmp_path / 'none'}"]) == 2
+    )
     assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # nothing was written
 
@@ -125,10 +128,13 @@ def test_a_resumed_eagle1_run_equals_an_uninterrupted_one(tiny_target_path, tmp_
         "save_every=2", "data.max_samples=40", "data.max_length=32", "warmup_steps=1",
         "lr=3e-3", "drafter.version=eagle1", "decode.gamma=3", "eval_loop.enabled=false",
     ]  # fmt: skip
-    assert main([*common, f"output_dir={tmp_path / 'straight'}"]) == 0
+    assert train_main("eagle", [*common, f"output_dir={tmp_path / 'straight'}"]) == 0
     (tmp_path / "resumed").mkdir()
     shutil.copytree(tmp_path / "straight" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
-    assert main([*common, f"output_dir={tmp_path / 'resumed'}", "resume_from=latest"]) == 0
+    assert (
+        train_main("eagle", [*common, f"output_dir={tmp_path / 'resumed'}", "resume_from=latest"])
+        == 0
+    )
     a, b = (
         load_file(tmp_path / d / "final" / "model.safetensors") for d in ("straight", "resumed")
     )
@@ -156,15 +162,18 @@ def test_resuming_with_other_drafter_settings_names_them(tiny_target_path, tmp_p
         "save_every=2", "data.max_samples=16", "data.max_length=32", "drafter.ttt_steps=2",
         "eval_loop.enabled=false", f"output_dir={tmp_path}",
     ]  # fmt: skip
-    assert main([*common, "drafter.draft_vocab_size=128"]) == 0
+    assert train_main("eagle", [*common, "drafter.draft_vocab_size=128"]) == 0
     common.append("drafter.draft_vocab_size=256")
     saved = (tmp_path / "checkpoint-2" / "model.safetensors").read_bytes()
     with pytest.raises(ResumeError) as err:
-        main([*common, "max_steps=4", "resume_from=latest"])
+        train_main("eagle", [*common, "max_steps=4", "resume_from=latest"])
     said = str(err.value)
     assert "drafter.draft_vocab_size: 128 there, 256 here" in said
     assert "drafter.draft_vocab_size=128" in said and "untouched" in said
     assert (tmp_path / "checkpoint-2" / "model.safetensors").read_bytes() == saved
     # the overrides it names, as given, resume the run
     override = re.search(r"trained with \((.*?)\), or start", said).group(1)
-    assert main([*common, "max_steps=4", "resume_from=latest", *shlex.split(override)]) == 0
+    assert (
+        train_main("eagle", [*common, "max_steps=4", "resume_from=latest", *shlex.split(override)])
+        == 0
+    )

@@ -23,8 +23,9 @@ from specdraft.drafters.layerskip import (
 from specdraft.formats.checkpoint import CheckpointError
 from specdraft.formats.reading import load_drafter
 from specdraft.targets.target import Target, load_target
-from specdraft.train import report
-from specdraft.train.layerskip import LayerSkipTrainConfig, main
+from specdraft.train import after_training
+from specdraft.train.entry import main as train_main
+from specdraft.train.layerskip_trainer import LayerSkipTrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,11 +116,13 @@ def test_train_then_decode_as_its_own_target(tiny_target_path, tmp_path, capsys,
     monkeypatch.setattr("specdraft.train.fine_tuned.LOOP_TOKENS", 1)
     monkeypatch.setattr("specdraft.train.fine_tuned.greedy_looping", looping)
     searches = []  # the passes the tuning search was given (eval_loop.tune_passes)
-    search = report.search_decode
+    search = after_training.search_decode
     monkeypatch.setattr(
-        report, "search_decode", lambda *a, **k: searches.append(k["passes"]) or search(*a, **k)
+        after_training,
+        "search_decode",
+        lambda *a, **k: searches.append(k["passes"]) or search(*a, **k),
     )
-    code = main([
+    code = train_main("layerskip", [
         f"target={tiny_target_path}", f"output_dir={out}", "max_steps=4", "micro_batch_size=4",
         "eval_every=2", "eval_batches=2", "save_every=2", "data.max_samples=20",
         "data.max_length=32", "warmup_steps=1", "eval_loop.num_prompts=2",
@@ -170,7 +173,10 @@ def load_drafter_decode(run) -> dict:
 
 
 def test_bad_input_to_the_entry_script(tiny_target_path, tmp_path, capsys):
-    code = main([f"target={tiny_target_path}", "drafter.exit_layer=9", f"output_dir={tmp_path}/x"])
+    code = train_main(
+        "layerskip",
+        [f"target={tiny_target_path}", "drafter.exit_layer=9", f"output_dir={tmp_path}/x"],
+    )
     assert code == 2
     assert "exit_layer 9" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
@@ -179,10 +185,10 @@ def test_bad_input_to_the_entry_script(tiny_target_path, tmp_path, capsys):
 def test_evaluate_measures_it_beside_transformers_early_exit(
     tiny_target_path, tmp_path, monkeypatch
 ):
-    from specdraft.scripts.evaluate import main as evaluate
+    from specdraft.tools.evaluate import main as evaluate
 
     out = tmp_path / "run"
-    assert main([
+    assert train_main("layerskip", [
         f"target={tiny_target_path}", f"output_dir={out}", "max_steps=2", "micro_batch_size=4",
         "eval_every=0", "save_every=0", "data.max_samples=20", "data.max_length=32",
         "eval_loop.enabled=false", "drafter.exit_layer=1",
@@ -357,23 +363,33 @@ def test_a_resumed_run_with_layer_dropout_equals_an_uninterrupted_one(tiny_targe
         "drafter.exit_layer=1", "drafter.layer_dropout=0.5", "drafter.dropout_scale=uniform",
         "drafter.curriculum=rotational", "eval_loop.enabled=false",
     ]  # fmt: skip
-    assert main([*common, f"output_dir={tmp_path / 'straight'}"]) == 0
+    assert train_main("layerskip", [*common, f"output_dir={tmp_path / 'straight'}"]) == 0
     (tmp_path / "resumed").mkdir()
     shutil.copytree(tmp_path / "straight" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
-    assert main([*common, f"output_dir={tmp_path / 'resumed'}", "resume_from=latest"]) == 0
+    assert (
+        train_main(
+            "layerskip", [*common, f"output_dir={tmp_path / 'resumed'}", "resume_from=latest"]
+        )
+        == 0
+    )
     a, b = (
         load_file(tmp_path / d / "final" / "model.safetensors") for d in ("straight", "resumed")
     )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # the dropout changed the run: without it the weights end elsewhere
-    assert main([*common, "drafter.layer_dropout=0", f"output_dir={tmp_path / 'none'}"]) == 0
+    assert (
+        train_main(
+            "layerskip", [*common, "drafter.layer_dropout=0", f"output_dir={tmp_path / 'none'}"]
+        )
+        == 0
+    )
     c = load_file(tmp_path / "none" / "final" / "model.safetensors")
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
 def test_lora_trains_adapters_and_saves_a_merged_model(tiny_target_path, tmp_path):
     out = tmp_path / "lora"
-    code = main([
+    code = train_main("layerskip", [
         f"target={tiny_target_path}", f"output_dir={out}", "max_steps=3", "micro_batch_size=4",
         "eval_every=0", "save_every=0", "data.max_samples=20", "data.max_length=32",
         "warmup_steps=1", "lr=1e-2", "drafter.exit_layer=1", "drafter.lora.rank=4",
@@ -398,7 +414,7 @@ def test_lora_trains_adapters_and_saves_a_merged_model(tiny_target_path, tmp_pat
 
 
 def test_lora_modules_that_match_nothing_are_named(tiny_target_path, tmp_path, capsys):
-    code = main([
+    code = train_main("layerskip", [
         f"target={tiny_target_path}", f"output_dir={tmp_path / 'x'}", "drafter.exit_layer=1",
         "drafter.lora.rank=4", "drafter.lora.target_modules=[query_key_value]",
     ])  # fmt: skip

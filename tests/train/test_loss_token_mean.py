@@ -16,11 +16,11 @@ from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.targets.target import load_target
-from specdraft.train.distill import DistillTrainConfig
-from specdraft.train.eagle import EagleTrainConfig
-from specdraft.train.layerskip import LayerSkipTrainConfig
-from specdraft.train.medusa import MedusaTrainConfig
-from specdraft.train.schedule import collate, examples_for
+from specdraft.train.distill_trainer import DistillTrainConfig
+from specdraft.train.eagle_trainer import EagleTrainConfig
+from specdraft.train.layerskip_trainer import LayerSkipTrainConfig
+from specdraft.train.lr_schedule import collate, examples_for
+from specdraft.train.medusa_trainer import MedusaTrainConfig
 from specdraft.train.trainer import train
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).

@@ -9,16 +9,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdraft.config import CHECKOUT_CONFIGS, load_config
+from specdraft.config import SHIPPED_CONFIGS, load_config
 from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.formats.checkpoint import CheckpointError
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference import generate
-from specdraft.scripts import evaluate
 from specdraft.targets.target import TargetError, load_target
-from specdraft.train.medusa import MedusaTrainConfig, main
+from specdraft.tools import evaluate
+from specdraft.train.entry import main as train_main
+from specdraft.train.medusa_trainer import MedusaTrainConfig
 
-RECIPES = sorted((CHECKOUT_CONFIGS / "medusa").glob("*.yaml"))
+RECIPES = sorted((SHIPPED_CONFIGS / "medusa").glob("*.yaml"))
 
 
 @pytest.mark.parametrize(
@@ -35,7 +36,7 @@ def test_training_lowers_the_loss_and_final_drafts_a_measured_tree(
     tiny_target, tiny_target_path, tmp_path, drafter
 ):
     out = tmp_path / "run"
-    code = main([
+    code = train_main("medusa", [
         f"target={tiny_target_path}", f"output_dir={out}", "max_steps=8", "micro_batch_size=4",
         "eval_every=8", "eval_batches=2", "save_every=0", "data.max_samples=40",
         "data.max_length=32", "warmup_steps=1", "lr=3e-3", "drafter.num_heads=3", *drafter,
@@ -78,25 +79,25 @@ def test_recipes_load(recipe):
 
 def test_bad_input_is_a_clear_error(tiny_target_path, tmp_path, capsys):
     common = [f"target={tiny_target_path}", f"output_dir={tmp_path / 'run'}"]
-    assert main([*common, "drafter.draft_vocab_size=5000"]) == 2
+    assert train_main("medusa", [*common, "drafter.draft_vocab_size=5000"]) == 2
     assert "larger than the target" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main([*common, "drafter.num_heads=0"])
+        train_main("medusa", [*common, "drafter.num_heads=0"])
     assert "num_heads must be an integer >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main([*common, "drafter.output=shared", "drafter.draft_vocab_size=10"])
+        train_main("medusa", [*common, "drafter.output=shared", "drafter.draft_vocab_size=10"])
     assert "needs output=own" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main([*common, "eval_loop.tune_budgets=[4,0]"])
+        train_main("medusa", [*common, "eval_loop.tune_budgets=[4,0]"])
     assert "tune_budgets must be integers >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main([*common, "eval_loop.tune=[depth]"])
+        train_main("medusa", [*common, "eval_loop.tune=[depth]"])
     assert "eval_loop.tune ['depth']: each must be one of tree_top_k" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main([*common, "eval_loop.tune=[gamma,exit_layer]"])
+        train_main("medusa", [*common, "eval_loop.tune=[gamma,exit_layer]"])
     assert "LayerSkip's decoding setting" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main([*common, "eval_loop.tune=[gamma,lookup_gamma]"])
+        train_main("medusa", [*common, "eval_loop.tune=[gamma,lookup_gamma]"])
     assert "lookup_gamma, the length of copies, but nothing copies" in capsys.readouterr().err
 
 
@@ -116,7 +117,7 @@ def test_medusa2_fine_tunes_the_target_and_the_heads_belong_to_it(
     tiny_target, tiny_target_path, tmp_path
 ):
     out = tmp_path / "run"
-    assert main(medusa2_args(tiny_target_path, out)) == 0
+    assert train_main("medusa", medusa2_args(tiny_target_path, out)) == 0
     # the adapters sat out the heads' warm-up (B starts at zero, so the target was the base)
     # and trained after it
     warm = load_file(out / "checkpoint-3" / "model.safetensors")
@@ -159,7 +160,9 @@ def test_medusa2_fine_tunes_the_target_and_the_heads_belong_to_it(
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(out / "checkpoint-3", resumed / "checkpoint-3")
-    assert main([*medusa2_args(tiny_target_path, resumed), "resume_from=latest"]) == 0
+    assert (
+        train_main("medusa", [*medusa2_args(tiny_target_path, resumed), "resume_from=latest"]) == 0
+    )
     again = load_file(resumed / "final" / "model.safetensors")
     assert again.keys() == final.keys()
     assert all(torch.equal(again[k], final[k]) for k in final)

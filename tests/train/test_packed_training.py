@@ -19,9 +19,9 @@ from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
 from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter, scored
 from specdraft.targets.hidden_cache import CachedTarget, HiddenStateCache, write_cache
 from specdraft.targets.target import load_target
-from specdraft.train.dflash import DFlashTrainConfig
-from specdraft.train.peagle import PEagleTrainConfig
-from specdraft.train.schedule import collate
+from specdraft.train.dflash_trainer import DFlashTrainConfig
+from specdraft.train.lr_schedule import collate
+from specdraft.train.peagle_trainer import PEagleTrainConfig
 from specdraft.train.trainer import train
 
 pytestmark = pytest.mark.exact

@@ -11,17 +11,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdraft.config import CHECKOUT_CONFIGS, load_config
+from specdraft.config import SHIPPED_CONFIGS, load_config
 from specdraft.core import DecodeConfig
 from specdraft.data.formats import Example
 from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter
 from specdraft.formats.reading import load_drafter
 from specdraft.targets.target import load_target
-from specdraft.train.peagle import PEagleTrainConfig, main
-from specdraft.train.schedule import collate, examples_for, step_seed
+from specdraft.train.entry import main as train_main
+from specdraft.train.lr_schedule import collate, examples_for, step_seed
+from specdraft.train.peagle_trainer import PEagleTrainConfig
 from specdraft.train.trainer import train
 
-RECIPES = sorted((CHECKOUT_CONFIGS / "peagle").glob("*.yaml"))
+RECIPES = sorted((SHIPPED_CONFIGS / "peagle").glob("*.yaml"))
 
 COMMON = [
     "micro_batch_size=4", "data.max_samples=40", "data.max_length=32", "warmup_steps=1",
@@ -33,7 +34,7 @@ def test_two_steps_train_and_the_saved_head_drafts_and_accepts_in_the_loop(
     tiny_target, tiny_target_path, tmp_path
 ):
     out = tmp_path / "run"
-    code = main([
+    code = train_main("peagle", [
         *COMMON, f"target={tiny_target_path}", f"output_dir={out}", "max_steps=2",
         "eval_every=2", "eval_batches=2", "save_every=0", "decode.lookup_ngram=0",
         "eval_loop.num_prompts=2", "eval_loop.max_new_tokens=12", "eval_loop.threads=1",
@@ -57,10 +58,13 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tiny_target_path, tmp_path):
         *COMMON, f"target={tiny_target_path}", "max_steps=4", "eval_every=0", "save_every=2",
         "eval_loop.enabled=false", "drafter.down_sample_ratio=0.5",
     ]  # fmt: skip
-    assert main([*common, f"output_dir={tmp_path / 'straight'}"]) == 0
+    assert train_main("peagle", [*common, f"output_dir={tmp_path / 'straight'}"]) == 0
     (tmp_path / "resumed").mkdir()
     shutil.copytree(tmp_path / "straight" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
-    assert main([*common, f"output_dir={tmp_path / 'resumed'}", "resume_from=latest"]) == 0
+    assert (
+        train_main("peagle", [*common, f"output_dir={tmp_path / 'resumed'}", "resume_from=latest"])
+        == 0
+    )
     a, b = (
         load_file(tmp_path / d / "final" / "model.safetensors") for d in ("straight", "resumed")
     )
@@ -117,7 +121,7 @@ def test_bad_values_are_named(tiny_target_path, tmp_path, capsys):
         f"output_dir={tmp_path / 'run'}",
         "drafter.draft_vocab_size=256",
     ]  # fmt: skip
-    assert main([*common, "drafter.mask_token_id=100000"]) == 2
+    assert train_main("peagle", [*common, "drafter.mask_token_id=100000"]) == 2
     assert "mask_token_id=100000 is not a token of the target" in capsys.readouterr().err
     for bad, said in (
         ("drafter.num_depths=1", "num_depths must be >= 2"),
@@ -125,7 +129,7 @@ def test_bad_values_are_named(tiny_target_path, tmp_path, capsys):
         ("drafter.down_sample_ratio=1.5", "down_sample_ratio must be in (0, 1]"),
     ):
         with pytest.raises(SystemExit) as stop:
-            main([*common, bad])
+            train_main("peagle", [*common, bad])
         assert stop.value.code == 2 and said in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # nothing was written
 

@@ -25,9 +25,9 @@ from specdraft.data.formats import Example
 from specdraft.drafters.distill import DistillConfig, DistillDrafter
 from specdraft.formats.checkpoint import check_complete
 from specdraft.inference.metrics import simulated_tau
-from specdraft.train.config import TrainConfig
-from specdraft.train.distill import DistillTrainConfig
-from specdraft.train.schedule import eval_chunks, examples_for, lr_at
+from specdraft.train.distill_trainer import DistillTrainConfig
+from specdraft.train.lr_schedule import eval_chunks, examples_for, lr_at
+from specdraft.train.train_config import TrainConfig
 from specdraft.train.trainer import NonFiniteLossError, ResumeError, train
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
@@ -183,7 +183,7 @@ def test_best_is_chosen_by_the_simulated_tau_of_how_the_drafter_is_served(
     """Greedy verification accepts a draft token when it is the target's argmax, sampling with
     probability sum min(p, q): the evaluation reports both, and best/ follows the one that
     matches the decoding the drafter is measured with."""
-    from specdraft.train.config import LoopEvalConfig
+    from specdraft.train.train_config import LoopEvalConfig
 
     cfg = _cfg(tmp_path, best_by=best_by, eval_loop=LoopEvalConfig(temperature=temperature))
     result = _run(cfg, tiny_target, data)

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from testkit import ACCELERATE, ROOT, run_script
 
-from specdraft.train.distill import main
+from specdraft.train.entry import main as train_main
 
 pytest.importorskip("deepspeed")
 
@@ -58,7 +58,7 @@ def test_zero2_run_and_resume_equal_a_plain_run(tiny_target_path, tmp_path):
                 shutil.rmtree(ds / name)
     assert "resuming from" in stderr and "checkpoint-2" in stderr
 
-    assert main([*common, f"output_dir={tmp_path / 'plain'}"]) == 0
+    assert train_main("distill", [*common, f"output_dir={tmp_path / 'plain'}"]) == 0
     a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("plain", "ds"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     plain, ds = (
@@ -101,7 +101,10 @@ def test_two_deepspeed_processes_on_cpu_equal_one_plain_process(tiny_target_path
     a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("ds", "again"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
-    assert main([*common, "micro_batch_size=4", f"output_dir={tmp_path / 'plain'}"]) == 0
+    assert (
+        train_main("distill", [*common, "micro_batch_size=4", f"output_dir={tmp_path / 'plain'}"])
+        == 0
+    )
     assert_two_processes_equal_one(tmp_path, "checkpoint-2")
 
 
@@ -111,7 +114,6 @@ def test_layerskip_under_zero3_on_two_processes(tiny_target_path, tmp_path):
     zero, or the processes' gathers would differ), two ZeRO-3 processes train what one plain
     process does, and the end of the run loads the saved model whole on the main process (the
     partitioned loading that accelerate leaves switched on would wait for the others)."""
-    from specdraft.train.layerskip import main as layerskip
 
     common = [
         f"target={tiny_target_path}", "max_steps=4", "eval_every=2", "eval_batches=2",
@@ -130,7 +132,7 @@ def test_layerskip_under_zero3_on_two_processes(tiny_target_path, tmp_path):
     assert "exit_agreement" in json.loads((tmp_path / "ds" / "target_quality.json").read_text())
 
     plain = [*common, "micro_batch_size=4", "eval_loop.enabled=false"]
-    assert layerskip([*plain, f"output_dir={tmp_path / 'plain'}"]) == 0
+    assert train_main("layerskip", [*plain, f"output_dir={tmp_path / 'plain'}"]) == 0
     assert_two_processes_equal_one(tmp_path, "checkpoint-4")
 
 
@@ -158,7 +160,6 @@ def test_a_drafter_trains_online_against_a_target_sharded_by_zero3(
     holds half of it and gathers a module's weights for its forward) while the drafter trains
     as the launcher says. It trains what one plain process with the whole target does, and the
     end of the run decodes with the target loaded whole on the main process."""
-    import importlib
 
     settings, launcher, decodes = SHARDED[kind]
     common = [
@@ -181,9 +182,8 @@ def test_a_drafter_trains_online_against_a_target_sharded_by_zero3(
         served = json.loads((tmp_path / "ds" / "eval_loop.json").read_text())
         assert served["matches_ar"] is True and served["drafted"] > 0
 
-    main = importlib.import_module(f"specdraft.train.{kind}").main
     plain = [*common, "micro_batch_size=4", "eval_loop.enabled=false"]
-    assert main([*plain, f"output_dir={tmp_path / 'plain'}"]) == 0
+    assert train_main(kind, [*plain, f"output_dir={tmp_path / 'plain'}"]) == 0
     assert_two_processes_equal_one(tmp_path, "checkpoint-4")
 
 

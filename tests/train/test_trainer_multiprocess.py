@@ -5,12 +5,13 @@ test_trainer_deepspeed.py, beside a target sharded by ZeRO-3)."""
 
 from __future__ import annotations
 
-import importlib
 import json
 
 import pytest
 from safetensors.torch import load_file
 from testkit import ACCELERATE, ROOT, run_script
+
+from specdraft.train.entry import main as train_main
 
 MEDUSA = ["drafter.num_heads=2", "drafter.loss=ce", "decode.gamma=2"]
 # case -> (the training script, its settings). The two-model draft and Medusa-1 are not here:
@@ -54,11 +55,13 @@ def test_two_processes_equal_one_with_the_same_global_batch(tiny_target_path, tm
          "micro_batch_size=2", f"output_dir={tmp_path / 'two'}"],
         cwd=tmp_path,
     )  # fmt: skip
-    # the one process: the entry script's main in this process (as compare.py runs a family),
-    # which a fresh process equals bit for bit (tests/scripts/test_compare.py), without one more
+    # the one process: the trainer's main in this process (as compare.py runs a family),
+    # which a fresh process equals bit for bit (tests/tools/test_compare.py), without one more
     # interpreter start
-    entry = importlib.import_module(f"specdraft.train.{script}")
-    assert entry.main([*common[1:], "micro_batch_size=4", f"output_dir={tmp_path / 'one'}"]) == 0
+    assert (
+        train_main(script, [*common[1:], "micro_batch_size=4", f"output_dir={tmp_path / 'one'}"])
+        == 0
+    )
 
     one, two = (
         json.loads((tmp_path / d / "checkpoint-4" / "trainer_state.json").read_text())

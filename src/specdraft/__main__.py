@@ -1,0 +1,8 @@
+"""`python -m specdraft ...` (and `accelerate launch -m specdraft train KIND`): the `specdraft`
+command (specdraft/cli.py)."""
+
+import sys
+
+from specdraft.cli import main
+
+sys.exit(main())

@@ -1,0 +1,518 @@
+"""The speculative decoding loop: one loop for every drafter kind, chains and trees alike.
+
+    out = generate(target, input_ids, drafter=drafter, max_new_tokens=128)
+    out.tokens  # (batch, new) the new token ids
+    out.stats   # tau, acceptance per position, target passes, draft/verify seconds, ...
+
+`drafter=None` is plain autoregressive decoding through this same loop (an empty draft every
+step); `drafter="prompt_lookup"` is the training-free n-gram drafter.
+
+Output is exact (greedy, or the target's distribution at T > 0) unless a Medusa drafter is asked
+for typical acceptance (`acceptance="typical"`) at T > 0: then it is lossy, and the stats say so.
+
+Invariants the loop keeps between steps: the target's KV cache holds the first `cached` tokens of
+the sequence, and the tokens after them (`pending`: the whole prompt at first, then the last bonus
+token, then sometimes more) are fed at the start of the next verification. So prefill is simply
+the first step's pending tokens, and every target pass emits tokens.
+
+A batch of prompts (of any lengths) decodes in one loop too (`_generate_batch`): every step
+drafts for each row, verifies every row's pending tokens and tree in one target forward, and
+accepts per row; rows accept different numbers of tokens and stop on their own (EOS,
+max_new_tokens), and a finished row leaves the batch. The target's cache is one cache whose rows
+hold their own tokens in their own columns (specdraft/batch.py, `BatchCache`); the drafter's is
+its batch session's (`Drafter.new_batch_session`). Each row's output is what decoding it alone
+gives (greedy: token for token; sampled: the target's distribution).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from specdraft.batch import BatchCache
+from specdraft.core import (
+    DecodeConfig,
+    DraftContext,
+    DraftTree,
+    SamplingSettings,
+    check_fingerprint,
+    compact,
+    eos_ids,
+    owner_of,
+    process_logits,
+)
+from specdraft.drafters.base import (
+    BatchSession,
+    Drafter,
+    DraftSession,
+    hf_model_kind,
+    warn_once,
+)
+from specdraft.drafters.prompt_lookup import CopyingRows, CopyingSession, PromptLookupDrafter
+from specdraft.inference.metrics import Stats
+from specdraft.inference.tree import tree_attention
+from specdraft.inference.verify import verify_greedy, verify_sampling
+from specdraft.targets.target import Target
+
+
+@dataclass
+class GenerateOutput:
+    # (batch, new) new token ids, EOS included when one ended a row's output; a row shorter than
+    # the longest is padded on the right with `pad_id` up to its length in `lengths`
+    tokens: torch.Tensor
+    stats: Stats  # every row's (merged: tau per row pass, tokens_per_s of the whole batch)
+    lengths: list[int] = dataclasses.field(default_factory=list)  # new tokens of each row
+    row_stats: list[Stats] = dataclasses.field(default_factory=list)  # each row's own
+    pad_id: int = 0
+
+    def rows(self) -> list[list[int]]:
+        """Each row's new token ids, without padding."""
+        return [row[:n] for row, n in zip(self.tokens.tolist(), self.lengths, strict=True)]
+
+
+@torch.no_grad()
+def generate(
+    target: Target,
+    input_ids: torch.Tensor | list[int],
+    drafter=None,
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    decode: DecodeConfig | None = None,
+    stop_at_eos: bool = True,
+    **settings,
+) -> GenerateOutput:
+    """Decode up to `max_new_tokens` after each prompt of `input_ids`, stopping after an EOS.
+
+    input_ids: one prompt ((seq,) or (1, seq) ids), or a batch: a (batch, seq) tensor or a list
+    of prompts of any lengths, decoded together (each row as it would decode alone).
+
+    drafter: None (plain decoding), "prompt_lookup", a drafter from `load_drafter`, or any HF
+    causal LM sharing the target's vocabulary (drafts as a two-model drafter).
+    temperature 0 is greedy: output equals the target's greedy decoding token for token. Above
+    0, output follows the target's distribution after temperature, top-k and top-p exactly,
+    except with acceptance="typical" (Medusa only), which is lossy (stats.lossy).
+    decode: how the drafter drafts (specdraft.core.DecodeConfig, or its kind's subclass:
+    `drafter.decode_class`); None: the kind's defaults. The settings a trained drafter was saved
+    or tuned with are `load_decoding(path)`: pass them to decode as it was tuned. settings:
+    decoding keys that override `decode` for this call, e.g. gamma=8, tree_top_k=4,
+    lookup_ngram=2, or a kind's own (exit_layer=3 for LayerSkip). Then the batch_schedule
+    entry for the batch decoded applies (off: plain decoding, and stats.drafter_off says so).
+    stop_at_eos=False decodes max_new_tokens whatever they hold: the continuation past an EOS,
+    which the simulation of serving compares drafts with (inference/continuations.py).
+    """
+    prompts = _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k)
+    sampling = SamplingSettings(temperature=float(temperature), top_k=int(top_k), top_p=top_p)
+    device = target.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    session, stats, decode = _start_session(
+        target, drafter, sampling, generator, decode, settings, len(prompts)
+    )
+    if len(prompts) > 1:
+        return _generate_batch(
+            target, prompts, session, stats, sampling, generator, max_new_tokens, stop_at_eos
+        )
+    seq_ids = prompts[0][None]
+    # a session's own acceptance rule (Medusa's typical) applies at temperature > 0 only; at 0
+    # every rule is greedy verification: exact, nothing to mark
+    stats.lossy = session is not None and session.lossy and not sampling.greedy
+    log_p = torch.zeros((), dtype=torch.float64, device=device)  # sum of log p(emitted), T > 0
+    eos = eos_ids(target.model) if stop_at_eos else set()
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+    # 1. Buffers: the whole sequence lives in one preallocated row; the cache starts empty.
+    prompt_len = seq_ids.shape[-1]
+    seq = torch.empty(1, prompt_len + max_new_tokens, dtype=torch.long, device=device)
+    seq[0, :prompt_len] = seq_ids.to(device)
+    length, cached = prompt_len, 0
+    # every layer keeps every key, sliding ones too, so the cache crops and compacts to an
+    # accepted path (specdraft/attention.py); the masks apply each layer's window
+    cache = DynamicCache()
+    if session is not None:  # a drafter that drafts on the target's cache (LayerSkip) keeps it
+        session.bind_cache(cache)
+    no_draft = DraftTree.empty(device=device)
+    capture = list(session.capture_layers) if session is not None else []
+    start = time.perf_counter()
+    while True:
+        remaining = prompt_len + max_new_tokens - length
+        # 2. Draft. One token is always the target's own, so a draft deeper than
+        # remaining - 1 could never be emitted.
+        t0 = time.perf_counter()
+        tree = no_draft
+        proposed = session is not None and remaining > 1
+        if proposed:
+            tree = session.propose(DraftContext(seq[:, :length], max_depth=remaining - 1))
+            if __debug__:  # a drafter bug stops here, not as a wrong verification
+                tree.check()
+            sync()
+        t1 = time.perf_counter()
+
+        # 3. Verify: one target forward over pending tokens + tree, logits for root and nodes.
+        n = len(tree)
+        pending = length - cached
+        inputs = seq[:, cached:length]
+        if n:
+            inputs = torch.cat([inputs, tree.tokens.to(device)], dim=1)  # (1, pending + n)
+        # A session that drafted on the shared cache verifies its own draft (LayerSkip: the late
+        # layers only); any other tree gets the full forward.
+        out = session.verify(tree, n + 1) if session is not None else None
+        if out is None:
+            mask, positions = tree_attention(
+                tree, cached, pending, target.dtype, device, target.attention
+            )
+            out = target.forward(
+                inputs,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                capture_layers=capture,
+                logits_to_keep=n + 1,
+            )
+        logits = out.logits[0]  # (n + 1, vocab): the root (last pending token), then each node
+        if sampling.greedy:
+            path, next_token = verify_greedy(tree, logits.argmax(-1).tolist())
+        else:
+            p = process_logits(logits, sampling)  # (n + 1, vocab)
+            own = session.verify_sampled(tree, p, generator) if session is not None else None
+            path, next_token = own if own is not None else verify_sampling(tree, p, generator)
+
+        # 4. Keep both caches on the accepted path; the new token stays pending.
+        compact(cache, length, path)
+        cached = length + len(path)
+        t2 = time.perf_counter()
+        if session is not None:  # hidden states: for drafters fed by the target's (EAGLE)
+            session.accept(tree, path, out.hidden_states if capture else None)
+        t3 = time.perf_counter()
+
+        # 5. Emit accepted + bonus/correction, cut at the first EOS and at max_new_tokens.
+        new, stop = _emitted(tree, path, next_token, remaining, eos)
+        seq[0, length : length + len(new)] = torch.tensor(new, device=device)
+        if not sampling.greedy:
+            # emitted token j was chosen at row 0 (the root) or at its accepted parent node's row
+            rows = ([0] + [1 + c for c in path])[: len(new)]
+            log_p += p[rows, new].double().log().sum()  # stays on the device: no sync per step
+            stats.log_p_tokens += len(new)
+        length += len(new)
+        stats.record_step(n, tree.depth, len(path), len(new))
+        stats.draft_seconds += (t1 - t0) + (t3 - t2)
+        stats.verify_seconds += t2 - t1
+        if stop:
+            break
+    stats.total_seconds = time.perf_counter() - start
+    stats.log_p_sum = float(log_p)
+    if session is not None:
+        stats.drafter_kv_bytes = session.extra_memory_bytes()
+        stats.copies = isinstance(session, CopyingSession)
+        stats.copied_passes = session.copied_passes
+    return GenerateOutput(
+        tokens=seq[:, prompt_len:length].clone(),
+        stats=stats,
+        lengths=[length - prompt_len],
+        row_stats=[stats],
+        pad_id=_pad_id(target),
+    )
+
+
+def _emitted(
+    tree: DraftTree, path: list[int], next_token: int, remaining: int, eos: set[int]
+) -> tuple[list[int], bool]:
+    """The tokens a step emits (the accepted path's, then the target's own), cut at the first
+    EOS and at the `remaining` tokens allowed, and whether the row is done."""
+    drafted = tree.tokens[0].tolist() if path else []
+    new = ([drafted[i] for i in path] + [next_token])[:remaining]
+    stop = len(new) == remaining
+    for i, t in enumerate(new):
+        if t in eos:
+            return new[: i + 1], True
+    return new, stop
+
+
+def _pad_id(target: Target) -> int:
+    """What pads a shorter row's output (and a padding query's input): the target's pad token,
+    else its first EOS, else 0, as transformers' generate pads."""
+    pad = getattr(target.config, "pad_token_id", None)
+    if pad is None:
+        eos = eos_ids(target.model)
+        pad = min(eos) if eos else 0
+    return int(pad)
+
+
+def _generate_batch(
+    target: Target,
+    prompts: list[torch.Tensor],
+    session: BatchSession | None,
+    stats: Stats,
+    sampling: SamplingSettings,
+    generator: torch.Generator,
+    max_new_tokens: int,
+    stop_at_eos: bool,
+) -> GenerateOutput:
+    """generate's loop for a batch of prompts: the steps of the single-sequence loop, for each
+    active row at once, with the target's cache a BatchCache (specdraft/batch.py)."""
+    device, rows = target.device, len(prompts)
+    eos = eos_ids(target.model) if stop_at_eos else set()
+    pad = _pad_id(target)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    prompt_len = [len(p) for p in prompts]
+    seq = torch.full((rows, max(prompt_len) + max_new_tokens), pad, dtype=torch.long, device=device)
+    for r, prompt in enumerate(prompts):
+        seq[r, : prompt_len[r]] = prompt.to(device)
+    length, cached = list(prompt_len), [0] * rows
+    active = list(range(rows))  # the batch's row of each active row
+    cache = BatchCache(rows, device)
+    row_stats = [Stats() for _ in range(rows)]
+    log_p = torch.zeros(rows, dtype=torch.float64, device=device)
+    capture = list(session.capture_layers) if session is not None else []
+    no_draft = DraftTree.empty(device=device)
+    peak_memory = 0
+    start = time.perf_counter()
+    while active:
+        remaining = [prompt_len[r] + max_new_tokens - length[r] for r in active]
+        t0 = time.perf_counter()
+        trees = [no_draft] * len(active)
+        if session is not None:
+            contexts = [
+                DraftContext(seq[r : r + 1, : length[r]], max_depth=left - 1) if left > 1 else None
+                for r, left in zip(active, remaining, strict=True)
+            ]
+            trees = session.propose(contexts)
+            if __debug__:
+                for tree in trees:
+                    tree.check()
+            sync()
+        t1 = time.perf_counter()
+
+        # one forward verifies every row's pending tokens and tree
+        pending = [seq[r, cached[r] : length[r]] for r in active]
+        ids, mask, positions, P, N = cache.verification_inputs(
+            pending, trees, target.dtype, target.attention, pad
+        )
+        out = target.forward(
+            ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache.cache,
+            use_cache=True,
+            capture_layers=capture,
+            logits_to_keep=N + 1,
+        )
+        top = out.logits.argmax(-1).tolist() if sampling.greedy else None
+        paths, nexts, probs = [], [], []
+        for i, tree in enumerate(trees):
+            n = len(tree)
+            if sampling.greedy:
+                path, next_token = verify_greedy(tree, top[i][: n + 1])
+            else:
+                p = process_logits(out.logits[i, : n + 1], sampling)
+                own = session.verify_sampled(i, tree, p, generator) if session else None
+                path, next_token = own if own is not None else verify_sampling(tree, p, generator)
+                probs.append(p)
+            paths.append(path)
+            nexts.append(next_token)
+        cache.keep(
+            [
+                list(range(P - len(pend), P)) + [P + c for c in path]
+                for pend, path in zip(pending, paths, strict=True)
+            ]
+        )
+        for i, r in enumerate(active):
+            cached[r] = length[r] + len(paths[i])
+        t2 = time.perf_counter()
+        if session is not None:
+            hidden = [None] * len(active)
+            if capture:
+                hidden = [
+                    {
+                        layer: h[i : i + 1, P - len(pending[i]) : P + len(trees[i])]
+                        for layer, h in out.hidden_states.items()
+                    }
+                    for i in range(len(active))
+                ]
+            session.accept(trees, paths, hidden)
+        t3 = time.perf_counter()
+
+        # emit per row; a finished row leaves the batch
+        done = []
+        for i, r in enumerate(active):
+            tree, path = trees[i], paths[i]
+            new, stop = _emitted(tree, path, nexts[i], remaining[i], eos)
+            seq[r, length[r] : length[r] + len(new)] = torch.tensor(new, device=device)
+            if not sampling.greedy:
+                at = ([0] + [1 + c for c in path])[: len(new)]
+                log_p[r] += probs[i][at, new].double().log().sum()
+                row_stats[r].log_p_tokens += len(new)
+            length[r] += len(new)
+            row_stats[r].record_step(len(tree), tree.depth, len(path), len(new))
+            if stop:
+                done.append(i)
+        stats.draft_seconds += (t1 - t0) + (t3 - t2)
+        stats.verify_seconds += t2 - t1
+        if done:
+            if session is not None:
+                peak_memory = max(peak_memory, session.extra_memory_bytes())
+                for i in done:
+                    row_stats[active[i]].copied_passes = session.row_copied_passes(i)
+            keep = [i for i in range(len(active)) if i not in done]
+            active = [active[i] for i in keep]
+            if active:
+                cache.select_rows(keep)
+                if session is not None:
+                    session.drop(keep)
+    wall = time.perf_counter() - start
+    for r in range(rows):
+        row_stats[r].log_p_sum = float(log_p[r])
+        row_stats[r].lossy = stats.lossy
+        row_stats[r].drafter_off = stats.drafter_off
+        row_stats[r].copies = stats.copies
+        row_stats[r].drafter_params = stats.drafter_params
+    merged = row_stats[0]
+    for other in row_stats[1:]:
+        merged = merged.merge(other)
+    merged.total_seconds = wall
+    merged.draft_seconds, merged.verify_seconds = stats.draft_seconds, stats.verify_seconds
+    merged.drafter_kv_bytes = peak_memory
+    merged.batch_size = rows
+    new_lengths = [length[r] - prompt_len[r] for r in range(rows)]
+    tokens = torch.full((rows, max(new_lengths)), pad, dtype=torch.long, device=device)
+    for r in range(rows):
+        tokens[r, : new_lengths[r]] = seq[r, prompt_len[r] : length[r]]
+    return GenerateOutput(tokens, merged, new_lengths, row_stats, pad)
+
+
+def drafting_session(target: Target, drafter, decode: DecodeConfig | None) -> DraftSession:
+    """The session `generate` drafts one sequence with at temperature 0 (copying in front where
+    `decode` asks for it), for code that walks the loop's steps itself (inference/serving_parity.py)."""
+    sampling = SamplingSettings()
+    session, _, _ = _start_session(target, drafter, sampling, None, decode, {})
+    return session
+
+
+def _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k):
+    """The prompts as 1-D tensors, or a clear error for input the loop cannot honour."""
+    prompts = _prompts(input_ids)
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    limit = getattr(target.config, "max_position_embeddings", None)
+    for r, ids in enumerate(prompts):
+        which = f"prompt {r}" if len(prompts) > 1 else "the prompt"
+        if len(ids) == 0:
+            raise ValueError(f"{which} is empty: give at least one token (e.g. the BOS token)")
+        if limit is not None and len(ids) + max_new_tokens > limit:
+            raise ValueError(
+                f"{which} ({len(ids)} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
+                f"the target's {limit} positions; shorten it or ask for fewer new tokens"
+            )
+        if (ids < 0).any() or (ids >= target.vocab_size).any():
+            raise ValueError(f"{which}: input_ids must be token ids in [0, {target.vocab_size})")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 is off), got {top_k}")
+    return prompts
+
+
+def _prompts(input_ids) -> list[torch.Tensor]:
+    """input_ids as a list of 1-D long tensors: one prompt ((seq,) or (1, seq)), a (batch, seq)
+    tensor, or a list of prompts (lists or 1-D tensors) of any lengths."""
+    if isinstance(input_ids, (list, tuple)) and any(
+        isinstance(p, (list, tuple, torch.Tensor)) for p in input_ids
+    ):
+        if not all(isinstance(p, (list, tuple, torch.Tensor)) for p in input_ids):
+            raise ValueError(
+                "input_ids mixes token ids and prompts: give one prompt (a list of ids) or a "
+                "list of prompts (each a list of ids)"
+            )
+        prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in input_ids]
+        if not prompts:
+            raise ValueError("input_ids is an empty list of prompts: give at least one")
+        return prompts
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be (seq,) or (batch, seq); got shape {tuple(ids.shape)}")
+    if ids.shape[0] == 0:
+        raise ValueError("input_ids holds no prompt: give at least one")
+    return list(ids)
+
+
+def _start_session(target, drafter, sampling, generator, decode, settings, batch_size=1):
+    """The drafting session for this call (None for plain decoding; a BatchSession for a batch
+    of more than one), fresh stats and the resolved decoding settings (None for plain
+    decoding): those of the settings' batch_schedule entry for `batch_size` rows, which may
+    turn the drafter off (stats.drafter_off)."""
+    stats = Stats()
+    settings = {k: v for k, v in settings.items() if v is not None}
+    if drafter is None:
+        given = {**(dataclasses.asdict(decode) if decode is not None else {}), **settings}
+        for key, value in given.items():
+            owner = owner_of(key)
+            if owner is not None and value != getattr(owner(), key):
+                raise ValueError(
+                    f"{key}={value!r} needs a {owner.owner} drafter, and plain decoding "
+                    f"(drafter=None) drafts nothing: pass a {owner.owner} drafter, or drop {key}"
+                )
+        if settings or decode is not None:
+            raise ValueError(f"decoding settings {sorted(settings)} given without a drafter")
+        return None, stats, None
+    if isinstance(drafter, str):
+        if drafter != "prompt_lookup":
+            raise ValueError(
+                f"unknown drafter {drafter!r}: pass None, 'prompt_lookup', a drafter from "
+                "load_drafter(path, target), or an HF causal LM sharing the target's vocabulary"
+            )
+        drafter = PromptLookupDrafter()
+    elif isinstance(drafter, PreTrainedModel):
+        drafter = hf_model_kind()(drafter)
+    elif not isinstance(drafter, Drafter):
+        raise TypeError(
+            f"drafter must be None, 'prompt_lookup', a Drafter or an HF causal LM; got "
+            f"{type(drafter).__name__}"
+        )
+    check_fingerprint(
+        drafter.target_fingerprint,
+        target.fingerprint,
+        f"this {drafter.kind} drafter",
+    )
+    # the kind's own settings class; another kind's setting is an error naming its owner
+    decode = drafter.decode_settings(decode, **settings)
+    scheduled = decode.for_batch(batch_size)  # an entry wins over the call's settings: say so
+    for key in sorted(k for k in settings if k != "batch_schedule"):
+        if scheduled is None or getattr(scheduled, key) != getattr(decode, key):
+            warn_once(
+                f"{key}={settings[key]!r} is overridden at batch size {batch_size} by the "
+                "decoding settings' batch_schedule; pass batch_schedule=[] to decode without it"
+            )
+    if scheduled is None:  # the schedule's entry for this batch size: plain decoding
+        stats.drafter_off = True
+        return None, stats, None
+    decode = scheduled
+    drafter.check_decode(decode)  # a setting out of this drafter's range
+    for message in drafter.ignored_settings(decode):
+        warn_once(message)
+    copying = decode.lookup_ngram > 0 and not isinstance(drafter, PromptLookupDrafter)
+    stats.drafter_params = drafter.num_extra_parameters(target)
+    stats.copies = copying
+    if batch_size > 1:
+        rows = decode.batch_drafting == "rows"
+        start = drafter.row_sessions if rows else drafter.new_batch_session
+        session = start(target, batch_size, sampling=sampling, decode=decode, generator=generator)
+        if copying:
+            gamma = decode.lookup_gamma or decode.gamma
+            session = CopyingRows(session, batch_size, decode.lookup_ngram, gamma)
+        stats.lossy = session.lossy and not sampling.greedy
+        return session, stats, decode
+    session = drafter.new_session(target, sampling=sampling, decode=decode, generator=generator)
+    if copying:
+        session = CopyingSession(session, decode.lookup_ngram, decode.lookup_gamma or decode.gamma)
+    return session, stats, decode
