@@ -146,20 +146,22 @@ class DecodeConfig:
     @classmethod
     def of(cls, settings: DecodeConfig | Mapping[str, Any] | None, who: str = "") -> Self:
         """`settings` (any kind's, or a saved dict) as this class: the keys it shares, and this
-        class's defaults for the rest. Another kind's setting is dropped where it is off (its
-        owner's default: a checkpoint written before the keys moved saved every one) and is
-        otherwise a ValueError naming the setting, its owner and `who` refuses it ("this
-        Medusa drafter"; default: this class's owner)."""
+        class's defaults for the rest. A setting another kind owns is a ValueError naming the
+        setting, its owner and `who` refuses it ("this Medusa drafter"; default: this class's
+        owner), unless `settings` is another kind's DecodeConfig and the setting is at its
+        owner's default there (a drafter handed another kind's settings takes the ones they
+        share)."""
         if settings is None:
             return cls()
-        if isinstance(settings, DecodeConfig):
+        typed = isinstance(settings, DecodeConfig)
+        if typed:
             values = {k: getattr(settings, k) for k in type(settings).setting_names()}
         else:
             values = dict(settings)
         ours = set(cls.setting_names())
         for key in sorted(set(values) - ours):
             owner = owner_of(key)
-            if owner is None or values[key] != getattr(owner(), key):
+            if not typed or owner is None or values[key] != getattr(owner(), key):
                 raise ValueError(cls.foreign_setting(key, values[key], who))
             del values[key]
         return cls(**values)

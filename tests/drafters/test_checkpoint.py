@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.distill import DistillConfig, DistillDecode, DistillDrafter
 from specdraft.formats import checkpoint
-from specdraft.formats.checkpoint import CheckpointError, save_drafter
+from specdraft.formats.checkpoint import CheckpointError, check_complete, save_drafter
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.targets.target import Target
 
@@ -158,12 +158,13 @@ def test_non_hf_drafter_stores_only_its_own_tensors(tiny_target, tmp_path):
     assert loaded.lm_head is tiny_target.model.lm_head
 
 
-def test_decoding_defaults_round_trip_and_a_format_1_folder_is_refused_by_name(
+def test_decoding_defaults_round_trip_and_a_folder_of_another_format_is_refused_by_name(
     tiny_target, student, tmp_path
 ):
     """The drafter's decoding defaults are saved beside its config and come back on load; a
-    folder of the removed format 1 (decoding keys inside the kind's config) is an error that
-    says which format it is and what to do, not a drafter with silently default settings."""
+    folder of an earlier format (1: decoding keys inside the kind's config; 2: before the
+    package's own layout) or a newer one is an error that says which format it is and what to
+    do, in one place, for loading, resuming and checking alike."""
     drafter = student
     decode = DistillDecode(gamma=7, draft_weights="int8", lookup_ngram=2)
     folder = save_drafter(
@@ -181,11 +182,18 @@ def test_decoding_defaults_round_trip_and_a_format_1_folder_is_refused_by_name(
     ):
         load_drafter(folder, tiny_target)
 
+    for version, fix in ((1, "retrain the drafter, or export it"), (2, "retrain"),
+                         (None, "retrain"), (4, "Upgrade specdraft")):  # fmt: skip
+        block["format_version"] = version
+        (folder / "config.json").write_text(json.dumps(config))
+        for read in (lambda: load_drafter(folder, tiny_target), lambda: load_decoding(folder),
+                     lambda: check_complete(folder)):  # fmt: skip
+            with pytest.raises(CheckpointError, match=rf"format {version}; .*format 3 only.*{fix}"):
+                read()
+    block["format_version"] = checkpoint.FORMAT_VERSION
     del block["decode"]
-    block["format_version"] = 1
-    block["config"].update(gamma=3, draft_weights="int8")
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"checkpoint format 1.*reads format 2 only"):
+    with pytest.raises(CheckpointError, match="no `decode` block"):
         load_drafter(folder, tiny_target)
 
 

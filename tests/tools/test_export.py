@@ -106,20 +106,20 @@ def test_an_export_carries_the_decoding_settings_it_was_tuned_to(
         assert load_decoding(out) == dataclasses.replace(tuned, gamma=6)
 
 
-def test_a_head_of_the_removed_projected_layout_is_refused_with_the_fix(
+def test_a_folder_of_an_earlier_checkpoint_format_is_refused_with_the_fix(
     deep_target, eagle_folders, tmp_path, capsys
 ):
-    """A folder saved before EagleConfig had `architecture` (specdraft's first layout) is neither
-    loaded nor exported: the error says the layout is no longer read and to retrain."""
+    """A folder an earlier specdraft wrote (checkpoint format 2) is neither loaded nor exported:
+    the error names its format and says to retrain, and nothing is written."""
     old = tmp_path / "old"
     shutil.copytree(eagle_folders["eagle3"], old)
     config = json.loads((old / "config.json").read_text())
-    del config["specdraft"]["config"]["architecture"]
+    config["specdraft"]["format_version"] = 2
     (old / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"projected.*no longer read; retrain"):
+    with pytest.raises(CheckpointError, match=r"format 2; .*format 3 only.*retrain"):
         load_drafter(old, deep_target[1])
     assert export.main(["--format", "sglang", str(old), str(tmp_path / "o")]) == 2
-    assert "architecture=reference" in capsys.readouterr().err
+    assert "checkpoint format 2" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 

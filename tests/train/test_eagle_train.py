@@ -112,7 +112,6 @@ def test_bad_input_is_a_clear_error(tiny_target_path, tmp_path, capsys):
 def test_recipes_load(recipe):
     cfg = load_config(EagleTrainConfig, recipe)
     assert cfg.drafter.version == "eagle3" and cfg.drafter.ttt_steps >= 3
-    assert cfg.drafter.architecture == "reference"  # what the engines serve
     assert torch.tensor(cfg.drafter.draft_vocab_size) > 0
 
 

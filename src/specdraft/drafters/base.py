@@ -201,9 +201,6 @@ class Drafter(nn.Module):
     # The held-out statistics its checkpoint carries (`heldout_summary`'s, as saved; Medusa's
     # per-rank accuracies, which shape its tree): given by load_drafter, read by its sessions.
     heldout: Mapping = MappingProxyType({})
-    # Weight names older folders hold for what is now `heldout` (Medusa's accuracies): read
-    # into `heldout` where the folder's config carries none.
-    heldout_weights: ClassVar[tuple[str, ...]] = ()
     # The session's first proposal, before the target has verified the prompt, is empty: a
     # drafter fed by the target's hidden states has none yet (EAGLE, Medusa, DFlash). The
     # simulation of serving starts the same way.
@@ -238,9 +235,6 @@ class Drafter(nn.Module):
     shared_with_target: tuple[str, ...] = ()
     # Prefixes of saved weight names that only training uses (none by default; see Medusa).
     training_only_prefixes: ClassVar[tuple[str, ...]] = ()
-    # Config values of keys added since a checkpoint was written, by their meaning then:
-    # load_drafter fills them in where a saved config lacks them.
-    legacy_defaults: ClassVar[dict] = {}
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -478,13 +472,11 @@ class Drafter(nn.Module):
         """`settings` (any kind's, a saved dict, or None for the defaults) with `changes` (None
         values ignored) as this kind's decode_class; ValueError naming another kind's setting
         that is on, its owner and this kind."""
-        values = (
-            dict(settings or {})
-            if not isinstance(settings, DecodeConfig)
-            else {k: getattr(settings, k) for k in settings.setting_names()}
-        )
+        who = f"this {cls.title or cls.kind} drafter"
+        decode = cls.decode_class.of(settings, who=who)
+        values = {k: getattr(decode, k) for k in decode.setting_names()}
         values.update({k: v for k, v in changes.items() if v is not None})
-        return cls.decode_class.of(values, who=f"this {cls.title or cls.kind} drafter")
+        return cls.decode_class.of(values, who=who)
 
     def check_decode(self, decode: DecodeConfig) -> None:
         """Raise ValueError for a decoding setting out of this drafter's range (LayerSkip: an

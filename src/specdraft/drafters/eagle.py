@@ -8,12 +8,10 @@ the target into the feature (fc_fuse), drops the feature regression, trains with
 test (the head unrolled K steps on its own outputs) and drafts from its own LM head over a reduced
 draft vocabulary (the most frequent target tokens).
 
-The head's layer is the reference architecture the engines compute (EagleConfig.architecture,
-formats/eagle_export.py writes it for vLLM, SGLang and SafeAILab/EAGLE): a Llama decoder layer
-in the target's shape whatever the target's family; EAGLE-3's (Eagle3Layer) reads
-cat(embedding, feature) 2H wide, norming each half, with the feature as its residual; EAGLE-1's
-has no input norm after fc. specdraft's first layout (`projected`, which no engine computes) is
-no longer read: a folder of it is refused with the fix (retrain in the reference layout).
+The head's layer is the reference architecture the engines compute (formats/eagle_export.py
+writes it for vLLM, SGLang and SafeAILab/EAGLE): a Llama decoder layer in the target's shape
+whatever the target's family; EAGLE-3's (Eagle3Layer) reads cat(embedding, feature) 2H wide,
+norming each half, with the feature as its residual; EAGLE-1's has no input norm after fc.
 
 Read top to bottom: the config (the reference layers and the training-time test's attention are
 drafters/eagle_layers.py), the module (its draft vocabulary comes from
@@ -97,14 +95,6 @@ class EagleConfig:
     reg_weight: float = 1.0
     # eagle1: weight of the cross-entropy against the target's distribution (eagle3 has only it).
     cls_weight: float = 0.1
-    # reference: the layout SafeAILab/EAGLE, SpecForge, speculators, vLLM and SGLang compute, a
-    # Llama decoder layer whatever the target's family, which scripts/export.py writes for them
-    # (eagle3: the layer's q/k/v read cat(input_layernorm(embedding), hidden_norm(feature)), 2H
-    # wide, and the residual is the feature; eagle1: fc over cat(embedding, feature), then a layer
-    # without input norm). The only layout: the key stays so that a folder of the removed
-    # `projected` layout (specdraft's first, or one saved before the key existed) is refused
-    # by name rather than misread.
-    architecture: str = "reference"
     # eagle3 reference: the residual around attention is hidden_norm(feature) (True) or the
     # feature itself (False, as SafeAILab/EAGLE and vLLM by default). Exports always write it.
     norm_before_residual: bool = follows("version", False)
@@ -112,12 +102,6 @@ class EagleConfig:
     fc_bias: bool = True
 
     def __post_init__(self) -> None:
-        if self.architecture != "reference":
-            raise ValueError(
-                f"drafter.architecture={self.architecture!r}: specdraft's first EAGLE layout "
-                "(projected, which no serving engine computes) is no longer read; retrain the "
-                "head in the reference layout (architecture=reference, the default)"
-            )
         # ttt_steps and feature_noise stay None here and resolve with the version (resolve_config):
         # a config object is built before a file or the command line sets its version.
         for key, low in (("ttt_steps", 1), ("draft_vocab_size", 0)):
@@ -135,11 +119,6 @@ class EagleConfig:
                 f"drafter.feature_layers must name 3 target layers (low, mid, high); got "
                 f"{self.feature_layers}"
             )
-
-
-# Keys a head saved before they existed had, by their meaning then (Drafter.legacy_defaults):
-# heads saved before `architecture` are the removed projected layout, which EagleConfig refuses.
-LEGACY_DEFAULTS = {"architecture": "projected"}
 
 
 def default_feature_layers(num_layers: int) -> list[int]:
@@ -185,7 +164,6 @@ class EagleDrafter(Drafter):
     title = "EAGLE"
     config_class = EagleConfig
     drafts_after_prefill = True  # the head reads the target's features of the context
-    legacy_defaults = LEGACY_DEFAULTS
     # The config with the defaults that depend on the target filled in (a kind built on this
     # head with a config of its own, P-EAGLE, resolves its own).
     resolve = staticmethod(resolve_config)

@@ -187,8 +187,7 @@ class MedusaDrafter(Drafter):
     # Per head and rank r < accuracy_ranks, measured on held-out data by every evaluation
     # (heldout_summary, saved in the checkpoint's config): how often the head's r-th candidate
     # is the target's greedy token, and the target's mean probability of it. The tree is built
-    # from them (tree_paths). Folders written before they moved there hold them as weights.
-    heldout_weights = ("accuracy_greedy", "accuracy_sampled")
+    # from them (tree_paths).
     decode_class = MedusaDecode
     # the loss (kl) makes the target's logits from its final state, which it reads anyway
     reads_target_logits = False

@@ -92,7 +92,6 @@ class PEagleConfig:
 
     # What EagleDrafter reads of its config: P-EAGLE's head is always EAGLE-3's reference layer.
     version: ClassVar[str] = "eagle3"
-    architecture: ClassVar[str] = "reference"
 
     def __post_init__(self) -> None:
         if isinstance(self.num_depths, bool) or self.num_depths < 2:
@@ -233,7 +232,6 @@ class PEagleDrafter(EagleDrafter):
     kind = "peagle"
     title = "P-EAGLE"
     config_class = PEagleConfig
-    legacy_defaults: ClassVar[dict] = {}
     resolve = staticmethod(resolve_config)
 
     def __init__(self, config: PEagleConfig, target, d2t: torch.Tensor | None = None) -> None:

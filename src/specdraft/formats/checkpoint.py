@@ -44,8 +44,11 @@ from specdraft.drafters.base import Drafter, hf_model_kind, vocab_mismatch_error
 from specdraft.drafters.base import drafter_class as registered_class
 from specdraft.targets.target import ADAPTER_ATTRIBUTE, Target
 
-# 2: decoding settings moved from the kind's config into their own `decode` block.
-FORMAT_VERSION = 2
+# The one version this specdraft reads and writes; a folder of another is refused in one place
+# (read_metadata), with the fix. 3: the first layout of the installable package (src/specdraft):
+# every key a config has is saved, decoding settings in their own `decode` block, held-out
+# statistics in `heldout`.
+FORMAT_VERSION = 3
 COMPLETE_MARKER = "COMPLETE"
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -292,8 +295,6 @@ def load_checkpoint(
     config = None
     if meta is not None:
         config_values, decode_values = _split_decode(meta, folder)
-        # keys added since the folder was written take the meaning they had then
-        config_values = {**cls.legacy_defaults, **config_values}
         config = _config_from_dict(cls.config_class, config_values, folder)
         # a damaged decode block is refused here too, before a module is built (load_decoding
         # reads it for whoever decodes)
@@ -310,9 +311,7 @@ def load_checkpoint(
         drafter = cls.from_checkpoint(config, target, model)
     else:
         drafter = cls.from_checkpoint(config, target, None)
-        missing, unexpected, drafter.heldout = read_weights(
-            drafter, folder, meta, heldout_weights=cls.heldout_weights
-        )
+        missing, unexpected, drafter.heldout = read_weights(drafter, folder, meta)
         # weights only training uses (Medusa-2's adapters, which decoding has merged in)
         unexpected = [k for k in unexpected if not k.startswith(cls.training_only_prefixes)]
         if missing or unexpected:
@@ -345,23 +344,17 @@ def read_weights(
     meta: dict,
     *,
     device=None,
-    heldout_weights: tuple[str, ...] = (),
 ) -> tuple[list[str], list[str], dict]:
     """Every safetensors file of `folder` loaded into `module` in place, not strictly: the
     (missing, unexpected) state-dict names, less the tensors the folder shares with the target
     (recorded, not stored) and the tied weights saved once under another name, and the held-out
-    statistics the folder carries (its config's `heldout`; in a folder written before they
-    moved there, its `heldout_weights` tensors as lists). The one reader of weights:
+    statistics the folder carries (its config's `heldout`). The one reader of weights:
     load_drafter and a resumed run both use it. A tensor of another shape raises torch's
     RuntimeError ("size mismatch")."""
     state: dict[str, torch.Tensor] = {}
     for weights in sorted(Path(folder).glob("*.safetensors")):
         state.update(load_file(weights, device=str(device) if device is not None else "cpu"))
     heldout = dict(meta.get("heldout") or {})
-    for name in heldout_weights:
-        tensor = state.pop(name, None)
-        if tensor is not None and name not in heldout:
-            heldout[name] = tensor.float().cpu().tolist()
     missing, unexpected = module.load_state_dict(state, strict=False)
     shared = set(meta.get("shared_with_target", ()))
     # a tied weight (the LM head of tied embeddings) is saved once, under one name
@@ -396,10 +389,19 @@ def read_metadata(folder: str | Path) -> tuple[dict | None, dict | None]:
                 f"{folder} has no {COMPLETE_MARKER} marker: it was cut off while being written. "
                 "Use an earlier checkpoint (resume_from=latest skips incomplete ones)."
             )
-        if meta.get("format_version", 0) > FORMAT_VERSION:
+        version = meta.get("format_version")
+        if version != FORMAT_VERSION:
+            newer = isinstance(version, int) and version > FORMAT_VERSION
             raise CheckpointError(
-                f"{folder} has checkpoint format {meta.get('format_version')}, newer than this "
-                f"specdraft reads ({FORMAT_VERSION}); upgrade specdraft"
+                f"{folder} has checkpoint format {version}; this specdraft reads format "
+                f"{FORMAT_VERSION} only. "
+                + (
+                    "Upgrade specdraft to read it."
+                    if newer
+                    else "It was written by an earlier specdraft: retrain the drafter, or "
+                    "export it with the specdraft that wrote it (scripts/export.py) and read the "
+                    "export back here (load_drafter reads every export layout)."
+                )
             )
     if not any(folder.glob("*.safetensors")):
         raise CheckpointError(f"{folder} has no weights ({WEIGHTS_NAME}): the folder is incomplete")
@@ -429,21 +431,16 @@ def drafter_class(kind: str) -> type[Drafter]:
 
 def _split_decode(meta: dict, folder: Path) -> tuple[dict, dict]:
     """(the kind's config values, the decoding defaults) of a `specdraft` block."""
-    if "decode" not in meta:
+    if not isinstance(meta.get("decode"), dict):
         raise CheckpointError(
-            f"{folder / CONFIG_NAME} is checkpoint format {meta.get('format_version', 1)}, which "
-            f"kept the decoding settings inside the kind's config; this specdraft reads format "
-            f"{FORMAT_VERSION} only. Retrain the drafter, or move those keys (gamma, tree_top_k, "
-            "tree_budget, draft_weights, stop_below, lookup_ngram) into a `decode` block and set "
-            f"format_version to {FORMAT_VERSION}"
+            f"{folder / CONFIG_NAME} has no `decode` block: the folder is corrupt"
         )
     return dict(meta.get("config") or {}), dict(meta["decode"])
 
 
 def decode_from_dict(kind: type[Drafter], values: dict, folder: Path) -> DecodeConfig:
-    """The kind's decoding settings saved in `folder`. Another kind's setting at its default is
-    dropped (folders written before the kinds' own settings moved out of DecodeConfig saved
-    every one); on, or unknown, it is a CheckpointError."""
+    """The kind's decoding settings saved in `folder`; another kind's setting, or an unknown
+    one, is a CheckpointError."""
     try:
         return kind.decode_settings(values)
     except (TypeError, ValueError) as e:

@@ -2,9 +2,9 @@
 
 Three formats (`scripts/export.py --format NAME`), each a writer, a reader and the checks the
 engine's own loader makes (`layout_problems`, run on every export before the folder is renamed
-into place and on every import before a module is built). All hold heads of the reference
-architecture only (EagleConfig.architecture = reference): a Llama decoder layer in the target's
-shape, which is what the engines build whatever the target's family.
+into place and on every import before a module is built). All hold the reference
+architecture, the only one EagleDrafter has: a Llama decoder layer in the target's shape, which
+is what the engines build whatever the target's family.
 
     speculators  vllm-project/speculators' Eagle3Speculator, which vLLM serves (EAGLE-3 only):
                    config.json   speculators_model_type eagle3, architectures [Eagle3Speculator],

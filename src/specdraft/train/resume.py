@@ -101,9 +101,7 @@ def load_weights(drafter, path: Path, target_fingerprint: dict, device: torch.de
     # a HF model folder (distill, LayerSkip) in its own names, else the drafter's own tensors
     module = drafter.as_hf_model() or drafter
     try:
-        missing, unexpected, heldout = checkpoint.read_weights(
-            module, path, meta, device=device, heldout_weights=type(drafter).heldout_weights
-        )
+        missing, unexpected, heldout = checkpoint.read_weights(module, path, meta, device=device)
     except RuntimeError as err:
         if "size mismatch" not in str(err):
             raise
@@ -158,10 +156,9 @@ def optimizer_files(
 
 def _misfit(path: Path, meta: dict, drafter, why) -> str:
     """Why a checkpoint's weights do not fit the drafter this run builds: the drafter settings
-    that differ between the two (a saved config's missing keys read as legacy_defaults say),
-    each as the command-line override that resumes it, and what to do. Nothing is changed on
+    that differ between the two, each as the command-line override that resumes it, and what to do. Nothing is changed on
     disk."""
-    saved = {**type(drafter).legacy_defaults, **(meta.get("config") or {})}
+    saved = dict(meta.get("config") or {})
     now = dataclasses.asdict(drafter.config) if dataclasses.is_dataclass(drafter.config) else {}
     differ = _differences(saved, now, "drafter")
     said = "; ".join(str(why).splitlines()[:2])
