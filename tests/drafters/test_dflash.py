@@ -337,7 +337,7 @@ def test_speculators_export_reads_back_with_identical_drafts(tiny_target, tmp_pa
     from safetensors.torch import load_file
 
     from specdraft.formats.export_formats import ExportError
-    from specdraft.formats.medusa_export import export_drafter
+    from specdraft.formats.export_registry import export_drafter
     from specdraft.formats.reading import load_decoding
 
     torch.manual_seed(1)

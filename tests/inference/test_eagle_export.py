@@ -20,7 +20,7 @@ from specdraft.core import DecodeConfig, float_mask
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.formats.checkpoint import CheckpointError
 from specdraft.formats.eagle_export import validate_folder
-from specdraft.formats.medusa_export import ExportError, export_drafter
+from specdraft.formats.export_registry import ExportError, export_drafter
 from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
 

@@ -18,7 +18,8 @@ from testkit import perturb
 from specdraft.core import DecodeConfig
 from specdraft.drafters.medusa import MedusaConfig, MedusaDecode, MedusaDrafter
 from specdraft.formats.checkpoint import CheckpointError
-from specdraft.formats.medusa_export import ExportError, export_drafter, medusa_choices
+from specdraft.formats.export_registry import ExportError, export_drafter
+from specdraft.formats.medusa_export import medusa_choices
 from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
 

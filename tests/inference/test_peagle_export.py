@@ -15,7 +15,7 @@ from testkit import perturb
 from specdraft.core import DecodeConfig
 from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter, PEagleSession
 from specdraft.formats.checkpoint import CheckpointError
-from specdraft.formats.medusa_export import ExportError, export_drafter
+from specdraft.formats.export_registry import ExportError, export_drafter
 from specdraft.formats.peagle_export import validate_folder
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference import generate

@@ -16,7 +16,7 @@ from specdraft.drafters.base import drafter_class
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.formats.checkpoint import CheckpointError, save_drafter, set_decode
-from specdraft.formats.medusa_export import FORMATS
+from specdraft.formats.export_registry import FORMATS
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.targets.target import load_target
 from specdraft.tools import export

@@ -23,7 +23,7 @@ from specdraft.core import DecodeConfig
 from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
 from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
-from specdraft.formats.medusa_export import export_drafter
+from specdraft.formats.export_registry import export_drafter
 from specdraft.tools import verify_export
 
 pytestmark = pytest.mark.slow

@@ -37,7 +37,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from specdraft.formats.medusa_export import export_drafter
+from specdraft.formats.export_registry import export_drafter
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference import generate
 from specdraft.targets.target import load_target

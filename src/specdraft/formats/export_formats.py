@@ -1,4 +1,4 @@
-"""What every drafter format (formats/medusa_export.py's FORMATS) shares: the Format record, the error
+"""What every drafter format (formats/export_registry.py's FORMATS) shares: the Format record, the error
 for a drafter a format cannot hold, and the strict checks every reader runs before it builds a
 module (sizes, exact weight names and shapes, damaged or pickled files)."""
 

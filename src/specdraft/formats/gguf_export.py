@@ -141,7 +141,7 @@ def write_hf_folder(drafter: Drafter, target: Target, folder: Path) -> None:
         drafter.as_hf_model().save_pretrained(folder, safe_serialization=True)
         target.tokenizer.save_pretrained(folder)
         return
-    from specdraft.formats.medusa_export import export_drafter
+    from specdraft.formats.export_registry import export_drafter
 
     export_drafter(drafter, folder, "speculators", base_model_name_or_path=target.name)
     # without its copy of the target's embedding, llama.cpp's EAGLE-3 head reads the target's

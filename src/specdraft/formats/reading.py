@@ -4,7 +4,7 @@ decoding settings it is served with (`load_decoding`) and the target it decodes 
 
 A folder is one of: a specdraft checkpoint or a plain Hugging Face causal-LM folder
 (formats/checkpoint.py), or a folder another tool's layout describes, recognised by its
-config.json (formats/medusa_export.py `FORMATS`: published Medusa heads, EAGLE exports). This module
+config.json (formats/export_registry.py `FORMATS`: published Medusa heads, EAGLE exports). This module
 tells them apart and hands each to its reader, so the checkpoint reader and the export layouts
 do not import each other.
 """
@@ -28,7 +28,7 @@ from specdraft.formats.checkpoint import (
     load_checkpoint,
     read_metadata,
 )
-from specdraft.formats.medusa_export import (
+from specdraft.formats.export_registry import (
     EXPORTED_DECODING,
     FORMATS,
     imported_format,
@@ -64,7 +64,7 @@ def load_drafter(
             f"{folder / CONFIG_NAME} is in none of the layouts specdraft reads: a specdraft "
             "checkpoint (a `specdraft` block), a Hugging Face causal-LM folder (`model_type`), "
             f"or a published drafter in one of the formats {', '.join(FORMATS)} "
-            "(formats/medusa_export.py says how each is recognised)"
+            "(formats/export_registry.py says how each is recognised)"
         )
     return load_checkpoint(folder, target, strict=strict, device=device, dtype=dtype)
 

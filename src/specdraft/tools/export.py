@@ -16,7 +16,7 @@ atomically; an existing OUT is replaced only if it is empty or a previous export
 renamed into place. --format gguf writes llama.cpp's files with llama.cpp's own converter
 (built once per machine: specdraft/llamacpp_build.py; formats/gguf_export.py says what it holds):
 draft.gguf, the target's target.gguf and specdraft_gguf.json, for two-model drafts and EAGLE-3
-heads. Formats (specdraft.formats.medusa_export.FORMATS and formats/eagle_export.py say what each
+heads. Formats (specdraft.formats.export_registry.FORMATS and formats/eagle_export.py say what each
 writes and what is exact):
 """
 
@@ -29,8 +29,13 @@ from pathlib import Path
 import yaml
 
 from specdraft.formats.checkpoint import CheckpointError, read_metadata
+from specdraft.formats.export_registry import (
+    FORMATS,
+    ExportError,
+    check_destination,
+    export_drafter,
+)
 from specdraft.formats.gguf_export import GGUF_TYPES, NOT_SERVED, export_gguf
-from specdraft.formats.medusa_export import FORMATS, ExportError, check_destination, export_drafter
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.llamacpp_build import LlamaCppError, ensure_llamacpp
 from specdraft.targets.target import TargetError, load_target

@@ -58,7 +58,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdraft.formats.checkpoint import CheckpointError
-from specdraft.formats.medusa_export import imported_format
+from specdraft.formats.export_registry import imported_format
 from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
 from specdraft.inference.llamacpp import read_gguf_export, verify_gguf_export
