@@ -41,11 +41,11 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specdraft.core import eos_ids
 from specdraft.drafters.base import Drafter
-from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
-from specdraft.drafters.distill import DistillConfig, DistillDrafter, build_student
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.inference.generate import generate
+from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
+from specdraft.kinds.distill.distill import DistillConfig, DistillDrafter, build_student
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
+from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
 from specdraft.targets.target import Target
 
 

@@ -27,8 +27,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdraft.data.stdlib_corpus import build_demo_tokenizer, demo_corpus_texts
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.inference import generate
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.targets.target import Target
 
 SHAPES = ["512x4x1408", "384x8x1024", "256x12x704", "384x12x1024"]  # hidden x layers x mlp

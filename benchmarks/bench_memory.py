@@ -64,25 +64,25 @@ def build(kind: str, vocab: int, seq: int):
     )  # fmt: skip
     target = Target(LlamaForCausalLM(config).eval(), _Vocab(vocab), name="bench")
     if kind == "medusa":
-        from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+        from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
 
         drafter = MedusaDrafter.build(MedusaConfig(), target)
     elif kind == "layerskip":
-        from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
+        from specdraft.kinds.layerskip.layerskip import LayerSkipConfig, LayerSkipDrafter
 
         drafter = LayerSkipDrafter.build(LayerSkipConfig(exit_layer=1, layer_dropout=0.0), target)
     elif kind == "distill":
-        from specdraft.drafters.distill import DistillConfig, DistillDrafter
+        from specdraft.kinds.distill.distill import DistillConfig, DistillDrafter
 
         drafter = DistillDrafter.build(DistillConfig(init="random", num_layers=1), target)
     elif kind == "eagle":
-        from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+        from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 
         draft = min(DRAFT_VOCAB, vocab)
         cfg = EagleConfig(version="eagle3", draft_vocab_size=draft, ttt_steps=7)
         drafter = EagleDrafter.build(cfg, target, torch.arange(draft))
     elif kind == "dflash":  # the Llama-3.1-8B recipe's blocks: 256 anchors x 15 scored slots
-        from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
+        from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
 
         cfg = DFlashConfig(num_layers=1, block_size=16, anchors=256, mask_token_id=vocab - 1)
         drafter = DFlashDrafter.build(cfg, target)

@@ -31,7 +31,7 @@ def measure(seq: int, steps: int, dtype: str, variant: str) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+    from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
     from specdraft.targets.target import Target
 
     torch.manual_seed(0)

@@ -456,7 +456,7 @@ def _library_module(root: Path, rel: str) -> str | None:
     if parts[0] == "src":
         return ".".join(parts[1:])
     if len(parts) == 2 and parts[0] == "train":
-        return f"specdraft.train.{parts[1]}_trainer"
+        return f"specdraft.kinds.{parts[1]}.{parts[1]}_trainer"
     tool = root / "src" / "specdraft" / "tools" / f"{parts[-1]}.py"
     if len(parts) == 2 and parts[0] == "scripts" and tool.is_file():
         return f"specdraft.tools.{parts[1]}"

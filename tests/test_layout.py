@@ -75,19 +75,35 @@ def _imports(path: Path) -> set[str]:
 
 
 def _package(module: str) -> str | None:
-    """The layer of a dotted module name: specdraft.drafters.eagle -> drafters."""
+    """The layer of a dotted module name: specdraft.drafters.base -> drafters; a kind's module by
+    what it is (specdraft.kinds.eagle.eagle_export -> formats)."""
     parts = module.split(".")
     if len(parts) > 1 and parts[1] in LAYERS[1:]:
         return parts[1]
+    if len(parts) > 3 and parts[1] == "kinds":
+        return _kind_layer(parts[3])
+    if parts[:2] == ["specdraft", "kinds"]:
+        return "drafters"  # a kind's package itself
     if parts[:2] == ["specdraft", "__main__"]:
         return "cli"
     return "specdraft" if parts[0] == "specdraft" else None
+
+
+def _kind_layer(name: str) -> str:
+    """The layer of a module in a kind's folder: its trainer is in train, its export in formats,
+    the rest (drafter, session, layers) in drafters."""
+    if name.endswith("_trainer"):
+        return "train"
+    if name.endswith("_export"):
+        return "formats"
+    return "drafters"
 
 
 def _library_files() -> list[tuple[str, Path]]:
     files = []
     for layer in LAYERS[1:-1]:
         files += [(layer, p) for p in sorted((LIBRARY / layer).glob("*.py"))]
+    files += [(_kind_layer(p.stem), p) for p in sorted((LIBRARY / "kinds").glob("*/*.py"))]
     for path in sorted(LIBRARY.glob("*.py")):
         files.append(("cli" if path.stem in ("cli", "__main__") else "specdraft", path))
     return files
@@ -115,7 +131,26 @@ def test_the_layer_check_sees_a_violation(tmp_path):
     assert _package("specdraft.tools.evaluate") == "tools"
     assert _package("specdraft.cli") == "cli"
     assert _package("specdraft.core") == "specdraft"
+    assert _package("specdraft.kinds.eagle.eagle_trainer") == "train"
+    assert _package("specdraft.kinds.eagle.eagle_session") == "drafters"
     assert len(_library_files()) > 30
+
+
+def test_each_kind_is_one_folder():
+    """Every built-in kind (but the loop's own prompt lookup) lives in specdraft/kinds/KIND, and
+    no module of a kind sits outside its folder."""
+    from specdraft.drafters.base import drafter_kinds
+
+    # the built-in kinds: a test may register one of its own (tests/test_new_kind.py)
+    kinds = {k for k, cls in drafter_kinds().items() if cls.__module__.startswith("specdraft.")}
+    kinds -= {"prompt_lookup"}
+    assert kinds == {p.name for p in (LIBRARY / "kinds").iterdir() if (p / "__init__.py").is_file()}
+    strays = [
+        str(p.relative_to(LIBRARY))
+        for p in LIBRARY.rglob("*.py")
+        if "kinds" not in p.parts and p.stem.split("_")[0] in kinds
+    ]
+    assert not strays, strays
 
 
 # The code every kind shares knows kinds only through the Drafter hooks and the registry
@@ -134,7 +169,9 @@ def test_shared_code_names_no_kind_and_probes_no_hook():
     `if drafter.kind == "layerskip":` in inference/evaluation.py it names the line."""
     from specdraft.drafters.base import drafter_kinds
 
-    kinds = set(drafter_kinds()) - {"prompt_lookup"}  # the loop's own drafter, not a kind
+    # the built-in kinds: a test may register one of its own (tests/test_new_kind.py)
+    kinds = {k for k, cls in drafter_kinds().items() if cls.__module__.startswith("specdraft.")}
+    kinds -= {"prompt_lookup"}  # the loop's own drafter, not a kind
     wrong = []
     for name in SHARED:
         tree = ast.parse((LIBRARY / name).read_text(), filename=name)

@@ -13,10 +13,10 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from specdraft.drafters.base import Drafter
-from specdraft.drafters.distill import DistillConfig, DistillDecode, DistillDrafter
 from specdraft.formats import checkpoint
 from specdraft.formats.checkpoint import CheckpointError, check_complete, save_drafter
 from specdraft.formats.reading import load_decoding, load_drafter
+from specdraft.kinds.distill.distill import DistillConfig, DistillDecode, DistillDrafter
 from specdraft.targets.target import Target
 
 

@@ -10,10 +10,10 @@ import torch
 from testkit import perturb
 
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
-from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
 from specdraft.formats.checkpoint import CheckpointError, save_drafter
 from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
+from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
 from specdraft.targets.target import TargetError
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).

@@ -13,9 +13,9 @@ from testkit import assert_chunking_exact, perturb
 from transformers import LlamaForCausalLM
 
 from specdraft.core import DecodeConfig, TargetOutput, build_draft_vocab
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
 from specdraft.formats.checkpoint import CheckpointError, save_drafter
 from specdraft.formats.reading import load_drafter
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter, resolve_config
 from specdraft.targets.target import Target, TargetError
 
 
@@ -307,7 +307,7 @@ def test_eagle1_trains_with_the_papers_feature_noise_by_default(tiny_target):
     assert noise(version="eagle1", feature_noise=0.0) == 0.0
     # set by a later layer (the command line), the version still decides the default
     from specdraft.config import override
-    from specdraft.train.eagle_trainer import EagleTrainConfig
+    from specdraft.kinds.eagle.eagle_trainer import EagleTrainConfig
 
     cfg = override(EagleTrainConfig(), ["drafter.version=eagle1"])
     assert resolve_config(cfg.drafter, tiny_target).feature_noise == 0.1
@@ -320,7 +320,7 @@ def test_the_unroll_without_a_mask_equals_the_dense_mask(version, monkeypatch):
     grouped-query heads and more than one query block."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import specdraft.drafters.eagle_layers as eagle_layers
+    import specdraft.kinds.eagle.eagle_layers as eagle_layers
     from specdraft.targets.target import Target
 
     torch.manual_seed(0)

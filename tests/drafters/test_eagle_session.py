@@ -17,11 +17,11 @@ from specdraft.core import (
     compact,
     process_logits,
 )
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter, EagleSession
 from specdraft.drafters.prompt_lookup import CopyingSession
 from specdraft.inference import generate
 from specdraft.inference.tree import tree_attention
 from specdraft.inference.verify import verify_greedy, verify_sampling
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter, EagleSession
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = pytest.mark.exact

@@ -21,7 +21,6 @@ from transformers import (
 )
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from specdraft.drafters.eagle_layers import Eagle3Layer, eagle1_reference_layer, llama_layer_config
 from specdraft.drafters.lean import (
     DraftLinear,
     LayerWeights,
@@ -29,6 +28,11 @@ from specdraft.drafters.lean import (
     ModuleLayer,
     decode_layer,
     lean_supported,
+)
+from specdraft.kinds.eagle.eagle_layers import (
+    Eagle3Layer,
+    eagle1_reference_layer,
+    llama_layer_config,
 )
 
 SMALL = dict(

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from testkit import assert_chunking_exact, perturb
 
 from specdraft.core import DecodeConfig, TargetOutput, float_mask
-from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter, cod_keep, scored
 from specdraft.formats.checkpoint import save_drafter
 from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
+from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter, cod_keep, scored
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = pytest.mark.exact

@@ -9,8 +9,8 @@ import torch
 from test_eagle_session import PROMPTS, drive, new_session, plain_greedy
 
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
-from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter, PEagleSession
 from specdraft.inference import generate
+from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter, PEagleSession
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = pytest.mark.exact

@@ -100,7 +100,7 @@ def test_embeddings_only_reads_the_embedding_and_lm_head_and_nothing_else(
     assert layers and all(p.is_meta for p in layers)
     # an EAGLE-3 head built from the copy keeps what it read of the LM head; the copy's own LM
     # head can then go (a sharded run's), unless it is the embedding itself
-    from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
+    from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter, resolve_config
 
     cfg = resolve_config(EagleConfig(version="eagle3", draft_vocab_size=64), lite)
     torch.manual_seed(0)

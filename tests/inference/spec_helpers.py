@@ -19,13 +19,13 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
-from specdraft.drafters.distill import DistillDrafter
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
-from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
-from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter
 from specdraft.inference import generate
+from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
+from specdraft.kinds.distill.distill import DistillDrafter
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
+from specdraft.kinds.layerskip.layerskip import LayerSkipConfig, LayerSkipDrafter
+from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
+from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter
 from specdraft.targets.target import Target
 
 

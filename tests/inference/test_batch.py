@@ -19,10 +19,10 @@ from spec_helpers import (
 
 from specdraft import batch as batch_module
 from specdraft.core import SamplingSettings, process_logits
-from specdraft.drafters.distill import DistillDrafter
-from specdraft.drafters.distill_session import DistillBatchSession
-from specdraft.drafters.medusa_session import MedusaBatchSession
 from specdraft.inference import generate
+from specdraft.kinds.distill.distill import DistillDrafter
+from specdraft.kinds.distill.distill_session import DistillBatchSession
+from specdraft.kinds.medusa.medusa_session import MedusaBatchSession
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = pytest.mark.exact

@@ -15,9 +15,9 @@ import torch
 
 from specdraft.config import ConfigError, override
 from specdraft.core import DecodeConfig
-from specdraft.drafters.distill import DistillDecode
-from specdraft.drafters.layerskip import LayerSkipDecode
 from specdraft.inference import generate
+from specdraft.kinds.distill.distill import DistillDecode
+from specdraft.kinds.layerskip.layerskip import LayerSkipDecode
 
 pytestmark = pytest.mark.exact
 

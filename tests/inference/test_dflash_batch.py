@@ -15,13 +15,13 @@ from testkit import perturb
 
 from specdraft.core import DraftContext, DraftTree, SamplingSettings
 from specdraft.drafters.base import BatchSession
-from specdraft.drafters.dflash import (
+from specdraft.inference import generate
+from specdraft.kinds.dflash.dflash import (
     DFlashBatchSession,
     DFlashConfig,
     DFlashDrafter,
     DFlashSession,
 )
-from specdraft.inference import generate
 
 pytestmark = pytest.mark.exact
 

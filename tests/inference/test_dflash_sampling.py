@@ -9,8 +9,8 @@ import torch
 from spec_helpers import chi_square_p_value, make_target, tiny_llama
 
 from specdraft.core import SamplingSettings, process_logits
-from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
 from specdraft.inference import generate
+from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = pytest.mark.exact

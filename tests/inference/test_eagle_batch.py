@@ -14,15 +14,15 @@ from testkit import perturb
 
 from specdraft.core import DraftContext, DraftTree, SamplingSettings
 from specdraft.drafters.base import BatchSession, DraftSession, RowSessions
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-from specdraft.drafters.eagle_session import EagleBatchSession, EagleSession
-from specdraft.drafters.peagle import (
+from specdraft.inference import generate
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
+from specdraft.kinds.eagle.eagle_session import EagleBatchSession, EagleSession
+from specdraft.kinds.peagle.peagle import (
     PEagleBatchSession,
     PEagleConfig,
     PEagleDrafter,
     PEagleSession,
 )
-from specdraft.inference import generate
 
 pytestmark = pytest.mark.exact
 

@@ -1,4 +1,4 @@
-"""formats/eagle_export.py: EAGLE heads written in speculators' (vLLM's), SGLang's and SafeAILab's
+"""kinds/eagle/eagle_export.py: EAGLE heads written in speculators' (vLLM's), SGLang's and SafeAILab's
 EAGLE-1 layouts with exactly the names, shapes and config fields those loaders take; the files
 computing our head's logits when run the way the engines compute them (written here from the
 engines' model code, independently of our module); each folder loading back into our loop as the
@@ -17,12 +17,12 @@ from spec_helpers import make_target, tiny_llama
 from testkit import perturb
 
 from specdraft.core import DecodeConfig, float_mask
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.formats.checkpoint import CheckpointError
-from specdraft.formats.eagle_export import validate_folder
 from specdraft.formats.export_registry import ExportError, export_drafter
 from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
+from specdraft.kinds.eagle.eagle_export import validate_folder
 
 BASE = "org/random-llama"  # the verifier as a hub id: its last part is the target's name
 V = 384

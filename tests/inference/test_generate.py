@@ -13,9 +13,9 @@ from spec_helpers import chi_square_p_value, make_target, perturbed, tiny_llama
 from testkit import perturb
 
 from specdraft.core import DraftContext
-from specdraft.drafters.distill import DistillDrafter
 from specdraft.inference import generate
 from specdraft.inference.metrics import Stats
+from specdraft.kinds.distill.distill import DistillDrafter
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = pytest.mark.exact
@@ -297,7 +297,7 @@ def test_sampled_output_through_an_eagle_head_follows_the_target(small_vocab, op
     """The same chi-square through EAGLE drafting: a chain that stops after unsure positions and
     drafts with int8 weights (its q recorded per token), a dynamic tree (point-mass children),
     and a chain that copies from the context where it can (point masses) and samples otherwise."""
-    from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+    from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 
     target, _ = small_vocab
     torch.manual_seed(6)
@@ -388,7 +388,7 @@ def test_a_drafter_trained_for_another_target_is_refused(random_target, drafts):
 def test_an_eagle_head_runs_through_the_loop_exactly(tiny_target, version):
     """Sessions fed by the target's features get its hidden states from the loop; an untrained
     head drafts (and is rejected), yet output is the target's greedy output."""
-    from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+    from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 
     torch.manual_seed(0)
     head = EagleDrafter.build(EagleConfig(version=version), tiny_target, None).eval()

@@ -8,8 +8,8 @@ import pytest
 import torch
 from spec_helpers import chi_square_p_value, make_target, tiny_llama
 
-from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
 from specdraft.inference import generate
+from specdraft.kinds.layerskip.layerskip import LayerSkipConfig, LayerSkipDrafter
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = pytest.mark.exact
@@ -120,7 +120,7 @@ def test_eos_inside_a_draft_and_a_chosen_exit_at_decode_time(deep_target, monkey
 def test_the_shared_cache_after_compaction_is_plain_decodings(deep_target, monkeypatch):
     """After self-speculation (drafts rejected and accepted, every layer written by draft and
     verification alike), the one cache holds what one forward over the output computes."""
-    from specdraft.drafters import layerskip
+    from specdraft.kinds.layerskip import layerskip
 
     caches = []
     bind = layerskip.LayerSkipSession.bind_cache

@@ -15,7 +15,10 @@ from spec_helpers import MEDUSA_PROMPTS, fitted_medusa_heads
 from testkit import assert_chunking_exact, perturb
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, TargetOutput
-from specdraft.drafters.medusa import (
+from specdraft.formats.checkpoint import save_drafter
+from specdraft.formats.reading import load_decoding, load_drafter
+from specdraft.inference import generate
+from specdraft.kinds.medusa.medusa import (
     MedusaConfig,
     MedusaDecode,
     MedusaDrafter,
@@ -23,9 +26,6 @@ from specdraft.drafters.medusa import (
     expected_length,
     tree_paths,
 )
-from specdraft.formats.checkpoint import save_drafter
-from specdraft.formats.reading import load_decoding, load_drafter
-from specdraft.inference import generate
 
 
 def noisy_heads(target, seed: int = 0, scale: float = 0.3, **config) -> MedusaDrafter:

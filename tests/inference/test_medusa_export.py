@@ -1,4 +1,4 @@
-"""formats/medusa_export.py: Medusa heads written in FasterDecoding/Medusa's and vLLM's layouts with
+"""kinds/medusa/medusa_export.py: Medusa heads written in FasterDecoding/Medusa's and vLLM's layouts with
 exactly the names and shapes those readers take, the files computing our heads' logits when read
 the way the engines read them, published folders loading into our loop as the heads they hold,
 and every bad input a clear error that writes nothing."""
@@ -16,12 +16,12 @@ from spec_helpers import MEDUSA_PROMPTS, fitted_medusa_heads, make_target, tiny_
 from testkit import perturb
 
 from specdraft.core import DecodeConfig
-from specdraft.drafters.medusa import MedusaConfig, MedusaDecode, MedusaDrafter
 from specdraft.formats.checkpoint import CheckpointError
 from specdraft.formats.export_registry import ExportError, export_drafter
-from specdraft.formats.medusa_export import medusa_choices
 from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
+from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDecode, MedusaDrafter
+from specdraft.kinds.medusa.medusa_export import medusa_choices
 
 BASE = "org/base-model"
 

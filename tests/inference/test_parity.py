@@ -11,7 +11,6 @@ from spec_helpers import KINDS, build, fitted
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters import lean
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter, EagleSession
 from specdraft.inference.serving_parity import (
     example_batch,
     first_difference,
@@ -20,6 +19,7 @@ from specdraft.inference.serving_parity import (
     simulate,
     training_path_drafts,
 )
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter, EagleSession
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = pytest.mark.exact

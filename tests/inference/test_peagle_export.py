@@ -1,4 +1,4 @@
-"""formats/peagle_export.py: P-EAGLE heads written in speculators' layout (PEagleSpeculator) with
+"""kinds/peagle/peagle_export.py: P-EAGLE heads written in speculators' layout (PEagleSpeculator) with
 the fields and weights speculators 0.9.0's PEagleSpeculatorConfig and PEagleDraftModel hold, read
 back into our loop with identical drafts; bad folders named before anything is built."""
 
@@ -13,12 +13,12 @@ from spec_helpers import make_target, tiny_llama
 from testkit import perturb
 
 from specdraft.core import DecodeConfig
-from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter, PEagleSession
 from specdraft.formats.checkpoint import CheckpointError
 from specdraft.formats.export_registry import ExportError, export_drafter
-from specdraft.formats.peagle_export import validate_folder
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference import generate
+from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter, PEagleSession
+from specdraft.kinds.peagle.peagle_export import validate_folder
 
 BASE = "org/random-llama"
 V = 384

@@ -10,11 +10,11 @@ import torch
 from spec_helpers import KINDS, PROMPTS, build, perturbed
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings
-from specdraft.drafters.distill import DistillDrafter
 from specdraft.drafters.position_tree import TreeShape, _child_acceptance, sampled_tree
 from specdraft.inference.metrics import expected_passes, simulate_serving
 from specdraft.inference.serving_parity import example_batch, sampled_tau_on, served_sampled_tau
 from specdraft.inference.verify import verify_sampling
+from specdraft.kinds.distill.distill import DistillDrafter
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -15,11 +15,11 @@ from transformers import DynamicCache
 
 from specdraft.attention import AttentionLayout, causal_masks
 from specdraft.core import DraftTree
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
-from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.inference import generate
 from specdraft.inference.tree import tree_attention
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
+from specdraft.kinds.layerskip.layerskip import LayerSkipConfig, LayerSkipDrafter
+from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
 from specdraft.targets.target import final_logits
 
 pytestmark = pytest.mark.exact

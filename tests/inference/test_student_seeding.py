@@ -10,8 +10,8 @@ import torch
 from spec_helpers import make_target, sliding_model
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from specdraft.drafters.distill import DistillConfig, build_student
 from specdraft.inference import generate
+from specdraft.kinds.distill.distill import DistillConfig, build_student
 
 V = 64
 COMMON = dict(

@@ -13,12 +13,12 @@ from spec_helpers import MEDUSA_PROMPTS, chi_square_p_value, fitted_medusa_heads
 from test_joint import CASES, FALSE_ALARM, exact_joint, sample_joint, target  # noqa: F401
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, process_logits
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-from specdraft.drafters.medusa import MedusaDecode, MedusaDrafter
-from specdraft.drafters.medusa_session import verify_typical
 from specdraft.inference import generate
 from specdraft.inference.evaluation import EvalSpec, make_report, markdown
 from specdraft.inference.measure import Run, loop_decoder, measure
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
+from specdraft.kinds.medusa.medusa import MedusaDecode, MedusaDrafter
+from specdraft.kinds.medusa.medusa_session import verify_typical
 
 PROMPTS = MEDUSA_PROMPTS
 CHAIN = dict(gamma=3)

@@ -46,7 +46,7 @@ def run_args(tiny_target_path, tmp_path):
 def recorded_training(monkeypatch) -> list[SimpleNamespace]:
     """Each call of the EAGLE script's trainer: the head's weights before training, the
     examples it trained and evaluated on, and the result (its per-step losses)."""
-    script = importlib.import_module("specdraft.train.eagle_trainer")
+    script = importlib.import_module("specdraft.kinds.eagle.eagle_trainer")
     real, calls = script.train, []
 
     def recording(cfg, head, features, train_examples, eval_examples, **kwargs):

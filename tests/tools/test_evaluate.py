@@ -237,8 +237,8 @@ def test_one_drafter_under_several_decoding_settings(tiny_target, tiny_target_pa
     """FOLDER:key=value,... measures the same head as a chain, a stopping int8 chain and a tree
     in one run; a key the drafter does not have, or a bad value, is refused by name."""
     from specdraft.core import DecodeConfig
-    from specdraft.drafters.eagle import EagleConfig, EagleDrafter
     from specdraft.formats.checkpoint import save_drafter
+    from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 
     torch.manual_seed(0)
     head = EagleDrafter.build(EagleConfig(), tiny_target)
@@ -299,8 +299,8 @@ def test_a_drafters_own_settings_shape_its_drafts(tiny_target, tiny_target_path,
     """FOLDER:key=value reaches that run and only it: one trained head measured as saved (a
     chain 4 deep), cut to 2 deep, and widened into a tree shows each shape in report.json."""
     from specdraft.core import DecodeConfig
-    from specdraft.drafters.eagle import EagleConfig, EagleDrafter
     from specdraft.formats.checkpoint import save_drafter
+    from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 
     torch.manual_seed(0)
     head = EagleDrafter.build(EagleConfig(ttt_steps=2), tiny_target)

@@ -13,11 +13,11 @@ from testkit import perturb
 from transformers import LlamaForCausalLM
 
 from specdraft.drafters.base import drafter_class
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.formats.checkpoint import CheckpointError, save_drafter, set_decode
 from specdraft.formats.export_registry import FORMATS
 from specdraft.formats.reading import load_decoding, load_drafter
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
+from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
 from specdraft.targets.target import load_target
 from specdraft.tools import export
 

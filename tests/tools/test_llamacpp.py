@@ -22,7 +22,6 @@ from transformers import LlamaForCausalLM
 
 from specdraft import llamacpp_build
 from specdraft.core import DecodeConfig
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter
 from specdraft.formats.checkpoint import save_drafter
 from specdraft.formats.gguf_export import ExportError, export_gguf, gguf_fields, gguf_problems
 from specdraft.inference.llamacpp import (
@@ -33,6 +32,7 @@ from specdraft.inference.llamacpp import (
     counters,
     read_gguf_export,
 )
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.tools import export, verify_export
 
 MACHINE_ENGINES = Path.home() / ".cache" / "specdraft" / "engines"
@@ -133,8 +133,8 @@ def test_a_draft_with_another_tokenizer_is_refused_before_llamacpp_runs(tiny_tar
 def test_kinds_llamacpp_cannot_serve_are_refused_by_name(tiny_target, tmp_path, capsys):
     """Medusa and DFlash folders: exit 2 before llama.cpp is built or the target loaded, saying
     why and which format to use instead."""
-    from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
-    from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+    from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
+    from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
 
     for drafter, why in (
         (MedusaDrafter.build(MedusaConfig(num_heads=2), tiny_target), "no Medusa heads"),

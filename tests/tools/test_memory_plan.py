@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter, resolve_config
 from specdraft.targets.target import load_target
 from specdraft.tools import memory_plan
 

@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 from testkit import perturb
 
 from specdraft.core import DecodeConfig
-from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.formats.export_registry import export_drafter
+from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
+from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
 from specdraft.tools import verify_export
 
 pytestmark = pytest.mark.slow
@@ -105,7 +105,7 @@ def test_speculators_loads_the_peagle_export_and_drafts_as_we_do(target, tmp_pat
     """speculators' PEagleDraftModel reads a P-EAGLE export (mask_hidden, mask_token_id, layers
     given out of order) and its training forward, every group kept, gives every depth's logits
     at every anchor of 4 prompts and their continuations: the same top-1 token everywhere."""
-    from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter
+    from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter
 
     path, t = target
     torch.manual_seed(0)

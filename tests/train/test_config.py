@@ -508,10 +508,10 @@ def test_target_sharding_is_for_a_frozen_target():
     """LayerSkip and Medusa-2 train the target itself: sharding it as a frozen one is an error
     naming what to do instead; Medusa-1, EAGLE and distillation take it."""
     from specdraft.drafters.base import LoraConfig
-    from specdraft.drafters.medusa import MedusaConfig
-    from specdraft.train.eagle_trainer import EagleTrainConfig
-    from specdraft.train.layerskip_trainer import LayerSkipTrainConfig
-    from specdraft.train.medusa_trainer import MedusaTrainConfig
+    from specdraft.kinds.eagle.eagle_trainer import EagleTrainConfig
+    from specdraft.kinds.layerskip.layerskip_trainer import LayerSkipTrainConfig
+    from specdraft.kinds.medusa.medusa import MedusaConfig
+    from specdraft.kinds.medusa.medusa_trainer import MedusaTrainConfig
 
     with pytest.raises(ConfigError, match=r"LayerSkip fine-tunes the target itself.*ZeRO-3"):
         LayerSkipTrainConfig(target_sharding="zero3")
@@ -537,8 +537,8 @@ def test_a_files_keys_for_one_version_do_not_carry_into_another():
     what the command line itself sets, in any order, and every other key stay. Fails with the
     file's values carried over (ttt_steps 3)."""
     from specdraft.config import ConfigNote
-    from specdraft.drafters.eagle import resolve_config
-    from specdraft.train.eagle_trainer import EagleTrainConfig
+    from specdraft.kinds.eagle.eagle import resolve_config
+    from specdraft.kinds.eagle.eagle_trainer import EagleTrainConfig
 
     demo = Path(__file__).parents[2] / "configs" / "eagle" / "demo.yaml"
     with pytest.warns(ConfigNote, match=r"drafter\.ttt_steps \(set in .*demo\.yaml, line \d+\)"):
@@ -560,7 +560,7 @@ def test_override_drops_the_followers_of_what_it_changes():
     """`override` on a loaded config: changing the version drops the values the config held
     for the old one, as the command line does over a file."""
     from specdraft.config import ConfigNote
-    from specdraft.train.eagle_trainer import EagleTrainConfig
+    from specdraft.kinds.eagle.eagle_trainer import EagleTrainConfig
 
     demo = Path(__file__).parents[2] / "configs" / "eagle" / "demo.yaml"
     loaded = load_config(EagleTrainConfig, demo)

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from specdraft.config import SHIPPED_CONFIGS, load_config
 from specdraft.core import DecodeConfig
 from specdraft.data.formats import Example
-from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
 from specdraft.formats.reading import load_decoding, load_drafter
-from specdraft.train.dflash_trainer import DFlashTrainConfig
+from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
+from specdraft.kinds.dflash.dflash_trainer import DFlashTrainConfig
 from specdraft.train.entry import main as train_main
 from specdraft.train.lr_schedule import collate, step_seed
 from specdraft.train.trainer import train

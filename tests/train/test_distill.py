@@ -11,7 +11,7 @@ import torch
 from testkit import assert_chunking_exact
 from transformers import AutoModelForCausalLM
 
-from specdraft.drafters.distill import (
+from specdraft.kinds.distill.distill import (
     DistillConfig,
     DistillDrafter,
     build_student,

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from specdraft.config import SHIPPED_CONFIGS, load_config
-from specdraft.drafters.eagle import EagleDrafter
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference import generate
+from specdraft.kinds.eagle.eagle import EagleDrafter
+from specdraft.kinds.eagle.eagle_trainer import EagleTrainConfig
 from specdraft.tools import export
-from specdraft.train.eagle_trainer import EagleTrainConfig
 from specdraft.train.entry import main as train_main
 
 RECIPES = sorted((SHIPPED_CONFIGS / "eagle").glob("*.yaml"))

@@ -13,19 +13,19 @@ from testkit import assert_chunking_exact
 from transformers import AutoModelForCausalLM
 
 from specdraft.config import load_config
-from specdraft.drafters.layerskip import (
+from specdraft.formats.checkpoint import CheckpointError
+from specdraft.formats.reading import load_drafter
+from specdraft.kinds.layerskip.layerskip import (
     LayerSkipConfig,
     LayerSkipDrafter,
     active_exits,
     dropout_rates,
     exit_weights,
 )
-from specdraft.formats.checkpoint import CheckpointError
-from specdraft.formats.reading import load_drafter
+from specdraft.kinds.layerskip.layerskip_trainer import LayerSkipTrainConfig
 from specdraft.targets.target import Target, load_target
 from specdraft.train import after_training
 from specdraft.train.entry import main as train_main
-from specdraft.train.layerskip_trainer import LayerSkipTrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,16 +11,16 @@ import torch
 from specdraft.core import DecodeConfig
 from specdraft.data.formats import Example
 from specdraft.drafters.base import LoraConfig
-from specdraft.drafters.distill import DistillConfig, DistillDrafter
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDrafter
-from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
+from specdraft.kinds.distill.distill import DistillConfig, DistillDrafter
+from specdraft.kinds.distill.distill_trainer import DistillTrainConfig
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
+from specdraft.kinds.eagle.eagle_trainer import EagleTrainConfig
+from specdraft.kinds.layerskip.layerskip import LayerSkipConfig, LayerSkipDrafter
+from specdraft.kinds.layerskip.layerskip_trainer import LayerSkipTrainConfig
+from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
+from specdraft.kinds.medusa.medusa_trainer import MedusaTrainConfig
 from specdraft.targets.target import load_target
-from specdraft.train.distill_trainer import DistillTrainConfig
-from specdraft.train.eagle_trainer import EagleTrainConfig
-from specdraft.train.layerskip_trainer import LayerSkipTrainConfig
 from specdraft.train.lr_schedule import collate, examples_for
-from specdraft.train.medusa_trainer import MedusaTrainConfig
 from specdraft.train.trainer import train
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).

@@ -10,14 +10,14 @@ import torch
 from safetensors.torch import load_file
 
 from specdraft.config import SHIPPED_CONFIGS, load_config
-from specdraft.drafters.medusa import MedusaDrafter
 from specdraft.formats.checkpoint import CheckpointError
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference import generate
+from specdraft.kinds.medusa.medusa import MedusaDrafter
+from specdraft.kinds.medusa.medusa_trainer import MedusaTrainConfig
 from specdraft.targets.target import TargetError, load_target
 from specdraft.tools import evaluate
 from specdraft.train.entry import main as train_main
-from specdraft.train.medusa_trainer import MedusaTrainConfig
 
 RECIPES = sorted((SHIPPED_CONFIGS / "medusa").glob("*.yaml"))
 

@@ -15,13 +15,13 @@ from specdraft.attention import document_spans, target_inputs
 from specdraft.data import DataConfig
 from specdraft.data.formats import Example
 from specdraft.data.packing import pack_documents
-from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
-from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter, scored
+from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
+from specdraft.kinds.dflash.dflash_trainer import DFlashTrainConfig
+from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter, scored
+from specdraft.kinds.peagle.peagle_trainer import PEagleTrainConfig
 from specdraft.targets.hidden_cache import CachedTarget, HiddenStateCache, write_cache
 from specdraft.targets.target import load_target
-from specdraft.train.dflash_trainer import DFlashTrainConfig
 from specdraft.train.lr_schedule import collate
-from specdraft.train.peagle_trainer import PEagleTrainConfig
 from specdraft.train.trainer import train
 
 pytestmark = pytest.mark.exact

@@ -14,12 +14,12 @@ from safetensors.torch import load_file
 from specdraft.config import SHIPPED_CONFIGS, load_config
 from specdraft.core import DecodeConfig
 from specdraft.data.formats import Example
-from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter
 from specdraft.formats.reading import load_drafter
+from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter
+from specdraft.kinds.peagle.peagle_trainer import PEagleTrainConfig
 from specdraft.targets.target import load_target
 from specdraft.train.entry import main as train_main
 from specdraft.train.lr_schedule import collate, examples_for, step_seed
-from specdraft.train.peagle_trainer import PEagleTrainConfig
 from specdraft.train.trainer import train
 
 RECIPES = sorted((SHIPPED_CONFIGS / "peagle").glob("*.yaml"))

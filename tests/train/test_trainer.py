@@ -22,10 +22,10 @@ from safetensors.torch import load_file
 
 from specdraft.core import DecodeConfig
 from specdraft.data.formats import Example
-from specdraft.drafters.distill import DistillConfig, DistillDrafter
 from specdraft.formats.checkpoint import check_complete
 from specdraft.inference.metrics import simulated_tau
-from specdraft.train.distill_trainer import DistillTrainConfig
+from specdraft.kinds.distill.distill import DistillConfig, DistillDrafter
+from specdraft.kinds.distill.distill_trainer import DistillTrainConfig
 from specdraft.train.lr_schedule import eval_chunks, examples_for, lr_at
 from specdraft.train.train_config import TrainConfig
 from specdraft.train.trainer import NonFiniteLossError, ResumeError, train

@@ -550,16 +550,19 @@ class Drafter(nn.Module):
 
 
 def drafter_kinds() -> dict[str, type[Drafter]]:
-    """Every registered kind, the built-in ones imported first (each registers itself when its
-    module is imported, so a kind defined anywhere else counts once it is imported)."""
+    """Every registered kind, the built-in ones imported first: the drafter module of each folder
+    of specdraft/kinds (kinds/KIND/KIND.py) and the loop's own prompt lookup. Each registers
+    itself when its module is imported, so a kind defined anywhere else counts once it is."""
     if not _BUILTIN_IMPORTED:
         import importlib
         import pkgutil
 
-        import specdraft.drafters as package
+        import specdraft.kinds as kinds
 
-        for module in pkgutil.iter_modules(package.__path__):
-            importlib.import_module(f"{package.__name__}.{module.name}")
+        importlib.import_module("specdraft.drafters.prompt_lookup")
+        for folder in pkgutil.iter_modules(kinds.__path__):
+            if folder.ispkg:
+                importlib.import_module(f"{kinds.__name__}.{folder.name}.{folder.name}")
         _BUILTIN_IMPORTED.append(True)
     return dict(_KINDS)
 

@@ -12,7 +12,7 @@ lean with int8 weights, side by side (its figures for the current demo target ar
 recorded in BENCHMARKS.md).
 
 It covers Llama, Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms) and Mistral without a sliding
-window, and EAGLE's reference layers (drafters/eagle.py: EAGLE-3's, fed cat(embedding, feature)
+window, and EAGLE's reference layers (kinds/eagle/eagle.py: EAGLE-3's, fed cat(embedding, feature)
 and norming each half, and EAGLE-1's without an input norm), with static rotary types; every
 RMSNorm is Llama's exact one, computed in float32, so in fp32 drafting computes what the modules
 compute: `decode_layer(layer, rotary)` returns a `LeanLayer` for those

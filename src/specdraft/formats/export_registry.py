@@ -21,11 +21,12 @@ from safetensors.torch import save_file
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.base import Drafter
-from specdraft.formats import dflash_export, peagle_export
 from specdraft.formats.checkpoint import CONFIG_NAME, _clear_leftovers, _replace_dir
-from specdraft.formats.eagle_export import EAGLE_FORMATS
 from specdraft.formats.export_formats import ExportError, Format
-from specdraft.formats.medusa_export import MEDUSA_FORMATS
+from specdraft.kinds.dflash import dflash_export
+from specdraft.kinds.eagle.eagle_export import EAGLE_FORMATS
+from specdraft.kinds.medusa.medusa_export import MEDUSA_FORMATS
+from specdraft.kinds.peagle import peagle_export
 from specdraft.targets.target import Target
 
 # The config.json key under which an export records the decoding settings its drafter was saved

@@ -5,7 +5,7 @@ never by hand), with the target beside them.
     kind      llama.cpp's --spec-type  what is converted
     distill   draft-simple             the student: a plain causal LM with the target's tokenizer
     eagle     draft-eagle3             an EAGLE-3 head, through speculators' Eagle3Speculator
-                                       layout (formats/eagle_export.py), with --target-model-dir
+                                       layout (kinds/eagle/eagle_export.py), with --target-model-dir
 
 An export folder holds:
 

@@ -12,7 +12,7 @@ its rejection only removes x_i's mass. If every child is rejected, the token is 
 Each emitted token then has exactly the distribution p, whatever the draft.
 
 A session may bring its own rule for temperature > 0 (`DraftSession.verify_sampled`): Medusa's
-typical acceptance, which is lossy, lives with the Medusa kind (drafters/medusa_session.py).
+typical acceptance, which is lossy, lives with the Medusa kind (kinds/medusa/medusa_session.py).
 """
 
 from __future__ import annotations

@@ -19,12 +19,13 @@ import sys
 
 from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
-from specdraft.drafters import dflash, eagle
+from specdraft.kinds.dflash import dflash
+from specdraft.kinds.dflash import dflash_trainer as dflash_script
+from specdraft.kinds.eagle import eagle
+from specdraft.kinds.eagle import eagle_trainer as eagle_script
+from specdraft.kinds.peagle import peagle_trainer as peagle_script
 from specdraft.targets.hidden_cache import DTYPES, bytes_per_token, write_cache
 from specdraft.targets.target import load_target
-from specdraft.train import dflash_trainer as dflash_script
-from specdraft.train import eagle_trainer as eagle_script
-from specdraft.train import peagle_trainer as peagle_script
 from specdraft.train.train_config import TrainConfig
 
 # kind -> (its trainer's config class and default config, the layers its drafter reads)

@@ -16,7 +16,7 @@ atomically; an existing OUT is replaced only if it is empty or a previous export
 renamed into place. --format gguf writes llama.cpp's files with llama.cpp's own converter
 (built once per machine: specdraft/llamacpp_build.py; formats/gguf_export.py says what it holds):
 draft.gguf, the target's target.gguf and specdraft_gguf.json, for two-model drafts and EAGLE-3
-heads. Formats (specdraft.formats.export_registry.FORMATS and formats/eagle_export.py say what each
+heads. Formats (specdraft.formats.export_registry.FORMATS and kinds/eagle/eagle_export.py say what each
 writes and what is exact):
 """
 

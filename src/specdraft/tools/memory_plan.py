@@ -60,7 +60,7 @@ def build_on_meta(target: str, draft_vocab: int, ttt_steps: int):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from specdraft.drafters.eagle import EagleConfig, EagleDrafter, resolve_config
+    from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter, resolve_config
     from specdraft.targets.target import Target, target_path
 
     config = AutoConfig.from_pretrained(target_path(target))

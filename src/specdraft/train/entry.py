@@ -1,14 +1,14 @@
 """A kind's trainer as the command line reaches it: `specdraft train KIND`, `accelerate launch
 train/KIND.py` from a checkout, and scripts/compare.py, which trains every family in one process.
 
-A kind trains if `specdraft.train.KIND_trainer` exists: that module defines the kind's TrainConfig
+A kind trains if its folder has a trainer, `specdraft.kinds.KIND.KIND_trainer`: that module defines the kind's TrainConfig
 subclass (with `kind` set), its DEFAULT_CONFIG (configs/KIND/demo.yaml) and `run(cfg)`.
 """
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
+import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,7 +36,7 @@ class Recipe:
                 f"no trainer for the kind {kind!r}: the kinds that train are "
                 f"{', '.join(trained_kinds())}"
             )
-        module = importlib.import_module(f"specdraft.train.{kind}_trainer")
+        module = importlib.import_module(f"specdraft.kinds.{kind}.{kind}_trainer")
         config_class = next(
             v
             for v in vars(module).values()
@@ -49,13 +49,16 @@ class Recipe:
 
 
 def trained_kinds() -> list[str]:
-    """The kinds with a trainer: those of the registered kinds with a module KIND_trainer in
-    specdraft.train."""
+    """The kinds with a trainer: the registered kinds whose folder in specdraft/kinds holds a
+    module KIND_trainer."""
     from specdraft.drafters.base import drafter_kinds
 
-    package = importlib.import_module("specdraft.train")
-    modules = {m.name for m in pkgutil.iter_modules(package.__path__)}
-    return sorted(kind for kind in drafter_kinds() if f"{kind}_trainer" in modules)
+    return sorted(
+        kind
+        for kind in drafter_kinds()
+        if importlib.util.find_spec(f"specdraft.kinds.{kind}") is not None
+        and importlib.util.find_spec(f"specdraft.kinds.{kind}.{kind}_trainer") is not None
+    )
 
 
 def main(kind: str, argv: Sequence[str] | None = None, prog: str | None = None) -> int:

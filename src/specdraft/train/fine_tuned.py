@@ -15,9 +15,9 @@ import torch
 
 from specdraft.attention import target_inputs
 from specdraft.core import LOOP_TOKENS, looping_share
-from specdraft.drafters.layerskip import LayerSkipDrafter
 from specdraft.formats.checkpoint import save_target_folder
 from specdraft.inference.generate import generate
+from specdraft.kinds.layerskip.layerskip import LayerSkipDrafter
 from specdraft.losses import token_losses
 from specdraft.targets.target import Target, adapter_hash, load_target, merge_adapter
 from specdraft.train.after_training import report_after_training

@@ -2,7 +2,7 @@
 
 `scripts/export.py --format speculators` writes a P-EAGLE head as speculators 0.9.0's
 PEagleSpeculatorConfig (a subclass of Eagle3SpeculatorConfig) and PEagleDraftModel hold it: the
-EAGLE-3 folder of formats/eagle_export.py with
+EAGLE-3 folder of kinds/eagle/eagle_export.py with
 
     config.json        speculators_model_type peagle, architectures [PEagleSpeculator],
                        speculators_config.algorithm peagle, mask_token_id, embed_requires_grad
@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 from specdraft.core import DecodeConfig
-from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter
-from specdraft.formats import eagle_export
 from specdraft.formats.checkpoint import CONFIG_NAME, CheckpointError
 from specdraft.formats.export_formats import Format, also_holding
+from specdraft.kinds.eagle import eagle_export
+from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter
 from specdraft.targets.target import Target
 
 ARCHITECTURE = "PEagleSpeculator"
@@ -88,7 +88,7 @@ def read_speculators(
     folder: Path, config: dict, target: Target, *, strict: bool = True
 ) -> PEagleDrafter:
     """A P-EAGLE folder in speculators' layout, checked against `target` as an EAGLE-3 head is
-    (formats/eagle_export.py read_head) and for its own fields, then built as our head."""
+    (kinds/eagle/eagle_export.py read_head) and for its own fields, then built as our head."""
     where = folder / CONFIG_NAME
     found = problems(config, target.vocab_size)
     if found:

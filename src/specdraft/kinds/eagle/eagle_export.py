@@ -15,7 +15,7 @@ is what the engines build whatever the target's family.
                                  default_proposal_method, verifier {name_or_path, architectures}}
                    model.safetensors  fc.weight, layers.0.*, norm.weight, lm_head.weight, and with
                                  a reduced draft vocabulary d2t and t2d
-                 (P-EAGLE heads, speculators_model_type peagle: formats/peagle_export.py)
+                 (P-EAGLE heads, speculators_model_type peagle: kinds/peagle/peagle_export.py)
     sglang       SGLang's LlamaForCausalLMEagle3, as SpecForge exports it (EAGLE-3 only):
                    config.json   the layer's LlamaConfig, architectures [LlamaForCausalLMEagle3],
                                  draft_vocab_size, tie_word_embeddings false, eagle_config
@@ -55,8 +55,6 @@ import torch
 from safetensors.torch import load_file
 
 from specdraft.core import DecodeConfig
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter
-from specdraft.drafters.eagle_layers import llama_layer_config
 from specdraft.formats.checkpoint import CONFIG_NAME, CheckpointError
 from specdraft.formats.export_formats import (
     ExportError,
@@ -67,6 +65,8 @@ from specdraft.formats.export_formats import (
     pickle_message,
     read_weights,
 )
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
+from specdraft.kinds.eagle.eagle_layers import llama_layer_config
 from specdraft.targets.target import Target
 
 WEIGHTS = "model.safetensors"
@@ -341,7 +341,7 @@ def expected_shapes(fmt: str, config: dict, vocab_size: int, *, embedding=True) 
         "norm.weight": (H,),
         "lm_head.weight": (draft_vocab, H),
     })  # fmt: skip
-    if config.get("speculators_model_type") == "peagle":  # formats/peagle_export.py
+    if config.get("speculators_model_type") == "peagle":  # kinds/peagle/peagle_export.py
         expected["mask_hidden"] = (1, 1, 3 * target_h)
     if fmt == "sglang" or draft_vocab < vocab_size:
         expected["d2t"] = (draft_vocab,)
@@ -442,7 +442,7 @@ def read_head(
 ) -> EagleDrafter:
     """A published or exported head in layout `fmt`, checked against `target` (sizes, layer shape,
     verifier, exact names and shapes, maps) before a module is built, by `build(EagleConfig,
-    target, d2t)` (a kind built on the head gives its own: formats/peagle_export.py)."""
+    target, d2t)` (a kind built on the head gives its own: kinds/peagle/peagle_export.py)."""
     where = folder / CONFIG_NAME
     problems = layout_problems(fmt, config)
     if problems:

@@ -1,6 +1,6 @@
 """Running a Llama-style model a range of layers at a time, and LayerSkip's sessions: drafting
 one sequence on the loop's own KV cache (LayerSkipSession) or a row of a batch on a cache of
-its own (LayerSkipRowSession); the drafter is drafters/layerskip.py."""
+its own (LayerSkipRowSession); the drafter is kinds/layerskip/layerskip.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""EAGLE's drafting (drafters/eagle.py holds the kind): the head's weights as drafting runs
+"""EAGLE's drafting (kinds/eagle/eagle.py holds the kind): the head's weights as drafting runs
 them, the session the inference loop drives (a chain, or EAGLE-2's dynamic tree), and the
 session that drafts the chains of a batch's rows together (EagleBatchSession).
 """
@@ -33,7 +33,7 @@ from specdraft.drafters.lean import (
 )
 
 if TYPE_CHECKING:
-    from specdraft.drafters.eagle import EagleDrafter
+    from specdraft.kinds.eagle.eagle import EagleDrafter
 
 
 # --- session (inference): chain and EAGLE-2 dynamic tree ---------------------------------------

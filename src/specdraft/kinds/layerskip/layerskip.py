@@ -18,7 +18,7 @@ once per token. Draft and verification share the loop's one KV cache: drafting a
 early layers' entries, verification the late layers', and the loop's compaction keeps the
 accepted path in both. The checkpoint is a plain Hugging Face model folder (the fine-tuned
 target) with the drafter's block: it is its own target. The sessions, and running a range of
-layers at a time, are drafters/layerskip_session.py.
+layers at a time, are kinds/layerskip/layerskip_session.py.
 """
 
 from __future__ import annotations
@@ -45,8 +45,12 @@ from specdraft.drafters.base import (
     RowSessions,
     sum_and_count,
 )
-from specdraft.drafters.distill import simulated_alpha
-from specdraft.drafters.layerskip_session import LayerSkipRowSession, LayerSkipSession, run_layers
+from specdraft.kinds.distill.distill import simulated_alpha
+from specdraft.kinds.layerskip.layerskip_session import (
+    LayerSkipRowSession,
+    LayerSkipSession,
+    run_layers,
+)
 from specdraft.losses import token_losses
 from specdraft.targets.target import (
     final_logits,

@@ -2,7 +2,7 @@
 
 Defaults to configs/distill/demo.yaml (a student for SmolLM2-135M-Instruct, on a CPU); `--config
 llama3-8b.yaml` picks a recipe beside it, `--help` lists every key. Setup, train, save: the loop
-is train/trainer.py, the student and its losses drafters/distill.py.
+is train/trainer.py, the student and its losses kinds/distill/distill.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from specdraft.config import default_config
 from specdraft.data.dataset import build_datasets
-from specdraft.drafters.distill import DistillConfig, DistillDecode, DistillDrafter
+from specdraft.kinds.distill.distill import DistillConfig, DistillDecode, DistillDrafter
 from specdraft.targets.frozen import frozen_targets
 from specdraft.train.after_training import (
     loop_prompts,

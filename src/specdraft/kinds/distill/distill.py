@@ -2,7 +2,7 @@
 
 Read top to bottom: the config, the student (the drafter module), the distillation losses and the
 on-policy data the student generates for itself; the sessions the inference loop drives are
-drafters/distill_session.py. The student is any Hugging Face causal LM with the target's vocabulary; its checkpoint is
+kinds/distill/distill_session.py. The student is any Hugging Face causal LM with the target's vocabulary; its checkpoint is
 a plain HF model folder, so it also serves as `generate(assistant_model=...)` in transformers.
 """
 
@@ -32,13 +32,13 @@ from specdraft.drafters.base import (
     vocab_mismatch_error,
     warn_once,
 )
-from specdraft.drafters.distill_session import DistillBatchSession, DistillSession
 from specdraft.drafters.lean import (
     ModelWeights,
     SharedWeights,
     lean_model_supported,
     use_int8,
 )
+from specdraft.kinds.distill.distill_session import DistillBatchSession, DistillSession
 from specdraft.losses import divergence_per_row, token_losses
 from specdraft.targets.target import final_logits
 
@@ -267,7 +267,7 @@ class DistillDrafter(Drafter):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> DistillSession:
-        """Per-call drafting state for the inference loop (drafters/distill_session.py)."""
+        """Per-call drafting state for the inference loop (kinds/distill/distill_session.py)."""
         if self.vocab_size != target.vocab_size:
             raise vocab_mismatch_error("the draft model", self.vocab_size, target)
         decode = self.decode_settings(decode)  # the kind's own class, whatever was passed

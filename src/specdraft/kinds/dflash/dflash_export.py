@@ -20,7 +20,7 @@ DFlashSpeculatorConfig and DFlashDraftModel, read for this layout):
                        hidden_norm.weight, norm.weight. Not embed_tokens nor the full-vocabulary
                        lm_head: speculators takes both from the verifier (load_verifier_weights).
 
-The layer ids are numbered as for EAGLE-3 (formats/eagle_export.py): id i is the output of
+The layer ids are numbered as for EAGLE-3 (kinds/eagle/eagle_export.py): id i is the output of
 decoder layer i. The engines capture the layers in ascending order, so fc's column blocks are
 written in that order. Our id L (the final normed state) is never captured by an engine: a
 drafter reading it is refused. speculative_tokens is the chain served: min(gamma, block_size - 1).
@@ -35,14 +35,7 @@ import torch
 from safetensors.torch import load_file
 
 from specdraft.core import DecodeConfig
-from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter, layer_config
 from specdraft.formats.checkpoint import CONFIG_NAME, CheckpointError
-from specdraft.formats.eagle_export import (
-    GENERIC_KEYS,
-    LAYER_FIELDS,
-    SPECULATORS_VERSION,
-    _check_verifier,
-)
 from specdraft.formats.export_formats import (
     ExportError,
     Format,
@@ -50,6 +43,13 @@ from specdraft.formats.export_formats import (
     check_names_and_shapes,
     few,
     read_weights,
+)
+from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter, layer_config
+from specdraft.kinds.eagle.eagle_export import (
+    GENERIC_KEYS,
+    LAYER_FIELDS,
+    SPECULATORS_VERSION,
+    _check_verifier,
 )
 from specdraft.targets.target import Target
 

@@ -3,7 +3,7 @@
 Defaults to configs/medusa/demo.yaml (Medusa-1 heads on the frozen SmolLM2-135M-Instruct, on a
 CPU); `--config medusa2-demo.yaml` co-trains the target through LoRA adapters (Medusa-2),
 `--help` lists every key. Setup, train, report: the loop is
-train/trainer.py, the heads, their loss and their tree drafters/medusa.py.
+train/trainer.py, the heads, their loss and their tree kinds/medusa/medusa.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from specdraft.config import default_config
 from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
-from specdraft.drafters.medusa import MedusaConfig, MedusaDecode, MedusaDrafter
+from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDecode, MedusaDrafter
 from specdraft.targets.frozen import frozen_targets
 from specdraft.train.after_training import (
     loop_prompts,

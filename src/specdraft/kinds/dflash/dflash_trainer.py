@@ -2,8 +2,8 @@
 
 Defaults to configs/dflash/demo.yaml (a one-layer DFlash drafter for SmolLM2-135M-Instruct, on a
 CPU); `--config configs/dflash/qwen3-8b.yaml` picks a recipe, `--help` lists every key.
-Setup, training and the report are train/eagle_trainer.py's `run` (online or from the hidden-state cache,
-`hidden_cache`), given this kind's drafter; the drafter and its loss are drafters/dflash.py.
+Setup, training and the report are kinds/eagle/eagle_trainer.py's `run` (online or from the hidden-state cache,
+`hidden_cache`), given this kind's drafter; the drafter and its loss are kinds/dflash/dflash.py.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from specdraft.config import default_config
-from specdraft.drafters.dflash import DFlashConfig, DFlashDrafter
-from specdraft.train import eagle_trainer
+from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
+from specdraft.kinds.eagle import eagle_trainer
 from specdraft.train.trainer import TrainResult
 
 DEFAULT_CONFIG = default_config("dflash")
@@ -40,7 +40,7 @@ def drafter_summary(drafter: DFlashDrafter) -> str:
 
 
 def run(cfg: DFlashTrainConfig) -> TrainResult:
-    """Set up, train and report one run of `cfg` (train/eagle_trainer.py's `run` with a DFlash drafter,
+    """Set up, train and report one run of `cfg` (kinds/eagle/eagle_trainer.py's `run` with a DFlash drafter,
     which shares the target's LM head, so a sharded run keeps it)."""
     return eagle_trainer.run(
         cfg, build=build_drafter, describe=drafter_summary, release_lm_head=lambda _: False

@@ -2,7 +2,7 @@
 
 Defaults to configs/layerskip/demo.yaml (SmolLM2-135M-Instruct, fully fine-tuned on a CPU);
 `--help` lists every key. The target itself trains (layer dropout and the early-exit loss,
-drafters/layerskip.py; drafter.lora.rank > 0 trains LoRA adapters instead), so every checkpoint
+kinds/layerskip/layerskip.py; drafter.lora.rank > 0 trains LoRA adapters instead), so every checkpoint
 is a plain HF model folder that is its own target: `evaluate.py --target runs/layerskip-demo/final
 --drafter runs/layerskip-demo/final`. Setup, train, report: the loop is train/trainer.py.
 """
@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from specdraft.config import default_config
 from specdraft.data.dataset import build_datasets
-from specdraft.drafters.layerskip import LayerSkipConfig, LayerSkipDecode, LayerSkipDrafter
+from specdraft.kinds.layerskip.layerskip import LayerSkipConfig, LayerSkipDecode, LayerSkipDrafter
 from specdraft.targets.target import load_target
 from specdraft.train.after_training import loop_prompts
 from specdraft.train.fine_tuned import exit_agreement, finish_layerskip, heldout_loss

@@ -37,9 +37,9 @@ from specdraft.drafters.base import (
     warn_once,
 )
 from specdraft.drafters.lean import SharedWeights
-from specdraft.drafters.medusa_session import MedusaBatchSession, MedusaSession
 from specdraft.drafters.position_tree import TreeShape, expected_length, tree_paths, tree_reach
 from specdraft.drafters.served import ServedDrafts, one_later
+from specdraft.kinds.medusa.medusa_session import MedusaBatchSession, MedusaSession
 from specdraft.losses import token_losses
 from specdraft.targets.target import adapter_hash
 

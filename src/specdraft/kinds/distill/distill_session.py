@@ -1,6 +1,6 @@
 """The two-model drafter's sessions: drafting one sequence (DistillSession) or the chains of a
 batch together (DistillBatchSession) with the student's own KV cache; the drafter is
-drafters/distill.py."""
+kinds/distill/distill.py."""
 
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
 Defaults to configs/peagle/demo.yaml (a P-EAGLE head for SmolLM2-135M-Instruct, on a CPU);
 `--config configs/peagle/llama3.1-8b.yaml` picks a recipe, `--help` lists every key. The head
-is EAGLE-3's, so setup, training and the report are train/eagle_trainer.py's `run` (online or from the
+is EAGLE-3's, so setup, training and the report are kinds/eagle/eagle_trainer.py's `run` (online or from the
 hidden-state cache, `hidden_cache`), given this kind's head; the head and its COD loss are
-drafters/peagle.py.
+kinds/peagle/peagle.py.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from functools import partial
 from typing import ClassVar
 
 from specdraft.config import default_config
-from specdraft.drafters.peagle import PEagleConfig, PEagleDrafter
-from specdraft.train import eagle_trainer
+from specdraft.kinds.eagle import eagle_trainer
+from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter
 from specdraft.train.trainer import TrainResult
 
 DEFAULT_CONFIG = default_config("peagle")
@@ -37,7 +37,7 @@ def head_summary(head: PEagleDrafter) -> str:
 
 
 def run(cfg: PEagleTrainConfig) -> TrainResult:
-    """Set up, train and report one run of `cfg` (train/eagle_trainer.py's `run` with a P-EAGLE head)."""
+    """Set up, train and report one run of `cfg` (kinds/eagle/eagle_trainer.py's `run` with a P-EAGLE head)."""
     return eagle_trainer.run(
         cfg, build=partial(eagle_trainer.build_head, cls=PEagleDrafter), describe=head_summary
     )

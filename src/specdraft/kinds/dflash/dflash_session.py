@@ -1,6 +1,6 @@
 """DFlash's sessions: drafting one sequence (DFlashSession) or every row of a batch in one block
 pass (DFlashBatchSession), on the keys and values of the context's target features; the
-drafter is drafters/dflash.py."""
+drafter is kinds/dflash/dflash.py."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ from specdraft.drafters.base import (
     DraftSession,
     check_features_known,
 )
-from specdraft.drafters.eagle_session import verified_rows
 from specdraft.drafters.position_tree import position_tree
+from specdraft.kinds.eagle.eagle_session import verified_rows
 
 if TYPE_CHECKING:
-    from specdraft.drafters.dflash import DFlashDrafter
+    from specdraft.kinds.dflash.dflash import DFlashDrafter
 
 # Per layer, the keys and values the block attends to besides its own: (batch, kv_heads, n, dim).
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]

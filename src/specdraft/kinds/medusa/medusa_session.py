@@ -1,4 +1,4 @@
-"""Medusa's drafting (drafters/medusa.py holds the kind): the session the inference loop
+"""Medusa's drafting (kinds/medusa/medusa.py holds the kind): the session the inference loop
 drives, its tree built from the heads' measured accuracies (drafters/position_tree.py), and
 Medusa's (lossy) typical acceptance, the session's own rule at temperature > 0.
 """
@@ -24,7 +24,7 @@ from specdraft.drafters.lean import DraftLinear, use_int8
 from specdraft.drafters.position_tree import TreeShape, position_tree, tree_paths
 
 if TYPE_CHECKING:
-    from specdraft.drafters.medusa import MedusaDrafter
+    from specdraft.kinds.medusa.medusa import MedusaDrafter
 
 
 # --- session (inference) ---------------------------------------------------------------------------

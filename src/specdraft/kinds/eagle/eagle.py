@@ -8,13 +8,13 @@ the target into the feature (fc_fuse), drops the feature regression, trains with
 test (the head unrolled K steps on its own outputs) and drafts from its own LM head over a reduced
 draft vocabulary (the most frequent target tokens).
 
-The head's layer is the reference architecture the engines compute (formats/eagle_export.py
+The head's layer is the reference architecture the engines compute (kinds/eagle/eagle_export.py
 writes it for vLLM, SGLang and SafeAILab/EAGLE): a Llama decoder layer in the target's shape
 whatever the target's family; EAGLE-3's (Eagle3Layer) reads cat(embedding, feature) 2H wide,
 norming each half, with the feature as its residual; EAGLE-1's has no input norm after fc.
 
 Read top to bottom: the config (the reference layers and the training-time test's attention are
-drafters/eagle_layers.py), the module (its draft vocabulary comes from
+kinds/eagle/eagle_layers.py), the module (its draft vocabulary comes from
 core.build_draft_vocab), the loss (training-time test) and acceptance, and the drafting session
 (chain and EAGLE-2 dynamic tree) the inference loop drives.
 """
@@ -48,22 +48,22 @@ from specdraft.drafters.base import (
     sum_and_count,
     warn_once,
 )
-from specdraft.drafters.eagle_layers import (
-    Eagle3Layer,
-    eagle1_reference_layer,
-    llama_layer_config,
-)
-from specdraft.drafters.eagle_session import (
-    EagleBatchSession,
-    EagleDraftingWeights,
-    EagleSession,
-)
 from specdraft.drafters.lean import (
     SharedWeights,
     lean_supported,
     use_int8,
 )
 from specdraft.drafters.served import one_later
+from specdraft.kinds.eagle.eagle_layers import (
+    Eagle3Layer,
+    eagle1_reference_layer,
+    llama_layer_config,
+)
+from specdraft.kinds.eagle.eagle_session import (
+    EagleBatchSession,
+    EagleDraftingWeights,
+    EagleSession,
+)
 from specdraft.losses import token_losses
 
 # --- config ------------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ class EagleDrafter(Drafter):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> EagleSession:
-        """Per-call drafting state for the inference loop (drafters/eagle_session.py)."""
+        """Per-call drafting state for the inference loop (kinds/eagle/eagle_session.py)."""
         return EagleSession(self, target, sampling=sampling, decode=decode, generator=generator)
 
     def drafts_batches_together(self, decode: DecodeConfig) -> bool:

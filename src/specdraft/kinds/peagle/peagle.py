@@ -1,6 +1,6 @@
 """P-EAGLE (parallel EAGLE): an EAGLE-3 head that drafts K tokens in one forward pass.
 
-The head is EAGLE-3's (drafters/eagle.py: low/mid/high target features fused by fc, one Llama
+The head is EAGLE-3's (kinds/eagle/eagle.py: low/mid/high target features fused by fc, one Llama
 decoder layer reading cat(embedding, feature), a reduced draft vocabulary), and so are its
 weights' names and its context KV cache. What P-EAGLE adds is K - 1 "parallel" slots after the
 usual step. Drafting after the context x_0 .. x_{L-1}:
@@ -59,11 +59,11 @@ from specdraft.drafters.base import (
     sum_and_count,
     warn_once,
 )
-from specdraft.drafters.eagle import EagleDrafter, default_feature_layers
-from specdraft.drafters.eagle_session import EagleBatchSession, EagleSession
 from specdraft.drafters.lean import use_int8
 from specdraft.drafters.position_tree import position_tree, tree_reach
 from specdraft.drafters.served import one_later
+from specdraft.kinds.eagle.eagle import EagleDrafter, default_feature_layers
+from specdraft.kinds.eagle.eagle_session import EagleBatchSession, EagleSession
 from specdraft.losses import token_losses
 
 # --- config ------------------------------------------------------------------------------------
@@ -227,7 +227,7 @@ def row_seed(tokens: torch.Tensor) -> int:
 
 
 class PEagleDrafter(EagleDrafter):
-    """EAGLE-3's head (drafters/eagle.py) with the parallel slots' learned feature."""
+    """EAGLE-3's head (kinds/eagle/eagle.py) with the parallel slots' learned feature."""
 
     kind = "peagle"
     title = "P-EAGLE"
@@ -458,7 +458,7 @@ class PEagleDrafter(EagleDrafter):
 
 
 class PEagleSession(EagleSession):
-    """EAGLE-3's session (drafters/eagle_session.py: the head's context cache fed the target's
+    """EAGLE-3's session (kinds/eagle/eagle_session.py: the head's context cache fed the target's
     true features, cropped to them on every accept), whose proposal is one head pass: the
     pending true pairs, then depth - 1 parallel slots; the slots' cache entries go with the crop.
     It drafts a chain of the slots' draws, or with tree_top_k > 1 a tree of their top candidates

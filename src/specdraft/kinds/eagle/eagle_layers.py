@@ -1,7 +1,7 @@
 """The EAGLE head's layers: the training-time test's attention (`ttt_attention`, registered with
 transformers as TTT_ATTENTION) and the reference architecture's layers the engines compute
 (`llama_layer_config`, `Eagle3Layer`, EAGLE-1's `eagle1_reference_layer`); the head is
-drafters/eagle.py."""
+kinds/eagle/eagle.py."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ each with its writer and its reader, both through `HeadWeights`, the heads as pl
 
 What is exact: all three read the target's final normed hidden state, head k predicting the
 token k + 2 places ahead, and compute x + SiLU(W x + b) per block, then the output layer, as
-drafters/medusa.py does. Heads with output=shared are written with a copy of the target's LM
+kinds/medusa/medusa.py does. Heads with output=shared are written with a copy of the target's LM
 head as each head's output layer. A reduced draft vocabulary is exact in vllm only: the medusa
 layout has no token map, so exporting one there is an error. The heads' measured
 per-rank accuracies travel as `specdraft_medusa_accuracy`, so a reloaded folder builds the same
@@ -52,7 +52,6 @@ from pathlib import Path
 import torch
 
 from specdraft.core import DecodeConfig
-from specdraft.drafters.medusa import MedusaConfig, MedusaDrafter
 from specdraft.formats.checkpoint import CONFIG_NAME, CheckpointError
 from specdraft.formats.export_formats import (
     ExportError,
@@ -63,6 +62,7 @@ from specdraft.formats.export_formats import (
     pickle_message,
     read_weights,
 )
+from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
 from specdraft.targets.target import Target
 
 

@@ -30,8 +30,8 @@ tree of the slots' top candidates instead (drafters/position_tree.py), drafted r
 batch.
 
 Read top to bottom: the config, the layers, the module (features, context keys, the block), the
-loss and acceptance; the sessions (one sequence, a batch) are drafters/dflash_session.py. Weight
-names are speculators' (formats/dflash_export.py).
+loss and acceptance; the sessions (one sequence, a batch) are kinds/dflash/dflash_session.py. Weight
+names are speculators' (kinds/dflash/dflash_export.py).
 """
 
 from __future__ import annotations
@@ -63,10 +63,10 @@ from specdraft.drafters.base import (
     Metrics,
     sum_and_count,
 )
-from specdraft.drafters.dflash_session import ContextKV, DFlashBatchSession, DFlashSession
-from specdraft.drafters.eagle import default_feature_layers
-from specdraft.drafters.eagle_layers import head_rope
 from specdraft.drafters.position_tree import tree_reach
+from specdraft.kinds.dflash.dflash_session import ContextKV, DFlashBatchSession, DFlashSession
+from specdraft.kinds.eagle.eagle import default_feature_layers
+from specdraft.kinds.eagle.eagle_layers import head_rope
 from specdraft.losses import token_losses
 
 # --- config ------------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ class DFlashConfig:
     block_size: int = 8
     # The target hidden-state ids whose concatenation is the context's feature (0 = embeddings,
     # i = output of decoder layer i, L = final normed state). None: EAGLE-3's low/mid/high choice
-    # for the target (drafters/eagle.py default_feature_layers).
+    # for the target (kinds/eagle/eagle.py default_feature_layers).
     aux_layers: list[int] | None = None
     # The token id in slots 1..B-1 (its embedding is the target's). None: the tokenizer's mask
     # token, else its pad, else its unk, else the last id; the resolved id is saved.

@@ -3,7 +3,7 @@
 Defaults to configs/eagle/demo.yaml (the main job: an EAGLE-3 head for SmolLM2-135M-Instruct, on a
 CPU in about 15 minutes; SPECDRAFT_CONFIGS names another folder of defaults);
 `--config configs/eagle/llama3.1-8b-eagle3.yaml` picks a recipe, `--help` lists every key.
-Setup, train, report: the loop is train/trainer.py, the head and its loss drafters/eagle.py.
+Setup, train, report: the loop is train/trainer.py, the head and its loss kinds/eagle/eagle.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from specdraft.config import ConfigError, default_config
 from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
-from specdraft.drafters.eagle import EagleConfig, EagleDrafter
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.targets.frozen import frozen_targets
 from specdraft.targets.hidden_cache import CachedTarget, HiddenStateCache
 from specdraft.train.after_training import (

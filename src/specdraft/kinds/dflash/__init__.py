@@ -1,0 +1,1 @@
+"""DFlash: the kind `dflash` (its drafter is dflash.py)."""

@@ -1,0 +1,1 @@
+"""the two-model draft: the kind `distill` (its drafter is distill.py)."""

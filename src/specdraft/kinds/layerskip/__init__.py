@@ -1,0 +1,1 @@
+"""LayerSkip: the kind `layerskip` (its drafter is layerskip.py)."""

@@ -1,0 +1,1 @@
+"""P-EAGLE: the kind `peagle` (its drafter is peagle.py)."""
