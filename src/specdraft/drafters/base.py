@@ -208,6 +208,12 @@ class Drafter(nn.Module):
     # True when tree_top_k > 1 drafts a tree (where stop_below, which ends chains, is ignored);
     # False for a kind that drafts chains only (LayerSkip).
     drafts_trees: ClassVar[bool] = True
+    # What the kind's batch session drafts together (`batch_session`): "chains" (a tree goes row
+    # by row), "all", or "none" (every batch row by row, `row_sessions`).
+    batch_drafts: ClassVar[str] = "none"
+    # Where int8 drafting weights serve one sequence only, what a batch drafted together runs
+    # with instead ("the head's full weights"), said once; None: nothing to say.
+    batch_full_weights: ClassVar[str | None] = None
     # Target hidden-state ids the loss needs (the trainer captures them in the target forward).
     capture_layers: Sequence[int] = ()
     # True when the loss runs the target itself (Medusa-2's adapters, LayerSkip): the trainer
@@ -436,17 +442,43 @@ class Drafter(nn.Module):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> BatchSession:
-        """The drafting of a batch of `batch_size` sequences (generate with batch > 1): by
-        default row by row (`row_sessions`); a kind that drafts the rows together overrides it.
-        """
-        return self.row_sessions(
+        """The drafting of a batch of `batch_size` sequences (generate with batch > 1): the
+        kind's `batch_session` where it drafts the rows together for `decode`
+        (`drafts_batches_together`), else row by row (`row_sessions`). The one rule for every
+        kind; a kind says what its batch session drafts (`batch_drafts`) and builds it."""
+        if not self.drafts_batches_together(decode):
+            return self.row_sessions(
+                target, batch_size, sampling=sampling, decode=decode, generator=generator
+            )
+        if self.batch_full_weights is not None and decode.draft_weights == "int8":
+            from specdraft.drafters.lean import use_int8
+
+            if use_int8(decode.draft_weights, target.device, self.batch_full_weights):
+                warn_once(
+                    "draft_weights=int8 drafts through drafters/lean.py's one-sequence path; a "
+                    f"batch drafts with {self.batch_full_weights}"
+                )
+        return self.batch_session(
             target, batch_size, sampling=sampling, decode=decode, generator=generator
         )
 
     def drafts_batches_together(self, decode: DecodeConfig) -> bool:
         """Whether `new_batch_session` drafts the rows together for `decode` (one pass for the
         batch), unlike `row_sessions`: where it does not, batch_drafting changes nothing."""
-        return False
+        return self.batch_drafts == "all" or (self.batch_drafts == "chains" and decode.chain)
+
+    def batch_session(
+        self,
+        target,
+        batch_size: int,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
+    ) -> BatchSession:
+        """The kind's own session for a batch drafted together (a kind with `batch_drafts` other
+        than "none" builds it)."""
+        raise NotImplementedError(f"{type(self).__name__} drafts batches row by row")
 
     def row_sessions(
         self,

@@ -241,6 +241,7 @@ class DFlashDrafter(Drafter):
     kind = "dflash"
     drafts_after_prefill = True  # the block reads the target's features of the context
     title = "DFlash"
+    batch_drafts = "chains"  # every row's block in one pass; trees row by row
     config_class = DFlashConfig
     # the loss makes the target's logits from its final state (it holds the target's LM head)
     reads_target_logits = False
@@ -564,10 +565,7 @@ class DFlashDrafter(Drafter):
     ) -> DFlashSession:
         return DFlashSession(self, sampling=sampling, decode=decode, generator=generator)
 
-    def drafts_batches_together(self, decode: DecodeConfig) -> bool:
-        return decode.chain  # chains; trees row by row
-
-    def new_batch_session(
+    def batch_session(
         self,
         target,
         batch_size: int,
@@ -576,11 +574,7 @@ class DFlashDrafter(Drafter):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> BatchSession:
-        """Every drafting row's block in one pass (DFlashBatchSession); trees row by row."""
-        if not decode.chain:
-            return self.row_sessions(
-                target, batch_size, sampling=sampling, decode=decode, generator=generator
-            )
+        """Every drafting row's block in one pass (DFlashBatchSession)."""
         return DFlashBatchSession(
             self, batch_size, sampling=sampling, decode=decode, generator=generator
         )

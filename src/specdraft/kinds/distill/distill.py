@@ -197,6 +197,8 @@ class DistillDrafter(Drafter):
 
     kind = "distill"
     title = "two-model"
+    batch_drafts = "chains"
+    batch_full_weights = "the student's full weights"
     config_class = DistillConfig
     decode_class = DistillDecode
     # A plain HF causal LM (a folder without a specdraft block, or a model passed to generate)
@@ -284,10 +286,7 @@ class DistillDrafter(Drafter):
                 )
         return DistillSession(self.hf_model, decode, sampling, generator, weights)
 
-    def drafts_batches_together(self, decode: DecodeConfig) -> bool:
-        return decode.chain  # chains; trees row by row
-
-    def new_batch_session(
+    def batch_session(
         self,
         target,
         batch_size: int,
@@ -296,19 +295,10 @@ class DistillDrafter(Drafter):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> BatchSession:
-        """Chains of a batch drafted together (DistillBatchSession); trees row by row."""
-        decode = self.decode_settings(decode)
-        if not decode.chain:
-            return super().new_batch_session(
-                target, batch_size, sampling=sampling, decode=decode, generator=generator
-            )
+        """Chains of a batch drafted together (DistillBatchSession)."""
         if self.vocab_size != target.vocab_size:
             raise vocab_mismatch_error("the draft model", self.vocab_size, target)
-        if use_int8(decode.draft_weights, self.hf_model.device, "the student's full weights"):
-            warn_once(
-                "draft_weights=int8 drafts through drafters/lean.py's one-sequence model; a "
-                "batch drafts with the student's full weights"
-            )
+        decode = self.decode_settings(decode)
         return DistillBatchSession(self.hf_model, batch_size, decode, sampling, generator)
 
     @classmethod

@@ -46,12 +46,10 @@ from specdraft.drafters.base import (
     Drafter,
     Metrics,
     sum_and_count,
-    warn_once,
 )
 from specdraft.drafters.lean import (
     SharedWeights,
     lean_supported,
-    use_int8,
 )
 from specdraft.drafters.served import one_later
 from specdraft.kinds.eagle.eagle_layers import (
@@ -162,6 +160,9 @@ class EagleDrafter(Drafter):
 
     kind = "eagle"
     title = "EAGLE"
+    # chains of a batch drafted together; EAGLE-2's trees row by row
+    batch_drafts = "chains"
+    batch_full_weights = "the head's full weights"
     config_class = EagleConfig
     drafts_after_prefill = True  # the head reads the target's features of the context
     # The config with the defaults that depend on the target filled in (a kind built on this
@@ -240,10 +241,7 @@ class EagleDrafter(Drafter):
         """Per-call drafting state for the inference loop (kinds/eagle/eagle_session.py)."""
         return EagleSession(self, target, sampling=sampling, decode=decode, generator=generator)
 
-    def drafts_batches_together(self, decode: DecodeConfig) -> bool:
-        return decode.chain  # chains; trees row by row
-
-    def new_batch_session(
+    def batch_session(
         self,
         target,
         batch_size: int,
@@ -253,17 +251,7 @@ class EagleDrafter(Drafter):
         generator: torch.Generator | None = None,
     ) -> BatchSession:
         """Chains of a batch drafted together, one head pass per depth (EagleBatchSession, on
-        the head's modules: int8 drafting weights are one sequence's); EAGLE-2's trees row by
-        row (RowSessions)."""
-        if not decode.chain:
-            return super().new_batch_session(
-                target, batch_size, sampling=sampling, decode=decode, generator=generator
-            )
-        if use_int8(decode.draft_weights, target.device, "the head's full weights"):
-            warn_once(
-                "draft_weights=int8 drafts through drafters/lean.py's one-sequence layer; a "
-                "batch drafts with the head's full weights"
-            )
+        the head's modules); EAGLE-2's trees go row by row."""
         return EagleBatchSession(
             self, target, batch_size, sampling=sampling, decode=decode, generator=generator
         )

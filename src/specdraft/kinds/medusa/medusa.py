@@ -180,6 +180,7 @@ class MedusaDrafter(Drafter):
     kind = "medusa"
     drafts_after_prefill = True  # the heads read the target's state at the last verified token
     title = "Medusa"
+    batch_drafts = "all"  # the heads run over the batch at once, chains and trees
     config_class = MedusaConfig
     # Keys of model.safetensors a drafter loaded for decoding ignores: Medusa-2's adapter
     # weights, which decoding gets merged into the target (load_target(..., adapter=...)).
@@ -321,10 +322,7 @@ class MedusaDrafter(Drafter):
             sampling = SamplingSettings()
         return MedusaSession(self, target, sampling=sampling, decode=decode, generator=generator)
 
-    def drafts_batches_together(self, decode: DecodeConfig) -> bool:
-        return True
-
-    def new_batch_session(
+    def batch_session(
         self,
         target,
         batch_size: int,

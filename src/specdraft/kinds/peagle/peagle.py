@@ -57,9 +57,7 @@ from specdraft.drafters.base import (
     Metrics,
     check_features_known,
     sum_and_count,
-    warn_once,
 )
-from specdraft.drafters.lean import use_int8
 from specdraft.drafters.position_tree import position_tree, tree_reach
 from specdraft.drafters.served import one_later
 from specdraft.kinds.eagle.eagle import EagleDrafter, default_feature_layers
@@ -419,10 +417,7 @@ class PEagleDrafter(EagleDrafter):
     ) -> PEagleSession:
         return PEagleSession(self, target, sampling=sampling, decode=decode, generator=generator)
 
-    def drafts_batches_together(self, decode: DecodeConfig) -> bool:
-        return decode.chain  # chains; trees row by row
-
-    def new_batch_session(
+    def batch_session(
         self,
         target,
         batch_size: int,
@@ -431,17 +426,7 @@ class PEagleDrafter(EagleDrafter):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> BatchSession:
-        """Every row's chain from one head pass (PEagleBatchSession, on the head's modules);
-        trees row by row (RowSessions)."""
-        if not decode.chain:
-            return self.row_sessions(
-                target, batch_size, sampling=sampling, decode=decode, generator=generator
-            )
-        if use_int8(decode.draft_weights, target.device, "the head's full weights"):
-            warn_once(
-                "draft_weights=int8 drafts through drafters/lean.py's one-sequence layer; a "
-                "batch drafts with the head's full weights"
-            )
+        """Every row's chain from one head pass (PEagleBatchSession, on the head's modules)."""
         return PEagleBatchSession(
             self, target, batch_size, sampling=sampling, decode=decode, generator=generator
         )
