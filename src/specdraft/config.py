@@ -250,9 +250,6 @@ def _merge_error(cls: type, layer: _Layer, e: OmegaConfBaseException) -> ConfigE
     key = re.sub(r"\[\d+\]$", "", key)  # a list item's error is the list's
     where, tp = layer.where(key), _field_type(cls, key)
     if isinstance(e, ConfigKeyError):
-        moved = getattr(cls, "MOVED_KEYS", {}).get(key)
-        if moved:
-            return ConfigError(f"{where}: {key} has moved to {moved}", key=key)
         section, _, name = key.rpartition(".")
         parent = _field_type(cls, section)
         names = [f.name for f in dataclasses.fields(parent)] if parent else []

@@ -132,13 +132,6 @@ class TrainConfig:
     the defaults that depend on other keys (`output_dir`, `run_name`).
     """
 
-    # Keys an older config may still set, and where they live now (named in the error).
-    MOVED_KEYS: ClassVar[dict[str, str]] = {
-        "drafter.tree_depth": "decode.gamma", "drafter.gamma": "decode.gamma",
-        **{f"drafter.{k}": f"decode.{k}" for k in (
-            "tree_top_k", "tree_budget", "draft_weights", "stop_below", "lookup_ngram")},
-    }  # fmt: skip
-
     # The drafter kind this config trains. A class attribute, not a key: a file cannot make the
     # eagle script train something else, and the kind picks the default output_dir.
     kind: ClassVar[str] = "base"
