@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 from specdraft.formats.gguf_export import gguf_problems, target_original
-from specdraft.inference.llamacpp import (
+from specdraft.llamacpp_build import LlamaCppError, cpu_name, ensure_llamacpp
+from specdraft.measuring.llamacpp import (
     Drafting,
     LlamaServer,
     agreement,
@@ -45,8 +46,7 @@ from specdraft.inference.llamacpp import (
     drafting_ms,
     read_gguf_export,
 )
-from specdraft.inference.measure import add_prompts_arguments, read_requests, request_ids
-from specdraft.llamacpp_build import LlamaCppError, cpu_name, ensure_llamacpp
+from specdraft.measuring.measure import add_prompts_arguments, read_requests, request_ids
 from specdraft.targets.target import TargetError, target_path
 
 PROG = "benchmarks/bench_llamacpp.py"

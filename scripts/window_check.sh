@@ -50,7 +50,7 @@ python - "$OUT/eval/report.json" "$TARGET" "$OUT/prompts.json" <<'EOF'
 import json
 import sys
 
-from specdraft.inference.measure import read_prompts
+from specdraft.measuring.measure import read_prompts
 from specdraft.targets.target import load_target
 
 report = json.load(open(sys.argv[1]))

@@ -15,7 +15,18 @@ LIBRARY = ROOT / "src" / "specdraft"
 
 
 @pytest.mark.parametrize(
-    "package", ["data", "targets", "drafters", "formats", "inference", "train", "tools"]
+    "package",
+    [
+        "data",
+        "targets",
+        "drafters",
+        "formats",
+        "inference",
+        "simulation",
+        "measuring",
+        "train",
+        "tools",
+    ],
 )
 def test_subpackages_resolve_to_this_repository(package):
     module = importlib.import_module(f"specdraft.{package}")
@@ -48,18 +59,12 @@ def test_demo_prompts_is_exported():
 
 # The layering (docs/architecture.md, "Layers"): a package may import only from the packages
 # below it.
-# specdraft (core) <- data <- targets <- drafters <- formats <- inference <- train <- tools <- cli
+# specdraft (core) <- data <- targets <- drafters <- formats <- inference (the loop) <- simulation
+# <- measuring <- train <- tools <- cli
 LAYERS = [
-    "specdraft",
-    "data",
-    "targets",
-    "drafters",
-    "formats",
-    "inference",
-    "train",
-    "tools",
-    "cli",
-]
+    "specdraft", "data", "targets", "drafters", "formats", "inference", "simulation", "measuring",
+    "train", "tools", "cli",
+]  # fmt: skip
 
 
 def _imports(path: Path) -> set[str]:
@@ -157,8 +162,8 @@ def test_each_kind_is_one_folder():
 # (docs/architecture.md, "Drafter").
 SHARED = [
     "train/trainer.py", "train/train_config.py", "train/entry.py", "formats/checkpoint.py",
-    "inference/generate.py", "inference/tuning.py", "inference/measure.py", "inference/evaluation.py",
-    "inference/report_writer.py", "train/comparison.py", "tools/tune.py", "tools/evaluate.py",
+    "inference/generate.py", "measuring/tuning.py", "measuring/measure.py", "measuring/evaluation.py",
+    "measuring/report_writer.py", "train/comparison.py", "tools/tune.py", "tools/evaluate.py",
     "tools/compare.py", "cli.py",
 ]  # fmt: skip
 
@@ -166,7 +171,7 @@ SHARED = [
 def test_shared_code_names_no_kind_and_probes_no_hook():
     """No string literal in the shared code is a registered kind's name, and no hasattr/getattr
     asks a drafter or a session whether it has a hook. Shown to fail: with the old
-    `if drafter.kind == "layerskip":` in inference/evaluation.py it names the line."""
+    `if drafter.kind == "layerskip":` in measuring/evaluation.py it names the line."""
     from specdraft.drafters.base import drafter_kinds
 
     # the built-in kinds: a test may register one of its own (tests/test_new_kind.py)

@@ -22,7 +22,7 @@ from specdraft.data.formats import Example
 from specdraft.drafters.base import Drafter, DraftSession, Metrics, sum_and_count
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference.generate import generate
-from specdraft.inference.measure import load_prompts
+from specdraft.measuring.measure import load_prompts
 from specdraft.tools import evaluate
 from specdraft.tools import tune as tune_script
 from specdraft.train.train_config import TrainConfig

@@ -21,7 +21,7 @@ from specdraft.data.benchmarks import (
 from specdraft.data.data_config import DataConfig
 from specdraft.data.dataset import build_datasets
 from specdraft.data.sources import DataError
-from specdraft.inference.measure import read_requests
+from specdraft.measuring.measure import read_requests
 from specdraft.registry import RegistryError
 
 

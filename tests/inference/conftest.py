@@ -8,7 +8,7 @@ import pytest
 import torch
 from spec_helpers import NEW, PROMPTS, build, make_target, perturbed, tiny_llama
 
-from specdraft.inference.continuations import served_examples
+from specdraft.simulation.continuations import served_examples
 from specdraft.targets.target import Target
 
 

@@ -1,5 +1,5 @@
-"""inference/measure.py without a model: prompt sources, and how a batch-size sweep takes
-turns; the sweep's crossover and batch sizes (inference/evaluation.py)."""
+"""measuring/measure.py without a model: prompt sources, and how a batch-size sweep takes
+turns; the sweep's crossover and batch sizes (measuring/evaluation.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 
 from specdraft.data.benchmarks import Request
 from specdraft.data.formats import Example
-from specdraft.inference.evaluation import EvalSpec, at_batch_sizes, crossover, parse_batch_sizes
-from specdraft.inference.measure import (
+from specdraft.inference.metrics import Stats
+from specdraft.measuring.evaluation import EvalSpec, at_batch_sizes, crossover, parse_batch_sizes
+from specdraft.measuring.measure import (
     Case,
     Run,
     breakdown,
@@ -23,7 +24,6 @@ from specdraft.inference.measure import (
     read_prompts,
     request_ids,
 )
-from specdraft.inference.metrics import Stats
 
 
 def test_eval_prompts_are_the_part_before_the_loss():
@@ -164,7 +164,7 @@ def test_every_batch_size_measures_the_same_prompts_in_whole_batches():
 
 
 def test_threads_are_as_asked_or_the_fastest_measured_now(tiny_target):
-    from specdraft.inference.measure import choose_threads, usable_cores
+    from specdraft.measuring.measure import choose_threads, usable_cores
 
     before = torch.get_num_threads()
     try:
@@ -184,7 +184,7 @@ def test_threads_are_as_asked_or_the_fastest_measured_now(tiny_target):
 def test_a_step_reads_every_weight_once_and_one_row_of_an_untied_embedding(tiny_target):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdraft.inference.measure import weight_bytes_per_token
+    from specdraft.measuring.measure import weight_bytes_per_token
     from specdraft.targets.target import Target
 
     tied = weight_bytes_per_token(tiny_target)  # the demo target ties its LM head

@@ -11,7 +11,8 @@ from spec_helpers import KINDS, build, fitted
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters import lean
-from specdraft.inference.serving_parity import (
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter, EagleSession
+from specdraft.simulation.serving_parity import (
     example_batch,
     first_difference,
     replay_serving,
@@ -19,7 +20,6 @@ from specdraft.inference.serving_parity import (
     simulate,
     training_path_drafts,
 )
-from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter, EagleSession
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = pytest.mark.exact
@@ -197,7 +197,7 @@ def test_a_replayed_session_that_drafts_otherwise_is_named(
     replay drafts otherwise than the loop after the same context, the check names that draft,
     beside what the loop drafted."""
 
-    from specdraft.inference import serving_parity
+    from specdraft.simulation import serving_parity
 
     verified = serving_parity._verified_states
 

@@ -1,4 +1,4 @@
-"""The T = 1 estimate of training predicts serving (inference/serving_parity.py, sampled_tau_on): the
+"""The T = 1 estimate of training predicts serving (simulation/serving_parity.py, sampled_tau_on): the
 loop's walk in expectation over each draft's chance of acceptance given the tokens emitted."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from spec_helpers import KINDS, PROMPTS, build, perturbed
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings
 from specdraft.drafters.position_tree import TreeShape, _child_acceptance, sampled_tree
 from specdraft.inference.metrics import expected_passes, simulate_serving
-from specdraft.inference.serving_parity import example_batch, sampled_tau_on, served_sampled_tau
 from specdraft.inference.verify import verify_sampling
 from specdraft.kinds.distill.distill import DistillDrafter
+from specdraft.simulation.serving_parity import example_batch, sampled_tau_on, served_sampled_tau
 
 
 @pytest.mark.parametrize("kind", KINDS)

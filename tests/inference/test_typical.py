@@ -14,11 +14,11 @@ from test_joint import CASES, FALSE_ALARM, exact_joint, sample_joint, target  # 
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, process_logits
 from specdraft.inference import generate
-from specdraft.inference.evaluation import EvalSpec, make_report, markdown
-from specdraft.inference.measure import Run, loop_decoder, measure
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.kinds.medusa.medusa import MedusaDecode, MedusaDrafter
 from specdraft.kinds.medusa.medusa_session import verify_typical
+from specdraft.measuring.evaluation import EvalSpec, make_report, markdown
+from specdraft.measuring.measure import Run, loop_decoder, measure
 
 PROMPTS = MEDUSA_PROMPTS
 CHAIN = dict(gamma=3)

@@ -24,7 +24,8 @@ from specdraft import llamacpp_build
 from specdraft.core import DecodeConfig
 from specdraft.formats.checkpoint import save_drafter
 from specdraft.formats.gguf_export import ExportError, export_gguf, gguf_fields, gguf_problems
-from specdraft.inference.llamacpp import (
+from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
+from specdraft.measuring.llamacpp import (
     Completion,
     Drafting,
     LlamaServer,
@@ -32,7 +33,6 @@ from specdraft.inference.llamacpp import (
     counters,
     read_gguf_export,
 )
-from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.tools import export, verify_export
 
 MACHINE_ENGINES = Path.home() / ".cache" / "specdraft" / "engines"

@@ -12,9 +12,9 @@ import torch
 
 from specdraft.core import DecodeConfig
 from specdraft.formats.reading import load_decoding
-from specdraft.inference import tuning
 from specdraft.inference.metrics import Stats
 from specdraft.kinds.layerskip.layerskip import LayerSkipDecode
+from specdraft.measuring import tuning
 from specdraft.tools.tune import main
 from specdraft.train.entry import main as train_main
 

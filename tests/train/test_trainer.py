@@ -217,7 +217,7 @@ def test_a_cpu_run_trains_on_cpu_threads_and_gives_the_old_count_back(
 def test_cpu_threads_default_follows_the_user_not_accelerates_default(monkeypatch):
     import psutil
 
-    from specdraft.inference.measure import usable_cores
+    from specdraft.measuring.measure import usable_cores
     from specdraft.train.launch import cpu_threads as _cpu_threads
 
     for key in ("OMP_NUM_THREADS", "ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION",

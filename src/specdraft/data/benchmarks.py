@@ -14,7 +14,7 @@ without its dependencies (a web stack, an evaluator), its sha256 and the file's 
 the file is cached under $SPECDRAFT_HOME/benchmarks/ (specdraft/cache.py).
 
 Everything a measurement decodes is a `Request`: one or more user turns, measured turn by turn
-(inference/measure.py appends the target's own answer to each turn before the next), with a
+(measuring/measure.py appends the target's own answer to each turn before the next), with a
 category for the per-category report. `read_request_rows` reads a user's prompt file into
 requests; docs/benchmarks.md documents its format.
 

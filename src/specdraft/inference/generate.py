@@ -106,7 +106,7 @@ def generate(
     lookup_ngram=2, or a kind's own (exit_layer=3 for LayerSkip). Then the batch_schedule
     entry for the batch decoded applies (off: plain decoding, and stats.drafter_off says so).
     stop_at_eos=False decodes max_new_tokens whatever they hold: the continuation past an EOS,
-    which the simulation of serving compares drafts with (inference/continuations.py).
+    which the simulation of serving compares drafts with (simulation/continuations.py).
     """
     prompts = _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k)
     sampling = SamplingSettings(temperature=float(temperature), top_k=int(top_k), top_p=top_p)
@@ -389,7 +389,7 @@ def _generate_batch(
 
 def drafting_session(target: Target, drafter, decode: DecodeConfig | None) -> DraftSession:
     """The session `generate` drafts one sequence with at temperature 0 (copying in front where
-    `decode` asks for it), for code that walks the loop's steps itself (inference/serving_parity.py)."""
+    `decode` asks for it), for code that walks the loop's steps itself (simulation/serving_parity.py)."""
     sampling = SamplingSettings()
     session, _, _ = _start_session(target, drafter, sampling, None, decode, {})
     return session

@@ -25,8 +25,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdraft.inference.evaluation import parse_batch_sizes
-from specdraft.inference.measure import add_prompts_arguments
+from specdraft.measuring.evaluation import parse_batch_sizes
+from specdraft.measuring.measure import add_prompts_arguments
 from specdraft.targets.target import DEFAULT_TARGET, TARGET_HELP
 from specdraft.train.comparison import CompareSpec, compare, families
 

@@ -38,20 +38,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from specdraft.inference.evaluation import (
+from specdraft.measuring.evaluation import (
     EvalSpec,
     evaluation_report,
     make_report,
     parse_evaluate_args,
     runs_per_precision,
 )
-from specdraft.inference.measure import (
+from specdraft.measuring.measure import (
     choose_threads,
     measure_requests,
     read_bandwidth,
     read_requests,
 )
-from specdraft.inference.report_writer import write_report
+from specdraft.measuring.report_writer import write_report
 from specdraft.targets import load_target
 
 

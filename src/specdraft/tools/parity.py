@@ -5,7 +5,7 @@
         --max-new-tokens 128 --tolerance 0.02
     python scripts/parity.py runs/eagle-demo/final:stop_below=0 --temperature 1 --num-prompts 20
 
-On the target's own greedy continuations of the prompts (inference/continuations.py, cached),
+On the target's own greedy continuations of the prompts (simulation/continuations.py, cached),
 the drafter's training path simulates the loop (`Drafter.served_drafts`, walked by
 metrics.simulate_serving) and the loop decodes the same prompts; at temperature 0 the two agree
 exactly when the drafter computes the same thing in both paths. Prints tau and the acceptance
@@ -31,15 +31,15 @@ import sys
 
 from specdraft.config import override
 from specdraft.formats.reading import folder_target, load_decoding, load_drafter
-from specdraft.inference.continuations import served_examples
-from specdraft.inference.evaluation import split_drafter_spec
-from specdraft.inference.measure import (
+from specdraft.measuring.evaluation import split_drafter_spec
+from specdraft.measuring.measure import (
     add_prompts_arguments,
     add_threads_argument,
     choose_threads,
     load_prompts,
 )
-from specdraft.inference.serving_parity import (
+from specdraft.simulation.continuations import served_examples
+from specdraft.simulation.serving_parity import (
     first_difference,
     merged,
     sampled_tau_on,

@@ -38,9 +38,9 @@ from specdraft.formats.reading import (
     load_decoding,
     load_drafter,
 )
-from specdraft.inference.evaluation import split_drafter_spec
 from specdraft.inference.generate import generate
-from specdraft.inference.measure import (
+from specdraft.measuring.evaluation import split_drafter_spec
+from specdraft.measuring.measure import (
     add_prompts_arguments,
     add_threads_argument,
     choose_threads,

@@ -54,7 +54,7 @@ from specdraft.data.sources import DataError, Row, SkipRow, read_rows
 from specdraft.data.stdlib_corpus import demo_corpus_texts
 from specdraft.formats import load_drafter
 from specdraft.inference import generate
-from specdraft.inference.measure import add_threads_argument, choose_threads
+from specdraft.measuring.measure import add_threads_argument, choose_threads
 from specdraft.targets.target import TARGET_HELP, load_target
 
 

@@ -31,11 +31,11 @@ from pathlib import Path
 
 from specdraft.formats.checkpoint import set_decode
 from specdraft.formats.reading import folder_target, load_decoding, load_drafter
-from specdraft.inference.measure import (
+from specdraft.measuring.measure import (
     choose_threads,
     load_prompts,
 )
-from specdraft.inference.tuning import (
+from specdraft.measuring.tuning import (
     NoExactSetting,
     check_space,
     default_space,

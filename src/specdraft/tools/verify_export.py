@@ -61,9 +61,9 @@ from specdraft.formats.checkpoint import CheckpointError
 from specdraft.formats.export_registry import imported_format
 from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
-from specdraft.inference.llamacpp import read_gguf_export, verify_gguf_export
-from specdraft.inference.measure import add_prompts_arguments, load_prompts, read_prompts
 from specdraft.llamacpp_build import engines_dir, ensure_llamacpp
+from specdraft.measuring.llamacpp import read_gguf_export, verify_gguf_export
+from specdraft.measuring.measure import add_prompts_arguments, load_prompts, read_prompts
 from specdraft.targets.target import TargetError, load_target, target_path
 
 PROG = "scripts/verify_export.py"

@@ -17,16 +17,21 @@ from accelerate import PartialState
 from specdraft.data.benchmarks import Request
 from specdraft.formats.checkpoint import set_decode
 from specdraft.formats.reading import load_decoding, load_drafter
-from specdraft.inference.continuations import CORPUS, SERVED_GREEDY, SERVED_SAMPLED, served_examples
-from specdraft.inference.measure import (
+from specdraft.measuring.measure import (
     choose_threads,
     load_prompts,
     measure_vs_plain,
     read_requests,
     request_ids,
 )
-from specdraft.inference.tuning import default_space, search_decode
+from specdraft.measuring.tuning import default_space, search_decode
 from specdraft.precision import native_bf16, to_dtype
+from specdraft.simulation.continuations import (
+    CORPUS,
+    SERVED_GREEDY,
+    SERVED_SAMPLED,
+    served_examples,
+)
 from specdraft.targets.hidden_cache import CachedTarget
 from specdraft.targets.target import load_target
 

@@ -6,9 +6,9 @@ own function (train/KIND_trainer.py's `run`, which `specdraft train KIND` calls)
 budget of training tokens, its printing going to OUTPUT/KIND.log; a family whose training raises
 is reported as failed and the others go on. Or it is taken from a folder already trained. Each
 one's decoding settings are then chosen by measured tokens/s on this machine
-(inference/tuning.py), and all of them are measured in one process on the same prompts beside
+(measuring/tuning.py), and all of them are measured in one process on the same prompts beside
 plain decoding, prompt lookup and transformers' own assisted and early-exit generation
-(inference/evaluation.py's runs): greedy, then sampled at temperature 1. The report
+(measuring/evaluation.py's runs): greedy, then sampled at temperature 1. The report
 (train/comparison_report.py) has one row per family: tau, speedups, overhead, drafting
 share, extra parameters and memory, what training cost, what it cost the target (a kind that
 fine-tunes it), and the simulated tau training predicted beside the measured one; then every
@@ -39,21 +39,21 @@ from specdraft.config import default_config
 from specdraft.drafters.base import Drafter, drafter_kinds, hf_model_kind
 from specdraft.formats.checkpoint import read_metadata, set_decode
 from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
-from specdraft.inference.continuations import CORPUS
-from specdraft.inference.evaluation import (
+from specdraft.inference.metrics import simulated_tau
+from specdraft.measuring.evaluation import (
     EvalSpec,
     build_runs,
     check_batch_sizes,
     make_report,
 )
-from specdraft.inference.measure import Run, measure_requests, read_requests, request_ids
-from specdraft.inference.metrics import simulated_tau
-from specdraft.inference.report_writer import (
+from specdraft.measuring.measure import Run, measure_requests, read_requests, request_ids
+from specdraft.measuring.report_writer import (
     Report,
     write_report,
 )
-from specdraft.inference.serving_parity import folder_simulated_tau
-from specdraft.inference.tuning import default_space, search_decode
+from specdraft.measuring.tuning import default_space, search_decode
+from specdraft.simulation.continuations import CORPUS
+from specdraft.simulation.serving_parity import folder_simulated_tau
 from specdraft.targets.target import DEFAULT_TARGET, load_target
 from specdraft.train.comparison_report import (
     GAP_FLAG,
@@ -93,7 +93,7 @@ class CompareSpec:
     seed: int = 0
     output: str = "runs/compare"
     wandb: str | None = None  # a W&B project to log the report to
-    # every run is measured at each batch size (inference/evaluation.py's EvalSpec.batch_sizes)
+    # every run is measured at each batch size (measuring/evaluation.py's EvalSpec.batch_sizes)
     batch_sizes: tuple[int, ...] = (1,)
 
     def __post_init__(self) -> None:
@@ -115,7 +115,7 @@ class CompareSpec:
         self.eval_spec(0.0)  # too few prompts for the batch sizes: named before any training
 
     def eval_spec(self, temperature: float, baselines: Sequence[str] = ("ar",)) -> EvalSpec:
-        """What one pass of measuring asks of inference/evaluation.py (drafters added by the
+        """What one pass of measuring asks of measuring/evaluation.py (drafters added by the
         pass)."""
         return EvalSpec(
             baselines=tuple(baselines), prompts=self.prompts, num_prompts=self.num_prompts,
@@ -137,7 +137,7 @@ class Family:
     train_peak_memory_mb: float | None = None
     simulated: list[dict] = field(default_factory=list)  # step, served simulated tau
     alpha_greedy: list[float] = field(default_factory=list)  # the last evaluation's, per depth
-    # the text the last evaluation ran on (inference/continuations.py's names: served-greedy,
+    # the text the last evaluation ran on (simulation/continuations.py's names: served-greedy,
     # served-sampled, corpus), which the simulated tau is for
     simulated_on: str | None = None
     quality: dict | None = None  # target_quality.json: the target's held-out loss before/after
@@ -145,7 +145,7 @@ class Family:
     # training's prediction for the tree the drafter is served with (Drafter.predicted_tree_tau)
     tree_tau: float | None = None
     # training's simulation of serving on the very prompts measured, greedy: at T = 0 it predicts
-    # the measured tau exactly where training and serving compute the same (inference/serving_parity.py)
+    # the measured tau exactly where training and serving compute the same (simulation/serving_parity.py)
     simulated_measured: float | None = None
     # and at T = 1 on continuations sampled there: the loop's walk in expectation
     simulated_measured_t1: float | None = None

@@ -1,14 +1,14 @@
 """What scripts/compare.py writes about the families it compared (train/comparison.py builds the
 rows): the family table's columns, report.md, and its figures (the speed and acceptance
 frontier, tau against speedup, the simulated tau over training), handed to
-inference/report_writer.py's write_report.
+measuring/report_writer.py's write_report.
 """
 
 from __future__ import annotations
 
-from specdraft.inference.benchmark_report import breakdown_markdown, category_figure
-from specdraft.inference.evaluation import batch_size_figure, runs_markdown, sweep_markdown
-from specdraft.inference.report_writer import (
+from specdraft.measuring.benchmark_report import breakdown_markdown, category_figure
+from specdraft.measuring.evaluation import batch_size_figure, runs_markdown, sweep_markdown
+from specdraft.measuring.report_writer import (
     Column,
     Report,
     acceptance_figure,
@@ -110,7 +110,7 @@ def markdown(report: dict) -> str:
 
 
 def compare_report(report: dict) -> Report:
-    """What scripts/compare.py writes (inference/report_writer.py's write_report): `report` as
+    """What scripts/compare.py writes (measuring/report_writer.py's write_report): `report` as
     report.json, its markdown, and frontier.png (speedup vs extra memory), tau_vs_speedup.png
     (with overhead lines), acceptance.png (per position, per family), simulated_tau.png
     (over training, and measured) and, where the prompts have categories, categories.png

@@ -19,7 +19,7 @@ import torch
 from specdraft.drafters.base import Drafter
 from specdraft.inference.metrics import Stats, expected_passes
 from specdraft.inference.metrics import simulate_serving as walk_served_drafts
-from specdraft.inference.serving_parity import replay_serving, training_path_drafts
+from specdraft.simulation.serving_parity import replay_serving, training_path_drafts
 from specdraft.train.lr_schedule import collate
 from specdraft.train.train_config import TrainConfig
 
@@ -74,7 +74,7 @@ def simulate_serving(
     were simulated: through the drafter's training path ("served": `served_drafts`,
     metrics.simulate_serving) with the decoding settings the run saves, or where it has none
     for those settings or serving rounds otherwise (int8 drafting), by the serving session
-    itself walked on the continuations ("session": inference/serving_parity.py, `replay_serving`);
+    itself walked on the continuations ("session": simulation/serving_parity.py, `replay_serving`);
     (None, None) where neither can (LayerSkip drafts on the target's cache).
 
     It reads the drafter as its checkpoint would load: with the held-out statistics this
@@ -118,7 +118,7 @@ def expected_tau(
 ) -> float | None:
     """The tau the loop is expected to serve at eval_loop.temperature over the held-out
     continuations sampled there (`Drafter.sampled_reach` walked by metrics.expected_passes,
-    as inference/serving_parity.py's sampled_tau_on), with the decoding settings the run saves and
+    as simulation/serving_parity.py's sampled_tau_on), with the decoding settings the run saves and
     without copying; None where the kind has no such walk for them. The drafter is read as
     `simulate_serving` reads it."""
     tokens = torch.zeros((), device=acc.device, dtype=torch.float64)

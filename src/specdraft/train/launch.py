@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
-from specdraft.inference.measure import usable_cores
+from specdraft.measuring.measure import usable_cores
 from specdraft.train.train_config import TrainConfig
 
 

@@ -18,9 +18,9 @@ from specdraft.config import ConfigError, check_choices, choice
 from specdraft.core import DecodeConfig, owner_of
 from specdraft.data.data_config import DataConfig
 from specdraft.drafters.base import drafter_kinds, kinds_own_settings
-from specdraft.inference.tuning import SEARCH_ORDER as TUNABLE
-from specdraft.inference.tuning import tunable
 from specdraft.losses import DEFAULT_CHUNK_TOKENS, check_chunk_tokens
+from specdraft.measuring.tuning import SEARCH_ORDER as TUNABLE
+from specdraft.measuring.tuning import tunable
 from specdraft.precision import resolve_precision
 from specdraft.targets.frozen import SHARDINGS
 
@@ -45,13 +45,13 @@ def setting_up() -> Iterator[None]:
 @dataclass
 class LoopEvalConfig:
     """After training: the saved drafter measured in the inference loop against plain decoding
-    (inference/measure.py), written to output_dir/eval_loop.json beside the simulated tau."""
+    (measuring/measure.py), written to output_dir/eval_loop.json beside the simulated tau."""
 
     # Run the measurement at the end of training (it decodes every prompt twice).
     enabled: bool = True
     # auto: the demo's held-out prompts when data.path is demo, else the prompt part of the
     # held-out split; or mt-bench | humaneval | stdlib-requests | demo | eval | hub:DATASET |
-    # a .txt/.json/.jsonl file of prompts (inference/measure.py, read_requests).
+    # a .txt/.json/.jsonl file of prompts (measuring/measure.py, read_requests).
     prompts: str = "auto"
     # Requests decoded, every turn of each, by each of the drafter and plain decoding (a named
     # set's taken round-robin over its categories: 8 is one of each of MT-Bench's).
@@ -83,7 +83,7 @@ class LoopEvalConfig:
     # most GPUs), else fp32 (a real target decodes fastest so: BENCHMARKS.md, "Real targets").
     dtype: str = choice("auto", "native", "float32", "bfloat16", "float16")
     # CPU threads for the measurement; 0: the count at which a one-token step of the target runs
-    # fastest on the machine as it is (inference/measure.py, choose_threads; --threads 0 of the
+    # fastest on the machine as it is (measuring/measure.py, choose_threads; --threads 0 of the
     # scripts).
     # (`accelerate launch` pins a lone CPU process to 1 thread for training; decoding speedups
     # differ by thread count, so the measurement states the count it ran with.)

@@ -42,8 +42,8 @@ from specdraft.attention import flash_varlen, target_inputs
 from specdraft.config import save_config
 from specdraft.drafters.base import Drafter
 from specdraft.formats import checkpoint
-from specdraft.inference.continuations import SERVED_GREEDY, SERVED_SAMPLED
 from specdraft.inference.metrics import simulated_tau
+from specdraft.simulation.continuations import SERVED_GREEDY, SERVED_SAMPLED
 from specdraft.train import heldout, launch, lr_schedule, tracking
 from specdraft.train.after_training import heldout_examples
 from specdraft.train.resume import (

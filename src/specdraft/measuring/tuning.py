@@ -30,14 +30,14 @@ import torch
 
 from specdraft.core import DecodeConfig, owner_of
 from specdraft.drafters.base import kinds_own_settings
-from specdraft.inference.measure import (
+from specdraft.inference.metrics import Stats
+from specdraft.measuring.measure import (
     Run,
     add_prompts_arguments,
     add_threads_argument,
     loop_decoder,
     measure,
 )
-from specdraft.inference.metrics import Stats
 from specdraft.precision import dtype_name
 
 # The kind's own settings first (LayerSkip's exit decides what its depth is worth), then trees
@@ -148,7 +148,7 @@ def race(
     **options,
 ) -> list[Trial]:
     """Plain decoding, then each of `decodes`, on every prompt, timed by the one harness
-    (inference/measure.py `measure`: a warm-up of each, then turns per batch of `batch_size`
+    (measuring/measure.py `measure`: a warm-up of each, then turns per batch of `batch_size`
     prompts, decoded together: `filled` makes any prompts whole batches). options: generate's
     sampling options (temperature, seed, ...)."""
     plain = loop_decoder(target, None, max_new_tokens=max_new_tokens, **options)
@@ -584,8 +584,8 @@ def summary(saved: DecodeConfig, best: DecodeConfig, tuned: Tuned, retuned: bool
 
 
 def _batch_sizes(text: str) -> list[int]:
-    """--batch-sizes, as evaluate.py reads it (inference/evaluation.py, parse_batch_sizes)."""
-    from specdraft.inference.evaluation import parse_batch_sizes
+    """--batch-sizes, as evaluate.py reads it (measuring/evaluation.py, parse_batch_sizes)."""
+    from specdraft.measuring.evaluation import parse_batch_sizes
 
     try:
         return list(parse_batch_sizes(text))

@@ -31,10 +31,10 @@ from specdraft.drafters.lean import int8_supported
 from specdraft.drafters.prompt_lookup import CopyingSession
 from specdraft.drafters.served import ServedDrafts
 from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
-from specdraft.inference.continuations import served_examples
 from specdraft.inference.generate import drafting_session, generate
 from specdraft.inference.metrics import Stats, expected_passes, simulate_serving
 from specdraft.inference.verify import verify_greedy
+from specdraft.simulation.continuations import served_examples
 
 
 def example_batch(example: Example, device) -> dict[str, torch.Tensor]:
@@ -51,7 +51,7 @@ def example_batch(example: Example, device) -> dict[str, torch.Tensor]:
 def simulate(
     target, drafter, examples: Sequence[Example], decode: DecodeConfig
 ) -> list[Stats] | None:
-    """Per example (the target's greedy continuation of a prompt, inference/continuations.py):
+    """Per example (the target's greedy continuation of a prompt, simulation/continuations.py):
     the loop's statistics as the drafter's training path predicts them; None where its kind or
     `decode` has no simulation (Drafter.served_drafts)."""
     decode = drafter.decode_settings(decode)
@@ -85,7 +85,7 @@ def simulated_tau_on(
     target, drafter, prompts: Sequence[torch.Tensor], max_new_tokens: int, decode: DecodeConfig
 ) -> float | None:
     """The tau `simulate` predicts for greedy decoding of these prompts with `decode`: on the
-    target's own greedy continuations of them (cached, inference/continuations.py). Beside the
+    target's own greedy continuations of them (cached, simulation/continuations.py). Beside the
     tau measured on the same prompts, their gap is the difference between the drafter's
     training and serving paths alone. None where the kind has no simulation for `decode`."""
     examples = served_examples(target, prompts, max_new_tokens)
@@ -104,7 +104,7 @@ def sampled_tau_on(
 ) -> float | None:
     """The tau the loop is expected to serve sampling these prompts at temperature 1 with the
     drafter alone (no copying): on the target's own continuations of them sampled at T = 1
-    (cached, inference/continuations.py), the loop's walk in expectation
+    (cached, simulation/continuations.py), the loop's walk in expectation
     (`metrics.expected_passes`) over the chance each draft is accepted given the tokens
     emitted (`Drafter.sampled_reach`: the drafter's q and the target's p at those tokens,
     teacher-forced, the chain or tree and stop rule served). The continuation is one sample of

@@ -2,9 +2,9 @@
 
 An `EvalSpec` says what to measure; `build_runs` lists the methods it asks for (our plain
 decoding `ar` first, the reference for speedups; transformers' generate; prompt lookup; each
-drafter, with transformers' assisted decoding beside it); `measure` (inference/measure.py)
+drafter, with transformers' assisted decoding beside it); `measure` (measuring/measure.py)
 decodes the same prompts with each; `make_report` turns them into report.json's rows and
-`evaluation_report` into the report inference/report_writer.py writes: report.json, report.md and
+`evaluation_report` into the report measuring/report_writer.py writes: report.json, report.md and
 three plots. With several batch sizes (`EvalSpec.batch_sizes`) every method runs at each, one
 row per method and batch size, its speedup against plain decoding at the same batch size; the
 report adds each method's crossover (`crossover`: the smallest batch size where it is slower
@@ -37,8 +37,8 @@ from specdraft.formats.reading import (
     load_decoding,
     load_drafter,
 )
-from specdraft.inference.benchmark_report import breakdown_markdown, category_figure
-from specdraft.inference.measure import (
+from specdraft.measuring.benchmark_report import breakdown_markdown, category_figure
+from specdraft.measuring.measure import (
     Case,
     Run,
     add_prompts_arguments,
@@ -51,7 +51,7 @@ from specdraft.inference.measure import (
     read_requests,
     summarize,
 )
-from specdraft.inference.report_writer import (
+from specdraft.measuring.report_writer import (
     Column,
     Report,
     acceptance_figure,
@@ -689,7 +689,7 @@ WANDB_KEYS = ("label", "name", "method", "batch_size", "tau", "tokens_per_s", "s
 
 
 def evaluation_report(report: dict, runs: Sequence[Run]) -> Report:
-    """What scripts/evaluate.py writes (inference/report_writer.py's write_report): `report` as
+    """What scripts/evaluate.py writes (measuring/report_writer.py's write_report): `report` as
     report.json, its markdown, and three plots of the runs at the smallest batch size measured:
     acceptance per position and the tau distribution of the runs that drafted, and every run's
     speedup with its draft/verify split; with several batch sizes a fourth, batch_sizes.png:
