@@ -163,6 +163,7 @@ def test_each_kind_is_one_folder():
 SHARED = [
     "train/trainer.py", "train/train_config.py", "train/entry.py", "formats/checkpoint.py",
     "inference/generate.py", "measuring/tuning.py", "measuring/measure.py", "measuring/evaluation.py",
+    "measuring/evaluation_report.py",
     "measuring/report_writer.py", "train/comparison.py", "tools/tune.py", "tools/evaluate.py",
     "tools/compare.py", "cli.py",
 ]  # fmt: skip

@@ -12,7 +12,8 @@ import torch
 from specdraft.data.benchmarks import Request
 from specdraft.data.formats import Example
 from specdraft.inference.metrics import Stats
-from specdraft.measuring.evaluation import EvalSpec, at_batch_sizes, crossover, parse_batch_sizes
+from specdraft.measuring.evaluation import EvalSpec, at_batch_sizes, parse_batch_sizes
+from specdraft.measuring.evaluation_report import crossover
 from specdraft.measuring.measure import (
     Case,
     Run,

@@ -17,7 +17,8 @@ from specdraft.inference import generate
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.kinds.medusa.medusa import MedusaDecode, MedusaDrafter
 from specdraft.kinds.medusa.medusa_session import verify_typical
-from specdraft.measuring.evaluation import EvalSpec, make_report, markdown
+from specdraft.measuring.evaluation import EvalSpec
+from specdraft.measuring.evaluation_report import make_report, markdown
 from specdraft.measuring.measure import Run, loop_decoder, measure
 
 PROMPTS = MEDUSA_PROMPTS

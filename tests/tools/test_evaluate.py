@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from specdraft.measuring.evaluation import crossover, short_labels
+from specdraft.measuring.evaluation_report import crossover, short_labels
 from specdraft.tools import evaluate
 
 FIELDS = {

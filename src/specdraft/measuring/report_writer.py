@@ -6,7 +6,7 @@ name and a function that draws it) and the table a W&B run logs. `write_report` 
 it into one folder. The pieces both reports print are here too: `Column` and `markdown_table`
 (a table whose best value per column is in bold) and `acceptance_figure` (acceptance per
 draft position, one line per drafter). What each report shows is its caller's: evaluation's
-columns and figures are measuring/evaluation.py's, compare's are train/comparison.py's.
+columns and figures are measuring/evaluation_report.py's, compare's are train/comparison.py's.
 """
 
 from __future__ import annotations

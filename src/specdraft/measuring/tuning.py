@@ -19,7 +19,6 @@ batch_schedule (DecodeConfig.for_batch).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import platform
 from collections.abc import Callable, Mapping, Sequence
@@ -29,12 +28,9 @@ from pathlib import Path
 import torch
 
 from specdraft.core import DecodeConfig, owner_of
-from specdraft.drafters.base import kinds_own_settings
 from specdraft.inference.metrics import Stats
 from specdraft.measuring.measure import (
     Run,
-    add_prompts_arguments,
-    add_threads_argument,
     loop_decoder,
     measure,
 )
@@ -578,85 +574,3 @@ def summary(saved: DecodeConfig, best: DecodeConfig, tuned: Tuned, retuned: bool
             "settings at their batch sizes: --batch-sizes tunes it again"
         )
     return lines
-
-
-# --- scripts/tune.py's command line -------------------------------------------------------
-
-
-def _batch_sizes(text: str) -> list[int]:
-    """--batch-sizes, as evaluate.py reads it (measuring/evaluation.py, parse_batch_sizes)."""
-    from specdraft.measuring.evaluation import parse_batch_sizes
-
-    try:
-        return list(parse_batch_sizes(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def parse_tune_args(description: str, argv: list[str] | None) -> argparse.Namespace:
-    """scripts/tune.py's command line (`description`: its help text), checked: a bad value is
-    the parser's error naming it."""
-    parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("folder", help="a trained drafter folder (a run's final/ or best/)")
-    parser.add_argument(
-        "--target",
-        default=None,
-        help="the target (default: the folder itself for LayerSkip, else its run's target)",
-    )
-    parser.add_argument(
-        "--search",
-        nargs="*",
-        default=[],
-        metavar="KEY=V1,V2",
-        help="values to try for a setting instead of the defaults (KEY= leaves it out): "
-        + ", ".join(SEARCH_ORDER)
-        + ", or the drafter kind's own ("
-        + ", ".join(kinds_own_settings())
-        + ")",
-    )
-    add_prompts_arguments(parser, "mt-bench", 8, first_turns=True)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    add_threads_argument(parser)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--passes",
-        type=int,
-        default=2,
-        help="passes over the settings; a later pass races a setting again where another one "
-        "changed since its round (they interact: a shallow LayerSkip exit wants a short draft)",
-    )
-    parser.add_argument(
-        "--batch-sizes",
-        type=_batch_sizes,
-        default=None,
-        metavar="B1,B2,...",
-        help="also race gamma (and a tree's budget) against plain decoding at each of these "
-        "batch sizes, and save the winners as the settings' batch_schedule (e.g. 1,4,16)",
-    )
-    parser.add_argument(
-        "--min-gain",
-        type=float,
-        default=MIN_GAIN,
-        help="with --batch-sizes: how much faster than plain decoding (a fraction) a setting must "
-        f"be in its race to get an entry; else drafting is off there (default {MIN_GAIN})",
-    )
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: as saved)")
-    parser.add_argument("--device", default=None)
-    parser.add_argument(
-        "--allow-mismatch",
-        action="store_true",
-        help="keep the fastest setting even where its greedy output differs from plain decoding",
-    )
-    parser.add_argument("--dry-run", action="store_true", help="measure, but leave the folder")
-    parser.add_argument("--output", default=None, help="write every measurement to this JSON")
-    args = parser.parse_args(argv)
-    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.passes < 1:
-        parser.error("--num-prompts, --max-new-tokens and --passes must be >= 1")
-    if args.temperature < 0:
-        parser.error("--temperature must be >= 0")
-    if not args.min_gain >= 0:  # NaN too
-        parser.error("--min-gain must be >= 0 (0: any win over plain decoding gets an entry)")
-    return args

@@ -38,13 +38,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from specdraft.measuring.evaluation import (
-    EvalSpec,
-    evaluation_report,
-    make_report,
-    parse_evaluate_args,
-    runs_per_precision,
-)
+from specdraft.measuring.evaluation import EvalSpec, parse_evaluate_args, runs_per_precision
+from specdraft.measuring.evaluation_report import evaluation_report, make_report
 from specdraft.measuring.measure import (
     choose_threads,
     measure_requests,

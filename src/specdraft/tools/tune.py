@@ -29,18 +29,23 @@ import json
 import sys
 from pathlib import Path
 
+from specdraft.drafters.base import kinds_own_settings
 from specdraft.formats.checkpoint import set_decode
 from specdraft.formats.reading import folder_target, load_decoding, load_drafter
+from specdraft.measuring.evaluation import parse_batch_sizes
 from specdraft.measuring.measure import (
+    add_prompts_arguments,
+    add_threads_argument,
     choose_threads,
     load_prompts,
 )
 from specdraft.measuring.tuning import (
+    MIN_GAIN,
+    SEARCH_ORDER,
     NoExactSetting,
     check_space,
     default_space,
     parse_space,
-    parse_tune_args,
     summary,
     tune_against_saved,
     tune_batch_schedule,
@@ -103,8 +108,80 @@ def load(args):
     return target, load_drafter(args.folder, target)
 
 
+def _batch_sizes(text: str) -> list[int]:
+    """--batch-sizes, as evaluate.py reads it (measuring/evaluation.py, parse_batch_sizes)."""
+    try:
+        return list(parse_batch_sizes(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    return parse_tune_args(__doc__, argv)
+    """scripts/tune.py's command line, checked: a bad value is the parser's error naming it."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("folder", help="a trained drafter folder (a run's final/ or best/)")
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="the target (default: the folder itself for LayerSkip, else its run's target)",
+    )
+    parser.add_argument(
+        "--search",
+        nargs="*",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="values to try for a setting instead of the defaults (KEY= leaves it out): "
+        + ", ".join(SEARCH_ORDER)
+        + ", or the drafter kind's own ("
+        + ", ".join(kinds_own_settings())
+        + ")",
+    )
+    add_prompts_arguments(parser, "mt-bench", 8, first_turns=True)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    add_threads_argument(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--passes",
+        type=int,
+        default=2,
+        help="passes over the settings; a later pass races a setting again where another one "
+        "changed since its round (they interact: a shallow LayerSkip exit wants a short draft)",
+    )
+    parser.add_argument(
+        "--batch-sizes",
+        type=_batch_sizes,
+        default=None,
+        metavar="B1,B2,...",
+        help="also race gamma (and a tree's budget) against plain decoding at each of these "
+        "batch sizes, and save the winners as the settings' batch_schedule (e.g. 1,4,16)",
+    )
+    parser.add_argument(
+        "--min-gain",
+        type=float,
+        default=MIN_GAIN,
+        help="with --batch-sizes: how much faster than plain decoding (a fraction) a setting must "
+        f"be in its race to get an entry; else drafting is off there (default {MIN_GAIN})",
+    )
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: as saved)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--allow-mismatch",
+        action="store_true",
+        help="keep the fastest setting even where its greedy output differs from plain decoding",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="measure, but leave the folder")
+    parser.add_argument("--output", default=None, help="write every measurement to this JSON")
+    args = parser.parse_args(argv)
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.passes < 1:
+        parser.error("--num-prompts, --max-new-tokens and --passes must be >= 1")
+    if args.temperature < 0:
+        parser.error("--temperature must be >= 0")
+    if not args.min_gain >= 0:  # NaN too
+        parser.error("--min-gain must be >= 0 (0: any win over plain decoding gets an entry)")
+    return args
 
 
 if __name__ == "__main__":

@@ -40,12 +40,8 @@ from specdraft.drafters.base import Drafter, drafter_kinds, hf_model_kind
 from specdraft.formats.checkpoint import read_metadata, set_decode
 from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
 from specdraft.inference.metrics import simulated_tau
-from specdraft.measuring.evaluation import (
-    EvalSpec,
-    build_runs,
-    check_batch_sizes,
-    make_report,
-)
+from specdraft.measuring.evaluation import EvalSpec, build_runs, check_batch_sizes
+from specdraft.measuring.evaluation_report import make_report
 from specdraft.measuring.measure import Run, measure_requests, read_requests, request_ids
 from specdraft.measuring.report_writer import (
     Report,

@@ -7,7 +7,7 @@ measuring/report_writer.py's write_report.
 from __future__ import annotations
 
 from specdraft.measuring.benchmark_report import breakdown_markdown, category_figure
-from specdraft.measuring.evaluation import batch_size_figure, runs_markdown, sweep_markdown
+from specdraft.measuring.evaluation_report import batch_size_figure, runs_markdown, sweep_markdown
 from specdraft.measuring.report_writer import (
     Column,
     Report,
