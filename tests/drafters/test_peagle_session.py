@@ -103,7 +103,7 @@ def test_one_head_pass_per_proposal_and_the_slots_leave_the_cache(
 def test_ignored_settings_are_said(tiny_target, trained_head):
     said = trained_head.ignored_settings(DecodeConfig(gamma=5, tree_top_k=2, stop_below=0.2))
     assert any("stop_below is ignored by P-EAGLE trees" in s for s in said)
-    assert any("gamma=5 is more than the 3 tokens" in s for s in said)
+    assert any("gamma=5 is capped at 3 by this P-EAGLE drafter" in s for s in said)
     assert trained_head.ignored_settings(DecodeConfig(gamma=K)) == []
 
 

@@ -533,7 +533,18 @@ class Drafter(nn.Module):
             ignored.append(
                 f"stop_below is ignored by {self.title} trees (tree_top_k > 1): it ends chains"
             )
+        cap = self.depth_cap()
+        if cap is not None and decode.gamma > cap[0]:
+            ignored.append(
+                f"gamma={decode.gamma} is capped at {cap[0]} by this {self.title} drafter: {cap[1]}"
+            )
         return ignored
+
+    def depth_cap(self) -> tuple[int, str] | None:
+        """The deepest a draft of this drafter can be, and why (a kind whose one pass drafts a
+        fixed number of positions: P-EAGLE, DFlash, Medusa); None: as deep as gamma asks. A
+        deeper gamma is capped, said once by `ignored_settings`."""
+        return None
 
     def transformers_baseline(self, decode: DecodeConfig) -> tuple[str, dict, dict] | None:
         """transformers' assisted generation doing what this drafter does with `decode`, for

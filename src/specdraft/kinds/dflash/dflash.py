@@ -579,14 +579,11 @@ class DFlashDrafter(Drafter):
             self, batch_size, sampling=sampling, decode=decode, generator=generator
         )
 
+    def depth_cap(self) -> tuple[int, str]:
+        return self.block_size - 1, f"a block of {self.block_size} drafts block_size - 1 tokens"
+
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = super().ignored_settings(decode)
-        drafts = self.block_size - 1
-        if decode.gamma > drafts:
-            ignored.append(
-                f"gamma={decode.gamma} is capped at {drafts} by this DFlash drafter: a block of "
-                f"{self.block_size} drafts block_size - 1 tokens"
-            )
         if decode.draft_weights == "int8":
             ignored.append(
                 "draft_weights=int8 is ignored by DFlash: it drafts with its full weights"

@@ -339,13 +339,11 @@ class MedusaDrafter(Drafter):
             ]
         )
 
+    def depth_cap(self) -> tuple[int, str]:
+        return self.config.num_heads, f"one head a level ({self.config.num_heads} heads)"
+
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = super().ignored_settings(decode)
-        if decode.gamma > self.config.num_heads:
-            ignored.append(
-                f"gamma={decode.gamma} is more than the {self.config.num_heads} Medusa heads: "
-                f"drafts are at most {self.config.num_heads} deep"
-            )
         ranks = self.accuracy_ranks
         if decode.tree_top_k > ranks:
             ignored.append(

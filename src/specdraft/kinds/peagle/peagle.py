@@ -53,7 +53,6 @@ from specdraft.core import (
 )
 from specdraft.drafters.base import (
     BatchSession,
-    Drafter,
     Metrics,
     check_features_known,
     sum_and_count,
@@ -431,15 +430,9 @@ class PEagleDrafter(EagleDrafter):
             self, target, batch_size, sampling=sampling, decode=decode, generator=generator
         )
 
-    def ignored_settings(self, decode: DecodeConfig) -> list[str]:
-        ignored = Drafter.ignored_settings(self, decode)
+    def depth_cap(self) -> tuple[int, str]:
         K = self.config.num_depths
-        if decode.gamma > K:
-            ignored.append(
-                f"gamma={decode.gamma} is more than the {K} tokens one P-EAGLE forward drafts "
-                f"(drafter.num_depths): chains and trees stop at {K} levels"
-            )
-        return ignored
+        return K, f"one forward drafts {K} tokens (drafter.num_depths)"
 
 
 class PEagleSession(EagleSession):
