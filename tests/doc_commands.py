@@ -301,6 +301,8 @@ class Checker:
                 return self._pytest(rest)
             if module == "pip":
                 return self._pip(rest)
+            if module == "specdraft":
+                return self._specdraft(rest)
             path = self._module_path(module)
             return self._script(path, rest) if path else []  # another tool's module
         return self._script(args[0], args[1:])
@@ -340,6 +342,8 @@ class Checker:
         config_file = out.config_file
         if config_file and not is_placeholder(config_file) and not Path(config_file).exists():
             problems.append(f"--config_file {config_file} does not exist")
+        if getattr(out, "module", False) and out.training_script == "specdraft":
+            return problems + self._specdraft(out.training_script_args)
         return problems + self._script(out.training_script, out.training_script_args)
 
     def _pytest(self, args: list[str]) -> list[str]:

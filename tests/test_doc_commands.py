@@ -76,6 +76,11 @@ def test_bad_values_files_and_options_fail(checker: Checker):
         python scripts/memory_plan.py configs/shapes/llama-3.3-70b --gpus eight
         specdraft-train eagle
         pip install -c constraints.txt -e ".[gpu]"
+        specdraft train eagle nokey=5
+        python -m specdraft train medusa lr=fast
+        accelerate launch -m specdraft train eagle drafter.ttt_stepz=3
+        specdraft evalute --output runs/x
+        specdraft tune runs/x --frobnicate
         ```
         """,
     )
@@ -88,6 +93,11 @@ def test_bad_values_files_and_options_fail(checker: Checker):
         ("synthetic.md:8", "argument --gpus: invalid int value: 'eight'"),
         ("synthetic.md:9", "'specdraft-train' is not a command this test knows"),
         ("synthetic.md:10", "no extra 'gpu' in pyproject.toml"),
+        ("synthetic.md:11", "unknown key 'nokey'"),
+        ("synthetic.md:12", "lr expects float"),
+        ("synthetic.md:13", "unknown key 'drafter.ttt_stepz'"),
+        ("synthetic.md:14", "specdraft evalute: no such command"),
+        ("synthetic.md:15", "unrecognized arguments: --frobnicate"),
     ]
     for where, what in expected:
         assert any(p.startswith(where) and what in p for p in problems), (where, what, problems)

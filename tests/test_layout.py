@@ -194,3 +194,28 @@ def test_shared_code_names_no_kind_and_probes_no_hook():
             ):
                 wrong.append(f"{name}:{node.lineno} probes a hook: {ast.unparse(node)}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_library_module_imports_first():
+    """Each module imports when it is the first of the library imported (a cycle inside one
+    layer, which the layer check cannot see, fails here): in one fresh process, every module is
+    imported with no specdraft module loaded before it."""
+    modules = sorted(
+        ".".join(p.relative_to(LIBRARY.parent).with_suffix("").parts).removesuffix(".__init__")
+        for p in LIBRARY.rglob("*.py")
+        if p.name != "__main__.py" and p.stem != "verify_export_engine"
+    )
+    code = (
+        "import importlib, sys\n"
+        "failed = []\n"
+        f"for name in {modules!r}:\n"
+        "    for loaded in [m for m in sys.modules if m.split('.')[0] == 'specdraft']:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception as e:\n"
+        "        failed.append(f'{name}: {type(e).__name__}: {e}')\n"
+        "print('\\n'.join(failed))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert not out.stdout.strip(), out.stdout

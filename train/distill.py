@@ -1,5 +1,6 @@
 """`accelerate launch train/distill.py [--config PATH] [key=value ...]` from a checkout: the same
-program as `specdraft train distill` (src/specdraft/train/distill.py; --help lists every key)."""
+program as `specdraft train distill` (src/specdraft/kinds/distill/distill_trainer.py, run through
+src/specdraft/train/entry.py; --help lists every key)."""
 
 if __name__ == "__main__":
     from specdraft.cli import launch

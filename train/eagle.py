@@ -1,5 +1,6 @@
 """`accelerate launch train/eagle.py [--config PATH] [key=value ...]` from a checkout: the same
-program as `specdraft train eagle` (src/specdraft/train/eagle.py; --help lists every key)."""
+program as `specdraft train eagle` (src/specdraft/kinds/eagle/eagle_trainer.py, run through
+src/specdraft/train/entry.py; --help lists every key)."""
 
 if __name__ == "__main__":
     from specdraft.cli import launch

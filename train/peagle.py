@@ -1,5 +1,6 @@
 """`accelerate launch train/peagle.py [--config PATH] [key=value ...]` from a checkout: the same
-program as `specdraft train peagle` (src/specdraft/train/peagle.py; --help lists every key)."""
+program as `specdraft train peagle` (src/specdraft/kinds/peagle/peagle_trainer.py, run through
+src/specdraft/train/entry.py; --help lists every key)."""
 
 if __name__ == "__main__":
     from specdraft.cli import launch

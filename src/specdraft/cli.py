@@ -74,8 +74,9 @@ def _configs() -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run `specdraft COMMAND ...`: its exit status (2 for an unknown command)."""
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """Run `specdraft COMMAND ...`: its exit status (2 for an unknown command). `prog` names
+    the command in a tool's usage and errors (default: `specdraft COMMAND`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
@@ -89,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"specdraft: error: no command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(f"specdraft.tools.{command.replace('-', '_')}")
+    sys.argv[0] = prog or f"specdraft {command}"  # what argparse names in the tool's usage
     return module.main(rest)
 
 
@@ -98,4 +100,4 @@ def launch(path: str) -> None:
     file = Path(path)
     if file.parent.name == "train":
         sys.exit(_train([file.stem, *sys.argv[1:]], prog=f"train/{file.name}"))
-    sys.exit(main([file.stem.replace("_", "-"), *sys.argv[1:]]))
+    sys.exit(main([file.stem.replace("_", "-"), *sys.argv[1:]], prog=f"scripts/{file.name}"))

@@ -182,13 +182,15 @@ def test_decoding_defaults_round_trip_and_a_folder_of_another_format_is_refused_
     ):
         load_drafter(folder, tiny_target)
 
-    for version, fix in ((1, "retrain the drafter, or export it"), (2, "retrain"),
-                         (None, "retrain"), (4, "Upgrade specdraft")):  # fmt: skip
+    for version, said, fix in ((1, "checkpoint format 1", "retrain the drafter; a kind"),
+                               (2, "checkpoint format 2", "retrain"),
+                               (None, "no format_version", "retrain"),
+                               (4, "checkpoint format 4", "Upgrade specdraft")):  # fmt: skip
         block["format_version"] = version
         (folder / "config.json").write_text(json.dumps(config))
         for read in (lambda: load_drafter(folder, tiny_target), lambda: load_decoding(folder),
                      lambda: check_complete(folder)):  # fmt: skip
-            with pytest.raises(CheckpointError, match=rf"format {version}; .*format 3 only.*{fix}"):
+            with pytest.raises(CheckpointError, match=rf"has {said}; .*format 3 only.*{fix}"):
                 read()
     block["format_version"] = checkpoint.FORMAT_VERSION
     del block["decode"]

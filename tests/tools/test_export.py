@@ -116,7 +116,7 @@ def test_a_folder_of_an_earlier_checkpoint_format_is_refused_with_the_fix(
     config = json.loads((old / "config.json").read_text())
     config["specdraft"]["format_version"] = 2
     (old / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"format 2; .*format 3 only.*retrain"):
+    with pytest.raises(CheckpointError, match=r"checkpoint format 2; .*format 3 only.*retrain"):
         load_drafter(old, deep_target[1])
     assert export.main(["--format", "sglang", str(old), str(tmp_path / "o")]) == 2
     assert "checkpoint format 2" in capsys.readouterr().err

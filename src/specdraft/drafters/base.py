@@ -531,12 +531,14 @@ class Drafter(nn.Module):
             )
         if self.drafts_trees and not decode.chain and decode.stop_below > 0:
             ignored.append(
-                f"stop_below is ignored by {self.title} trees (tree_top_k > 1): it ends chains"
+                f"stop_below is ignored by {self.title or self.kind} trees (tree_top_k > 1): it "
+                "ends chains"
             )
         cap = self.depth_cap()
         if cap is not None and decode.gamma > cap[0]:
             ignored.append(
-                f"gamma={decode.gamma} is capped at {cap[0]} by this {self.title} drafter: {cap[1]}"
+                f"gamma={decode.gamma} is capped at {cap[0]} by this {self.title or self.kind} "
+                f"drafter: {cap[1]}"
             )
         return ignored
 

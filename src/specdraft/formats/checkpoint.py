@@ -232,8 +232,13 @@ def _fsync(path: Path) -> None:
 
 
 def git_commit() -> str | None:
-    """The specdraft source's git commit (+dirty with local changes), for provenance."""
-    root = Path(__file__).resolve().parent.parent
+    """The specdraft source's git commit (+dirty with local changes), for provenance; None for
+    an installed package (its folder is not a checkout's src/specdraft, and a git repository
+    around a virtual environment is somebody else's)."""
+    package = Path(__file__).resolve().parents[1]  # src/specdraft in a checkout
+    root = package.parents[1]
+    if package.parent.name != "src" or not (root / "pyproject.toml").is_file():
+        return None
     try:
         run = dict(cwd=root, capture_output=True, text=True, timeout=10)
         commit = subprocess.run(["git", "rev-parse", "HEAD"], **run).stdout.strip()
@@ -392,15 +397,16 @@ def read_metadata(folder: str | Path) -> tuple[dict | None, dict | None]:
         version = meta.get("format_version")
         if version != FORMAT_VERSION:
             newer = isinstance(version, int) and version > FORMAT_VERSION
+            has = f"checkpoint format {version}" if version is not None else "no format_version"
             raise CheckpointError(
-                f"{folder} has checkpoint format {version}; this specdraft reads format "
-                f"{FORMAT_VERSION} only. "
+                f"{folder} has {has}; this specdraft reads format {FORMAT_VERSION} only. "
                 + (
                     "Upgrade specdraft to read it."
                     if newer
-                    else "It was written by an earlier specdraft: retrain the drafter, or "
-                    "export it with the specdraft that wrote it (scripts/export.py) and read the "
-                    "export back here (load_drafter reads every export layout)."
+                    else "It was written by an earlier specdraft: retrain the drafter; a kind "
+                    "an export layout holds (EAGLE, P-EAGLE, DFlash, Medusa) can instead be "
+                    "exported by the specdraft that wrote it (scripts/export.py) and the export "
+                    "loaded here, as load_drafter reads every export layout."
                 )
             )
     if not any(folder.glob("*.safetensors")):

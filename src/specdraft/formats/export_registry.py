@@ -60,7 +60,7 @@ def export_drafter(
     """Write `drafter` as a folder in format `fmt` (a FORMATS key) at `out_dir`, atomically, and
     return it. `base_model_name_or_path` names the target the heads run with, recorded for the
     engine (for Medusa-2 heads: the fine-tuned target, adapter merged); `decode` the settings it
-    is served with, where the format records them (checkpoint.load_decoding reads a folder's;
+    is served with, where the format records them (reading.load_decoding reads a folder's;
     None: the kind's defaults). An existing `out_dir` is
     replaced only if it is empty or a previous export, or with `overwrite`."""
     if fmt not in FORMATS:

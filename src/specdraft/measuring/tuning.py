@@ -174,7 +174,7 @@ def search_decode(
 ) -> tuple[DecodeConfig, list[dict]]:
     """The drafter's decoding settings after a search over `space` (setting -> values, searched
     in `tunable`'s order, starting from `start`: the settings it is served with now,
-    checkpoint.load_decoding's; None: the kind's defaults), and one row per candidate measured:
+    reading.load_decoding's; None: the kind's defaults), and one row per candidate measured:
     {"pass", "round": key, key: value, "tokens_per_s", "speedup" (vs plain decoding in the same
     round), "tau", "matches_plain" (None when sampling), "kept"}.
 

@@ -6,7 +6,7 @@
     accelerate launch train/dflash.py hidden_cache=runs/dflash-cache
 
 The data, target and drafter settings come from the same config as the kind's trainer
-(train/eagle.py, train/peagle.py or train/dflash.py: its demo.yaml by default, `--config` and `key=value` as
+(kinds/KIND/KIND_trainer.py for eagle, peagle or dflash: its demo.yaml by default, `--config` and `key=value` as
 there), so the cache holds exactly the examples and layers that run needs: the drafter's
 feature layers plus the final state the target's distribution is computed from. Rerunning after
 an interruption continues after the last finished shard.
@@ -95,7 +95,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     args, rest = parser.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:  # parse_cli then lists the config keys and exits
         parser.print_help()
-        print(f"\nThe {args.kind} run's config (train/{args.kind}.py's keys):\n")
+        print(f"\nThe {args.kind} run's config (`specdraft train {args.kind}`'s keys):\n")
     elif args.out is None:
         parser.error("the following arguments are required: --out")
     config_class, default_config, _ = KINDS[args.kind]

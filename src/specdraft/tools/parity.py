@@ -18,7 +18,7 @@ Exits 1 when tau differs by more, 0 in parity.
 
 At --temperature 1 the loop's outcome is random: for each of --seeds sampling seeds it prints
 the tau expected on the continuation sampled with that seed (the walk in expectation over each
-draft's chance of acceptance given the tokens emitted, parity.sampled_tau_on) and the tau
+draft's chance of acceptance given the tokens emitted, serving_parity.sampled_tau_on) and the tau
 served alone (copying off) with that seed, and exits 1 where their means are further apart
 than --tolerance (default 10%); 2 where the kind has no such walk for the settings.
 FOLDER:KEY=VALUE,... overrides the saved decoding settings, as scripts/evaluate.py reads them.

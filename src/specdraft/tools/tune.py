@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def load(args):
-    """The target the folder decodes with (evaluate.folder_target), and the drafter."""
+    """The target the folder decodes with (reading.folder_target), and the drafter."""
     target = folder_target(args.folder, args.target, dtype=args.dtype, device=args.device)
     return target, load_drafter(args.folder, target)
 

@@ -17,7 +17,7 @@ other than ours:
 On held-out prompts and the target's own greedy continuation of each (what a served drafter sees),
 the target's hidden states are computed once, here, and both sides draft from them: our head read
 back from the export (load_drafter), and the engine's model loaded by the engine's loader
-(scripts/verify_export_engine.py, run in the engine's environment). Per drafted step (EAGLE-3:
+(tools/verify_export_engine.py, run in the engine's environment). Per drafted step (EAGLE-3:
 each training-time-test step, teacher-forced; P-EAGLE: each depth of every anchor's group, from
 PEagleDraftModel's training forward; EAGLE-1: the head's step; Medusa: each head) it
 prints the top-1 agreement and the largest |logit difference|. Where the engine has a decoding

@@ -1,6 +1,6 @@
 """The engine side of scripts/verify_export.py: run inside the engine's own virtual environment.
 
-    ENGINE_PYTHON scripts/verify_export_engine.py REQUEST.json
+    ENGINE_PYTHON tools/verify_export_engine.py REQUEST.json
 
 It imports only torch, safetensors and the engine's package (never specdraft, whose transformers
 differs from the engine's), loads the export with the engine's own loader, and writes what it

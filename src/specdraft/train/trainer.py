@@ -423,7 +423,7 @@ class _Training:
         result["served"] = result[cfg.served_tau_key()]
         self.evals.append(result)
         tracking.log_evaluation(self.acc, self.cfg, result, bar, label)
-        # best/: the latest evaluation within best_within of the best so far (config.py)
+        # best/: the latest evaluation within best_within of the best so far (train_config.py)
         best = max((e["served"] for e in self.evals[:-1] if e["step"] > 0), default=None)
         if step > 0 and (best is None or result["served"] >= best * (1 - cfg.best_within)):
             self.best_tau = result["served"]

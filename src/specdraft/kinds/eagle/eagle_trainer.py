@@ -84,7 +84,7 @@ def run(
     """Set up, train and report one run of `cfg`: what `main` does once the command line is
     read, and what scripts/compare.py calls. Raises SetupError before training for missing
     data, a bad target, bad layer ids or vocabulary size. A kind trained the same way, on the
-    target's hidden states (train/peagle.py, train/dflash.py), gives its own `build(drafter
+    target's hidden states (kinds/peagle/peagle_trainer.py, kinds/dflash/dflash_trainer.py), gives its own `build(drafter
     config, target, train examples)`, `describe(head)` (the line printed before training) and
     `release_lm_head(head)` (whether a sharded run may let the head's copy of the LM head go)."""
     with setting_up():
