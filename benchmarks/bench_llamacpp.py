@@ -46,8 +46,9 @@ from specdraft.measuring.llamacpp import (
     drafting_ms,
     read_gguf_export,
 )
-from specdraft.measuring.measure import add_prompts_arguments, read_requests, request_ids
+from specdraft.measuring.measure import read_requests, request_ids
 from specdraft.targets.target import TargetError, target_path
+from specdraft.tools.arguments import add_prompts_arguments
 
 PROG = "benchmarks/bench_llamacpp.py"
 NGRAMS = ("ngram-simple", "ngram-mod", "ngram-cache", "ngram-map-k")

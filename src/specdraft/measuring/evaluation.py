@@ -18,7 +18,6 @@ of its output: the drift).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -29,23 +28,15 @@ import torch
 
 from specdraft.config import override
 from specdraft.core import DecodeConfig, eos_ids, owner_of
-from specdraft.drafters.base import kinds_own_settings
 from specdraft.formats.reading import (
     fine_tuned_target,
     folder_target_name,
     load_decoding,
     load_drafter,
 )
-from specdraft.measuring.measure import (
-    Run,
-    add_prompts_arguments,
-    add_threads_argument,
-    context_bound,
-    loop_decoder,
-    read_requests,
-)
+from specdraft.measuring.measure import Run, context_bound, loop_decoder, read_requests
 from specdraft.precision import dtype_name, resolve_precision, to_dtype
-from specdraft.targets.target import DEFAULT_TARGET, TARGET_HELP
+from specdraft.targets.target import DEFAULT_TARGET
 
 BASELINES = ("ar", "hf_ar", "prompt_lookup", "hf_assisted", "hf_prompt_lookup", "hf_early_exit")
 # gamma for transformers' prompt lookup when --gamma is not given: our prompt lookup's default
@@ -392,95 +383,3 @@ def split_drafter_spec(spec: str) -> tuple[str, list[str]]:
     if not sep or "=" not in tail:
         return spec, []
     return path, [item.strip() for item in tail.split(",")]
-
-
-def parse_evaluate_args(
-    description: str, argv: list[str] | None
-) -> tuple[argparse.Namespace, EvalSpec]:
-    """scripts/evaluate.py's options (`description`: its help text), and what to measure as an
-    EvalSpec; the precisions asked for in args.dtypes (parse_dtypes)."""
-    parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--target",
-        default=None,
-        help=f"{TARGET_HELP} (default: the first --drafter folder's own, else {DEFAULT_TARGET})",
-    )
-    parser.add_argument(
-        "--drafter",
-        action="append",
-        default=[],
-        metavar="FOLDER[:KEY=VALUE,...]",
-        help="a trained drafter (repeat; the same folder may come back with other settings): "
-        "after a colon, decoding settings for this drafter only, over its saved defaults "
-        "(every kind's: "
-        + ", ".join(DecodeConfig.setting_names())
-        + "; a kind's own: "
-        + ", ".join(kinds_own_settings())
-        + "; Medusa's acceptance=typical is lossy at temperature > 0 and marked so)",
-    )
-    parser.add_argument("--baselines", default=",".join(BASELINES))
-    add_prompts_arguments(parser, EvalSpec.prompts, EvalSpec.num_prompts)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument(
-        "--gamma",
-        type=int,
-        default=None,
-        help="draft depth (chain length, tree depth) for every method; default: each drafter's "
-        f"saved setting ({HF_GAMMA} for prompt lookup)",
-    )
-    parser.add_argument(
-        "--tree-top-k",
-        "--topk",  # its old name, beside --top-k (sampling): still read
-        dest="tree_top_k",
-        type=int,
-        default=None,
-        help="tree_top_k of every trained drafter: 1 drafts a chain, k > 1 a tree (EAGLE-2's "
-        "dynamic tree expanding k nodes per level into k children each; Medusa, P-EAGLE and "
-        "DFlash: the best paths through each position's k best candidates); default: each "
-        "drafter's own",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--batch-sizes",
-        default="1",
-        help="measure every method at each of these batch sizes (comma-separated, e.g. "
-        "1,2,4,8,16), each against plain decoding at the same batch size (default: 1)",
-    )
-    parser.add_argument("--device", default=None)
-    parser.add_argument(
-        "--dtype",
-        default=None,
-        help="float32, bfloat16, float16 or several (float32,bfloat16), for the target and "
-        "drafters (default: as saved); bf16 on a CPU without native bf16 is emulated and slow",
-    )
-    add_threads_argument(parser)
-    parser.add_argument("--output", required=True, help="folder for report.json/.md and plots")
-    parser.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to W&B")
-    args = parser.parse_args(argv)
-    try:
-        batch_sizes = parse_batch_sizes(args.batch_sizes)
-    except ValueError as e:
-        parser.error(f"--batch-sizes: {e}")
-    try:
-        spec = EvalSpec(
-            drafters=args.drafter, baselines=args.baselines.split(","), prompts=args.prompts,
-            num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, gamma=args.gamma,
-            tree_top_k=args.tree_top_k, seed=args.seed, batch_sizes=batch_sizes,
-        )  # fmt: skip
-    except ValueError as e:
-        parser.error(str(e))
-    try:
-        args.dtypes = parse_dtypes(args.dtype, args.device)
-    except ValueError as e:
-        parser.error(f"--dtype: {e}")
-    try:
-        args.target = args.target or default_target(args.drafter)
-    except ValueError as e:  # the drafter's folder does not say: --target
-        parser.error(str(e))
-    return args, spec

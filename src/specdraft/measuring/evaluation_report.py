@@ -13,14 +13,7 @@ import torch
 from specdraft.data.benchmarks import Request
 from specdraft.measuring.benchmark_report import breakdown_markdown, category_figure
 from specdraft.measuring.evaluation import LABEL_CHARS, UNBATCHED, EvalSpec
-from specdraft.measuring.measure import (
-    Case,
-    Run,
-    breakdown,
-    case_labels,
-    memory_bound,
-    summarize,
-)
+from specdraft.measuring.measure import Case, Run, breakdown, case_labels, memory_bound, summarize
 from specdraft.measuring.report_writer import (
     Column,
     Report,

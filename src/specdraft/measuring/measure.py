@@ -10,7 +10,6 @@ the training scripts end with.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -489,42 +488,6 @@ def measure_vs_plain(
         for case, out in zip(cases, run.outputs, strict=True)
     ]
     return {**row, "max_new_tokens": max_new_tokens, **options}
-
-
-THREADS_HELP = "CPU threads (0: the count that runs the target fastest on the machine as it is now)"
-
-
-def add_prompts_arguments(
-    parser, prompts: str, num_prompts: int, first_turns: bool = False
-) -> None:
-    """Every measuring script's --prompts and --num-prompts (PROMPTS_HELP), with its defaults;
-    first_turns: the script decodes each request's first turn only."""
-    parser.add_argument(
-        "--prompts",
-        default=prompts,
-        help=PROMPTS_HELP + (" (their first turns)" if first_turns else ""),
-    )
-    parser.add_argument(
-        "--num-prompts",
-        type=int,
-        default=num_prompts,
-        help="requests taken (a named set's round-robin over its categories: 8 is one of each "
-        "of MT-Bench's)" + ("" if first_turns else ", every turn of each measured"),
-    )
-
-
-def add_threads_argument(parser) -> None:
-    """Every measuring script's --threads, which it hands to `choose_threads`; a negative count
-    is refused by the parser."""
-
-    def count(text: str) -> int:
-        if not text.isdigit():
-            raise argparse.ArgumentTypeError(
-                f"must be an integer >= 0 (0: the fastest now), got {text!r}"
-            )
-        return int(text)
-
-    parser.add_argument("--threads", type=count, default=0, help=THREADS_HELP)
 
 
 def choose_threads(asked: int, target, log: Callable[[str], None] | None = None) -> int:

@@ -29,11 +29,7 @@ import torch
 
 from specdraft.core import DecodeConfig, owner_of
 from specdraft.inference.metrics import Stats
-from specdraft.measuring.measure import (
-    Run,
-    loop_decoder,
-    measure,
-)
+from specdraft.measuring.measure import Run, loop_decoder, measure
 from specdraft.precision import dtype_name
 
 # The kind's own settings first (LayerSkip's exit decides what its depth is worth), then trees

@@ -26,8 +26,8 @@ import argparse
 import sys
 
 from specdraft.measuring.evaluation import parse_batch_sizes
-from specdraft.measuring.measure import add_prompts_arguments
 from specdraft.targets.target import DEFAULT_TARGET, TARGET_HELP
+from specdraft.tools.arguments import add_prompts_arguments
 from specdraft.train.comparison import CompareSpec, compare, families
 
 

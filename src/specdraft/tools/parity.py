@@ -32,12 +32,7 @@ import sys
 from specdraft.config import override
 from specdraft.formats.reading import folder_target, load_decoding, load_drafter
 from specdraft.measuring.evaluation import split_drafter_spec
-from specdraft.measuring.measure import (
-    add_prompts_arguments,
-    add_threads_argument,
-    choose_threads,
-    load_prompts,
-)
+from specdraft.measuring.measure import choose_threads, load_prompts
 from specdraft.simulation.continuations import served_examples
 from specdraft.simulation.serving_parity import (
     first_difference,
@@ -47,6 +42,7 @@ from specdraft.simulation.serving_parity import (
     served_sampled_tau,
     simulate,
 )
+from specdraft.tools.arguments import add_prompts_arguments, add_threads_argument
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,12 +40,8 @@ from specdraft.formats.reading import (
 )
 from specdraft.inference.generate import generate
 from specdraft.measuring.evaluation import split_drafter_spec
-from specdraft.measuring.measure import (
-    add_prompts_arguments,
-    add_threads_argument,
-    choose_threads,
-    load_prompts,
-)
+from specdraft.measuring.measure import choose_threads, load_prompts
+from specdraft.tools.arguments import add_prompts_arguments, add_threads_argument
 
 PROPOSE = "specdraft.propose"  # the profiler's label around each proposal
 

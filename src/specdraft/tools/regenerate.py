@@ -54,8 +54,9 @@ from specdraft.data.sources import DataError, Row, SkipRow, read_rows
 from specdraft.data.stdlib_corpus import demo_corpus_texts
 from specdraft.formats import load_drafter
 from specdraft.inference import generate
-from specdraft.measuring.measure import add_threads_argument, choose_threads
+from specdraft.measuring.measure import choose_threads
 from specdraft.targets.target import TARGET_HELP, load_target
+from specdraft.tools.arguments import add_threads_argument
 
 
 def regenerate(

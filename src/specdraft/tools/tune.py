@@ -33,12 +33,7 @@ from specdraft.drafters.base import kinds_own_settings
 from specdraft.formats.checkpoint import set_decode
 from specdraft.formats.reading import folder_target, load_decoding, load_drafter
 from specdraft.measuring.evaluation import parse_batch_sizes
-from specdraft.measuring.measure import (
-    add_prompts_arguments,
-    add_threads_argument,
-    choose_threads,
-    load_prompts,
-)
+from specdraft.measuring.measure import choose_threads, load_prompts
 from specdraft.measuring.tuning import (
     MIN_GAIN,
     SEARCH_ORDER,
@@ -50,6 +45,7 @@ from specdraft.measuring.tuning import (
     tune_against_saved,
     tune_batch_schedule,
 )
+from specdraft.tools.arguments import add_prompts_arguments, add_threads_argument
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,8 +63,9 @@ from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
 from specdraft.llamacpp_build import engines_dir, ensure_llamacpp
 from specdraft.measuring.llamacpp import read_gguf_export, verify_gguf_export
-from specdraft.measuring.measure import add_prompts_arguments, load_prompts, read_prompts
+from specdraft.measuring.measure import load_prompts, read_prompts
 from specdraft.targets.target import TargetError, load_target, target_path
+from specdraft.tools.arguments import add_prompts_arguments
 
 PROG = "scripts/verify_export.py"
 LLAMA_CPP = "llama.cpp"
