@@ -9,12 +9,14 @@ import contextlib
 import os
 import resource
 import sys
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
+from specdraft.config import SHIPPED_CONFIGS
 from specdraft.measuring.measure import usable_cores
 from specdraft.train.train_config import TrainConfig
 
@@ -29,6 +31,7 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     config. The process group (accelerate's PartialState) is kept."""
     AcceleratorState._reset_state()
     GradientState._reset_state()
+    find_shipped_deepspeed_config()
     acc = Accelerator(
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=cfg.grad_accum,
@@ -56,6 +59,19 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
         ds["gradient_accumulation_steps"] = cfg.grad_accum
         ds["gradient_clipping"] = cfg.max_grad_norm
     return acc
+
+
+def find_shipped_deepspeed_config() -> None:
+    """Where `accelerate launch` hands over a DeepSpeed config file by the relative path the
+    shipped accelerate configs name (configs/deepspeed/zero2.json, relative to the launch
+    directory) and no such file is there, the shipped one is read (an installed package has no
+    checkout to launch from). Any other missing file is left for accelerate to report."""
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not path or path == "none" or os.path.isabs(path) or os.path.exists(path):
+        return
+    parts = Path(path).parts
+    if parts[:1] == ("configs",) and SHIPPED_CONFIGS.joinpath(*parts[1:]).is_file():
+        os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(SHIPPED_CONFIGS.joinpath(*parts[1:]))
 
 
 @contextlib.contextmanager
