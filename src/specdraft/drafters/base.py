@@ -104,8 +104,8 @@ class BatchSession:
     the loop's calls of a DraftSession, each taking one entry per active row, and `drop` when
     rows finish. Row r's context, tree, path and hidden states are batch-1 objects exactly as a
     DraftSession gets them, so a kind's single-sequence session serves a batch unchanged
-    (`RowSessions`, the default); a kind that drafts the rows of a batch in one pass overrides
-    `Drafter.new_batch_session` with a subclass of its own."""
+    (`RowSessions`, the default); a kind that drafts the rows of a batch in one pass builds a
+    subclass of its own in `Drafter.batch_session` (and says so in `batch_drafts`)."""
 
     capture_layers: Sequence[int] = ()
     lossy: bool = False

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -162,6 +163,8 @@ class EagleDrafter(Drafter):
     title = "EAGLE"
     # chains of a batch drafted together; EAGLE-2's trees row by row
     batch_drafts = "chains"
+    session_class: ClassVar[type[EagleSession]] = EagleSession
+    batch_session_class: ClassVar[type[EagleBatchSession]] = EagleBatchSession
     batch_full_weights = "the head's full weights"
     config_class = EagleConfig
     drafts_after_prefill = True  # the head reads the target's features of the context
@@ -238,8 +241,11 @@ class EagleDrafter(Drafter):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> EagleSession:
-        """Per-call drafting state for the inference loop (kinds/eagle/eagle_session.py)."""
-        return EagleSession(self, target, sampling=sampling, decode=decode, generator=generator)
+        """Per-call drafting state for the inference loop (kinds/eagle/eagle_session.py; a kind
+        built on this head names its own subclasses: `session_class`, `batch_session_class`)."""
+        return self.session_class(
+            self, target, sampling=sampling, decode=decode, generator=generator
+        )
 
     def batch_session(
         self,
@@ -252,7 +258,7 @@ class EagleDrafter(Drafter):
     ) -> BatchSession:
         """Chains of a batch drafted together, one head pass per depth (EagleBatchSession, on
         the head's modules); EAGLE-2's trees go row by row."""
-        return EagleBatchSession(
+        return self.batch_session_class(
             self, target, batch_size, sampling=sampling, decode=decode, generator=generator
         )
 

@@ -47,12 +47,10 @@ from specdraft.core import (
     DecodeConfig,
     DraftContext,
     DraftTree,
-    SamplingSettings,
     draft_chains,
     float_mask,
 )
 from specdraft.drafters.base import (
-    BatchSession,
     Metrics,
     check_features_known,
     sum_and_count,
@@ -406,30 +404,6 @@ class PEagleDrafter(EagleDrafter):
 
     # --- decoding ---------------------------------------------------------------------------
 
-    def new_session(
-        self,
-        target,
-        *,
-        sampling: SamplingSettings,
-        decode: DecodeConfig,
-        generator: torch.Generator | None = None,
-    ) -> PEagleSession:
-        return PEagleSession(self, target, sampling=sampling, decode=decode, generator=generator)
-
-    def batch_session(
-        self,
-        target,
-        batch_size: int,
-        *,
-        sampling: SamplingSettings,
-        decode: DecodeConfig,
-        generator: torch.Generator | None = None,
-    ) -> BatchSession:
-        """Every row's chain from one head pass (PEagleBatchSession, on the head's modules)."""
-        return PEagleBatchSession(
-            self, target, batch_size, sampling=sampling, decode=decode, generator=generator
-        )
-
     def depth_cap(self) -> tuple[int, str]:
         K = self.config.num_depths
         return K, f"one forward drafts {K} tokens (drafter.num_depths)"
@@ -528,3 +502,8 @@ class PEagleBatchSession(EagleBatchSession):
             stop_below=self.decode.stop_below,
             vocab=self.vocab,
         )
+
+
+# the head's sessions are EAGLE's, drafting through the parallel slots (EagleDrafter.new_session)
+PEagleDrafter.session_class = PEagleSession
+PEagleDrafter.batch_session_class = PEagleBatchSession
