@@ -52,7 +52,13 @@ def naive(hidden, weight, target, target_weight, labels, rows, kind, temperature
         div = (q * (log_qt - log_p)).sum(-1)
     elif kind == "tvd":
         div = 0.5 * (p - q).abs().sum(-1)
-    else:  # jsd, beta 0.3, with the mixture in probabilities
+    elif kind == "lk":  # -log alpha, alpha the acceptance rate sum_x min(p, q)
+        div = -torch.minimum(p, q).sum(-1).log()
+    elif kind == "lk_hybrid":  # lambda KL + (1 - lambda) TV, lambda = exp(-3 alpha), alpha fixed
+        alpha = torch.minimum(p, q).sum(-1)
+        lam = torch.exp(-3.0 * alpha.detach())
+        div = lam * (p * (log_p - log_qt)).sum(-1) + (1 - lam) * 0.5 * (p - q).abs().sum(-1)
+    elif kind == "jsd":  # jsd, beta 0.3, with the mixture in probabilities
         m = 0.3 * p + 0.7 * q
         div = 0.3 * (p * (log_p - m.log())).sum(-1) + 0.7 * (q * (log_qt - m.log())).sum(-1)
     return ce, div, token, log_q
@@ -174,3 +180,28 @@ def test_bad_chunk_sizes_name_the_key_and_the_fix():
             check_chunk_tokens(bad)
     with pytest.raises(ValueError, match="unknown divergence 'kl'"):
         token_losses(torch.zeros(1, H), lambda h: h, target=torch.zeros(1, H), divergence="kl")
+
+
+def test_overlap_is_the_acceptance_rate_and_lk_scales_tv_by_its_inverse():
+    """overlap=True gives alpha = sum_x min(p, q) per row; lk's gradient is TV's divided by
+    alpha (the LK paper's reason it trains from a cold start where TV's gradient vanishes)."""
+    hidden, weight, target, tw, _, rows = setup(6, seed=3)
+
+    def run(kind):
+        return token_losses(
+            hidden, lambda h: h @ weight.T, target=target, target_head=lambda h: h @ tw.T,
+            target_rows=rows, divergence=kind, overlap=True, chunk_tokens=4,
+        )  # fmt: skip
+
+    lk, tv = run("lk"), run("tvd")
+    p = F.softmax((target @ tw.T)[:, rows], -1)
+    q = F.softmax(hidden @ weight.T, -1)
+    torch.testing.assert_close(lk.overlap, torch.minimum(p, q).sum(-1).detach())
+    torch.testing.assert_close(lk.divergence, -lk.overlap.log())
+    for i in range(3):
+        (g_lk,) = torch.autograd.grad(lk.divergence[i], hidden, retain_graph=True)
+        (g_tv,) = torch.autograd.grad(tv.divergence[i], hidden, retain_graph=True)
+        torch.testing.assert_close(g_lk, g_tv / lk.overlap[i], rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="overlap needs the target"):
+        token_losses(hidden, lambda h: h @ weight.T, labels=torch.zeros(6, dtype=torch.long),
+                     overlap=True)  # fmt: skip

@@ -35,7 +35,16 @@ from torch.utils.checkpoint import checkpoint
 # head's product (1024 x hidden x vocab) is still large enough to run at full speed on a GPU.
 DEFAULT_CHUNK_TOKENS = 1024
 
-DIVERGENCES = ("fkl", "rkl", "jsd", "tvd", "soft_ce")
+DIVERGENCES = ("fkl", "rkl", "jsd", "tvd", "soft_ce", "lk", "lk_hybrid")
+
+# The LK losses (Samarin et al., "LK Losses: Direct Acceptance Rate Optimization for Speculative
+# Decoding", arXiv 2602.23881) train for the acceptance rate alpha = sum_x min(p(x), q(x)) itself:
+# lk is -log alpha (its gradient is TV's scaled by 1 / alpha, usable from a cold start), lk_hybrid
+# lambda * KL(p || q) + (1 - lambda) * TV(p, q) with lambda = exp(-eta * alpha) and alpha held
+# fixed (KL's strong pull while the drafter is far, TV's acceptance-optimal one as it nears).
+# eta = 3, the paper's best hybrid; alpha is floored at LK_FLOOR inside the log.
+LK_HYBRID_ETA = 3.0
+LK_FLOOR = 1e-5
 
 
 def check_chunk_tokens(value: object, key: str = "loss_chunk_tokens") -> int:
@@ -90,6 +99,9 @@ class TokenLosses:
     # (n,) the target's most likely token over its whole vocabulary, as a draft id (-1 where the
     # draft vocabulary lacks it); with target_rows=None the token itself
     target_token: torch.Tensor | None = None
+    # (n,) alpha = sum_x min(p(x), q(x)), the chance a draw from q is accepted against p (both
+    # at `temperature`, without gradient); only with overlap=True
+    overlap: torch.Tensor | None = None
 
 
 def token_losses(
@@ -105,6 +117,7 @@ def token_losses(
     beta: float = 0.5,
     top_k: int = 0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    overlap: bool = False,
 ) -> TokenLosses:
     """Cross-entropy and a divergence from the target per position, with the LM heads applied
     inside, `chunk_tokens` positions at a time (`chunked`).
@@ -119,14 +132,17 @@ def token_losses(
     `target_token` says where the target's own choice is outside. Exact, not an approximation:
     the restricted distribution is what the naive loss computes too.
     divergence: fkl KL(p || q) | rkl KL(q || p) | jsd JSD(beta) | tvd total variation |
-    soft_ce -sum p log q (the cross-entropy to p, KL(p || q) + H(p)); both sides softened by
-    `temperature` (the cross-entropy to labels is not). top_k > 0: `hits` for the top-k ranks.
+    soft_ce -sum p log q (the cross-entropy to p, KL(p || q) + H(p)) | lk -log alpha |
+    lk_hybrid (the LK losses: LK_HYBRID_ETA above); both sides softened by `temperature` (the
+    cross-entropy to labels is not). overlap (with a target): `overlap`, each row's alpha. top_k > 0: `hits` for the top-k ranks.
     Logits are float32 whatever the inputs' dtype (bf16 hidden states and weights welcome).
     """
     if divergence not in DIVERGENCES:
         raise ValueError(f"unknown divergence {divergence!r}; use one of {', '.join(DIVERGENCES)}")
     t2d = None  # target id -> draft id, built at the first chunk (the vocabulary size is known)
     want = (labels is not None, target is not None, top_k > 0)
+    if overlap and not want[1]:
+        raise ValueError("overlap needs the target's distribution: pass target")
 
     def one_chunk(h, labels_c, target_c):
         nonlocal t2d
@@ -152,6 +168,9 @@ def token_losses(
             out.append(divergence_per_row(log_p, scaled, divergence, beta))
             out.append(token)
             reference = token
+            if overlap:
+                with torch.no_grad():
+                    out.append(torch.minimum(log_p.exp(), scaled.exp()).sum(-1))
         if want[2]:
             ranked = log_q.detach().topk(min(top_k, log_q.shape[-1]), dim=-1).indices
             out.append(ranked == reference.clamp(min=0)[:, None])
@@ -164,6 +183,8 @@ def token_losses(
     if want[1]:
         result.divergence = outputs.pop(0)
         result.target_token = outputs.pop(0)
+        if overlap:
+            result.overlap = outputs.pop(0)
     if want[2]:
         result.hits = outputs.pop(0)
     return result
@@ -193,4 +214,11 @@ def divergence_per_row(
         return beta * kl_pm + (1 - beta) * kl_qm
     if kind == "tvd":
         return 0.5 * (p - q).abs().sum(-1)
+    if kind in ("lk", "lk_hybrid"):
+        alpha = torch.minimum(p, q).sum(-1)
+        if kind == "lk":
+            return -alpha.clamp_min(LK_FLOOR).log()
+        kl = (p * (log_p - log_q)).sum(-1)
+        weight = torch.exp(-LK_HYBRID_ETA * alpha.detach())
+        return weight * kl + (1 - weight) * (1 - alpha)
     raise ValueError(f"unknown divergence {kind!r}; use one of {', '.join(DIVERGENCES)}")

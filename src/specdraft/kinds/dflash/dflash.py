@@ -95,6 +95,10 @@ class DFlashConfig:
     # random: layers as nn.Linear initialises them. target: copy the target's last num_layers
     # decoder layers' matching weights (projections, MLP, norms) and its final norm.
     init: str = choice("random", "target")
+    # The loss against the target's distribution: fkl (KL(p || q), speculators') | lk |
+    # lk_hybrid (the LK losses, which train for the acceptance rate: specdraft/losses.py) |
+    # soft_ce | tvd | rkl | jsd.
+    divergence: str = choice("fkl", "lk", "lk_hybrid", "soft_ce", "tvd", "rkl", "jsd")
 
     def __post_init__(self) -> None:
         for key, low in (("num_layers", 1), ("block_size", 2), ("anchors", 1)):
@@ -304,6 +308,16 @@ class DFlashDrafter(Drafter):
     def block_size(self) -> int:
         return self.config.block_size
 
+    # The block's first drafting slot: 1, slot 0 holding the anchor (the bonus token the target
+    # just emitted), so a block drafts B - 1 tokens; a kind whose anchor slot drafts too (DSpark's
+    # sample_from_anchor, kinds/dspark/dspark.py) says 0. Slot first_slot + j drafts the token at
+    # anchor + 1 + j, learning the target's distribution at anchor + j.
+    first_slot: int = 1
+
+    @property
+    def drafts_per_block(self) -> int:
+        return self.block_size - self.first_slot
+
     # The pieces training, acceptance and drafting are built from.
 
     def features(self, hidden_states: Mapping[int, torch.Tensor]) -> torch.Tensor:
@@ -359,17 +373,17 @@ class DFlashDrafter(Drafter):
     ) -> torch.Tensor:
         """(batch, anchors x most documents in a row) anchor positions, ascending, -1 padded:
         per document (a row, or each of a packed row's), up to `anchors` positions a >= 1 of it
-        whose block fits in it (a + B - 1 < its length) and whose first drafted token (a + 1)
+        whose block fits in it (its last drafted token, a + D, D = drafts_per_block, inside it) and whose first drafted token (a + 1)
         is scored, drawn without replacement from a generator of the document's seed."""
         scored = batch["loss_mask"].bool().cpu()
-        N, B = self.config.anchors, self.block_size
+        N, D = self.config.anchors, self.drafts_per_block
         spans = document_spans(batch)
         width = N * max(len(docs) for docs in spans)
         rows = []
         for row, (docs, doc_seeds) in enumerate(zip(spans, seeds, strict=True)):
             chosen = [torch.empty(0, dtype=torch.long)]
             for (start, n), seed in zip(docs, doc_seeds, strict=True):
-                a = torch.arange(1, max(1, n - B + 1))  # a + B - 1 <= n - 1
+                a = torch.arange(1, max(1, n - D))  # a + D <= n - 1
                 a = a[scored[row, start + a + 1]]
                 pick = torch.randperm(len(a), generator=torch.Generator().manual_seed(seed))[:N]
                 chosen.append(start + a[pick].sort().values)
@@ -391,11 +405,11 @@ class DFlashDrafter(Drafter):
         return self.choose_anchors(batch, seeds)
 
     def slot_valid(self, batch: Mapping[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
-        """(batch, anchors, B - 1) bool: slot i of an anchor's block predicts a scored token
-        (at a + i) of the anchor's own document."""
+        """(batch, anchors, D) bool: drafting slot j of an anchor's block (D = drafts_per_block)
+        predicts a scored token (at a + 1 + j) of the anchor's own document."""
         T = batch["input_ids"].shape[1]
-        slots = torch.arange(1, self.block_size, device=anchors.device)
-        at = anchors[..., None] + slots  # (batch, anchors, B - 1) predicted token positions
+        slots = torch.arange(1, self.drafts_per_block + 1, device=anchors.device)
+        at = anchors[..., None] + slots  # (batch, anchors, D) predicted token positions
         inside = (anchors[..., None] >= 0) & (at < T)
         flat = at.clamp(0, T - 1).flatten(1)
         scored = batch["loss_mask"].bool().gather(1, flat).view_as(at)
@@ -408,10 +422,10 @@ class DFlashDrafter(Drafter):
     def slots(
         self, batch: Mapping[str, torch.Tensor], target_out, logits: bool = True
     ) -> dict[str, torch.Tensor]:
-        """Every anchor's block in one pass: h (batch, anchors, B - 1, hidden) the states of
-        slots 1..B-1, at (same but hidden) the position a + i - 1 of the target's distribution
-        slot i learns, valid (batch, anchors, B - 1); with `logits`, also the slots' logits
-        (batch, anchors, B - 1, vocab) and the target's there, p_logits (the loss leaves both
+        """Every anchor's block in one pass: h (batch, anchors, D, hidden) the states of
+        the drafting slots, at (same but hidden) the position a + j of the target's distribution
+        drafting slot j learns, valid (batch, anchors, D); with `logits`, also the slots' logits
+        (batch, anchors, D, vocab) and the target's there, p_logits (the loss leaves both
         out and makes them a chunk at a time, specdraft/losses.py).
 
         The blocks of a row are laid side by side as queries; keys are the row's context
@@ -446,8 +460,8 @@ class DFlashDrafter(Drafter):
         same_block = (block_of[:, None] == block_of[None, :]).expand(Bt, -1, -1)
         mask = torch.cat([sees_context, same_block], dim=2)[:, None]  # (batch, 1, NB, T + NB)
         h = self.block_states(tokens, positions, context, mask)  # (batch, N * B, hidden)
-        h = h.view(Bt, N, Bs, -1)[:, :, 1:]  # slots 1..B-1
-        at = (start[..., None] + offsets[: Bs - 1]).clamp(max=T - 1)  # a + i - 1
+        h = h.view(Bt, N, Bs, -1)[:, :, self.first_slot :]  # the drafting slots
+        at = (start[..., None] + offsets[: self.drafts_per_block]).clamp(max=T - 1)  # a + j
         out = {"h": h, "at": at, "valid": self.slot_valid(batch, anchors)}
         if logits:
             rows = torch.arange(Bt, device=device)[:, None, None]
@@ -456,19 +470,19 @@ class DFlashDrafter(Drafter):
         return out
 
     def slot_weights(self, device) -> torch.Tensor:
-        """(B - 1,) the loss weight of slots 1..B-1: exp(-(i - 1) / position_decay)."""
+        """(D,) the loss weight of the drafting slots: exp(-j / position_decay) for the j-th."""
         decay = self.config.position_decay
-        i = torch.arange(self.block_size - 1, device=device, dtype=torch.float32)
+        i = torch.arange(self.drafts_per_block, device=device, dtype=torch.float32)
         return torch.exp(-i / decay) if decay > 0 else torch.ones_like(i)
 
     def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, Metrics]:
-        """Sum over every anchor's scored slots of w_i * KL(p || q_i), p the target's
+        """Sum over every anchor's scored slots of w_i * KL(p || q_i) (or drafter.divergence), p the target's
         distribution at a + i - 1 and q_i slot i's; over `loss_tokens(batch)` slots. Both sides'
         logits are made inside specdraft/losses.py, `loss_chunk_tokens` slots at a time: the
         target's from its final states where the forward captured them (the trainer does, as
         `reads_target_logits` is False), else taken from its logits."""
         s = self.slots(batch, target_out, logits=False)
-        valid = s["valid"]  # (batch, N, B - 1)
+        valid = s["valid"]  # (batch, N, D)
         rows, _, slot = valid.nonzero(as_tuple=True)  # the scored slots, (n,) each
         at = s["at"][valid]
         final = target_out.hidden_states.get(self.target.num_layers)
@@ -478,12 +492,12 @@ class DFlashDrafter(Drafter):
             target, target_head = final[rows, at], self._target_logits
         scored = token_losses(
             s["h"][valid], self.draft_logits, target=target, target_head=target_head,
-            divergence="fkl", top_k=1, chunk_tokens=self.loss_chunk_tokens,
+            divergence=self.config.divergence, top_k=1, chunk_tokens=self.loss_chunk_tokens,
         )  # fmt: skip
         kl = scored.divergence  # (n,)
         total = (kl * self.slot_weights(kl.device)[slot]).sum()
         metrics: Metrics = {}
-        for i in range(self.block_size - 1):
+        for i in range(self.drafts_per_block):
             here = slot == i
             metrics[f"loss_{i + 1}"] = sum_and_count(kl, here)
             metrics[f"top1_{i + 1}"] = sum_and_count(scored.hits[:, 0], here)
@@ -507,25 +521,25 @@ class DFlashDrafter(Drafter):
         slots do not see each other's drafts: so depth d counts the anchors whose slots 1..d-1
         all agree with the target's argmax (greedy agreement, the accepted prefix), and of
         those, how many agree at slot d and their alpha_d = sum_x min(p(x), q_d(x)). Depths
-        beyond B - 1 are never drafted (0 of 0)."""
+        beyond D (drafts_per_block) are never drafted (0 of 0)."""
         s = self.slots(batch, target_out)
         p = F.softmax(s["p_logits"].float(), dim=-1)
         q = F.softmax(s["logits"].float(), dim=-1)
-        alpha = torch.minimum(p, q).sum(-1)  # (batch, N, B - 1)
+        alpha = torch.minimum(p, q).sum(-1)  # (batch, N, D)
         agree = s["logits"].argmax(-1) == s["p_logits"].argmax(-1)
         valid = s["valid"]
         reach = torch.ones_like(valid)
         sums, greedy, counts = [], [], []
         zero = alpha.new_zeros(())
         for d in range(decode.gamma):
-            if d >= self.block_size - 1:
+            if d >= self.drafts_per_block:
                 sums.append(zero), greedy.append(zero), counts.append(zero)
                 continue
             here = reach[..., d] & valid[..., d]
             sums.append((alpha[..., d] * here).sum())
             greedy.append((agree[..., d] & here).sum().float())
             counts.append(here.sum().float())
-            if d + 1 < self.block_size - 1:
+            if d + 1 < self.drafts_per_block:
                 reach[..., d + 1] = here & agree[..., d]
         return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
 
@@ -540,7 +554,7 @@ class DFlashDrafter(Drafter):
         B, T = ids.shape
         anchors = torch.arange(T, device=ids.device)[None].expand(B, T)
         logits = self.slots({**batch, "anchors": anchors}, target_out)["logits"]
-        return logits[:, :, : min(decode.gamma, self.block_size - 1)]  # (B, T, depth, V)
+        return logits[:, :, : min(decode.gamma, self.drafts_per_block)]  # (B, T, depth, V)
 
     def sampled_tree_reach(
         self,
@@ -580,6 +594,8 @@ class DFlashDrafter(Drafter):
         )
 
     def depth_cap(self) -> tuple[int, str]:
+        if self.first_slot == 0:
+            return self.block_size, f"a block of {self.block_size} drafts block_size tokens"
         return self.block_size - 1, f"a block of {self.block_size} drafts block_size - 1 tokens"
 
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:

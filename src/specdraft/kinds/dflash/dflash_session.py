@@ -69,7 +69,7 @@ class DFlashSession(DraftSession):
     def propose(self, context: DraftContext) -> DraftTree:
         seq = context.tokens  # (batch, length)
         length = seq.shape[1]
-        depth = min(self.decode.gamma, self.drafter.block_size - 1, context.max_depth)
+        depth = min(self.decode.gamma, self.drafter.drafts_per_block, context.max_depth)
         if self.context is None or self.known == 0 or depth <= 0:
             return DraftTree.empty(seq.shape[0], seq.device)
         check_features_known("DFlashSession", self.known, length)
@@ -78,7 +78,8 @@ class DFlashSession(DraftSession):
         tokens = d.block_tokens(seq[:, -1].to(device))  # (batch, B)
         positions = (length - 1 + torch.arange(d.block_size, device=device))[None]
         h = d.block_states(tokens, positions.expand(tokens.shape[0], -1), self.context)
-        logits = d.draft_logits(h[0, 1 : 1 + depth])  # (depth, vocab): slots 1..depth
+        first = d.first_slot
+        logits = d.draft_logits(h[0, first : first + depth])  # (depth, vocab): the drafting slots
         if not self.decode.chain:  # the tree of the slots' top candidates
             return position_tree(
                 logits, decode=self.decode, sampling=self.sampling, generator=self.generator,
@@ -160,7 +161,7 @@ class DFlashBatchSession(BatchSession):
     @torch.no_grad()
     def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
         d = self.drafter
-        limit = min(self.decode.gamma, d.block_size - 1)
+        limit = min(self.decode.gamma, d.drafts_per_block)
         depths = []
         for r, context in enumerate(contexts):
             depth = 0 if context is None else min(limit, context.max_depth)
@@ -190,7 +191,8 @@ class DFlashBatchSession(BatchSession):
         mask = torch.cat([sees, block], dim=1)[:, None, None].expand(-1, -1, d.block_size, -1)
         h = d.block_states(tokens, positions, context, mask)  # (n, B, hidden)
         deepest = max(depths)
-        logits = d.draft_logits(h[:, 1 : 1 + deepest])  # (n, deepest, vocab): slots 1..deepest
+        first = d.first_slot
+        logits = d.draft_logits(h[:, first : first + deepest])  # (n, deepest, vocab)
         # 2. Each row's chain, drawn slot by slot (q recorded when sampling); a slot does not
         # read the token drawn before it, so the step only hands over the next slot's logits.
         chains = draft_chains(

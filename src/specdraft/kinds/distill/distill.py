@@ -77,8 +77,9 @@ class DistillConfig:
     # init=target: which target layers (0-based) seed the student's layers; None: the first ones.
     init_layers: list[int] | None = None
     # Divergence to the target's distribution: fkl (KL(p||q)) | rkl (KL(q||p)) | jsd (JSD(beta)) |
-    # tvd (total variation) | none (cross-entropy on the data only).
-    divergence: str = choice("fkl", "rkl", "jsd", "tvd", "none")
+    # tvd (total variation) | lk | lk_hybrid (the LK losses, for the acceptance rate:
+    # specdraft/losses.py) | none (cross-entropy on the data only).
+    divergence: str = choice("fkl", "rkl", "jsd", "tvd", "lk", "lk_hybrid", "none")
     # JSD(beta) mixes m = beta * p + (1 - beta) * q; beta -> 0 approaches forward KL's behaviour.
     jsd_beta: float = 0.5
     # Both distributions are softened by this temperature before the divergence.

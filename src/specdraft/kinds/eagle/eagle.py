@@ -99,6 +99,10 @@ class EagleConfig:
     norm_before_residual: bool = follows("version", False)
     # eagle1: fc has a bias (SafeAILab/EAGLE's default; its config.json says `bias`).
     fc_bias: bool = True
+    # The loss against the target's distribution p (eagle1: its cls term): soft_ce (-sum p log q,
+    # EAGLE's) | fkl (KL(p || q), the same gradient) | lk | lk_hybrid (the LK losses, which train
+    # for the acceptance rate: specdraft/losses.py) | tvd | rkl | jsd.
+    divergence: str = choice("soft_ce", "fkl", "lk", "lk_hybrid", "tvd", "rkl", "jsd")
 
     def __post_init__(self) -> None:
         # ttt_steps and feature_noise stay None here and resolve with the version (resolve_config):
@@ -409,9 +413,10 @@ class EagleDrafter(Drafter):
         scored token's loss, over `loss_tokens(batch)` tokens (step 0 scores token t + 2 from
         position t; a later step's last positions and invalid tokens add 0).
 
-        eagle3: soft cross-entropy to the target distribution restricted (and renormalised) to
-        the draft vocabulary; positions whose target argmax is outside it add 0.
-        eagle1: reg_weight * smooth-L1(h, next feature) + cls_weight * soft cross-entropy to p.
+        eagle3: `divergence` (soft cross-entropy by default) to the target distribution
+        restricted (and renormalised) to the draft vocabulary; positions whose target argmax is
+        outside it add 0. eagle1: reg_weight * smooth-L1(h, next feature) + cls_weight *
+        `divergence` to p.
         The head's logits and the target's (from its final states and LM head) are made inside
         specdraft/losses.py, `loss_chunk_tokens` positions of a step at a time.
         """
@@ -424,8 +429,8 @@ class EagleDrafter(Drafter):
             target, target_head = self._target_rows(target_out, rows, s["p_at"][at])
             scored = token_losses(
                 s["h"][valid], self.draft_logits, target=target, target_head=target_head,
-                target_rows=self.d2t if self.reduced_vocab else None, divergence="soft_ce",
-                top_k=1, chunk_tokens=self.loss_chunk_tokens,
+                target_rows=self.d2t if self.reduced_vocab else None,
+                divergence=cfg.divergence, top_k=1, chunk_tokens=self.loss_chunk_tokens,
             )  # fmt: skip
             # eagle3: the target's argmax must be draftable, else the restricted target is
             # meaningless

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.attention import document_seeds, document_spans
+from specdraft.config import choice
 from specdraft.core import (
     DecodeConfig,
     DraftContext,
@@ -84,6 +85,9 @@ class PEagleConfig:
     # The token whose embedding the parallel slots read; None: the tokenizer's mask, pad or unk
     # token, else the last id. Resolved when the head is built and saved with it.
     mask_token_id: int | None = None
+    # The loss against the target's distribution: fkl (KL(p || q), speculators') | lk |
+    # lk_hybrid (the LK losses: specdraft/losses.py) | soft_ce | tvd | rkl | jsd.
+    divergence: str = choice("fkl", "lk", "lk_hybrid", "soft_ce", "tvd", "rkl", "jsd")
 
     # What EagleDrafter reads of its config: P-EAGLE's head is always EAGLE-3's reference layer.
     version: ClassVar[str] = "eagle3"
@@ -329,7 +333,7 @@ class PEagleDrafter(EagleDrafter):
         return out
 
     def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, Metrics]:
-        """Sum over the kept slots of KL(p || q): p the target's distribution at the slot's token,
+        """Sum over the kept slots of KL(p || q) (or drafter.divergence): p the target's distribution at the slot's token,
         restricted (and renormalised) to the draft vocabulary, q the head's; a slot whose target
         argmax is outside the draft vocabulary adds 0. Over `loss_tokens(batch)` slots."""
         s = self.slots(batch, target_out, self._keep(batch), logits=False)
@@ -337,8 +341,8 @@ class PEagleDrafter(EagleDrafter):
         target, target_head = self._target_rows(target_out, rows, s["p_at"][rows, slot])
         scored = token_losses(
             s["h"][rows, slot], self.draft_logits, target=target, target_head=target_head,
-            target_rows=self.d2t if self.reduced_vocab else None, divergence="fkl", top_k=1,
-            chunk_tokens=self.loss_chunk_tokens,
+            target_rows=self.d2t if self.reduced_vocab else None, divergence=self.config.divergence,
+            top_k=1, chunk_tokens=self.loss_chunk_tokens,
         )  # fmt: skip
         valid = scored.target_token >= 0  # (n,): the target's argmax is draftable
         kl, depth = scored.divergence, s["depth"][rows, slot]
