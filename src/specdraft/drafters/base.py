@@ -346,7 +346,7 @@ class Drafter(nn.Module):
         if logits is None:
             return None
         drafts = self.target_ids(logits.argmax(-1))
-        confident = greedy_confidence(logits, decode.stop_below)
+        confident = self.chain_confidence(batch, target_out, logits, decode)
         if logits.dim() == 3:  # one set per position: depth i + 1 after c is position c + i's
             drafts = along_positions(drafts, decode.gamma)
             confident = along_positions(confident, decode.gamma)
@@ -371,11 +371,25 @@ class Drafter(nn.Module):
         if logits is None:
             return None
         logits = logits / temperature  # q as the session processes it (no top-k, top-p)
-        confident = greedy_confidence(logits, decode.stop_below)
+        confident = self.chain_confidence(batch, target_out, logits, decode)
         return chain_reach(
             logits, target_out.logits / temperature, confident, batch["input_ids"],
             decode.gamma, self.draft_index_of(),
         )  # fmt: skip
+
+    def chain_confidence(
+        self,
+        batch: Mapping[str, torch.Tensor],
+        target_out,
+        logits: torch.Tensor,
+        decode: DecodeConfig,
+    ) -> torch.Tensor:
+        """(logits' shape but vocab) bool: whether a chain drafted from `served_logits`'
+        `logits` (as the session processes them) goes on after each of its positions under
+        decode.stop_below: by default its top probability is at least stop_below, as
+        core.draft_chain decides; a kind with a rule of its own (DSpark's confidence head)
+        overrides this."""
+        return greedy_confidence(logits, decode.stop_below)
 
     def sampled_tree_reach(
         self,

@@ -15,48 +15,33 @@ an interruption continues after the last finished shard.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from types import ModuleType
 
 from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
-from specdraft.kinds.dflash import dflash
-from specdraft.kinds.dflash import dflash_trainer as dflash_script
-from specdraft.kinds.eagle import eagle
-from specdraft.kinds.eagle import eagle_trainer as eagle_script
-from specdraft.kinds.peagle import peagle_trainer as peagle_script
 from specdraft.targets.hidden_cache import DTYPES, bytes_per_token, write_cache
 from specdraft.targets.target import load_target
+from specdraft.train.entry import Recipe, trained_kinds
 from specdraft.train.train_config import TrainConfig
 
-# kind -> (its trainer's config class and default config, the layers its drafter reads)
-KINDS = {
-    "eagle": (
-        eagle_script.EagleTrainConfig,
-        eagle_script.DEFAULT_CONFIG,
-        lambda cfg, target: eagle.EagleDrafter.capture_layers_for(
-            eagle.resolve_config(cfg, target), target
-        ),
-    ),
-    "peagle": (  # EAGLE-3's head: the same feature layers
-        peagle_script.PEagleTrainConfig,
-        peagle_script.DEFAULT_CONFIG,
-        lambda cfg, target: eagle.EagleDrafter.capture_layers_for(
-            eagle.resolve_config(cfg, target), target
-        ),
-    ),
-    "dflash": (
-        dflash_script.DFlashTrainConfig,
-        dflash_script.DEFAULT_CONFIG,
-        lambda cfg, target: dflash.resolve_config(cfg, target).aux_layers,
-    ),
-}
+
+def cached_kinds() -> dict[str, ModuleType]:
+    """kind -> its trainer module, for the kinds that train from the cache: those whose trainer
+    says which target layers its drafter reads (`layers_read(drafter config, target)`)."""
+    trainers = {
+        k: importlib.import_module(f"specdraft.kinds.{k}.{k}_trainer") for k in trained_kinds()
+    }
+    return {k: m for k, m in trainers.items() if hasattr(m, "layers_read")}
+
 
 PROG = "scripts/dump_hidden_states.py"
 
 
 def main(argv: list[str] | None = None) -> int:
     args, cfg = parse_args(sys.argv[1:] if argv is None else argv)
-    layers_read = KINDS[args.kind][2]
+    layers_read = cached_kinds()[args.kind].layers_read
     try:
         target = load_target(cfg.target, dtype=cfg.target_dtype())
         train_examples, eval_examples, _ = build_datasets(cfg.data, target.tokenizer)
@@ -87,7 +72,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
         add_help=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--kind", default="eagle", choices=list(KINDS), help="whose run it feeds")
+    parser.add_argument(
+        "--kind", default="eagle", choices=list(cached_kinds()), help="whose run it feeds"
+    )
     parser.add_argument("--out", help="the cache folder, required (created; resumed if there)")
     parser.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="stored precision")
     parser.add_argument("--shard-examples", type=int, default=256, help="examples per shard file")
@@ -98,8 +85,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
         print(f"\nThe {args.kind} run's config (`specdraft train {args.kind}`'s keys):\n")
     elif args.out is None:
         parser.error("the following arguments are required: --out")
-    config_class, default_config, _ = KINDS[args.kind]
-    return args, parse_cli(config_class, rest, default_config, prog=PROG)
+    recipe = Recipe.of(args.kind)
+    return args, parse_cli(recipe.config_class, rest, recipe.default_config, prog=PROG)
 
 
 if __name__ == "__main__":

@@ -484,12 +484,7 @@ class DFlashDrafter(Drafter):
         s = self.slots(batch, target_out, logits=False)
         valid = s["valid"]  # (batch, N, D)
         rows, _, slot = valid.nonzero(as_tuple=True)  # the scored slots, (n,) each
-        at = s["at"][valid]
-        final = target_out.hidden_states.get(self.target.num_layers)
-        if final is None:
-            target, target_head = target_out.logits[rows, at], None
-        else:
-            target, target_head = final[rows, at], self._target_logits
+        target, target_head = self.target_at(target_out, rows, s["at"][valid])
         scored = token_losses(
             s["h"][valid], self.draft_logits, target=target, target_head=target_head,
             divergence=self.config.divergence, top_k=1, chunk_tokens=self.loss_chunk_tokens,
@@ -502,6 +497,15 @@ class DFlashDrafter(Drafter):
             metrics[f"loss_{i + 1}"] = sum_and_count(kl, here)
             metrics[f"top1_{i + 1}"] = sum_and_count(scored.hits[:, 0], here)
         return total, metrics
+
+    def target_at(self, target_out, rows: torch.Tensor, at: torch.Tensor):
+        """(the target's final states at batch rows `rows`, positions `at`, the function that
+        makes its logits), or its logits there and None where the forward brought no final
+        state."""
+        final = target_out.hidden_states.get(self.target.num_layers)
+        if final is None:
+            return target_out.logits[rows, at], None
+        return final[rows, at], self._target_logits
 
     def _target_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.target.lm_head(h.to(self.target.dtype))

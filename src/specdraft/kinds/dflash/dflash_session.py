@@ -79,7 +79,14 @@ class DFlashSession(DraftSession):
         positions = (length - 1 + torch.arange(d.block_size, device=device))[None]
         h = d.block_states(tokens, positions.expand(tokens.shape[0], -1), self.context)
         first = d.first_slot
-        logits = d.draft_logits(h[0, first : first + depth])  # (depth, vocab): the drafting slots
+        return self.draft(h[:, first : first + depth], seq)
+
+    def draft(self, h: torch.Tensor, seq: torch.Tensor) -> DraftTree:
+        """The draft from (1, depth, hidden) states of the block's drafting slots, after the
+        context `seq` (1, length): a chain of the slots' draws, or a tree of their top
+        candidates."""
+        depth = h.shape[1]
+        logits = self.drafter.draft_logits(h[0])  # (depth, vocab)
         if not self.decode.chain:  # the tree of the slots' top candidates
             return position_tree(
                 logits, decode=self.decode, sampling=self.sampling, generator=self.generator,
@@ -190,22 +197,31 @@ class DFlashBatchSession(BatchSession):
         block = torch.ones(len(drafting), d.block_size, dtype=torch.bool, device=self.device)
         mask = torch.cat([sees, block], dim=1)[:, None, None].expand(-1, -1, d.block_size, -1)
         h = d.block_states(tokens, positions, context, mask)  # (n, B, hidden)
-        deepest = max(depths)
-        first = d.first_slot
-        logits = d.draft_logits(h[:, first : first + deepest])  # (n, deepest, vocab)
-        # 2. Each row's chain, drawn slot by slot (q recorded when sampling); a slot does not
-        # read the token drawn before it, so the step only hands over the next slot's logits.
-        chains = draft_chains(
-            logits[:, 0],
-            lambda token, i: logits[:, i + 1],
-            depths=[depths[r] for r in drafting],
-            sampling=self.sampling,
-            generator=self.generator,
-            stop_below=self.decode.stop_below,
+        deepest, first = max(depths), d.first_slot
+        # 2. Each row's chain from its drafting slots' states
+        chains = self.draft_rows(
+            h[:, first : first + deepest], anchors, [depths[r] for r in drafting]
         )
         for r, chain in zip(drafting, chains, strict=True):
             trees[r] = chain
         return trees
+
+    def draft_rows(
+        self, h: torch.Tensor, anchors: torch.Tensor, depths: list[int]
+    ) -> list[DraftTree]:
+        """Each row's chain from (rows, deepest, hidden) states of its block's drafting slots
+        (`anchors` (rows,) the tokens in slot 0), drawn slot by slot (q recorded when
+        sampling); a slot does not read the token drawn before it, so the step only hands over
+        the next slot's logits."""
+        logits = self.drafter.draft_logits(h)  # (rows, deepest, vocab)
+        return draft_chains(
+            logits[:, 0],
+            lambda token, i: logits[:, i + 1],
+            depths=depths,
+            sampling=self.sampling,
+            generator=self.generator,
+            stop_below=self.decode.stop_below,
+        )
 
     @torch.no_grad()
     def accept(

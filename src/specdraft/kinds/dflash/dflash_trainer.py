@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from specdraft.config import default_config
-from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
+from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter, resolve_config
 from specdraft.kinds.eagle import eagle_trainer
 from specdraft.train.trainer import TrainResult
 
@@ -25,6 +25,11 @@ class DFlashTrainConfig(eagle_trainer.EagleTrainConfig):
     drafter: DFlashConfig = field(default_factory=DFlashConfig)
     # hidden_cache (EagleTrainConfig's): a folder written by scripts/dump_hidden_states.py
     # --kind dflash, holding the drafter's aux_layers
+
+
+def layers_read(cfg: DFlashConfig, target) -> list[int]:
+    """The target hidden states the drafter reads (what scripts/dump_hidden_states.py caches)."""
+    return resolve_config(cfg, target).aux_layers
 
 
 def build_drafter(cfg: DFlashConfig, target, train_examples) -> DFlashDrafter:

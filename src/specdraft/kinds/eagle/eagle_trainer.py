@@ -17,6 +17,7 @@ import torch
 from specdraft.config import ConfigError, default_config
 from specdraft.core import build_draft_vocab, eos_ids
 from specdraft.data.dataset import build_datasets
+from specdraft.kinds.eagle import eagle
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.targets.frozen import frozen_targets
 from specdraft.targets.hidden_cache import CachedTarget, HiddenStateCache
@@ -48,6 +49,11 @@ class EagleTrainConfig(TrainConfig):
                 "offline, where no target forward runs: drop one of them",
                 key="target_sharding",
             )
+
+
+def layers_read(cfg: EagleConfig, target) -> list[int]:
+    """The target hidden states the head reads (what scripts/dump_hidden_states.py caches)."""
+    return EagleDrafter.capture_layers_for(eagle.resolve_config(cfg, target), target)
 
 
 def build_head(cfg: EagleConfig, target, train_examples, cls=EagleDrafter) -> EagleDrafter:

@@ -27,6 +27,10 @@ class PEagleTrainConfig(eagle_trainer.EagleTrainConfig):
     drafter: PEagleConfig = field(default_factory=PEagleConfig)
 
 
+# the target hidden states the head reads: EAGLE-3's feature layers
+layers_read = eagle_trainer.layers_read
+
+
 def head_summary(head: PEagleDrafter) -> str:
     c = head.config
     return (

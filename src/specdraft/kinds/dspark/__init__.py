@@ -1,0 +1,1 @@
+"""DSpark: the kind `dspark` (its drafter is dspark.py)."""

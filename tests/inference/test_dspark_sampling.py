@@ -1,0 +1,61 @@
+"""DSpark sampling through the loop: output follows the target's distribution when both first
+tokens come from one block drafted through the Markov head (chi-square), and a verifier that
+keeps every draft fails the same check (the test's power)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from spec_helpers import chi_square_p_value, make_target, tiny_llama
+
+from specdraft.core import SamplingSettings, process_logits
+from specdraft.inference import generate
+from specdraft.kinds.dspark.dspark import DSparkConfig, DSparkDrafter
+
+# Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
+pytestmark = pytest.mark.exact
+
+V = 6
+
+
+def accept_every_draft(tree, p, generator):
+    """Lossy: keeps the whole drafted chain whatever the target says (the test's power)."""
+    return list(range(len(tree))), int(torch.multinomial(p[len(tree)], 1, generator=generator))
+
+
+@pytest.mark.parametrize("lossy", [False, True], ids=["exact", "accept-every-draft"])
+def test_sampled_output_follows_the_target(lossy, monkeypatch):
+    """Chi-square on the joint of the first two tokens, both drafted by one block through the
+    Markov head (the second slot's q depends on the first slot's draw); a verifier that keeps
+    every draft fails the same check."""
+    import importlib
+
+    if lossy:
+        loop = importlib.import_module("specdraft.inference.generate")
+        monkeypatch.setattr(loop, "verify_sampling", accept_every_draft)
+    target = make_target(tiny_llama(V, seed=3, hidden=16, layers=1, init=0.5))
+    torch.manual_seed(6)
+    drafter = DSparkDrafter.build(DSparkConfig(block_size=2, markov_rank=3), target).eval()
+    with torch.no_grad():  # an untrained drafter that still drafts varied tokens
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+        drafter.markov_head.markov_w2.weight.mul_(4)  # a bias that matters
+    prompt = [1, 2, 3]
+    counts = torch.zeros(V, V)
+    drafted = accepted = 0
+    for seed in range(1500 if not lossy else 400):
+        out = generate(target, prompt, drafter, max_new_tokens=3, temperature=1.3, seed=seed,
+                       gamma=2)  # fmt: skip
+        y1, y2 = out.tokens[0, :2].tolist()
+        counts[y1, y2] += 1
+        drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
+    assert drafted > 0 and accepted > 0
+    settings = SamplingSettings(temperature=1.3)
+    with torch.no_grad():
+        first = process_logits(target.model(torch.tensor([prompt])).logits[0, -1], settings)
+        nxt = torch.stack(
+            [target.model(torch.tensor([[*prompt, y]])).logits[0, -1] for y in range(V)]
+        )
+    exact = first[:, None] * process_logits(nxt, settings)
+    p_value = chi_square_p_value(counts.flatten(), exact.flatten())
+    assert p_value < 1e-3 if lossy else p_value > 1e-3
