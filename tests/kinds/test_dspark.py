@@ -7,13 +7,15 @@ bad values are named; sampling is tests/inference/test_dspark_sampling.py."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
+from testkit import perturb
 
 from specdraft.core import DecodeConfig, DraftContext, SamplingSettings
-from specdraft.formats.checkpoint import save_drafter
+from specdraft.formats.checkpoint import CheckpointError, save_drafter
 from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
 from specdraft.kinds.dspark.dspark import DSparkConfig, DSparkDrafter
@@ -231,3 +233,58 @@ def test_bad_values_are_named(tiny_target):
         DSparkConfig(confidence_head_alpha=-1.0)
     with pytest.raises(ValueError, match="block_size must be an integer >= 2"):
         DSparkConfig(block_size=1)
+
+
+# -- export ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("from_anchor", [True, False])
+def test_speculators_export_reads_back_with_identical_drafts(
+    tiny_target, trained, tmp_path, from_anchor
+):
+    """speculators' dspark layout (its config fields and weight names, the heads beside DFlash's
+    backbone) loads back through load_drafter as the same drafter; a damaged one is named."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from specdraft.formats.export_registry import export_drafter
+    from specdraft.formats.reading import load_decoding
+
+    torch.manual_seed(2)
+    cfg = DSparkConfig(block_size=4, aux_layers=[1, 0], markov_rank=3,
+                       sample_from_anchor=from_anchor, enable_confidence_head=from_anchor)  # fmt: skip
+    drafter = DSparkDrafter.build(cfg, tiny_target)
+    perturb(drafter.parameters(), 0.05)
+    drafter.eval()
+    decode = DecodeConfig(gamma=4 if from_anchor else 3, stop_below=0.2 if from_anchor else 0.0)
+    out = export_drafter(drafter, tmp_path / "spec", "speculators",
+                         base_model_name_or_path=tiny_target.name, decode=decode)  # fmt: skip
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "dspark"
+    assert config["architectures"] == ["DSparkSpeculator"]
+    assert config["sample_from_anchor"] is from_anchor
+    assert config["markov_head_type"] == "vanilla"
+    assert config["enable_confidence_head"] is from_anchor
+    tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    assert tokens == (4 if from_anchor else 3)
+    names = set(load_file(out / "model.safetensors"))
+    assert names == set(drafter.state_dict())
+    assert ("confidence_head.proj.bias" in names) is from_anchor
+    back = load_drafter(out, tiny_target)
+    assert isinstance(back, DSparkDrafter) and back.config.aux_layers == [0, 1]  # ascending
+    assert dataclasses.replace(back.config, aux_layers=[1, 0]) == drafter.config
+    assert load_decoding(out) == decode
+    for temperature in (0.0, 1.0):
+        a = generate(tiny_target, PROMPTS[0], drafter, max_new_tokens=16, temperature=temperature, seed=2, gamma=4)  # fmt: skip
+        b = generate(tiny_target, PROMPTS[0], back, max_new_tokens=16, temperature=temperature, seed=2, gamma=4)  # fmt: skip
+        assert a.tokens.tolist() == b.tokens.tolist() and a.stats.drafted > 0
+        assert (a.stats.drafted, a.stats.accepted) == (b.stats.drafted, b.stats.accepted)
+    for change, message in [
+        ({"markov_head_type": "gated"}, "markov_head_type 'gated' is a variant"),
+        ({"markov_rank": 0}, "markov_rank must be an integer >= 1"),
+        ({"sample_from_anchor": "yes"}, "sample_from_anchor must be true or false"),
+    ]:
+        (out / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(CheckpointError, match=message):
+            load_drafter(out, tiny_target)

@@ -22,6 +22,7 @@ from testkit import perturb
 from specdraft.core import DecodeConfig
 from specdraft.formats.export_registry import export_drafter
 from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
+from specdraft.kinds.dspark.dspark import DSparkConfig, DSparkDrafter
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
 from specdraft.tools import verify_export
@@ -132,6 +133,29 @@ def test_speculators_loads_the_dflash_export_and_drafts_as_we_do(target, tmp_pat
     code, report = run(folder, "speculators", tmp_path)
     assert code == 0 and report["ok"], capsys.readouterr().out
     assert [s["step"] for s in report["steps"]] == [0, 1, 2]
+    assert all(s["agree"] == s["positions"] > 100 for s in report["steps"])
+
+
+@engine("speculators")
+@pytest.mark.parametrize("from_anchor", [True, False])
+def test_speculators_loads_the_dspark_export_and_drafts_as_we_do(
+    target, tmp_path, capsys, from_anchor
+):
+    """speculators' own DSparkDraftModel: the Markov-biased logits of every drafting slot of
+    the block after every anchor (the slots from the anchor's, or from the first mask's), the
+    same top-1 token; its config and weights are all the model builds."""
+    path, t = target
+    torch.manual_seed(0)
+    cfg = DSparkConfig(block_size=4, aux_layers=[4, 1, 2], markov_rank=8,
+                       sample_from_anchor=from_anchor)  # fmt: skip
+    drafter = DSparkDrafter.build(cfg, t)
+    perturb(drafter.parameters(), 0.05)
+    with torch.no_grad():  # a Markov bias large enough to change the top token somewhere
+        drafter.markov_head.markov_w1.weight.mul_(100)
+    folder = export(drafter, tmp_path / "spec", "speculators", path)
+    code, report = run(folder, "speculators", tmp_path)
+    assert code == 0 and report["ok"], capsys.readouterr().out
+    assert [s["step"] for s in report["steps"]] == [0, 1, 2] + ([3] if from_anchor else [])
     assert all(s["agree"] == s["positions"] > 100 for s in report["steps"])
 
 

@@ -24,6 +24,7 @@ from specdraft.drafters.base import Drafter
 from specdraft.formats.checkpoint import CONFIG_NAME, _clear_leftovers, _replace_dir
 from specdraft.formats.export_formats import ExportError, Format
 from specdraft.kinds.dflash import dflash_export
+from specdraft.kinds.dspark import dspark_export
 from specdraft.kinds.eagle.eagle_export import EAGLE_FORMATS
 from specdraft.kinds.medusa.medusa_export import MEDUSA_FORMATS
 from specdraft.kinds.peagle import peagle_export
@@ -34,13 +35,15 @@ from specdraft.targets.target import Target
 # formats/reading.py `load_decoding` reads it back.
 EXPORTED_DECODING = "specdraft_decoding"
 
-# speculators' layout holds P-EAGLE heads and DFlash drafters too: one entry, each kind written,
-# read and checked by its own module
+# speculators' layout holds P-EAGLE heads, DFlash and DSpark drafters too: one entry, each kind
+# written, read and checked by its own module
 FORMATS: dict[str, Format] = {
     **MEDUSA_FORMATS,
     **EAGLE_FORMATS,
-    "speculators": peagle_export.speculators_format(
-        dflash_export.speculators_format(EAGLE_FORMATS["speculators"])
+    "speculators": dspark_export.speculators_format(
+        peagle_export.speculators_format(
+            dflash_export.speculators_format(EAGLE_FORMATS["speculators"])
+        )
     ),
 }
 

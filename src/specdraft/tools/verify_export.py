@@ -294,13 +294,13 @@ def our_logits(drafter, engine: str, text, out, steps: int, i: int) -> dict[str,
         full = torch.full((*logits.shape[:-1], drafter.target.vocab_size), float("-inf"))
         full[..., drafter.d2t] = logits.float()  # the export writes rows in target order
         return {f"logits.{i}.{k}": full[k] for k in range(len(full))}
-    if drafter.kind == "dflash":  # every anchor with context before it and room for a block
+    if drafter.kind in ("dflash", "dspark"):  # every anchor with context and room for a block
         ones = torch.ones_like(text)
         B, n = drafter.block_size, text.shape[1]
         anchors = torch.arange(1, n - B)[None]
         batch = {"input_ids": text, "attention_mask": ones, "loss_mask": ones, "anchors": anchors}
-        logits = drafter.slots(batch, out)["logits"]  # (1, anchors, B - 1, vocab)
-        return {f"logits.{i}.{k}": logits[:, :, k].float() for k in range(B - 1)}
+        logits = drafter.slots(batch, out)["logits"]  # (1, anchors, drafting slots, vocab)
+        return {f"logits.{i}.{k}": logits[:, :, k].float() for k in range(logits.shape[2])}
     batch = {"input_ids": text, "loss_mask": torch.ones_like(text)}
     n = text.shape[1]
     if drafter.kind == "peagle":  # step k: depth k of every anchor's group, from one pass

@@ -67,7 +67,7 @@ def speculators(request: dict, inputs: dict, prompts: list[int]):
     config.transformer_layer_config._attn_implementation = "eager"
     model = SpeculatorModel.from_pretrained(request["folder"], config=config, dtype=torch.float32)
     model = model.eval()
-    if getattr(config, "speculators_model_type", None) == "dflash":
+    if getattr(config, "speculators_model_type", None) in ("dflash", "dspark"):
         return dflash(model, request, inputs, prompts)
     outputs = {}
     for i in prompts:
@@ -136,21 +136,31 @@ def peagle(model, ids, features, steps: int, caught: list, i: int) -> dict:
 def dflash(model, request: dict, inputs: dict, prompts: list[int]):
     """A DFlash model's block logits: with every position scored and room for as many anchors
     as positions, its anchor selection takes every position that leaves room for a block
-    (0 .. n - block_size - 1, ascending): logits.{i}.{k} (1, anchors 1.., vocab) is slot k + 1."""
+    (0 .. n - block_size - 1, ascending): logits.{i}.{k} (1, anchors 1.., vocab) is its k-th
+    drafting slot (slot k + 1; a DSpark model sampling from the anchor: slot k), a DSpark
+    model's with its Markov head's bias from the block's tokens, as its forward adds it."""
     B = model.block_size
+    dspark = model.config.speculators_model_type == "dspark"
+    first = 0 if dspark and model.config.sample_from_anchor else 1
     outputs = {}
     for i in prompts:
         ids, features = inputs[f"ids.{i}"], inputs[f"features.{i}"]
         n = ids.shape[1]
         ones = torch.ones_like(ids)
         with torch.no_grad():
-            _, logits, _, _, _ = model._backbone_forward(
+            hidden, logits, _, _, anchored = model._backbone_forward(
                 features, ids, ones, torch.zeros(*ids.shape, model.config.transformer_layer_config.hidden_size),
                 torch.zeros_like(ids), max_anchors=n - B,
             )  # fmt: skip
-        blocks = logits.view(n - B, B, -1)  # (anchors, B, vocab)
-        for k in range(B - 1):  # anchor 0 has no context, and is never drafted from: left out
-            outputs[f"logits.{i}.{k}"] = blocks[None, 1:, k + 1].float()
+            blocks = logits.view(n - B, B, -1)  # (anchors, B, vocab)
+            if dspark:
+                tokens = ids[0, anchored].view(n - B, B)
+                previous = tokens if first == 0 else torch.cat([tokens[:, :1], tokens[:, :-1]], 1)
+                blocks = blocks + model.markov_head.block_bias(
+                    prev_token_ids=previous, hidden_states=hidden.view(n - B, B, -1)
+                )
+        for k in range(B - first):  # anchor 0 has no context, and is never drafted from: left out
+            outputs[f"logits.{i}.{k}"] = blocks[None, 1:, k + first].float()
     held = {
         k
         for f in os.listdir(request["folder"])

@@ -101,7 +101,7 @@ def write_speculators(
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": min(decode.gamma, cfg.block_size - 1),
+                    "speculative_tokens": min(decode.gamma, drafter.drafts_per_block),
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }
@@ -162,10 +162,13 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def layout_problems(config: dict, names: set[str] | None = None) -> list[str]:
+def layout_problems(
+    config: dict, names: set[str] | None = None, model_type: str = "dflash"
+) -> list[str]:
     """What speculators' and vLLM's loaders would refuse or misread in a DFlash config.json (and,
     when given, its weight names), each a sentence, or what specdraft's drafter does not
-    compute; [] when it loads."""
+    compute; [] when it loads. model_type dspark: the same backbone fields, of a DSpark folder
+    (kinds/dspark/dspark_export.py checks its heads), whose anchor slot may draft."""
     problems: list[str] = []
 
     def need(cond: bool, message: str) -> None:
@@ -176,7 +179,10 @@ def layout_problems(config: dict, names: set[str] | None = None) -> list[str]:
         return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
     need("model_type" not in config, "a top-level model_type hides it from vLLM's detection")
-    need(config.get("speculators_model_type") == "dflash", "speculators_model_type != dflash")
+    need(
+        config.get("speculators_model_type") == model_type,
+        f"speculators_model_type != {model_type}",
+    )
     layer = config.get("transformer_layer_config")
     need(isinstance(layer, dict), "transformer_layer_config must be a dict (a Qwen3Config)")
     if isinstance(layer, dict):
@@ -194,17 +200,23 @@ def layout_problems(config: dict, names: set[str] | None = None) -> list[str]:
         isinstance(ids, list) and bool(ids) and all(integer(i, 0) for i in ids),
         "aux_hidden_state_layer_ids must list the target layers the drafter reads",
     )
-    need(
-        config.get("sample_from_anchor") is False,
-        "sample_from_anchor must be false (the anchor is the bonus token; true is DSpark's "
-        "variant, which specdraft's drafter does not compute)",
-    )
+    from_anchor = config.get("sample_from_anchor")
+    if model_type == "dflash":
+        need(
+            from_anchor is False,
+            "sample_from_anchor must be false (the anchor is the bonus token; true is DSpark's "
+            "variant: a dspark folder)",
+        )
+    else:
+        need(isinstance(from_anchor, bool), "sample_from_anchor must be true or false")
+    drafts = (config.get("block_size") or 2) - (0 if from_anchor is True else 1)
     spec = config.get("speculators_config") or {}
     methods = spec.get("proposal_methods") or [{}]
     tokens = methods[0].get("speculative_tokens")
     need(
-        integer(tokens) and tokens <= (config.get("block_size") or 2) - 1,
-        "speculators_config.proposal_methods[0].speculative_tokens must be in 1..block_size - 1",
+        integer(tokens) and tokens <= drafts,
+        f"speculators_config.proposal_methods[0].speculative_tokens must be in 1..{drafts} "
+        "(the tokens a block drafts)",
     )
     verifier = spec.get("verifier") or {}
     need(
@@ -219,15 +231,22 @@ def layout_problems(config: dict, names: set[str] | None = None) -> list[str]:
     return problems
 
 
-def validate_folder(folder: str | Path, vocab_size: int) -> list[str]:
-    """Every problem speculators or vLLM would find in a written DFlash folder; [] when it loads."""
+def validate_folder(
+    folder: str | Path,
+    vocab_size: int,
+    problems_of=layout_problems,
+    shapes_of=expected_shapes,
+) -> list[str]:
+    """Every problem speculators or vLLM would find in a written DFlash folder (or, with a
+    kind's own `problems_of(config, names)` and `shapes_of(config)`, a folder of that kind);
+    [] when it loads."""
     folder = Path(folder)
     config = json.loads((folder / CONFIG_NAME).read_text())
-    problems = layout_problems(config)
+    problems = problems_of(config)
     if problems:
         return problems
     state = load_file(folder / WEIGHTS)
-    expected = expected_shapes(config)
+    expected = shapes_of(config)
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or extra:
         problems.append(f"weights missing {few(missing)}, unexpected {few(extra)}")
@@ -238,7 +257,7 @@ def validate_folder(folder: str | Path, vocab_size: int) -> list[str]:
     ]
     if config["draft_vocab_size"] != vocab_size:
         problems.append(f"draft_vocab_size {config['draft_vocab_size']} is not the target's {vocab_size}")  # fmt: skip
-    return problems + layout_problems(config, set(state))
+    return problems + problems_of(config, set(state))
 
 
 # --- reading -------------------------------------------------------------------------------------
@@ -249,10 +268,33 @@ def read_drafter(
 ) -> DFlashDrafter:
     """A DFlash folder in speculators' layout, checked against `target` (layer shape, sizes,
     verifier, exact names and shapes) before a module is built."""
+    state = checked_weights(folder, config, target, strict, layout_problems, expected_shapes)
+    layer = config["transformer_layer_config"]
+    try:
+        drafter_config = DFlashConfig(
+            num_layers=layer["num_hidden_layers"],
+            block_size=config["block_size"],
+            aux_layers=list(config["aux_hidden_state_layer_ids"]),
+            mask_token_id=config["mask_token_id"],
+        )
+        drafter = DFlashDrafter(drafter_config, target, init=False)
+    except ValueError as e:
+        raise CheckpointError(f"{folder / CONFIG_NAME}: {e}") from e
+    drafter.load_state_dict(state, strict=True)
+    return drafter
+
+
+def checked_weights(
+    folder: Path, config: dict, target: Target, strict: bool, problems_of, shapes_of
+) -> dict[str, torch.Tensor]:
+    """The weights of a DFlash-backbone folder (a kind's own `problems_of`, `shapes_of`), once
+    its config and weights are checked against `target`: a CheckpointError naming the first
+    problem."""
     where = folder / CONFIG_NAME
-    problems = layout_problems(config)
+    problems = problems_of(config)
     if problems:
-        raise CheckpointError(f"{where} is not a loadable DFlash drafter: {'; '.join(problems)}")
+        kind = {"dspark": "DSpark"}.get(config.get("speculators_model_type"), "DFlash")
+        raise CheckpointError(f"{where} is not a loadable {kind} drafter: {'; '.join(problems)}")
     layer = config["transformer_layer_config"]
     ours = layer_config(target.config, layer["num_hidden_layers"]).to_dict()
     theirs = dict(layer)
@@ -286,19 +328,8 @@ def read_drafter(
     for shared in ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight"):
         state.pop(shared, None)
     where_w = folder / ", ".join(f.name for f in files)
-    check_names_and_shapes(state, expected_shapes(config), where_w, target, config)
-    try:
-        drafter_config = DFlashConfig(
-            num_layers=layer["num_hidden_layers"],
-            block_size=config["block_size"],
-            aux_layers=list(config["aux_hidden_state_layer_ids"]),
-            mask_token_id=config["mask_token_id"],
-        )
-        drafter = DFlashDrafter(drafter_config, target, init=False)
-    except ValueError as e:
-        raise CheckpointError(f"{where}: {e}") from e
-    drafter.load_state_dict(state, strict=True)
-    return drafter
+    check_names_and_shapes(state, shapes_of(config), where_w, target, config)
+    return state
 
 
 def speculators_format(inner: Format) -> Format:
