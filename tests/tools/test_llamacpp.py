@@ -24,6 +24,7 @@ from specdraft import llamacpp_build
 from specdraft.core import DecodeConfig
 from specdraft.formats.checkpoint import save_drafter
 from specdraft.formats.gguf_export import ExportError, export_gguf, gguf_fields, gguf_problems
+from specdraft.kinds.dspark.dspark import DSparkConfig, DSparkDrafter
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.measuring.llamacpp import (
     Completion,
@@ -112,6 +113,32 @@ def test_eagle3_head_exports_through_the_converter_and_decodes_exactly(target, e
     assert run["length"] == 3 and run["drafted"] > 0 and not run["disagreements"]
 
 
+def test_dspark_exports_through_the_converter_and_decodes_exactly(target, engine, tmp_path):
+    """A DSpark drafter (speculators' layout, its Markov and confidence heads) goes through
+    llama.cpp's converter with its target and is served by draft-dspark: the block size, the
+    anchor layout and the heads are in the file, and llama.cpp's output with it equals its plain
+    decoding's (the random drafter drafts, llama.cpp rejects what it drafts)."""
+    _, t = target
+    torch.manual_seed(0)
+    drafter = DSparkDrafter.build(
+        DSparkConfig(block_size=4, aux_layers=[1, 2, 4], markov_rank=8), t
+    )
+    perturb(drafter.parameters(), 0.05)
+    out = export_gguf(
+        engine, drafter, t, tmp_path / "dspark", DecodeConfig(gamma=4), "f16", log=lambda *a: None
+    )
+    fields = gguf_fields(out / "draft.gguf")
+    assert fields["general.architecture"] == "dflash"
+    assert fields["dflash.block_size"] == 4 and fields["dflash.sample_from_anchor"] is True
+    assert fields["dflash.has_confidence_head"] is True
+    assert json.loads((out / "specdraft_gguf.json").read_text())["spec_type"] == "draft-dspark"
+    json_out = tmp_path / "v.json"
+    args = ["--engine", "llama.cpp", "--num-prompts", "2", "--max-new-tokens", "16"]
+    assert verify_export.main([str(out), *args, "--json", str(json_out)]) == 0
+    run = json.loads(json_out.read_text())["runs"][0]
+    assert run["length"] == 4 and run["drafted"] > 0 and not run["disagreements"]
+
+
 def test_a_draft_with_another_tokenizer_is_refused_before_llamacpp_runs(tiny_target, tmp_path):
     """gguf_problems compares the files' vocabularies as llama.cpp's draft check does: a token
     renamed is named with its id; an EAGLE-3 head for a wider target is refused."""
@@ -138,7 +165,7 @@ def test_kinds_llamacpp_cannot_serve_are_refused_by_name(tiny_target, tmp_path, 
 
     for drafter, why in (
         (MedusaDrafter.build(MedusaConfig(num_heads=2), tiny_target), "no Medusa heads"),
-        (DFlashDrafter.build(DFlashConfig(block_size=4), tiny_target), "q and k"),
+        (DFlashDrafter.build(DFlashConfig(block_size=4), tiny_target), "z-lab's layout"),
     ):
         fingerprint = tiny_target.fingerprint
         folder = save_drafter(drafter, tmp_path / drafter.kind, target_fingerprint=fingerprint)
@@ -261,7 +288,7 @@ def test_an_eagle3_head_for_another_target_is_refused(target, engine, tmp_path, 
     # llama.cpp's Gemma-3 model hands no layer inputs to a drafter: it would abort
     gemma = write_llama_gguf(path, tmp_path / "gemma.gguf", architecture="gemma3")
     (problem,) = gguf_problems(gemma, out / "draft.gguf", "draft-eagle3", None, engine.source)
-    assert "cannot serve an EAGLE-3 head for a gemma3 target" in problem
+    assert "cannot serve a draft-eagle3 drafter for a gemma3 target" in problem
     code = verify_export.main([str(out), "--engine", "llama.cpp", "--target-gguf", str(other)])
     assert code == 2
 

@@ -6,6 +6,9 @@ never by hand), with the target beside them.
     distill   draft-simple             the student: a plain causal LM with the target's tokenizer
     eagle     draft-eagle3             an EAGLE-3 head, through speculators' Eagle3Speculator
                                        layout (kinds/eagle/eagle_export.py), with --target-model-dir
+    dspark    draft-dspark             a DSpark drafter, through speculators' DSparkSpeculator
+                                       layout (kinds/dspark/dspark_export.py), with
+                                       --target-model-dir (its tokenizer, embedding and LM head)
 
 An export folder holds:
 
@@ -19,8 +22,8 @@ An export folder holds:
 and serves as `llama-server -m target.gguf -md draft.gguf --spec-type TYPE --spec-draft-n-max
 GAMMA` (docs/serving.md). What llama.cpp does not serve is refused by name: Medusa heads,
 LayerSkip's early exit, P-EAGLE's parallel drafting, EAGLE-1/2 heads, and DFlash drafters
-(llama.cpp's draft-dflash builds Qwen3-style layers with a per-head norm on q and k, which ours
-do not have, so no conversion would draft the same).
+(llama.cpp's converter reads DFlash in z-lab's layout only, not speculators' DFlashSpeculator;
+its DSpark reader takes speculators' layout, so a DSpark drafter goes through).
 """
 
 from __future__ import annotations
@@ -43,7 +46,10 @@ from specdraft.targets.target import Target, target_path
 CONVERTER = Path(__file__).with_name("gguf_convert.py")
 MANIFEST = "specdraft_gguf.json"
 GGUF_TYPES = ("f16", "f32", "bf16", "q8_0")
-SPEC_TYPES = {"distill": "draft-simple", "eagle": "draft-eagle3"}
+SPEC_TYPES = {"distill": "draft-simple", "eagle": "draft-eagle3", "dspark": "draft-dspark"}
+# the spec types whose drafter reads the target's layers' inputs (llama.cpp's target must hand
+# them over)
+READS_TARGET_LAYERS = ("draft-eagle3", "draft-dspark")
 NOT_SERVED = {
     "medusa": "llama.cpp has no Medusa heads (its --spec-type offers draft models, EAGLE-3, "
     "DFlash, DSpark, MTP and n-gram lookups); serve Medusa with vLLM, TensorRT-LLM or TGI "
@@ -52,9 +58,10 @@ NOT_SERVED = {
     "target's own first layers); serve it from our loop",
     "peagle": "llama.cpp has no P-EAGLE (parallel drafting) type; export with --format "
     "speculators for vLLM",
-    "dflash": "llama.cpp's draft-dflash builds Qwen3-style layers (a per-head RMSNorm on q "
-    "and k, required tensors), and specdraft's DFlash drafter has Llama layers without them: no "
-    "conversion computes the same drafts; export with --format speculators for vLLM",
+    "dflash": "llama.cpp's converter reads DFlash drafters in z-lab's layout "
+    "(DFlashDraftModel), not speculators' DFlashSpeculator, which is what specdraft writes; "
+    "export with --format speculators for vLLM, or train kind dspark, whose speculators layout "
+    "llama.cpp reads (draft-dspark)",
 }
 
 
@@ -294,20 +301,24 @@ def gguf_problems(
                 f"the EAGLE-3 head reads a target of width {wants}; {target.name} has {width}: "
                 "it was exported for another target"
             )
-        model = source / "src" / "models" / f"{arch}.cpp" if source else None
-        if model is not None and model.is_file() and "t_layer_inp" not in model.read_text():
-            problems.append(
-                f"llama.cpp {COMMIT} cannot serve an EAGLE-3 head for a "
-                f"{arch} target: its {arch} model does not hand its layers' inputs to a drafter "
-                "(it aborts on the first request); serve this head with vLLM (--format "
-                "speculators)"
-            )
         reads = list(d.get("eagle3.target_layers") or [])
         if layers is not None and any(i > layers for i in reads):
             problems.append(
                 f"the EAGLE-3 head reads target layers {reads}; {target.name} has {layers}"
             )
     arch = t.get("general.architecture")
+    model = source / "src" / "models" / f"{arch}.cpp" if source else None
+    if (
+        spec_type in READS_TARGET_LAYERS
+        and model is not None
+        and model.is_file()
+        and "t_layer_inp" not in model.read_text()
+    ):
+        problems.append(
+            f"llama.cpp {COMMIT} cannot serve a {spec_type} drafter for a {arch} target: its "
+            f"{arch} model does not hand its layers' inputs to a drafter (it aborts on the "
+            "first request); serve this drafter with vLLM (--format speculators)"
+        )
     found = {
         "num_layers": t.get(f"{arch}.block_count"),
         "hidden_size": t.get(f"{arch}.embedding_length"),
