@@ -22,6 +22,7 @@ from transformers import (
 from specdraft.inference import generate
 from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
 from specdraft.kinds.distill.distill import DistillDrafter
+from specdraft.kinds.dspark.dspark import DSparkConfig, DSparkDrafter
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.kinds.layerskip.layerskip import LayerSkipConfig, LayerSkipDrafter
 from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
@@ -194,6 +195,12 @@ def build(kind: str, target, examples):
     if kind in ("eagle3", "eagle1"):
         cfg = EagleConfig(version=kind, ttt_steps=2)
         return fitted(EagleDrafter.build(cfg, target), target, examples)
+    if kind == "eagle31":  # EAGLE-3.1: the fused features normed, each step fed normed output
+        cfg = EagleConfig(version="eagle3", ttt_steps=2, norm_before_fc=True, norm_output=True)
+        return fitted(EagleDrafter.build(cfg, target), target, examples)
+    if kind == "dspark":
+        cfg = DSparkConfig(block_size=4, anchors=8, markov_rank=8)
+        return fitted(DSparkDrafter.build(cfg, target), target, examples)
     if kind == "peagle":
         cfg = PEagleConfig(num_depths=3, down_sample_ratio=1.0)
         return fitted(PEagleDrafter.build(cfg, target), target, examples)
@@ -202,4 +209,14 @@ def build(kind: str, target, examples):
     )
 
 
-KINDS = ["distill", "layerskip", "medusa", "eagle3", "eagle1", "peagle", "dflash"]
+KINDS = [
+    "distill",
+    "layerskip",
+    "medusa",
+    "eagle3",
+    "eagle1",
+    "eagle31",
+    "peagle",
+    "dflash",
+    "dspark",
+]

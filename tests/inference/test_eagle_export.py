@@ -293,15 +293,21 @@ ROUND_TRIPS = {
     "speculators-whole": ("eagle3", "speculators", 0),
     "sglang-reduced": ("eagle3", "sglang", 100),
     "eagle": ("eagle1", "eagle", 0),
+    "speculators-eagle3.1": (
+        "eagle3",
+        "speculators",
+        100,
+        dict(norm_before_fc=True, norm_output=True),
+    ),
 }
 
 
 @pytest.mark.parametrize("case", ROUND_TRIPS)
 def test_each_folder_reloads_strictly_and_decodes_as_the_original(target, case, tmp_path):
-    version, fmt, draft_vocab = ROUND_TRIPS[case]
-    head = noisy_head(target, version, draft_vocab)
+    version, fmt, draft_vocab, *config = ROUND_TRIPS[case]
+    head = noisy_head(target, version, draft_vocab, **(config[0] if config else {}))
     back = load_drafter(export(head, tmp_path / case, fmt), target)
-    assert back.config.version == version
+    assert back.config == head.config
     theirs, mine = back.state_dict(), head.state_dict()
     assert set(theirs) == set(mine)
     for name in mine:
@@ -339,6 +345,7 @@ EXPORT_ERRORS = {
     "embeddings to sglang": (dict(feature_layers=[0, 3, 4]), "sglang", "cannot name"),
     "a layer twice": (dict(feature_layers=[3, 3, 4]), "speculators", "a layer twice"),
     "norm_before_residual to sglang": (dict(norm_before_residual=True), "sglang", "SGLang"),
+    "EAGLE-3.1 to sglang": (dict(norm_output=True), "sglang", "EAGLE-3.1 head"),
 }
 
 
@@ -380,7 +387,7 @@ def corrupt(folder, what: str) -> None:
         config["transformer_layer_config"]["num_attention_heads"] = 4
         config["transformer_layer_config"]["head_dim"] = 8
     elif what == "unsupported variant":
-        config["norm_before_fc"] = True
+        config["fc_norm"] = True
     elif what == "no norm_before_residual":
         del config["norm_before_residual"]
     elif what == "layers beyond the target":
@@ -405,7 +412,7 @@ BAD_FOLDERS = {
     "other verifier": "names the verifier 'org/another-model'",
     "other verifier architecture": "Qwen3ForCausalLM",
     "other layer shape": "num_attention_heads 4",
-    "unsupported variant": "norm_before_fc=true",
+    "unsupported variant": "fc_norm is a variant",
     "no norm_before_residual": "norm_before_residual must be written",
     "layers beyond the target": "belongs to another target",
     "other rotary": "rope_theta 500000.0",

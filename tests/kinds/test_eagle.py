@@ -295,6 +295,8 @@ def test_bad_config_errors_name_the_problem(tiny_target):
         EagleConfig(feature_layers=[1, 2])
     with pytest.raises(ValueError, match="ttt_steps must be >= 1"):
         EagleConfig(ttt_steps=0)
+    with pytest.raises(ValueError, match=r"EAGLE-3\.1's, an EAGLE-3 head's settings"):
+        EagleDrafter.build(EagleConfig(version="eagle1", norm_output=True), tiny_target)
     steps = lambda **kw: resolve_config(EagleConfig(**kw), tiny_target).ttt_steps  # noqa: E731
     assert steps(version="eagle1") == 1 and steps() == 7
 

@@ -91,14 +91,19 @@ def test_two_model_draft_exports_and_decodes_exactly_in_llamacpp(distill_gguf, e
         assert run["verifications"] > 0 and run["mean_accepted_length"] > 1.5
 
 
-def test_eagle3_head_exports_through_the_converter_and_decodes_exactly(target, engine, tmp_path):
-    """An EAGLE-3 head (reduced draft vocabulary: d2t) goes through llama.cpp's converter with
-    its target and is served by draft-eagle3: its target layers and width are in the file, and
-    llama.cpp's output with it equals its plain decoding's (the random head drafts, and llama.cpp
-    rejects what it drafts)."""
+@pytest.mark.parametrize("norm_before_fc", [False, True], ids=["eagle3", "eagle3.1-input-norm"])
+def test_eagle3_head_exports_through_the_converter_and_decodes_exactly(
+    target, engine, tmp_path, norm_before_fc
+):
+    """An EAGLE-3 head (reduced draft vocabulary: d2t; and with EAGLE-3.1's norm over the fused
+    features, which llama.cpp computes) goes through llama.cpp's converter with its target and is
+    served by draft-eagle3: its target layers and width are in the file, and llama.cpp's output
+    with it equals its plain decoding's (the random head drafts, llama.cpp rejects what it
+    drafts)."""
     _, t = target
     torch.manual_seed(0)
-    head = EagleDrafter.build(EagleConfig(feature_layers=[1, 2, 4], draft_vocab_size=100), t)
+    cfg = EagleConfig(feature_layers=[1, 2, 4], draft_vocab_size=100, norm_before_fc=norm_before_fc)
+    head = EagleDrafter.build(cfg, t)
     perturb(head.parameters(), 0.05)
     decode = DecodeConfig(gamma=3)  # the length it is served at by default, recorded
     out = export_gguf(engine, head, t, tmp_path / "eagle", decode, "f16", log=lambda *a: None)
@@ -106,6 +111,7 @@ def test_eagle3_head_exports_through_the_converter_and_decodes_exactly(target, e
     assert fields["general.architecture"] == "eagle3"
     assert list(fields["eagle3.target_layers"]) == [1, 2, 4]
     assert fields["eagle3.target_hidden_size"] == t.hidden_size
+    assert bool(fields.get("eagle3.norm_before_fc", False)) is norm_before_fc
     json_out = tmp_path / "v.json"
     args = ["--engine", "llama.cpp", "--num-prompts", "2", "--max-new-tokens", "16"]
     assert verify_export.main([str(out), *args, "--json", str(json_out)]) == 0
@@ -269,6 +275,11 @@ def test_an_eagle1_head_is_refused_saying_what_serves_it(target, engine, tmp_pat
     with pytest.raises(ExportError, match=r"EAGLE-3 heads.*--format eagle"):
         export_gguf(engine, head, t, tmp_path / "e1", log=lambda *a: None)
     assert not (tmp_path / "e1").exists()
+    # EAGLE-3.1's feedback of the normed output is not what llama.cpp's draft-eagle3 computes
+    cfg = EagleConfig(feature_layers=[1, 2, 4], norm_before_fc=True, norm_output=True)
+    with pytest.raises(ExportError, match=r"not its norm_output.*--format speculators"):
+        export_gguf(engine, EagleDrafter.build(cfg, t), t, tmp_path / "e31", log=lambda *a: None)
+    assert not (tmp_path / "e31").exists()
 
 
 def test_an_eagle3_head_for_another_target_is_refused(target, engine, tmp_path, tiny_target):

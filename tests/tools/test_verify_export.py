@@ -102,6 +102,28 @@ def test_speculators_loads_the_eagle3_export_and_drafts_as_we_do(target, tmp_pat
 
 
 @engine("speculators")
+def test_speculators_loads_an_eagle31_export_and_drafts_as_we_do(target, tmp_path, capsys):
+    """An EAGLE-3.1 head (norm_before_fc and norm_output, layers given out of order, so the
+    input norm's blocks are reordered with fc's): speculators' Eagle3DraftModel, whose config
+    the export sets both flags in, drafts the same top-1 token at every step and position."""
+    path, t = target
+    torch.manual_seed(0)
+    cfg = EagleConfig(feature_layers=[4, 1, 2], draft_vocab_size=100, norm_before_fc=True,
+                      norm_output=True)  # fmt: skip
+    head = EagleDrafter.build(cfg, t)
+    perturb(head.parameters(), 0.05)
+    with torch.no_grad():  # norm weights far from one, so a misplaced block shows
+        head.input_norm.weight.uniform_(0.2, 3.0)
+        head.final_norm.weight.uniform_(0.2, 3.0)
+    folder = export(head, tmp_path / "spec", "speculators", path)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["norm_before_fc"] is True and config["norm_output"] is True
+    code, report = run(folder, "speculators", tmp_path)
+    assert code == 0 and report["ok"], capsys.readouterr().out
+    assert all(s["agree"] == s["positions"] > 100 for s in report["steps"])
+
+
+@engine("speculators")
 def test_speculators_loads_the_peagle_export_and_drafts_as_we_do(target, tmp_path, capsys):
     """speculators' PEagleDraftModel reads a P-EAGLE export (mask_hidden, mask_token_id, layers
     given out of order) and its training forward, every group kept, gives every depth's logits

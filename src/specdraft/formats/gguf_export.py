@@ -74,6 +74,12 @@ def gguf_problem(drafter: Drafter) -> str | None:
             "llama.cpp serves EAGLE-3 heads (draft-eagle3), not EAGLE-1/2 ones; export this "
             "head with --format eagle for SGLang or vLLM"
         )
+    if drafter.kind == "eagle" and drafter.config.norm_output:
+        return (
+            "llama.cpp's draft-eagle3 computes EAGLE-3.1's norm_before_fc but not its norm_output "
+            "(it feeds each step the raw output back): export this head with --format "
+            "speculators for vLLM"
+        )
     if drafter.kind not in SPEC_TYPES:
         return f"llama.cpp serves no {drafter.kind} drafter"
     return None

@@ -103,6 +103,12 @@ class EagleConfig:
     # EAGLE's) | fkl (KL(p || q), the same gradient) | lk | lk_hybrid (the LK losses, which train
     # for the acceptance rate: specdraft/losses.py) | tvd | rkl | jsd.
     divergence: str = choice("soft_ce", "fkl", "lk", "lk_hybrid", "tvd", "rkl", "jsd")
+    # EAGLE-3.1 (speculators' names; both on make the 3.1 head, against the drift of the
+    # features' magnitude over drafting depth): norm_before_fc, an RMSNorm over the fused
+    # low/mid/high features before fc; norm_output, each step fed the previous step's output
+    # after the final norm (the state the LM head reads) instead of the raw one. eagle3 only.
+    norm_before_fc: bool = False
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         # ttt_steps and feature_noise stay None here and resolve with the version (resolve_config):
@@ -150,6 +156,11 @@ def resolve_config(config: EagleConfig, target) -> EagleConfig:
                 f"{target.vocab_size}, or 0 for the whole vocabulary"
             )
     else:
+        if getattr(config, "norm_before_fc", False) or getattr(config, "norm_output", False):
+            raise ValueError(
+                "drafter.norm_before_fc and norm_output are EAGLE-3.1's, an EAGLE-3 head's "
+                "settings: use drafter.version=eagle3, or turn them off"
+            )
         config.feature_layers = None
         config.draft_vocab_size = 0  # eagle1 drafts through the target's own LM head
         config.norm_before_residual = False  # EAGLE-3's layer only
@@ -199,6 +210,8 @@ class EagleDrafter(Drafter):
             self.fc = nn.Linear(2 * H, H, bias=config.fc_bias)
         else:
             self.fc_fuse = nn.Linear(3 * H, H, bias=False)
+            if getattr(config, "norm_before_fc", False):  # EAGLE-3.1
+                self.input_norm = LlamaRMSNorm(3 * H, eps=eps)
             self.final_norm = LlamaRMSNorm(H, eps=eps)
             Vd = config.draft_vocab_size or V
             if d2t is None:
@@ -299,7 +312,18 @@ class EagleDrafter(Drafter):
         if self.config.version == "eagle1":
             return hidden_states[self.capture_layers[0]].to(dtype)
         low_mid_high = [hidden_states[i].to(dtype) for i in self.capture_layers]
-        return self.fc_fuse(torch.cat(low_mid_high, dim=-1))  # (batch, seq, hidden)
+        return self.fc_fuse(self.fused_input(torch.cat(low_mid_high, dim=-1)))
+
+    def fused_input(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., 3 hidden) concatenated low/mid/high states -> fc's input: normed first with
+        EAGLE-3.1's norm_before_fc."""
+        norm = getattr(self, "input_norm", None)
+        return x if norm is None else norm(x)
+
+    def feedback(self, h: torch.Tensor) -> torch.Tensor:
+        """A step's output h as the next step's feature: h itself, or with EAGLE-3.1's
+        norm_output h through the final norm (what the LM head reads)."""
+        return self.final_norm(h) if getattr(self.config, "norm_output", False) else h
 
     def step(
         self,
@@ -405,7 +429,7 @@ class EagleDrafter(Drafter):
             if logits:
                 step["logits"] = self.draft_logits(h)
             out.append(step)
-            feature = h
+            feature = self.feedback(h)
         return out
 
     def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, Metrics]:

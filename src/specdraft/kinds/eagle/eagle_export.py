@@ -125,6 +125,13 @@ def reference_state(drafter: EagleDrafter, fmt: str) -> dict[str, torch.Tensor]:
                 "eagle_config cannot name (it numbers decoder layer outputs from 0): export with "
                 "--format speculators, or retrain with feature layers >= 1"
             )
+        variant = [k for k in ("norm_before_fc", "norm_output") if getattr(cfg, k, False)]
+        if fmt != "speculators" and variant:
+            raise ExportError(
+                f"this is an EAGLE-3.1 head ({' and '.join(variant)}), which the {fmt} format's "
+                "engine does not compute: export it with --format speculators (vLLM reads both "
+                "settings)"
+            )
         if fmt == "sglang" and cfg.norm_before_residual:
             raise ExportError(
                 "this head was trained with norm_before_residual=true, which SGLang's EAGLE-3 "
@@ -152,6 +159,9 @@ def reference_state(drafter: EagleDrafter, fmt: str) -> dict[str, torch.Tensor]:
     state["fc.weight"] = plain(
         torch.cat([drafter.fc_fuse.weight[:, j * H : (j + 1) * H] for j in order], dim=1)
     )
+    if getattr(drafter, "input_norm", None) is not None:  # EAGLE-3.1: its blocks follow fc's
+        w = drafter.input_norm.weight
+        state["input_norm.weight"] = plain(torch.cat([w[j * H : (j + 1) * H] for j in order]))
     state["norm.weight"] = plain(drafter.final_norm.weight)
     state["lm_head.weight"] = plain(drafter.lm_head.weight)
     return state
@@ -240,6 +250,8 @@ def write_speculators(
         "transformer_layer_config": layer_config_dict(target),
         "draft_vocab_size": draft_vocab,
         "norm_before_residual": drafter.config.norm_before_residual,
+        "norm_before_fc": getattr(drafter.config, "norm_before_fc", False),
+        "norm_output": getattr(drafter.config, "norm_output", False),
         "target_hidden_size": target.hidden_size,
         "eagle_aux_hidden_state_layer_ids": sorted(drafter.config.feature_layers),
         "speculators_config": {
@@ -341,6 +353,8 @@ def expected_shapes(fmt: str, config: dict, vocab_size: int, *, embedding=True) 
         "norm.weight": (H,),
         "lm_head.weight": (draft_vocab, H),
     })  # fmt: skip
+    if config.get("norm_before_fc"):  # EAGLE-3.1
+        expected["input_norm.weight"] = (3 * target_h,)
     if config.get("speculators_model_type") == "peagle":  # kinds/peagle/peagle_export.py
         expected["mask_hidden"] = (1, 1, 3 * target_h)
     if fmt == "sglang" or draft_vocab < vocab_size:
@@ -397,8 +411,14 @@ def layout_problems(fmt: str, config: dict, names: set[str] | None = None) -> li
         need(hidden is None or integer(hidden), "target_hidden_size must be an integer")
         ids = config.get("eagle_aux_hidden_state_layer_ids")  # null: vLLM's default layers
         need(ids is None or _three_ids(ids), "eagle_aux_hidden_state_layer_ids must list 3 layers")
-        for key in ("norm_before_fc", "norm_output"):  # vLLM computes them; our head does not
-            need(not config.get(key), f"{key}=true is a variant specdraft's head does not compute")
+        for key in ("norm_before_fc", "norm_output"):  # EAGLE-3.1's, which vLLM and we compute
+            if config.get("speculators_model_type") == "eagle3":
+                need(isinstance(config.get(key, False), bool), f"{key} must be true or false")
+            else:  # P-EAGLE's head does not
+                need(
+                    not config.get(key),
+                    f"{key}=true is a variant specdraft's head does not compute",
+                )
         need(not config.get("fc_norm"), "fc_norm is a variant specdraft's head does not compute")
     else:
         # sglang/srt/models/llama_eagle3.py, llama_eagle.py pick the model by architectures
@@ -512,9 +532,12 @@ def _head_config(fmt: str, config: dict, target: Target, where: Path) -> EagleCo
     if fmt == "eagle":
         return EagleConfig(version="eagle1", fc_bias=bool(config.get("bias", True)))
     L = target.num_layers
+    variant = {}
     if fmt == "speculators":
         ids = config.get("eagle_aux_hidden_state_layer_ids")
         before = config["norm_before_residual"]
+        if config.get("speculators_model_type") == "eagle3":  # EAGLE-3.1's settings
+            variant = {k: bool(config.get(k, False)) for k in ("norm_before_fc", "norm_output")}
     else:
         ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         ids = None if ids is None else [i + 1 for i in ids]  # SGLang's k: output of layer k
@@ -534,6 +557,7 @@ def _head_config(fmt: str, config: dict, target: Target, where: Path) -> EagleCo
             feature_layers=ids,
             draft_vocab_size=0 if draft_vocab == target.vocab_size else draft_vocab,
             norm_before_residual=before,
+            **variant,
         )
     except ValueError as e:
         raise CheckpointError(f"{fmt} EAGLE config: {e}") from e

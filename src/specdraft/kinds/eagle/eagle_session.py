@@ -208,7 +208,7 @@ class EagleSession(DraftSession):
             return self.head.fuse(hidden_states)[:, rows]
         dtype = w.layer.dtype
         low_mid_high = [hidden_states[i][:, rows].to(dtype) for i in self.capture_layers]
-        return w.fuse(torch.cat(low_mid_high, dim=-1))
+        return w.fuse(self.head.fused_input(torch.cat(low_mid_high, dim=-1)))
 
     def _chain(self, h: torch.Tensor, depth: int) -> DraftTree:
         """Each drafted token is fed back with the head's own h as its feature."""
@@ -216,7 +216,7 @@ class EagleSession(DraftSession):
 
         def step(token: torch.Tensor, i: int) -> torch.Tensor:
             nonlocal h  # level i + 1 sees the real prefix and the levels before it
-            h = self._step(token, h[:, -1:], pos + i)
+            h = self._step(token, self.head.feedback(h[:, -1:]), pos + i)
             return self._logits(h[:, -1])
 
         return draft_chain(
@@ -236,7 +236,7 @@ class EagleSession(DraftSession):
         def expand(nodes, tokens, parents, visible, level):
             # the real prefix is visible to all
             prefix = torch.ones(len(nodes), self.fed, dtype=torch.bool)
-            feats = torch.stack([h_of[p] for p in parents])[None]  # (1, f, hidden)
+            feats = self.head.feedback(torch.stack([h_of[p] for p in parents])[None])
             ids = torch.tensor([tokens], device=h.device)
             # level `level` sits at step level of the unroll from t = length - 2
             positions = [self._base - 2 + level] * len(nodes)
@@ -338,7 +338,7 @@ class EagleBatchSession(BatchSession):
         # 2. Each level is fed with the head's own h as its feature, every row at once.
         def step(token: torch.Tensor, i: int) -> torch.Tensor:
             nonlocal h
-            h = self._feed_drafted(token, h)
+            h = self._feed_drafted(token, self.head.feedback(h))
             return self.head.draft_logits(h)
 
         return draft_chains(
