@@ -40,7 +40,7 @@ SMALL = [
     "--target", "demo-tiny", "--prompts", "demo", "--budget-tokens", "2000", "--num-prompts", "2",
     "--max-new-tokens", "10", "--tune-prompts", "1",
 ]  # fmt: skip
-for family in ("dflash", "distill", "eagle", "medusa", "layerskip", "peagle"):
+for family in ("dflash", "distill", "dspark", "eagle", "medusa", "layerskip", "peagle"):
     # one thread each: the same arithmetic as the trainer's own process below
     SMALL += ["--set", f"{family}:data.max_samples=40", "--set", f"{family}:eval_batches=2",
               "--set", f"{family}:cpu_threads=1"]  # fmt: skip
@@ -56,12 +56,14 @@ def test_every_family_trained_tuned_measured_and_reported(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     rows = {r["family"]: r for r in report["families"]}
     assert (
-        list(rows) == families() == ["dflash", "distill", "eagle", "layerskip", "medusa", "peagle"]
+        list(rows)
+        == families()
+        == ["dflash", "distill", "dspark", "eagle", "layerskip", "medusa", "peagle"]
     )
     error = rows["medusa"]["error"]
     assert error.startswith("medusa: ConfigError:") and "num_heads" in error
     assert "Traceback" in (out / "medusa.log").read_text()  # the whole story, in its log
-    trained = ("dflash", "distill", "eagle", "layerskip", "peagle")
+    trained = ("dflash", "distill", "dspark", "eagle", "layerskip", "peagle")
     greedy = {r["name"]: r for r in report["greedy"]["runs"]}
     for family in trained:
         r = rows[family]
