@@ -328,8 +328,8 @@ class Drafter(nn.Module):
 
     def drafts_chain(self, decode: DecodeConfig) -> bool:
         """Whether the session drafts a chain with `decode`: decode.chain, unless the kind
-        drafts chains whatever the settings say."""
-        return decode.chain
+        drafts chains whatever the settings say (`drafts_trees` False)."""
+        return decode.chain or not self.drafts_trees
 
     def served_drafts(
         self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
@@ -542,6 +542,11 @@ class Drafter(nn.Module):
             ignored.append(
                 f"lookup_gamma={decode.lookup_gamma} is ignored without copying: it caps copied "
                 "drafts, and lookup_ngram=0 copies nothing (set lookup_ngram, e.g. 3)"
+            )
+        if not self.drafts_trees and not decode.chain:
+            ignored.append(
+                f"tree_top_k={decode.tree_top_k} is ignored by {self.title or self.kind}: it "
+                "drafts chains"
             )
         if self.drafts_trees and not decode.chain and decode.stop_below > 0:
             ignored.append(

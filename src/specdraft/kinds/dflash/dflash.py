@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -249,6 +250,10 @@ class DFlashDrafter(Drafter):
     config_class = DFlashConfig
     # the loss makes the target's logits from its final state (it holds the target's LM head)
     reads_target_logits = False
+    # the sessions new_session and batch_session build (a kind built on this drafter, DSpark,
+    # names its own)
+    session_class: ClassVar[type[DFlashSession]] = DFlashSession
+    batch_session_class: ClassVar[type[DFlashBatchSession]] = DFlashBatchSession
 
     def __init__(self, config: DFlashConfig, target, *, init: bool = True) -> None:
         super().__init__()
@@ -581,7 +586,8 @@ class DFlashDrafter(Drafter):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> DFlashSession:
-        return DFlashSession(self, sampling=sampling, decode=decode, generator=generator)
+        """`session_class`'s session (a kind built on this drafter names its own)."""
+        return self.session_class(self, sampling=sampling, decode=decode, generator=generator)
 
     def batch_session(
         self,
@@ -592,8 +598,8 @@ class DFlashDrafter(Drafter):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> BatchSession:
-        """Every drafting row's block in one pass (DFlashBatchSession)."""
-        return DFlashBatchSession(
+        """Every drafting row's block in one pass (`batch_session_class`)."""
+        return self.batch_session_class(
             self, batch_size, sampling=sampling, decode=decode, generator=generator
         )
 

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft.core import DecodeConfig, SamplingSettings
-from specdraft.drafters.base import BatchSession, Metrics, sum_and_count
+from specdraft.core import DecodeConfig
+from specdraft.drafters.base import Metrics, sum_and_count
 from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
 from specdraft.kinds.dspark.dspark_session import DSparkBatchSession, DSparkSession
 from specdraft.losses import token_losses
@@ -111,8 +111,13 @@ class DSparkDrafter(DFlashDrafter):
     kind = "dspark"
     title = "DSpark"
     config_class = DSparkConfig
-    drafts_trees = False  # the Markov head makes each slot depend on the token before it
+    # tree_top_k > 1 is ignored, said once: the Markov head makes each slot depend on the
+    # token drafted before it, so it drafts one chain
+    drafts_trees = False
     batch_drafts = "all"  # every row's block in one pass (it drafts chains only)
+    # DFlash's sessions, drafting through the heads slot by slot
+    session_class = DSparkSession
+    batch_session_class = DSparkBatchSession
 
     def __init__(self, config: DSparkConfig, target, *, init: bool = True) -> None:
         super().__init__(config, target, init=init)
@@ -224,39 +229,3 @@ class DSparkDrafter(DFlashDrafter):
         return predicted.cumprod(-1) >= decode.stop_below
 
     # --- decoding -------------------------------------------------------------------------------
-
-    def new_session(
-        self,
-        target,
-        *,
-        sampling: SamplingSettings,
-        decode: DecodeConfig,
-        generator: torch.Generator | None = None,
-    ) -> DSparkSession:
-        return DSparkSession(self, sampling=sampling, decode=decode, generator=generator)
-
-    def batch_session(
-        self,
-        target,
-        batch_size: int,
-        *,
-        sampling: SamplingSettings,
-        decode: DecodeConfig,
-        generator: torch.Generator | None = None,
-    ) -> BatchSession:
-        """Every drafting row's block in one pass, then the heads slot by slot for all rows."""
-        return DSparkBatchSession(
-            self, batch_size, sampling=sampling, decode=decode, generator=generator
-        )
-
-    def drafts_chain(self, decode: DecodeConfig) -> bool:
-        return True  # tree_top_k > 1 is ignored (ignored_settings)
-
-    def ignored_settings(self, decode: DecodeConfig) -> list[str]:
-        ignored = super().ignored_settings(decode)
-        if not decode.chain:
-            ignored.append(
-                f"tree_top_k={decode.tree_top_k} is ignored by DSpark: its Markov head makes "
-                "each slot depend on the token drafted before it, so it drafts one chain"
-            )
-        return ignored

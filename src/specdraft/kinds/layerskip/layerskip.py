@@ -385,13 +385,8 @@ class LayerSkipDrafter(Drafter):
         )  # fmt: skip
         return "hf_early_exit", settings, {"assistant_early_exit": self.draft_exit(decode)}
 
-    def drafts_chain(self, decode: DecodeConfig) -> bool:
-        return True  # tree_top_k > 1 is ignored (ignored_settings)
-
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = super().ignored_settings(decode)
-        if not decode.chain:
-            ignored.append("LayerSkip drafts chains: tree_top_k > 1 is ignored")
         if decode.draft_weights == "int8":
             ignored.append(
                 "draft_weights=int8 is ignored by LayerSkip: its draft is the target's own layers"
