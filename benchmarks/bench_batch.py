@@ -45,7 +45,8 @@ from specdraft.inference.generate import generate
 from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
 from specdraft.kinds.distill.distill import DistillConfig, DistillDrafter, build_student
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
-from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
+from specdraft.kinds.medusa.medusa import MedusaDrafter
+from specdraft.kinds.medusa.medusa_config import MedusaConfig
 from specdraft.targets.target import Target
 
 

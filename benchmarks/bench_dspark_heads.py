@@ -6,7 +6,7 @@ head as trained and with its bias switched off (W2 zeroed), and with the confide
         --num-prompts 16 --max-new-tokens 64
 
 The simulation walks the target's own greedy continuations of the prompts (cached), as
-`scripts/parity.py` does; at T = 0 it gives the loop's τ exactly (tests/inference/test_parity.py).
+`scripts/parity.py` does; at T = 0 it gives the loop's τ exactly (tests/simulation/test_parity.py).
 """
 
 from __future__ import annotations

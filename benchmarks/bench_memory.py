@@ -64,7 +64,8 @@ def build(kind: str, vocab: int, seq: int):
     )  # fmt: skip
     target = Target(LlamaForCausalLM(config).eval(), _Vocab(vocab), name="bench")
     if kind == "medusa":
-        from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
+        from specdraft.kinds.medusa.medusa import MedusaDrafter
+        from specdraft.kinds.medusa.medusa_config import MedusaConfig
 
         drafter = MedusaDrafter.build(MedusaConfig(), target)
     elif kind == "layerskip":

@@ -36,7 +36,8 @@ from specdraft.attention import target_inputs
 from specdraft.data import DataConfig, build_datasets
 from specdraft.data.stdlib_corpus import build_demo_tokenizer, demo_conversations, demo_corpus_texts
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
-from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
+from specdraft.kinds.medusa.medusa import MedusaDrafter
+from specdraft.kinds.medusa.medusa_config import MedusaConfig
 from specdraft.targets.target import Target
 from specdraft.train.lr_schedule import collate
 

@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from specdraft.targets.target import load_sharded_target, load_target
+    from specdraft.targets.sharded_target import load_sharded_target
+    from specdraft.targets.target import load_target
 
     options = {}
     if args.max_live is not None:

@@ -19,8 +19,14 @@ os.environ["SPECDRAFT_CONFIGS"] = os.path.join(os.path.dirname(__file__), "confi
 # dtype) or states the tolerance of the precision it runs in. CI runs the tests marked `exact`
 # once more with SPECDRAFT_NO_BF16=1, so both branches of "auto" are covered wherever it runs.
 
+import copy
+
 import pytest
 import torch
+from spec_helpers import NEW, PROMPTS, build, make_target, perturbed, tiny_llama
+
+from specdraft.simulation.continuations import served_examples
+from specdraft.targets.target import Target
 
 # The README's command runs the suite in two worker processes (pytest-xdist, `-n 2`), one per
 # core: each keeps to one thread, and so do the processes it starts (OMP_NUM_THREADS, read by
@@ -81,3 +87,43 @@ def tiny_target(tiny_target_path):
 
     torch.manual_seed(0)
     return load_target(tiny_target_path)
+
+
+# --- a random target with varied greedy output, and drafts (tests/spec_helpers.py) ---------
+
+
+@pytest.fixture(scope="session")
+def random_target() -> Target:
+    """vocab 384 (the tiny demo target's), random weights, no EOS."""
+    return make_target(tiny_llama(384, seed=0))
+
+
+@pytest.fixture(scope="session")
+def drafts(random_target) -> dict:
+    """Draft models for `random_target`: identical, partly agreeing, unrelated."""
+    return {
+        "copy": copy.deepcopy(random_target.model),
+        "partial": perturbed(random_target.model, scale=0.05, seed=1),
+        "random": tiny_llama(384, seed=2, hidden=16, layers=1),
+    }
+
+
+@pytest.fixture(scope="session")
+def examples(random_target, tmp_path_factory):
+    """random_target's own greedy continuations of PROMPTS (what drafters are fitted to)."""
+    prompts = [torch.tensor([p]) for p in PROMPTS]
+    return served_examples(random_target, prompts, NEW, cache_dir=tmp_path_factory.mktemp("c"))
+
+
+@pytest.fixture(scope="session")
+def kind_drafter(random_target, examples):
+    """kind -> a drafter of that kind for random_target (spec_helpers.build), built once per
+    session and shared by the modules that only decode with it."""
+    built = {}
+
+    def get(kind: str):
+        if kind not in built:
+            built[kind] = build(kind, random_target, examples)
+        return built[kind]
+
+    return get

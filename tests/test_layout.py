@@ -96,10 +96,10 @@ def _package(module: str) -> str | None:
 
 def _kind_layer(name: str) -> str:
     """The layer of a module in a kind's folder: its trainer is in train, its export in formats,
-    the rest (drafter, session, layers) in drafters."""
+    the rest (drafter, config, session, layers) in drafters."""
     if name.endswith("_trainer"):
         return "train"
-    if name.endswith("_export"):
+    if name.endswith(("_export", "_formats")):
         return "formats"
     return "drafters"
 

@@ -17,9 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings, draft_chain
+from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
 from specdraft.data.formats import Example
-from specdraft.drafters.base import Drafter, DraftSession, Metrics, sum_and_count
+from specdraft.drafters.base import Drafter, Metrics, sum_and_count
+from specdraft.drafters.sessions import DraftSession
+from specdraft.drafting import draft_chain
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference.generate import generate
 from specdraft.measuring.measure import load_prompts

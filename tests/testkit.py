@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.targets.target import free_port
+from specdraft.targets.sharded_target import free_port
 
 
 @torch.no_grad()

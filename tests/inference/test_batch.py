@@ -18,7 +18,8 @@ from spec_helpers import (
 )
 
 from specdraft import batch as batch_module
-from specdraft.core import SamplingSettings, process_logits
+from specdraft.core import SamplingSettings
+from specdraft.drafting import process_logits
 from specdraft.inference import generate
 from specdraft.kinds.distill.distill import DistillDrafter
 from specdraft.kinds.distill.distill_session import DistillBatchSession

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from spec_helpers import chi_square_p_value, make_target, perturbed, tiny_llama
+from spec_helpers import chi_square_p_value, first_two_joint, make_target, perturbed, tiny_llama
 from testkit import perturb
 
 from specdraft.core import DraftContext
@@ -229,15 +229,10 @@ SETTINGS = {"noisy-int8": {"draft_weights": "int8"}}  # lean chains, int8 weight
 
 def exact_joint(target, prompt, temperature, top_p, top_k) -> torch.Tensor:
     """(V, V) the target's probability of each first two tokens, after processing."""
-    from specdraft.core import SamplingSettings, process_logits
+    from specdraft.core import SamplingSettings
 
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k)
-    with torch.no_grad():
-        first = process_logits(target.model(torch.tensor([prompt])).logits[0, -1], settings)
-        nxt = torch.stack(
-            [target.model(torch.tensor([[*prompt, y]])).logits[0, -1] for y in range(V)]
-        )
-    return first[:, None] * process_logits(nxt, settings)
+    return first_two_joint(target, prompt, settings)
 
 
 @pytest.mark.parametrize(

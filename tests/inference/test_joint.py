@@ -21,11 +21,13 @@ import torch
 from spec_helpers import chi_square_p_value, make_target, tiny_llama
 from testkit import perturb
 
-from specdraft.core import SamplingSettings, process_logits
+from specdraft.core import SamplingSettings
+from specdraft.drafting import process_logits
 from specdraft.inference import generate
 from specdraft.inference.verify import verify_sampling
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter, EagleSession
-from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter, MedusaSession
+from specdraft.kinds.medusa.medusa import MedusaDrafter, MedusaSession
+from specdraft.kinds.medusa.medusa_config import MedusaConfig
 from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter, PEagleSession
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).

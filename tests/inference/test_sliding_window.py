@@ -19,7 +19,8 @@ from specdraft.inference import generate
 from specdraft.inference.tree import tree_attention
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.kinds.layerskip.layerskip import LayerSkipConfig, LayerSkipDrafter
-from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
+from specdraft.kinds.medusa.medusa import MedusaDrafter
+from specdraft.kinds.medusa.medusa_config import MedusaConfig
 from specdraft.targets.target import final_logits
 
 pytestmark = pytest.mark.exact

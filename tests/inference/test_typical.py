@@ -12,10 +12,12 @@ import torch
 from spec_helpers import MEDUSA_PROMPTS, chi_square_p_value, fitted_medusa_heads
 from test_joint import CASES, FALSE_ALARM, exact_joint, sample_joint, target  # noqa: F401
 
-from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, process_logits
+from specdraft.core import DecodeConfig, DraftTree, SamplingSettings
+from specdraft.drafting import process_logits
 from specdraft.inference import generate
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
-from specdraft.kinds.medusa.medusa import MedusaDecode, MedusaDrafter
+from specdraft.kinds.medusa.medusa import MedusaDrafter
+from specdraft.kinds.medusa.medusa_config import MedusaDecode
 from specdraft.kinds.medusa.medusa_session import verify_typical
 from specdraft.measuring.evaluation import EvalSpec
 from specdraft.measuring.evaluation_report import make_report, markdown

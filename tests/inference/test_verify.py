@@ -10,7 +10,8 @@ import pytest
 import torch
 from spec_helpers import chi_square_p_value
 
-from specdraft.core import DraftTree, SamplingSettings, path_to, process_logits
+from specdraft.core import DraftTree, SamplingSettings, path_to
+from specdraft.drafting import process_logits
 from specdraft.inference.verify import verify_greedy, verify_sampling
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).

@@ -2,7 +2,7 @@
 data's token before each drafted one, the confidence head's cross-entropy against each slot's
 alpha), the anchor's slot drafts, the session's chain reads each slot's own previous draw,
 greedy output equals plain greedy (chains, the confidence head's stop, copying, batches), and
-bad values are named; sampling is tests/inference/test_dspark_sampling.py."""
+bad values are named; sampling is tests/kinds/test_dspark_sampling.py."""
 
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from testkit import assert_chunking_exact, perturb
 from transformers import LlamaForCausalLM
 
-from specdraft.core import DecodeConfig, TargetOutput, build_draft_vocab
+from specdraft.core import DecodeConfig, TargetOutput
+from specdraft.drafting import build_draft_vocab
 from specdraft.formats.checkpoint import CheckpointError, save_drafter
 from specdraft.formats.reading import load_drafter
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter, resolve_config

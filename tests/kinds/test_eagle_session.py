@@ -9,15 +9,9 @@ import torch
 from testkit import perturb
 from transformers import DynamicCache
 
-from specdraft.core import (
-    DecodeConfig,
-    DraftContext,
-    DraftTree,
-    SamplingSettings,
-    compact,
-    process_logits,
-)
+from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings, compact
 from specdraft.drafters.prompt_lookup import CopyingSession
+from specdraft.drafting import process_logits
 from specdraft.inference import generate
 from specdraft.inference.tree import tree_attention
 from specdraft.inference.verify import verify_greedy, verify_sampling

@@ -29,7 +29,7 @@ RECIPES = sorted((SHIPPED_CONFIGS / "medusa").glob("*.yaml"))
         ["drafter.loss=ce", "drafter.output=shared", "drafter.num_layers=2"],
     ],
     # (ce: the tiny target is nearly deterministic, so self-distillation has ~0 loss to lower;
-    # tests/inference/test_medusa.py checks the kl loss against a naive loop)
+    # tests/kinds/test_medusa.py checks the kl loss against a naive loop)
     ids=["draft-vocab", "shared-output-two-blocks"],
 )
 def test_training_lowers_the_loss_and_final_drafts_a_measured_tree(

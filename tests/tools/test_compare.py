@@ -194,7 +194,8 @@ def test_a_medusa_tree_gets_its_own_simulated_tau(tiny_target):
     expected accepted length of that tree under its saved greedy accuracies, worked out here
     by hand; a chain keeps the per-depth figure, and heads without measured accuracies predict
     no tree, so the tree served gets its chain's figure, marked so."""
-    from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
+    from specdraft.kinds.medusa.medusa import MedusaDrafter
+    from specdraft.kinds.medusa.medusa_config import MedusaConfig
     from specdraft.train.comparison import Family, served_simulated_tau
 
     heads = MedusaDrafter.build(MedusaConfig(num_heads=2, accuracy_ranks=2), tiny_target)

@@ -17,7 +17,8 @@ from specdraft.formats.checkpoint import CheckpointError, save_drafter, set_deco
 from specdraft.formats.export_registry import FORMATS
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
-from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
+from specdraft.kinds.medusa.medusa import MedusaDrafter
+from specdraft.kinds.medusa.medusa_config import MedusaConfig
 from specdraft.targets.target import load_target
 from specdraft.tools import export
 

@@ -167,7 +167,8 @@ def test_kinds_llamacpp_cannot_serve_are_refused_by_name(tiny_target, tmp_path, 
     """Medusa and DFlash folders: exit 2 before llama.cpp is built or the target loaded, saying
     why and which format to use instead."""
     from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
-    from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
+    from specdraft.kinds.medusa.medusa import MedusaDrafter
+    from specdraft.kinds.medusa.medusa_config import MedusaConfig
 
     for drafter, why in (
         (MedusaDrafter.build(MedusaConfig(num_heads=2), tiny_target), "no Medusa heads"),

@@ -24,7 +24,8 @@ from specdraft.formats.export_registry import export_drafter
 from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
 from specdraft.kinds.dspark.dspark import DSparkConfig, DSparkDrafter
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
-from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
+from specdraft.kinds.medusa.medusa import MedusaDrafter
+from specdraft.kinds.medusa.medusa_config import MedusaConfig
 from specdraft.tools import verify_export
 
 pytestmark = pytest.mark.slow

@@ -510,7 +510,7 @@ def test_target_sharding_is_for_a_frozen_target():
     from specdraft.drafters.base import LoraConfig
     from specdraft.kinds.eagle.eagle_trainer import EagleTrainConfig
     from specdraft.kinds.layerskip.layerskip_trainer import LayerSkipTrainConfig
-    from specdraft.kinds.medusa.medusa import MedusaConfig
+    from specdraft.kinds.medusa.medusa_config import MedusaConfig
     from specdraft.kinds.medusa.medusa_trainer import MedusaTrainConfig
 
     with pytest.raises(ConfigError, match=r"LayerSkip fine-tunes the target itself.*ZeRO-3"):

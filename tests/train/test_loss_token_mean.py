@@ -17,7 +17,8 @@ from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.kinds.eagle.eagle_trainer import EagleTrainConfig
 from specdraft.kinds.layerskip.layerskip import LayerSkipConfig, LayerSkipDrafter
 from specdraft.kinds.layerskip.layerskip_trainer import LayerSkipTrainConfig
-from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
+from specdraft.kinds.medusa.medusa import MedusaDrafter
+from specdraft.kinds.medusa.medusa_config import MedusaConfig
 from specdraft.kinds.medusa.medusa_trainer import MedusaTrainConfig
 from specdraft.targets.target import load_target
 from specdraft.train.lr_schedule import collate, examples_for

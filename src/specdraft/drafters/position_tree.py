@@ -20,15 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdraft.core import (
-    DecodeConfig,
-    DraftTree,
-    DraftVocab,
-    SamplingSettings,
-    children_of,
-    draft_chain,
-    process_logits,
-)
+from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, children_of
+from specdraft.drafting import DraftVocab, draft_chain, process_logits
 
 if TYPE_CHECKING:
     from specdraft.drafters.base import Drafter

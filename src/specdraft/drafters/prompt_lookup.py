@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
-from specdraft.drafters.base import BatchSession, Drafter, DraftSession
+from specdraft.drafters.base import Drafter
+from specdraft.drafters.sessions import BatchSession, DraftSession
 
 
 class PromptLookupDrafter(Drafter):

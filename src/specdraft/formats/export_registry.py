@@ -25,7 +25,7 @@ from specdraft.formats.checkpoint import CONFIG_NAME, _clear_leftovers, _replace
 from specdraft.formats.export_formats import ExportError, Format
 from specdraft.kinds.dflash import dflash_export
 from specdraft.kinds.dspark import dspark_export
-from specdraft.kinds.eagle.eagle_export import EAGLE_FORMATS
+from specdraft.kinds.eagle.eagle_formats import EAGLE_FORMATS
 from specdraft.kinds.medusa.medusa_export import MEDUSA_FORMATS
 from specdraft.kinds.peagle import peagle_export
 from specdraft.targets.target import Target

@@ -15,13 +15,15 @@ the sequence, and the tokens after them (`pending`: the whole prompt at first, t
 token, then sometimes more) are fed at the start of the next verification. So prefill is simply
 the first step's pending tokens, and every target pass emits tokens.
 
-A batch of prompts (of any lengths) decodes in one loop too (`_generate_batch`): every step
-drafts for each row, verifies every row's pending tokens and tree in one target forward, and
-accepts per row; rows accept different numbers of tokens and stop on their own (EOS,
-max_new_tokens), and a finished row leaves the batch. The target's cache is one cache whose rows
-hold their own tokens in their own columns (specdraft/batch.py, `BatchCache`); the drafter's is
-its batch session's (`Drafter.new_batch_session`). Each row's output is what decoding it alone
-gives (greedy: token for token; sampled: the target's distribution).
+A batch of prompts (of any lengths) decodes in the same loop body (`_decode`), and one prompt is
+a batch of one: every step drafts for each row, verifies every row's pending tokens and tree in
+one target forward, and accepts per row; rows accept different numbers of tokens and stop on
+their own (EOS, max_new_tokens), and a finished row leaves the batch. The target's cache is one
+cache whose rows hold their own tokens in their own columns (specdraft/batch.py, `BatchCache`),
+or for one prompt a plain cache cropped to each accepted path (inference/tree.py,
+`SequenceCache`); the drafter's is its session's (`Drafter.new_batch_session` for a batch, one
+`new_session` in a `RowSessions` for a prompt alone). Each row's output is what decoding it
+alone gives (greedy: token for token; sampled: the target's distribution).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from specdraft.batch import BatchCache
 from specdraft.core import (
@@ -40,21 +42,15 @@ from specdraft.core import (
     DraftTree,
     SamplingSettings,
     check_fingerprint,
-    compact,
     eos_ids,
     owner_of,
-    process_logits,
 )
-from specdraft.drafters.base import (
-    BatchSession,
-    Drafter,
-    DraftSession,
-    hf_model_kind,
-    warn_once,
-)
+from specdraft.drafters.base import Drafter, hf_model_kind, warn_once
 from specdraft.drafters.prompt_lookup import CopyingRows, CopyingSession, PromptLookupDrafter
+from specdraft.drafters.sessions import BatchSession, DraftSession, RowSessions
+from specdraft.drafting import process_logits
 from specdraft.inference.metrics import Stats
-from specdraft.inference.tree import tree_attention
+from specdraft.inference.tree import SequenceCache
 from specdraft.inference.verify import verify_greedy, verify_sampling
 from specdraft.targets.target import Target
 
@@ -110,114 +106,14 @@ def generate(
     """
     prompts = _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k)
     sampling = SamplingSettings(temperature=float(temperature), top_k=int(top_k), top_p=top_p)
-    device = target.device
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=target.device).manual_seed(seed)
     session, stats, decode = _start_session(
         target, drafter, sampling, generator, decode, settings, len(prompts)
     )
-    if len(prompts) > 1:
-        return _generate_batch(
-            target, prompts, session, stats, sampling, generator, max_new_tokens, stop_at_eos
-        )
-    seq_ids = prompts[0][None]
-    # a session's own acceptance rule (Medusa's typical) applies at temperature > 0 only; at 0
-    # every rule is greedy verification: exact, nothing to mark
-    stats.lossy = session is not None and session.lossy and not sampling.greedy
-    log_p = torch.zeros((), dtype=torch.float64, device=device)  # sum of log p(emitted), T > 0
-    eos = eos_ids(target.model) if stop_at_eos else set()
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-
-    # 1. Buffers: the whole sequence lives in one preallocated row; the cache starts empty.
-    prompt_len = seq_ids.shape[-1]
-    seq = torch.empty(1, prompt_len + max_new_tokens, dtype=torch.long, device=device)
-    seq[0, :prompt_len] = seq_ids.to(device)
-    length, cached = prompt_len, 0
-    # every layer keeps every key, sliding ones too, so the cache crops and compacts to an
-    # accepted path (specdraft/attention.py); the masks apply each layer's window
-    cache = DynamicCache()
-    if session is not None:  # a drafter that drafts on the target's cache (LayerSkip) keeps it
-        session.bind_cache(cache)
-    no_draft = DraftTree.empty(device=device)
-    capture = list(session.capture_layers) if session is not None else []
-    start = time.perf_counter()
-    while True:
-        remaining = prompt_len + max_new_tokens - length
-        # 2. Draft. One token is always the target's own, so a draft deeper than
-        # remaining - 1 could never be emitted.
-        t0 = time.perf_counter()
-        tree = no_draft
-        proposed = session is not None and remaining > 1
-        if proposed:
-            tree = session.propose(DraftContext(seq[:, :length], max_depth=remaining - 1))
-            if __debug__:  # a drafter bug stops here, not as a wrong verification
-                tree.check()
-            sync()
-        t1 = time.perf_counter()
-
-        # 3. Verify: one target forward over pending tokens + tree, logits for root and nodes.
-        n = len(tree)
-        pending = length - cached
-        inputs = seq[:, cached:length]
-        if n:
-            inputs = torch.cat([inputs, tree.tokens.to(device)], dim=1)  # (1, pending + n)
-        # A session that drafted on the shared cache verifies its own draft (LayerSkip: the late
-        # layers only); any other tree gets the full forward.
-        out = session.verify(tree, n + 1) if session is not None else None
-        if out is None:
-            mask, positions = tree_attention(
-                tree, cached, pending, target.dtype, device, target.attention
-            )
-            out = target.forward(
-                inputs,
-                attention_mask=mask,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-                capture_layers=capture,
-                logits_to_keep=n + 1,
-            )
-        logits = out.logits[0]  # (n + 1, vocab): the root (last pending token), then each node
-        if sampling.greedy:
-            path, next_token = verify_greedy(tree, logits.argmax(-1).tolist())
-        else:
-            p = process_logits(logits, sampling)  # (n + 1, vocab)
-            own = session.verify_sampled(tree, p, generator) if session is not None else None
-            path, next_token = own if own is not None else verify_sampling(tree, p, generator)
-
-        # 4. Keep both caches on the accepted path; the new token stays pending.
-        compact(cache, length, path)
-        cached = length + len(path)
-        t2 = time.perf_counter()
-        if session is not None:  # hidden states: for drafters fed by the target's (EAGLE)
-            session.accept(tree, path, out.hidden_states if capture else None)
-        t3 = time.perf_counter()
-
-        # 5. Emit accepted + bonus/correction, cut at the first EOS and at max_new_tokens.
-        new, stop = _emitted(tree, path, next_token, remaining, eos)
-        seq[0, length : length + len(new)] = torch.tensor(new, device=device)
-        if not sampling.greedy:
-            # emitted token j was chosen at row 0 (the root) or at its accepted parent node's row
-            rows = ([0] + [1 + c for c in path])[: len(new)]
-            log_p += p[rows, new].double().log().sum()  # stays on the device: no sync per step
-            stats.log_p_tokens += len(new)
-        length += len(new)
-        stats.record_step(n, tree.depth, len(path), len(new))
-        stats.draft_seconds += (t1 - t0) + (t3 - t2)
-        stats.verify_seconds += t2 - t1
-        if stop:
-            break
-    stats.total_seconds = time.perf_counter() - start
-    stats.log_p_sum = float(log_p)
-    if session is not None:
-        stats.drafter_kv_bytes = session.extra_memory_bytes()
-        stats.copies = isinstance(session, CopyingSession)
-        stats.copied_passes = session.copied_passes
-    return GenerateOutput(
-        tokens=seq[:, prompt_len:length].clone(),
-        stats=stats,
-        lengths=[length - prompt_len],
-        row_stats=[stats],
-        pad_id=_pad_id(target),
+    if session is not None and len(prompts) == 1:  # one prompt: a batch of one
+        session = RowSessions([session])
+    return _decode(
+        target, prompts, session, stats, sampling, generator, max_new_tokens, stop_at_eos
     )
 
 
@@ -245,7 +141,7 @@ def _pad_id(target: Target) -> int:
     return int(pad)
 
 
-def _generate_batch(
+def _decode(
     target: Target,
     prompts: list[torch.Tensor],
     session: BatchSession | None,
@@ -255,8 +151,9 @@ def _generate_batch(
     max_new_tokens: int,
     stop_at_eos: bool,
 ) -> GenerateOutput:
-    """generate's loop for a batch of prompts: the steps of the single-sequence loop, for each
-    active row at once, with the target's cache a BatchCache (specdraft/batch.py)."""
+    """The loop, for every active row at once; one prompt is a batch of one, whose target cache
+    is a SequenceCache (inference/tree.py: a chain needs no mask) instead of a BatchCache
+    (specdraft/batch.py: each row's own columns)."""
     device, rows = target.device, len(prompts)
     eos = eos_ids(target.model) if stop_at_eos else set()
     pad = _pad_id(target)
@@ -267,14 +164,20 @@ def _generate_batch(
         seq[r, : prompt_len[r]] = prompt.to(device)
     length, cached = list(prompt_len), [0] * rows
     active = list(range(rows))  # the batch's row of each active row
-    cache = BatchCache(rows, device)
+    # every layer keeps every key, sliding ones too, so the cache crops and compacts to an
+    # accepted path (specdraft/attention.py); the masks apply each layer's window
+    cache = SequenceCache(device) if rows == 1 else BatchCache(rows, device)
+    if session is not None:  # a drafter that drafts on the target's cache (LayerSkip) keeps it
+        session.bind_cache(cache.cache)
     row_stats = [Stats() for _ in range(rows)]
-    log_p = torch.zeros(rows, dtype=torch.float64, device=device)
+    log_p = torch.zeros(rows, dtype=torch.float64, device=device)  # sum of log p(emitted), T > 0
     capture = list(session.capture_layers) if session is not None else []
     no_draft = DraftTree.empty(device=device)
     peak_memory = 0
     start = time.perf_counter()
     while active:
+        # 1. Draft. One token is always the target's own, so a draft deeper than
+        # remaining - 1 could never be emitted.
         remaining = [prompt_len[r] + max_new_tokens - length[r] for r in active]
         t0 = time.perf_counter()
         trees = [no_draft] * len(active)
@@ -284,26 +187,30 @@ def _generate_batch(
                 for r, left in zip(active, remaining, strict=True)
             ]
             trees = session.propose(contexts)
-            if __debug__:
+            if __debug__:  # a drafter bug stops here, not as a wrong verification
                 for tree in trees:
                     tree.check()
             sync()
         t1 = time.perf_counter()
 
-        # one forward verifies every row's pending tokens and tree
+        # 2. Verify: one forward over every row's pending tokens and tree, logits for each
+        # row's root (its last pending token) and nodes. A session that drafted on the shared
+        # cache verifies its own draft (LayerSkip: the late layers only).
         pending = [seq[r, cached[r] : length[r]] for r in active]
         ids, mask, positions, P, N = cache.verification_inputs(
             pending, trees, target.dtype, target.attention, pad
         )
-        out = target.forward(
-            ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=cache.cache,
-            use_cache=True,
-            capture_layers=capture,
-            logits_to_keep=N + 1,
-        )
+        out = session.verify(trees, N + 1) if session is not None else None
+        if out is None:
+            out = target.forward(
+                ids,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache.cache,
+                use_cache=True,
+                capture_layers=capture,
+                logits_to_keep=N + 1,
+            )
         top = out.logits.argmax(-1).tolist() if sampling.greedy else None
         paths, nexts, probs = [], [], []
         for i, tree in enumerate(trees):
@@ -317,6 +224,8 @@ def _generate_batch(
                 probs.append(p)
             paths.append(path)
             nexts.append(next_token)
+
+        # 3. Keep both caches on the accepted paths; each row's new token stays pending.
         cache.keep(
             [
                 list(range(P - len(pend), P)) + [P + c for c in path]
@@ -326,7 +235,7 @@ def _generate_batch(
         for i, r in enumerate(active):
             cached[r] = length[r] + len(paths[i])
         t2 = time.perf_counter()
-        if session is not None:
+        if session is not None:  # hidden states: for drafters fed by the target's (EAGLE)
             hidden = [None] * len(active)
             if capture:
                 hidden = [
@@ -339,15 +248,17 @@ def _generate_batch(
             session.accept(trees, paths, hidden)
         t3 = time.perf_counter()
 
-        # emit per row; a finished row leaves the batch
+        # 4. Emit accepted + bonus/correction per row, cut at the first EOS and at
+        # max_new_tokens; a finished row leaves the batch.
         done = []
         for i, r in enumerate(active):
             tree, path = trees[i], paths[i]
             new, stop = _emitted(tree, path, nexts[i], remaining[i], eos)
             seq[r, length[r] : length[r] + len(new)] = torch.tensor(new, device=device)
             if not sampling.greedy:
+                # emitted token j was chosen at row 0 (the root) or at its accepted parent's row
                 at = ([0] + [1 + c for c in path])[: len(new)]
-                log_p[r] += probs[i][at, new].double().log().sum()
+                log_p[r] += probs[i][at, new].double().log().sum()  # no sync per step
                 row_stats[r].log_p_tokens += len(new)
             length[r] += len(new)
             row_stats[r].record_step(len(tree), tree.depth, len(path), len(new))
@@ -515,4 +426,5 @@ def _start_session(target, drafter, sampling, generator, decode, settings, batch
     session = drafter.new_session(target, sampling=sampling, decode=decode, generator=generator)
     if copying:
         session = CopyingSession(session, decode.lookup_ngram, decode.lookup_gamma or decode.gamma)
+    stats.lossy = session.lossy and not sampling.greedy
     return session, stats, decode

@@ -10,10 +10,13 @@ tree verification exact. A chain's tree mask is the plain causal mask, so chains
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from transformers import DynamicCache
 
 from specdraft.attention import AttentionLayout, Mask
-from specdraft.core import DraftTree, ancestors, float_mask
+from specdraft.core import DraftTree, ancestors, compact, float_mask
 
 
 def tree_attention(
@@ -43,3 +46,45 @@ def tree_attention(
         keys = torch.cat([torch.arange(past, device=device), position_ids[0]])
         return layout.masks(allowed.to(device), position_ids[0], keys, dtype), position_ids
     return float_mask(allowed, dtype)[None, None].to(device), position_ids
+
+
+class SequenceCache:
+    """The target's KV cache for a batch of one, with BatchCache's calls (specdraft/batch.py):
+    one sequence needs no columns of holes, so it is a plain DynamicCache cropped or compacted
+    to each accepted path, and a chain is verified with the model's own causal mask."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cache = DynamicCache()
+        self.device = device
+        self.length = 0  # tokens in the cache
+        self.pending = 0  # pending tokens of the last verification
+
+    def verification_inputs(
+        self,
+        pending: Sequence[torch.Tensor],
+        trees: Sequence[DraftTree],
+        dtype: torch.dtype,
+        layout: AttentionLayout | None,
+        pad_id: int,
+    ) -> tuple[torch.Tensor, Mask, torch.Tensor | None, int, int]:
+        """The input ids (1, P + N), mask and positions (`tree_attention`'s), P and N."""
+        (tokens,), (tree,) = pending, trees
+        self.pending = len(tokens)
+        ids = tokens.to(self.device)[None]
+        if len(tree):
+            ids = torch.cat([ids, tree.tokens.to(self.device)], dim=1)
+        mask, positions = tree_attention(
+            tree, self.length, self.pending, dtype, self.device, layout
+        )
+        return ids, mask, positions, self.pending, len(tree)
+
+    def keep(self, columns: Sequence[list[int]]) -> None:
+        """Keep the pending tokens and the accepted nodes (BatchCache.keep's local columns)."""
+        (kept,) = columns
+        P = self.pending
+        compact(self.cache, self.length + P, [c - P for c in kept if c >= P])
+        self.length += len(kept)
+
+    def select_rows(self, keep: Sequence[int]) -> None:
+        if list(keep) != [0]:
+            raise ValueError(f"a SequenceCache holds one row; asked to keep rows {list(keep)}")

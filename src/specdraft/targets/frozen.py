@@ -16,7 +16,8 @@ import sys
 
 import torch
 
-from specdraft.targets.target import Target, load_sharded_target, load_target
+from specdraft.targets.sharded_target import load_sharded_target
+from specdraft.targets.target import Target, load_target
 
 SHARDINGS = ("none", "zero3")
 

@@ -45,12 +45,8 @@ from specdraft.formats.export_formats import (
     read_weights,
 )
 from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter, layer_config
-from specdraft.kinds.eagle.eagle_export import (
-    GENERIC_KEYS,
-    LAYER_FIELDS,
-    SPECULATORS_VERSION,
-    _check_verifier,
-)
+from specdraft.kinds.eagle.eagle_export import GENERIC_KEYS, LAYER_FIELDS, SPECULATORS_VERSION
+from specdraft.kinds.eagle.eagle_formats import check_verifier
 from specdraft.targets.target import Target
 
 WEIGHTS = "model.safetensors"
@@ -319,7 +315,7 @@ def checked_weights(
             "load the target it was trained for"
         )
     if strict:
-        _check_verifier(config["speculators_config"]["verifier"], target, where)
+        check_verifier(config["speculators_config"]["verifier"], target, where)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder} has a DFlash config.json but no .safetensors weights")

@@ -9,20 +9,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdraft.core import (
-    DecodeConfig,
-    DraftContext,
-    DraftTree,
-    SamplingSettings,
-    draft_chains,
-    draft_token,
-)
-from specdraft.drafters.base import (
-    BatchSession,
-    DraftSession,
-    check_features_known,
-)
+from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
 from specdraft.drafters.position_tree import position_tree
+from specdraft.drafters.sessions import BatchSession, DraftSession, check_features_known
+from specdraft.drafting import draft_chains, draft_token
 from specdraft.kinds.eagle.eagle_session import verified_rows
 
 if TYPE_CHECKING:

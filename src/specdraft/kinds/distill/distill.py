@@ -19,25 +19,16 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from specdraft.attention import model_inputs
 from specdraft.config import choice
-from specdraft.core import (
-    DecodeConfig,
-    SamplingSettings,
-    draft_token,
-)
-from specdraft.drafters.base import (
-    BatchSession,
-    Drafter,
-    Metrics,
-    sum_and_count,
-    vocab_mismatch_error,
-    warn_once,
-)
+from specdraft.core import DecodeConfig, SamplingSettings
+from specdraft.drafters.base import Drafter, Metrics, sum_and_count, vocab_mismatch_error, warn_once
 from specdraft.drafters.lean import (
     ModelWeights,
     SharedWeights,
     lean_model_supported,
     use_int8,
 )
+from specdraft.drafters.sessions import BatchSession
+from specdraft.drafting import draft_token
 from specdraft.kinds.distill.distill_session import DistillBatchSession, DistillSession
 from specdraft.losses import divergence_per_row, token_losses
 from specdraft.targets.target import final_logits

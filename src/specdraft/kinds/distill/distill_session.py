@@ -15,20 +15,15 @@ from specdraft.core import (
     DraftTree,
     SamplingSettings,
     compact,
-    draft_chain,
-    draft_chains,
-    draft_tree,
     float_mask,
     kv_bytes,
-)
-from specdraft.drafters.base import (
-    BatchSession,
-    DraftSession,
 )
 from specdraft.drafters.lean import (
     LeanModel,
     ModelWeights,
 )
+from specdraft.drafters.sessions import BatchSession, DraftSession
+from specdraft.drafting import draft_chain, draft_chains, draft_tree
 
 # --- propose / session (inference) -------------------------------------------------------------
 

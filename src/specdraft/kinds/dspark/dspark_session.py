@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, draft_chains
+from specdraft.core import DecodeConfig, DraftTree, SamplingSettings
+from specdraft.drafting import draft_chains
 from specdraft.kinds.dflash.dflash_session import DFlashBatchSession, DFlashSession
 
 if TYPE_CHECKING:

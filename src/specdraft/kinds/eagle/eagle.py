@@ -42,17 +42,13 @@ from specdraft.core import (
     SamplingSettings,
     float_mask,
 )
-from specdraft.drafters.base import (
-    BatchSession,
-    Drafter,
-    Metrics,
-    sum_and_count,
-)
+from specdraft.drafters.base import Drafter, Metrics, sum_and_count
 from specdraft.drafters.lean import (
     SharedWeights,
     lean_supported,
 )
 from specdraft.drafters.served import one_later
+from specdraft.drafters.sessions import BatchSession
 from specdraft.kinds.eagle.eagle_layers import (
     Eagle3Layer,
     eagle1_reference_layer,

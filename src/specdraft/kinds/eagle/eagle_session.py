@@ -15,15 +15,11 @@ from specdraft.core import (
     DecodeConfig,
     DraftContext,
     DraftTree,
-    DraftVocab,
     SamplingSettings,
-    draft_chain,
-    draft_chains,
-    draft_tree,
     float_mask,
     kv_bytes,
 )
-from specdraft.drafters.base import BatchSession, DraftSession, check_features_known, warn_once
+from specdraft.drafters.base import warn_once
 from specdraft.drafters.lean import (
     DraftLinear,
     LayerWeights,
@@ -31,6 +27,8 @@ from specdraft.drafters.lean import (
     rms,
     use_int8,
 )
+from specdraft.drafters.sessions import BatchSession, DraftSession, check_features_known
+from specdraft.drafting import DraftVocab, draft_chain, draft_chains, draft_tree
 
 if TYPE_CHECKING:
     from specdraft.kinds.eagle.eagle import EagleDrafter
@@ -370,13 +368,7 @@ class EagleBatchSession(BatchSession):
                 continue
             seq = context.tokens[0]  # (length,)
             length = seq.shape[0]
-            if self.fed[r] + known.shape[1] != length - 1:
-                raise RuntimeError(
-                    f"{type(self).__name__} has the target's features of "
-                    f"{self.fed[r] + known.shape[1]} positions of row {r} but its context has "
-                    f"{length}: the loop must call accept(trees, paths, hidden_states) after "
-                    "every verification forward, and pass the contexts that forward extended"
-                )
+            check_features_known(type(self).__name__, self.fed[r] + known.shape[1], length, r)
             n_new = length - 1 - self.fed[r]
             depths.append(depth)
             tokens.append(seq[self.fed[r] + 1 :].to(self.device))

@@ -15,8 +15,9 @@ from typing import ClassVar
 import torch
 
 from specdraft.config import ConfigError, default_config
-from specdraft.core import build_draft_vocab, eos_ids
+from specdraft.core import eos_ids
 from specdraft.data.dataset import build_datasets
+from specdraft.drafting import build_draft_vocab
 from specdraft.kinds.eagle import eagle
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.targets.frozen import frozen_targets

@@ -38,13 +38,8 @@ from specdraft.core import (
     SamplingSettings,
     check_integer,
 )
-from specdraft.drafters.base import (
-    Drafter,
-    LoraConfig,
-    Metrics,
-    RowSessions,
-    sum_and_count,
-)
+from specdraft.drafters.base import Drafter, LoraConfig, Metrics, sum_and_count
+from specdraft.drafters.sessions import RowSessions
 from specdraft.kinds.distill.distill import simulated_alpha
 from specdraft.kinds.layerskip.layerskip_session import (
     LayerSkipRowSession,

@@ -10,16 +10,9 @@ import torch
 from transformers import DynamicCache
 
 from specdraft.attention import AttentionLayout, causal_masks
-from specdraft.core import (
-    DraftContext,
-    DraftTree,
-    TargetOutput,
-    draft_chain,
-    kv_bytes,
-)
-from specdraft.drafters.base import (
-    DraftSession,
-)
+from specdraft.core import DraftContext, DraftTree, TargetOutput, kv_bytes
+from specdraft.drafters.sessions import DraftSession
+from specdraft.drafting import draft_chain
 from specdraft.targets.target import (
     TargetError,
     final_logits,

@@ -62,7 +62,8 @@ from specdraft.formats.export_formats import (
     pickle_message,
     read_weights,
 )
-from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
+from specdraft.kinds.medusa.medusa import MedusaDrafter
+from specdraft.kinds.medusa.medusa_config import MedusaConfig
 from specdraft.targets.target import Target
 
 

@@ -11,17 +11,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from specdraft.core import (
-    DecodeConfig,
-    DraftContext,
-    DraftTree,
-    DraftVocab,
-    SamplingSettings,
-    children_of,
-)
-from specdraft.drafters.base import DraftSession, RowSessions
+from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings, children_of
 from specdraft.drafters.lean import DraftLinear, use_int8
 from specdraft.drafters.position_tree import TreeShape, position_tree, tree_paths
+from specdraft.drafters.sessions import DraftSession, RowSessions
+from specdraft.drafting import DraftVocab
 
 if TYPE_CHECKING:
     from specdraft.kinds.medusa.medusa import MedusaDrafter

@@ -15,9 +15,11 @@ from typing import ClassVar
 import torch
 
 from specdraft.config import default_config
-from specdraft.core import build_draft_vocab, eos_ids
+from specdraft.core import eos_ids
 from specdraft.data.dataset import build_datasets
-from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDecode, MedusaDrafter
+from specdraft.drafting import build_draft_vocab
+from specdraft.kinds.medusa.medusa import MedusaDrafter
+from specdraft.kinds.medusa.medusa_config import MedusaConfig, MedusaDecode
 from specdraft.targets.frozen import frozen_targets
 from specdraft.train.after_training import (
     loop_prompts,

@@ -44,20 +44,12 @@ from torch import nn
 
 from specdraft.attention import document_seeds, document_spans
 from specdraft.config import choice
-from specdraft.core import (
-    DecodeConfig,
-    DraftContext,
-    DraftTree,
-    draft_chains,
-    float_mask,
-)
-from specdraft.drafters.base import (
-    Metrics,
-    check_features_known,
-    sum_and_count,
-)
+from specdraft.core import DecodeConfig, DraftContext, DraftTree, float_mask
+from specdraft.drafters.base import Metrics, sum_and_count
 from specdraft.drafters.position_tree import position_tree, tree_reach
 from specdraft.drafters.served import one_later
+from specdraft.drafters.sessions import check_features_known
+from specdraft.drafting import draft_chains
 from specdraft.kinds.eagle.eagle import EagleDrafter, default_feature_layers
 from specdraft.kinds.eagle.eagle_session import EagleBatchSession, EagleSession
 from specdraft.losses import token_losses

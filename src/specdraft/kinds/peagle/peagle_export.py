@@ -28,7 +28,7 @@ import torch
 from specdraft.core import DecodeConfig
 from specdraft.formats.checkpoint import CONFIG_NAME, CheckpointError
 from specdraft.formats.export_formats import Format, also_holding
-from specdraft.kinds.eagle import eagle_export
+from specdraft.kinds.eagle import eagle_export, eagle_formats
 from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter
 from specdraft.targets.target import Target
 
@@ -109,7 +109,7 @@ def read_speculators(
             raise CheckpointError(f"{where}: {e}") from e
 
     try:
-        return eagle_export.read_head(
+        return eagle_formats.read_head(
             folder, config, target, fmt="speculators", strict=strict, build=build
         )
     except CheckpointError as e:
@@ -126,7 +126,7 @@ def validate_folder(folder: str | Path, vocab_size: int) -> list[str]:
     loads."""
     config = json.loads((Path(folder) / CONFIG_NAME).read_text())
     found = problems(config, vocab_size)
-    return found + eagle_export.validate_folder(folder, "speculators", vocab_size)
+    return found + eagle_formats.validate_folder(folder, "speculators", vocab_size)
 
 
 def speculators_format(inner: Format) -> Format:

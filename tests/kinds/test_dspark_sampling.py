@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import chi_square_p_value, make_target, tiny_llama
+from spec_helpers import chi_square_p_value, first_two_joint, make_target, tiny_llama
 
-from specdraft.core import SamplingSettings, process_logits
+from specdraft.core import SamplingSettings
 from specdraft.inference import generate
 from specdraft.kinds.dspark.dspark import DSparkConfig, DSparkDrafter
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
-pytestmark = pytest.mark.exact
+pytestmark = [pytest.mark.exact, pytest.mark.usefixtures("one_thread")]
 
 V = 6
 
@@ -51,11 +51,6 @@ def test_sampled_output_follows_the_target(lossy, monkeypatch):
         drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
     assert drafted > 0 and accepted > 0
     settings = SamplingSettings(temperature=1.3)
-    with torch.no_grad():
-        first = process_logits(target.model(torch.tensor([prompt])).logits[0, -1], settings)
-        nxt = torch.stack(
-            [target.model(torch.tensor([[*prompt, y]])).logits[0, -1] for y in range(V)]
-        )
-    exact = first[:, None] * process_logits(nxt, settings)
+    exact = first_two_joint(target, prompt, settings)
     p_value = chi_square_p_value(counts.flatten(), exact.flatten())
     assert p_value < 1e-3 if lossy else p_value > 1e-3

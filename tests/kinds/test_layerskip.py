@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import chi_square_p_value, make_target, tiny_llama
+from spec_helpers import chi_square_p_value, first_two_joint, make_target, tiny_llama
 
 from specdraft.inference import generate
 from specdraft.kinds.layerskip.layerskip import LayerSkipConfig, LayerSkipDrafter
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
-pytestmark = pytest.mark.exact
+pytestmark = [pytest.mark.exact, pytest.mark.usefixtures("one_thread")]
 
 
 def self_drafter(target, exit_layer: int) -> LayerSkipDrafter:
@@ -169,15 +169,10 @@ def test_sampled_output_follows_the_target(lossy, monkeypatch):
         counts[y1, y2] += 1
         drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
     assert drafted > 0 and accepted > 0
-    from specdraft.core import SamplingSettings, process_logits
+    from specdraft.core import SamplingSettings
 
     settings = SamplingSettings(temperature=1.3)
-    with torch.no_grad():
-        first = process_logits(target.model(torch.tensor([[1, 2, 3]])).logits[0, -1], settings)
-        nxt = torch.stack(
-            [target.model(torch.tensor([[1, 2, 3, y]])).logits[0, -1] for y in range(6)]
-        )
-    exact = first[:, None] * process_logits(nxt, settings)
+    exact = first_two_joint(target, [1, 2, 3], settings)
     p_value = chi_square_p_value(counts.flatten(), exact.flatten())
     assert p_value < 1e-3 if lossy else p_value > 1e-3
 

@@ -22,7 +22,9 @@ from specdraft.formats.export_registry import ExportError, export_drafter
 from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
-from specdraft.kinds.eagle.eagle_export import validate_folder
+from specdraft.kinds.eagle.eagle_formats import validate_folder
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py says why
 
 BASE = "org/random-llama"  # the verifier as a hub id: its last part is the target's name
 V = 384
@@ -258,6 +260,7 @@ def ours(head, ids, hidden) -> list[torch.Tensor]:
 def test_the_files_compute_the_heads_logits_as_the_engines_do(
     target, fmt, draft_vocab, before, layers, tmp_path
 ):
+
     head = noisy_head(
         target, draft_vocab=draft_vocab, norm_before_residual=before, feature_layers=layers
     )

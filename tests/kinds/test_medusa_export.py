@@ -20,8 +20,11 @@ from specdraft.formats.checkpoint import CheckpointError
 from specdraft.formats.export_registry import ExportError, export_drafter
 from specdraft.formats.reading import load_drafter
 from specdraft.inference import generate
-from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDecode, MedusaDrafter
+from specdraft.kinds.medusa.medusa import MedusaDrafter
+from specdraft.kinds.medusa.medusa_config import MedusaConfig, MedusaDecode
 from specdraft.kinds.medusa.medusa_export import medusa_choices
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py says why
 
 BASE = "org/base-model"
 

@@ -18,14 +18,10 @@ from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, TargetOutp
 from specdraft.formats.checkpoint import save_drafter
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.inference import generate
-from specdraft.kinds.medusa.medusa import (
-    MedusaConfig,
-    MedusaDecode,
-    MedusaDrafter,
-    MedusaSession,
-    expected_length,
-    tree_paths,
-)
+from specdraft.kinds.medusa.medusa import MedusaDrafter, MedusaSession, expected_length, tree_paths
+from specdraft.kinds.medusa.medusa_config import MedusaConfig, MedusaDecode
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py says why
 
 
 def noisy_heads(target, seed: int = 0, scale: float = 0.3, **config) -> MedusaDrafter:

@@ -25,7 +25,8 @@ from specdraft.kinds.distill.distill import DistillDrafter
 from specdraft.kinds.dspark.dspark import DSparkConfig, DSparkDrafter
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.kinds.layerskip.layerskip import LayerSkipConfig, LayerSkipDrafter
-from specdraft.kinds.medusa.medusa import MedusaConfig, MedusaDrafter
+from specdraft.kinds.medusa.medusa import MedusaDrafter
+from specdraft.kinds.medusa.medusa_config import MedusaConfig
 from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter
 from specdraft.targets.target import Target
 
@@ -72,6 +73,21 @@ def perturbed(model, scale: float, seed: int):
         for p in other.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * scale * p.std().clamp(min=1e-3))
     return other
+
+
+def first_two_joint(target, prompt, settings) -> torch.Tensor:
+    """(V, V) the target's probability of each first two tokens after `prompt` (a list of ids),
+    under the SamplingSettings `settings`: what a sampler of the first two tokens must follow.
+    V is the target's whole vocabulary, so keep it tiny."""
+    from specdraft.drafting import process_logits
+
+    vocab = target.vocab_size
+    with torch.no_grad():
+        first = process_logits(target.model(torch.tensor([prompt])).logits[0, -1], settings)
+        nxt = torch.stack(
+            [target.model(torch.tensor([[*prompt, y]])).logits[0, -1] for y in range(vocab)]
+        )
+    return first[:, None] * process_logits(nxt, settings)
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -20,6 +20,8 @@ from specdraft.inference import generate
 from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter, PEagleSession
 from specdraft.kinds.peagle.peagle_export import validate_folder
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py says why
+
 BASE = "org/random-llama"
 V = 384
 K = 4

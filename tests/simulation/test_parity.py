@@ -22,7 +22,7 @@ from specdraft.simulation.serving_parity import (
 )
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
-pytestmark = pytest.mark.exact
+pytestmark = [pytest.mark.exact, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module", params=KINDS)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdraft.core import DecodeConfig, DraftContext
 from specdraft.drafters.prompt_lookup import PromptLookupDrafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py says why
 
 
 def propose(tokens: list[int], gamma: int = 3, max_depth: int = 10) -> list[int]:

@@ -14,7 +14,7 @@ from test_eagle_batch import CopyingRows, CopyingSession, EveryOtherCopied, step
 from testkit import perturb
 
 from specdraft.core import DraftContext, DraftTree, SamplingSettings
-from specdraft.drafters.base import BatchSession
+from specdraft.drafters.sessions import BatchSession
 from specdraft.inference import generate
 from specdraft.kinds.dflash.dflash import (
     DFlashBatchSession,
@@ -23,7 +23,7 @@ from specdraft.kinds.dflash.dflash import (
     DFlashSession,
 )
 
-pytestmark = pytest.mark.exact
+pytestmark = [pytest.mark.exact, pytest.mark.usefixtures("one_thread")]
 
 NEW = 16
 GAMMA = 3

@@ -26,6 +26,8 @@ from specdraft.measuring.measure import (
     request_ids,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py says why
+
 
 def test_eval_prompts_are_the_part_before_the_loss():
     chat = Example([1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 1, 1])  # prompt, then the answer

@@ -13,7 +13,7 @@ from test_batch import V, ragged, sampled_rows_follow_the_target
 from testkit import perturb
 
 from specdraft.core import DraftContext, DraftTree, SamplingSettings
-from specdraft.drafters.base import BatchSession, DraftSession, RowSessions
+from specdraft.drafters.sessions import BatchSession, DraftSession, RowSessions
 from specdraft.inference import generate
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.kinds.eagle.eagle_session import EagleBatchSession, EagleSession
@@ -24,7 +24,7 @@ from specdraft.kinds.peagle.peagle import (
     PEagleSession,
 )
 
-pytestmark = pytest.mark.exact
+pytestmark = [pytest.mark.exact, pytest.mark.usefixtures("one_thread")]
 
 NEW = 16
 GAMMA = 3

@@ -13,6 +13,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 from specdraft.inference import generate
 from specdraft.kinds.distill.distill import DistillConfig, build_student
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py says why
+
 V = 64
 COMMON = dict(
     vocab_size=V, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,

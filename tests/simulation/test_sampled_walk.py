@@ -16,6 +16,8 @@ from specdraft.inference.verify import verify_sampling
 from specdraft.kinds.distill.distill import DistillDrafter
 from specdraft.simulation.serving_parity import example_batch, sampled_tau_on, served_sampled_tau
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py says why
+
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_walk_in_expectation_of_sure_outcomes_is_the_greedy_walk(
