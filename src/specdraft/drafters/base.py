@@ -244,7 +244,7 @@ class Drafter(nn.Module):
         """(logits' shape but vocab) bool: whether a chain drafted from `served_logits`'
         `logits` (as the session processes them) goes on after each of its positions under
         decode.stop_below: by default its top probability is at least stop_below, as
-        core.draft_chain decides; a kind with a rule of its own (DSpark's confidence head)
+        drafting.draft_chain decides; a kind with a rule of its own (DSpark's confidence head)
         overrides this."""
         return greedy_confidence(logits, decode.stop_below)
 

@@ -169,7 +169,7 @@ def position_tree(
 ) -> DraftTree:
     """What one pass's positions draft with `decode`. logits: (depth, draft vocab), position d
     predicting the token d + 1 below the root. tree_top_k = 1: a chain of each position's draw
-    (core.draft_chain: greedy or sampled, ended early by stop_below). Otherwise the tree of
+    (drafting.draft_chain: greedy or sampled, ended early by stop_below). Otherwise the tree of
     `shape` (`confident_shape` of these logits when None), ranked when greedy, sampled else."""
     depth = logits.shape[0]
     if decode.chain:

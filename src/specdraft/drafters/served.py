@@ -36,7 +36,7 @@ def chain_drafts(
     """A chain drafter's ServedDrafts: drafts (batch, seq, D) target ids, [b, c, i] the token
     drafted at depth i + 1 after a context ending at c whose depths before it agreed with the
     batch; confident (batch, seq, D) bool, whether that draft's top probability is at least
-    stop_below (core.draft_chain ends the chain after the first that is not). D may be less
+    stop_below (drafting.draft_chain ends the chain after the first that is not). D may be less
     than gamma (a kind that drafts at most D)."""
     T, D = drafts.shape[1], min(drafts.shape[2], gamma)
     c = torch.arange(T, device=drafts.device)
@@ -54,7 +54,7 @@ def chain_drafts(
 
 def greedy_confidence(logits: torch.Tensor, stop_below: float) -> torch.Tensor:
     """(..., vocab) draft logits -> (...) bool: the top probability is at least stop_below, as
-    core.draft_chain decides whether a greedy chain goes on."""
+    drafting.draft_chain decides whether a greedy chain goes on."""
     if stop_below <= 0:
         return torch.ones(logits.shape[:-1], dtype=torch.bool, device=logits.device)
     return logits.float().softmax(-1).max(-1).values >= stop_below

@@ -125,7 +125,7 @@ class DFlashSession(DraftSession):
 class DFlashBatchSession(BatchSession):
     """DFlashSession for the rows of a batch: one block pass drafts every drafting row's chain.
     Each row drafts what DFlashSession drafts for it alone (its depth, its stop_below, the same
-    tokens at T = 0 and the same q at T > 0: core.draft_chains cuts each row's chain where its
+    tokens at T = 0 and the same q at T > 0: drafting.draft_chains cuts each row's chain where its
     own would end).
 
     State: per layer, one buffer of keys and one of values, (rows, kv_heads, capacity, dim),

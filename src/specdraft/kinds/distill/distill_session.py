@@ -36,10 +36,10 @@ class DistillSession(DraftSession):
     """One generate call's drafting state: the draft model's KV cache and the current gamma.
 
     Drafting runs the small model autoregressively with its own KV cache, as
-    - a chain of gamma tokens (core.draft_chain: argmax if greedy, else sampled from q, which is
+    - a chain of gamma tokens (drafting.draft_chain: argmax if greedy, else sampled from q, which is
       recorded for lossless verification; stop_below ends it early), through drafters/lean.py's
       LeanModel (maybe int8) where the student's layout allows,
-    - or EAGLE-2's dynamic tree (core.draft_tree), its levels fed with a tree mask,
+    - or EAGLE-2's dynamic tree (drafting.draft_tree), its levels fed with a tree mask,
     - with dynamic_gamma, a gamma that grows after a fully accepted draft and shrinks otherwise.
     The cache holds the first `cached` tokens of the context; a proposal first feeds the rest, so
     a tree this session did not draft (a copy) needs nothing but to be left alone.

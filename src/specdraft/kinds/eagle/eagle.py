@@ -15,7 +15,7 @@ norming each half, with the feature as its residual; EAGLE-1's has no input norm
 
 Read top to bottom: the config (the reference layers and the training-time test's attention are
 kinds/eagle/eagle_layers.py), the module (its draft vocabulary comes from
-core.build_draft_vocab), the loss (training-time test) and acceptance, and the drafting session
+drafting.build_draft_vocab), the loss (training-time test) and acceptance, and the drafting session
 (chain and EAGLE-2 dynamic tree) the inference loop drives.
 """
 

@@ -113,8 +113,8 @@ class EagleSession(DraftSession):
     in, an in-place KV cache that a rejected draft leaves by moving a length) from weights the
     head builds once and shares across sessions; draft_weights=int8 makes them int8 copies (CPU).
 
-    Drafting (settings from `decode`): a chain (tree_top_k = 1, core.draft_chain) or EAGLE-2's
-    dynamic tree (core.draft_tree) whose levels are fed together, each node seeing the real
+    Drafting (settings from `decode`): a chain (tree_top_k = 1, drafting.draft_chain) or EAGLE-2's
+    dynamic tree (drafting.draft_tree) whose levels are fed together, each node seeing the real
     prefix, its fed ancestors and itself.
     """
 
@@ -286,7 +286,7 @@ class EagleBatchSession(BatchSession):
     row's pairs with true features not yet cached, then one pass per depth feeds every row's
     last drafted token. Each row drafts what `EagleSession` drafts for it alone (its depth, its
     stop_below, the same tokens at T = 0 and the same q at T > 0); rows are fed until the
-    deepest is done, and a row's chain is cut where its own would end (core.draft_chains).
+    deepest is done, and a row's chain is cut where its own would end (drafting.draft_chains).
 
     The head's KV cache is one cache whose rows keep their own pairs at their own positions
     (specdraft/batch.py's BatchCache: a row's valid columns, its positions, masks that hide the

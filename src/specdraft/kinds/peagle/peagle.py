@@ -454,7 +454,7 @@ class PEagleSession(EagleSession):
 class PEagleBatchSession(EagleBatchSession):
     """PEagleSession for the rows of a batch (EagleBatchSession's cache and feeding): one head
     pass feeds every row's pending true pairs, then its depth - 1 parallel slots; each row's
-    chain is drawn from its own slots (core.draft_chains: its depth, its stop_below) and the
+    chain is drawn from its own slots (drafting.draft_chains: its depth, its stop_below) and the
     slots are never kept in the cache. Runs the head's modules, as EagleBatchSession."""
 
     def __init__(self, drafter: PEagleDrafter, target, rows: int, **kwargs) -> None:
