@@ -118,6 +118,12 @@ class DecodeConfig:
     def chain(self) -> bool:
         return self.tree_top_k == 1
 
+    @property
+    def lossless(self) -> bool:
+        """Whether verification at temperature > 0 keeps the target's distribution exactly: True
+        unless a kind's own acceptance rule says otherwise (Medusa's typical acceptance)."""
+        return True
+
     def for_batch(self, batch_size: int) -> Self | None:
         """The settings a batch of `batch_size` rows decodes with: these, changed by the last
         batch_schedule entry whose batch_size is at most `batch_size` (none: these as they

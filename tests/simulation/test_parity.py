@@ -1,5 +1,5 @@
 """Training predicts serving: at temperature 0 the simulation of serving through a drafter's
-training path (Drafter.served_drafts walked by metrics.simulate_serving) on the target's own
+training path (served.served_drafts walked by metrics.simulate_serving) on the target's own
 greedy continuation gives the loop's statistics exactly, for every kind, chains and Medusa's
 tree; and scripts/parity.py's comparison finds planted train/serve mismatches and names them."""
 

@@ -11,6 +11,7 @@ from spec_helpers import KINDS, PROMPTS, build, perturbed
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings
 from specdraft.drafters.position_tree import TreeShape, _child_acceptance, sampled_tree
+from specdraft.drafters.served import served_drafts
 from specdraft.inference.metrics import expected_passes, simulate_serving
 from specdraft.inference.verify import verify_sampling
 from specdraft.kinds.distill.distill import DistillDrafter
@@ -33,7 +34,7 @@ def test_the_walk_in_expectation_of_sure_outcomes_is_the_greedy_walk(
             target_out = random_target.forward(
                 batch["input_ids"], capture_layers=list(drafter.capture_layers)
             )
-            drafts = drafter.served_drafts(batch, target_out, decode)
+            drafts = served_drafts(drafter, batch, target_out, decode)
             deepest = drafts.accepted[..., -1:]  # (1, seq, 1): what the longest draft accepts
             reach = (deepest >= torch.arange(1, drafts.gamma + 1)).float()
             walked = simulate_serving(drafts, batch, decode, drafter.drafts_after_prefill)

@@ -27,9 +27,6 @@ from torch import nn
 from specdraft.core import DecodeConfig, SamplingSettings
 from specdraft.drafters.served import (
     ServedDrafts,
-    along_positions,
-    chain_drafts,
-    chain_reach,
     greedy_confidence,
 )
 from specdraft.drafters.sessions import BatchSession, DraftSession, RowSessions
@@ -183,56 +180,13 @@ class Drafter(nn.Module):
         (the default; a dynamic gamma)."""
         return None
 
-    def drafts_chain(self, decode: DecodeConfig) -> bool:
-        """Whether the session drafts a chain with `decode`: decode.chain, unless the kind
-        drafts chains whatever the settings say (`drafts_trees` False)."""
-        return decode.chain or not self.drafts_trees
-
-    def served_drafts(
+    def served_tree_drafts(
         self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
     ) -> ServedDrafts | None:
-        """What greedy decoding with `decode` drafts after every position of the batch, through
-        the training path unrolled as the session drafts (chain or tree, gamma, stop rule,
-        draft vocabulary): walked by `inference.metrics.simulate_serving` on the target's own
-        greedy continuation it gives the served tau exactly. A chain's from `served_logits`; a
-        kind that simulates its trees overrides this. None where this kind or these settings
-        have no such simulation: evaluation then estimates tau from the per-depth agreement of
-        `acceptance`."""
-        chain = self.drafts_chain(decode)
-        logits = self.served_logits(batch, target_out, decode) if chain else None
-        if logits is None:
-            return None
-        drafts = self.target_ids(logits.argmax(-1))
-        confident = self.chain_confidence(batch, target_out, logits, decode)
-        if logits.dim() == 3:  # one set per position: depth i + 1 after c is position c + i's
-            drafts = along_positions(drafts, decode.gamma)
-            confident = along_positions(confident, decode.gamma)
-        return chain_drafts(drafts, confident, batch["input_ids"], decode.gamma)
-
-    def sampled_reach(
-        self,
-        batch: Mapping[str, torch.Tensor],
-        target_out,
-        decode: DecodeConfig,
-        temperature: float = 1.0,
-    ) -> torch.Tensor | None:
-        """(batch, seq, gamma): sampling at `temperature` with `decode`, the chance that the
-        draft after a context ending at c has its first d nodes on the batch's tokens accepted
-        (index d - 1), given that the loop emits the batch's tokens (served.chain_reach):
-        walked in expectation by `inference.metrics.expected_passes` on the target's own sampled
-        continuation. A chain's from `served_logits`; a kind that estimates its trees
-        overrides this. None where this kind or these settings have neither."""
-        if not self.drafts_chain(decode):
-            return self.sampled_tree_reach(batch, target_out, decode, temperature)
-        logits = self.served_logits(batch, target_out, decode)
-        if logits is None:
-            return None
-        logits = logits / temperature  # q as the session processes it (no top-k, top-p)
-        confident = self.chain_confidence(batch, target_out, logits, decode)
-        return chain_reach(
-            logits, target_out.logits / temperature, confident, batch["input_ids"],
-            decode.gamma, self.draft_index_of(),
-        )  # fmt: skip
+        """`served.served_drafts` for the tree `decode` serves: None by default (no simulation);
+        a kind that simulates its trees (Medusa's, from the accuracies it carries) returns
+        what greedy serving drafts after every position."""
+        return None
 
     def chain_confidence(
         self,
@@ -255,8 +209,8 @@ class Drafter(nn.Module):
         decode: DecodeConfig,
         temperature: float,
     ) -> torch.Tensor | None:
-        """`sampled_reach` for the tree `decode` serves: None by default (no walk); a kind
-        whose session samples position trees returns position_tree.tree_reach's."""
+        """`served.sampled_reach` for the tree `decode` serves: None by default (no walk); a
+        kind whose session samples position trees returns position_tree.tree_reach's."""
         return None
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -131,3 +131,62 @@ def _prob_of_next(logits: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
     logits = logits[:, : nxt.shape[1]]
     picked = logits.gather(-1, nxt.clamp(min=0)[..., None])[..., 0].float()
     return torch.where(nxt >= 0, (picked - logits.float().logsumexp(-1)).exp(), 0.0)
+
+
+# --- a drafter's served drafts, from its narrow hooks ----------------------------------------------
+#
+# The simulation asks a drafter (drafters/base.py) for no more than: `served_logits` (a chain's
+# logits after every position, through its training path), `chain_confidence` (where such a chain
+# stops), `target_ids` and `draft_index_of` (its draft vocabulary), and for trees
+# `served_tree_drafts` / `sampled_tree_reach`. What follows composes them, the same for every kind.
+
+
+def drafts_chain(drafter, decode) -> bool:
+    """Whether `drafter`'s session drafts a chain with `decode`: decode.chain, unless the kind
+    drafts chains whatever the settings say (`drafts_trees` False)."""
+    return decode.chain or not drafter.drafts_trees
+
+
+def served_drafts(drafter, batch, target_out, decode) -> ServedDrafts | None:
+    """What greedy decoding with `decode` drafts after every position of the batch, through the
+    drafter's training path unrolled as its session drafts (chain or tree, gamma, stop rule,
+    draft vocabulary): walked by `inference.metrics.simulate_serving` on the target's own greedy
+    continuation it gives the served tau exactly. A chain's from `served_logits`, a tree's from
+    `served_tree_drafts`. None where the kind or these settings have no such simulation:
+    evaluation then estimates tau from the per-depth agreement of `acceptance`."""
+    if not drafts_chain(drafter, decode):
+        return drafter.served_tree_drafts(batch, target_out, decode)
+    logits = drafter.served_logits(batch, target_out, decode)
+    if logits is None:
+        return None
+    drafts = drafter.target_ids(logits.argmax(-1))
+    confident = drafter.chain_confidence(batch, target_out, logits, decode)
+    if logits.dim() == 3:  # one set per position: depth i + 1 after c is position c + i's
+        drafts = along_positions(drafts, decode.gamma)
+        confident = along_positions(confident, decode.gamma)
+    return chain_drafts(drafts, confident, batch["input_ids"], decode.gamma)
+
+
+def sampled_reach(
+    drafter, batch, target_out, decode, temperature: float = 1.0
+) -> torch.Tensor | None:
+    """(batch, seq, gamma): sampling at `temperature` with `decode`, the chance that the draft
+    after a context ending at c has its first d nodes on the batch's tokens accepted (index
+    d - 1), given that the loop emits the batch's tokens (`chain_reach`): walked in expectation
+    by `inference.metrics.expected_passes` on the target's own sampled continuation. A chain's
+    from `served_logits`, a tree's from `sampled_tree_reach`. None where the kind or these
+    settings have neither, and for an acceptance rule that is not lossless (`decode.lossless`:
+    Medusa's typical acceptance neither samples the drafts nor emits what the target samples)."""
+    if not decode.lossless:
+        return None
+    if not drafts_chain(drafter, decode):
+        return drafter.sampled_tree_reach(batch, target_out, decode, temperature)
+    logits = drafter.served_logits(batch, target_out, decode)
+    if logits is None:
+        return None
+    logits = logits / temperature  # q as the session processes it (no top-k, top-p)
+    confident = drafter.chain_confidence(batch, target_out, logits, decode)
+    return chain_reach(
+        logits, target_out.logits / temperature, confident, batch["input_ids"],
+        decode.gamma, drafter.draft_index_of(),
+    )  # fmt: skip

@@ -173,7 +173,7 @@ def simulate_serving(
     """The loop's statistics at temperature 0, per row of a batch of the target's own greedy
     continuations (each row: its prompt, then the target's continuation, scored by loss_mask up
     to and including the EOS that ends the served output, and unscored after it), from what
-    the drafter drafts after each position (`Drafter.served_drafts`).
+    the drafter drafts after each position (`served.served_drafts`).
 
     Speculative decoding of a prompt at temperature 0 is a function of the target's greedy
     continuation and the drafter: each step drafts after the context, accepts the drafts that
@@ -230,7 +230,7 @@ def expected_passes(
 ) -> list[tuple[int, float]]:
     """Per row of a batch of the target's own continuations sampled at temperature 1: (tokens
     emitted, expected target passes) of the loop sampling them at temperature 1 without
-    copying, from `Drafter.sampled_reach` (reach (batch, seq, gamma)): `simulate_serving`'s
+    copying, from `served.sampled_reach` (reach (batch, seq, gamma)): `simulate_serving`'s
     walk taken in expectation.
 
     Given the emitted tokens, a step after a context ending at c accepts at least d drafts

@@ -4,7 +4,7 @@ serving").
 
 A drafter is served on the target's continuations, not on corpus text, so its acceptance there
 is what the loop measures. At temperature 0 the continuation is the target's greedy one, and
-the simulation of serving on it (`Drafter.served_drafts`, `metrics.simulate_serving`) gives the
+the simulation of serving on it (`served.served_drafts`, `metrics.simulate_serving`) gives the
 served tau exactly; at T > 0 it is sampled at that temperature.
 
 Each set is generated once per (target fingerprint and precision, prompts, length, temperature,

@@ -1,7 +1,7 @@
 """Training predicts serving: the simulation of serving beside the loop itself, on the same
 prompts (docs/architecture.md, "Training predicts serving"; scripts/parity.py prints it).
 
-`simulate` runs the drafter's training path (`Drafter.served_drafts`, teacher-forced on the
+`simulate` runs the drafter's training path (`served.served_drafts`, teacher-forced on the
 target's own continuation) and walks it as the loop steps (`metrics.simulate_serving`); `serve`
 decodes the same prompts with the loop. At temperature 0 the two agree exactly for a drafter
 whose training and serving paths compute the same thing; where they do not, `first_difference`
@@ -29,7 +29,7 @@ from specdraft.core import DecodeConfig, DraftContext, DraftTree
 from specdraft.data.formats import Example
 from specdraft.drafters.lean import int8_supported
 from specdraft.drafters.prompt_lookup import CopyingSession
-from specdraft.drafters.served import ServedDrafts
+from specdraft.drafters.served import ServedDrafts, sampled_reach, served_drafts
 from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
 from specdraft.inference.generate import drafting_session, generate
 from specdraft.inference.metrics import Stats, expected_passes, simulate_serving
@@ -53,7 +53,7 @@ def simulate(
 ) -> list[Stats] | None:
     """Per example (the target's greedy continuation of a prompt, simulation/continuations.py):
     the loop's statistics as the drafter's training path predicts them; None where its kind or
-    `decode` has no simulation (Drafter.served_drafts)."""
+    `decode` has no simulation (served.served_drafts)."""
     decode = drafter.decode_settings(decode)
     out = []
     for example in examples:
@@ -106,7 +106,7 @@ def sampled_tau_on(
     drafter alone (no copying): on the target's own continuations of them sampled at T = 1
     (cached, simulation/continuations.py), the loop's walk in expectation
     (`metrics.expected_passes`) over the chance each draft is accepted given the tokens
-    emitted (`Drafter.sampled_reach`: the drafter's q and the target's p at those tokens,
+    emitted (`served.sampled_reach`: the drafter's q and the target's p at those tokens,
     teacher-forced, the chain or tree and stop rule served). The continuation is one sample of
     what the loop emits, so the figure varies with `seed` as the served tau does with its
     sampling seed. None where the kind has no such walk for `decode` (EAGLE-2's dynamic tree,
@@ -120,7 +120,7 @@ def sampled_tau_on(
             batch["input_ids"], attention_mask=batch["attention_mask"],
             capture_layers=list(drafter.capture_layers),
         )  # fmt: skip
-        reach = drafter.sampled_reach(batch, target_out, decode)
+        reach = sampled_reach(drafter, batch, target_out, decode)
         if reach is None:
             return None
         for emitted, expected in expected_passes(reach, batch, drafter.drafts_after_prefill):
@@ -179,13 +179,13 @@ def training_path_drafts(
     drafter, batch: dict[str, torch.Tensor], target_out, decode: DecodeConfig
 ) -> ServedDrafts | None:
     """What greedy serving drafts after every position, by the drafter's training path
-    (`Drafter.served_drafts`); None where it has none for `decode`, or where serving computes
+    (`served.served_drafts`); None where it has none for `decode`, or where serving computes
     otherwise by design: int8 drafting weights (drafters/lean.py), which the training path's
     full-precision modules do not round as serving does, so only `replay_serving` is exact."""
     device = batch["input_ids"].device
     if decode.draft_weights == "int8" and int8_supported(device):
         return None
-    return drafter.served_drafts(batch, target_out, decode)
+    return served_drafts(drafter, batch, target_out, decode)
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@
     python scripts/parity.py runs/eagle-demo/final:stop_below=0 --temperature 1 --num-prompts 20
 
 On the target's own greedy continuations of the prompts (simulation/continuations.py, cached),
-the drafter's training path simulates the loop (`Drafter.served_drafts`, walked by
+the drafter's training path simulates the loop (`served.served_drafts`, walked by
 metrics.simulate_serving) and the loop decodes the same prompts; at temperature 0 the two agree
 exactly when the drafter computes the same thing in both paths. Prints tau and the acceptance
 per position of each. Where any step differs, it compares, on the first prompt that does, what

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specdraft.drafters.base import Drafter
+from specdraft.drafters.served import sampled_reach
 from specdraft.inference.metrics import Stats, expected_passes
 from specdraft.inference.metrics import simulate_serving as walk_served_drafts
 from specdraft.simulation.serving_parity import replay_serving, training_path_drafts
@@ -71,7 +72,7 @@ def simulate_serving(
     acc,
 ) -> tuple[Stats | None, str | None]:
     """The loop's statistics at temperature 0 over the held-out continuations, and how they
-    were simulated: through the drafter's training path ("served": `served_drafts`,
+    were simulated: through the drafter's training path ("served": `served.served_drafts`,
     metrics.simulate_serving) with the decoding settings the run saves, or where it has none
     for those settings or serving rounds otherwise (int8 drafting), by the serving session
     itself walked on the continuations ("session": simulation/serving_parity.py, `replay_serving`);
@@ -117,7 +118,7 @@ def expected_tau(
     acc,
 ) -> float | None:
     """The tau the loop is expected to serve at eval_loop.temperature over the held-out
-    continuations sampled there (`Drafter.sampled_reach` walked by metrics.expected_passes,
+    continuations sampled there (`served.sampled_reach` walked by metrics.expected_passes,
     as simulation/serving_parity.py's sampled_tau_on), with the decoding settings the run saves and
     without copying; None where the kind has no such walk for them. The drafter is read as
     `simulate_serving` reads it."""
@@ -131,8 +132,8 @@ def expected_tau(
             batch = collate([examples[i] for i in chunk], acc.device)
             target_out = forward(batch)
             with acc.autocast():
-                reach = loaded.sampled_reach(
-                    batch, target_out, cfg.decode, cfg.eval_loop.temperature
+                reach = sampled_reach(
+                    loaded, batch, target_out, cfg.decode, cfg.eval_loop.temperature
                 )
             if reach is None:
                 return None

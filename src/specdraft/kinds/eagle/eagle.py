@@ -532,7 +532,7 @@ class EagleDrafter(Drafter):
         """The chain's logits after every position, from the training-time test's unroll: after
         a context ending at c, step k at t = c - 1 drafts depth k + 1 (its cache holds the true
         features of positions < c - 1, as the session's does). EAGLE-2's dynamic tree has
-        none (Drafter.served_drafts asks only for chains)."""
+        none (served.served_drafts asks it only for chains)."""
         logits = torch.stack(
             [s["logits"] for s in self.unroll(batch, target_out, decode.gamma)], dim=2
         )  # (batch, seq - 1, gamma, draft vocab)

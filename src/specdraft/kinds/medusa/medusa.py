@@ -439,15 +439,12 @@ class MedusaDrafter(Drafter):
         return one_later(logits, 0.0)  # nothing is drafted after the first token alone
 
     @torch.no_grad()
-    def served_drafts(
+    def served_tree_drafts(
         self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
     ) -> ServedDrafts | None:
-        """What the session drafts after every position: a chain of the heads' best tokens
-        (Drafter.served_drafts), or (tree_top_k > 1) the tree of `tree_paths` over their
-        ranked candidates, built from the accuracies the heads carry (`heldout`), as the
-        session builds it."""
-        if decode.chain:
-            return super().served_drafts(batch, target_out, decode)
+        """What the session drafts after every position with tree_top_k > 1: the tree of
+        `tree_paths` over the heads' ranked candidates, built from the accuracies the heads
+        carry (`heldout`), as the session builds it."""
         logits = self.served_logits(batch, target_out, decode)
         ids = batch["input_ids"]
         depth = logits.shape[2]
@@ -476,19 +473,6 @@ class MedusaDrafter(Drafter):
                     shape[0, b, c, cap - 1] = k
         shape = shape.to(ids.device)
         return ServedDrafts(shape[0], shape[1], shape[2])
-
-    def sampled_reach(
-        self,
-        batch: Mapping[str, torch.Tensor],
-        target_out,
-        decode: DecodeConfig,
-        temperature: float = 1.0,
-    ) -> torch.Tensor | None:
-        """None with typical acceptance: lossy, it neither samples the drafts nor emits what
-        the target samples, chain or tree; else Drafter.sampled_reach."""
-        if decode.acceptance == "typical":
-            return None
-        return super().sampled_reach(batch, target_out, decode, temperature)
 
     def sampled_tree_reach(
         self,

@@ -45,6 +45,10 @@ class MedusaDecode(DecodeConfig, owner="Medusa"):
                     "uses typical_epsilon=0.09, typical_delta=0.3)"
                 )
 
+    @property
+    def lossless(self) -> bool:
+        return self.acceptance != "typical"
+
 
 @dataclass
 class MedusaConfig:

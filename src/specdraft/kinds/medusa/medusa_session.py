@@ -96,7 +96,7 @@ class MedusaSession(DraftSession):
         self.w = drafter._drafting.get(params, int8, lambda: MedusaDraftingWeights(drafter, int8))
         self.vocab = DraftVocab(drafter.d2t, target.vocab_size) if drafter.reduced_vocab else None
         self.depth = min(decode.gamma, drafter.config.num_heads)
-        self.lossy = decode.acceptance == "typical"
+        self.lossy = not decode.lossless
         self.h: torch.Tensor | None = None  # (hidden,) at the last verified position
         self._shapes: dict[int, TreeShape] = {}
         if not decode.chain:
