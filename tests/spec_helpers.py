@@ -19,6 +19,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from specdraft.core import SamplingSettings
 from specdraft.inference import generate
 from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
 from specdraft.kinds.distill.distill import DistillDrafter
@@ -236,3 +237,36 @@ KINDS = [
     "dflash",
     "dspark",
 ]
+
+
+def ragged(examples, n: int) -> list[list[int]]:
+    """n prompts of different lengths (1 to 17 tokens): prefixes of the target's own
+    continuations, which the fitted drafters have seen, so their drafts are often accepted."""
+    rows = [list(e.input_ids) for e in examples]
+    return [rows[i % len(rows)][: 1 + (5 * i + 2) % 17] for i in range(n)]
+
+
+V = 6  # the vocabulary of the targets the sampled-rows test runs on
+BATCH_SAMPLES = 300  # batches; 5 rows of each are pooled
+
+
+def sampled_rows_follow_the_target(target, drafter, **options) -> None:
+    """The chi-square test through batched rows: the joint of the first two tokens of five rows
+    with one prompt, batched with a row of another length (so every step pads), pooled over
+    BATCH_SAMPLES seeds at temperature 1.3, against the target's exact joint; drafting must have
+    happened and been accepted. options: generate's (top_p, gamma, a kind's settings...)."""
+    prompt = [1, 2, 3]
+    counts = torch.zeros(V, V)
+    drafted = accepted = 0
+    options = dict(max_new_tokens=3, temperature=1.3, gamma=2) | options
+    for seed in range(BATCH_SAMPLES):
+        out = generate(target, [prompt, [4], prompt, prompt, prompt, prompt], drafter,
+                       seed=seed, **options)  # fmt: skip
+        for row in (0, 2, 3, 4, 5):
+            y1, y2 = out.tokens[row, :2].tolist()
+            counts[y1, y2] += 1
+        drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
+    assert drafted > 0 and accepted > 0
+    settings = SamplingSettings(temperature=1.3, top_p=options.get("top_p", 1.0))
+    exact = first_two_joint(target, prompt, settings)
+    assert chi_square_p_value(counts.flatten(), exact.flatten()) > 1e-3

@@ -10,16 +10,16 @@ import pytest
 import torch
 from spec_helpers import (
     KINDS,
-    chi_square_p_value,
+    V,
     make_target,
     perturbed,
+    ragged,
+    sampled_rows_follow_the_target,
     sliding_model,
     tiny_llama,
 )
 
 from specdraft import batch as batch_module
-from specdraft.core import SamplingSettings
-from specdraft.drafting import process_logits
 from specdraft.inference import generate
 from specdraft.kinds.distill.distill import DistillDrafter
 from specdraft.kinds.distill.distill_session import DistillBatchSession
@@ -29,13 +29,6 @@ from specdraft.kinds.medusa.medusa_session import MedusaBatchSession
 pytestmark = pytest.mark.exact
 
 NEW = 16
-
-
-def ragged(examples, n: int) -> list[list[int]]:
-    """n prompts of different lengths (1 to 17 tokens): prefixes of the target's own
-    continuations, which the fitted drafters have seen, so their drafts are often accepted."""
-    rows = [list(e.input_ids) for e in examples]
-    return [rows[i % len(rows)][: 1 + (5 * i + 2) % 17] for i in range(n)]
 
 
 def alone(target, prompts, drafter, **options) -> list[list[int]]:
@@ -197,38 +190,6 @@ def test_compacting_the_holes_keeps_rows_exact(random_target, examples, kind_dra
     monkeypatch.setattr(batch_module, "COMPACT_FACTOR", 10**6)
     never = generate(random_target, prompts, drafter, **options)
     assert out.rows() == never.rows() == alone(random_target, prompts, drafter, **options)
-
-
-V = 6
-SAMPLES = 300  # batches; 5 rows of each are pooled
-FALSE_ALARM = 1e-3
-
-
-def sampled_rows_follow_the_target(target, drafter, **options) -> None:
-    """The chi-square test through batched rows: the joint of the first two tokens of five rows
-    with one prompt, batched with a row of another length (so every step pads), pooled over
-    SAMPLES seeds at temperature 1.3, against the target's exact joint; drafting must have
-    happened and been accepted. options: generate's (top_p, gamma, a kind's settings...)."""
-    prompt = [1, 2, 3]
-    counts = torch.zeros(V, V)
-    drafted = accepted = 0
-    options = dict(max_new_tokens=3, temperature=1.3, gamma=2) | options
-    for seed in range(SAMPLES):
-        out = generate(target, [prompt, [4], prompt, prompt, prompt, prompt], drafter,
-                       seed=seed, **options)  # fmt: skip
-        for row in (0, 2, 3, 4, 5):
-            y1, y2 = out.tokens[row, :2].tolist()
-            counts[y1, y2] += 1
-        drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
-    assert drafted > 0 and accepted > 0
-    settings = SamplingSettings(temperature=1.3, top_p=options.get("top_p", 1.0))
-    with torch.no_grad():
-        first = process_logits(target.model(torch.tensor([prompt])).logits[0, -1], settings)
-        nxt = torch.stack(
-            [target.model(torch.tensor([[*prompt, y]])).logits[0, -1] for y in range(V)]
-        )
-    exact = first[:, None] * process_logits(nxt, settings)
-    assert chi_square_p_value(counts.flatten(), exact.flatten()) > FALSE_ALARM
 
 
 @pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import make_target, tiny_llama
-from test_batch import V, ragged, sampled_rows_follow_the_target
+from spec_helpers import V, make_target, ragged, sampled_rows_follow_the_target, tiny_llama
 from testkit import perturb
 
 from specdraft.core import DraftContext, DraftTree, SamplingSettings

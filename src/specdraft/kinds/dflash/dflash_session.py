@@ -12,7 +12,7 @@ import torch
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
 from specdraft.drafters.position_tree import position_tree
 from specdraft.drafters.sessions import BatchSession, DraftSession, check_features_known
-from specdraft.drafting import draft_chains, draft_token
+from specdraft.drafting import draft_chains
 from specdraft.kinds.eagle.eagle_session import verified_rows
 
 if TYPE_CHECKING:
@@ -73,24 +73,13 @@ class DFlashSession(DraftSession):
 
     def draft(self, h: torch.Tensor, seq: torch.Tensor) -> DraftTree:
         """The draft from (1, depth, hidden) states of the block's drafting slots, after the
-        context `seq` (1, length): a chain of the slots' draws, or a tree of their top
-        candidates."""
-        depth = h.shape[1]
+        context `seq` (1, length): a chain of the slots' draws (ended early by stop_below), or
+        a tree of their top candidates, as P-EAGLE's slots (drafters/position_tree.py)."""
         logits = self.drafter.draft_logits(h[0])  # (depth, vocab)
-        if not self.decode.chain:  # the tree of the slots' top candidates
-            return position_tree(
-                logits, decode=self.decode, sampling=self.sampling, generator=self.generator,
-                vocab=None, device=seq.device,
-            )  # fmt: skip
-        # each slot drawn from its own q_i: one draft_token call over the slots as rows
-        drafted, q = draft_token(logits, self.sampling, self.generator)  # (depth, 1)
-        n = depth
-        if self.decode.stop_below > 0:  # end after the first slot the drafter is unsure of
-            top = q.max(-1).values if q is not None else logits.float().softmax(-1).max(-1).values
-            unsure = (top < self.decode.stop_below).nonzero()
-            n = int(unsure[0]) + 1 if len(unsure) else depth
-        tokens_out = drafted[:n, 0][None].to(seq.device)  # (1, n)
-        return DraftTree.chain(tokens_out, None if q is None else q[None, :n])
+        return position_tree(
+            logits, decode=self.decode, sampling=self.sampling, generator=self.generator,
+            vocab=None, device=seq.device,
+        )  # fmt: skip
 
     @torch.no_grad()
     def accept(
