@@ -298,9 +298,9 @@ def tree_reach(
     shape_at: Callable[[torch.Tensor], TreeShape] | None = None,
     temperature: float = 1.0,
 ) -> torch.Tensor | None:
-    """`served.sampled_reach`'s tree (a kind's `sampled_tree_reach`) for a kind whose positions
-    draft side by side and that serves them as a tree: `sampled_tree_reach` over its `served_logits` at `temperature`, at the
-    contexts the walk visits (those whose next token is scored). shape_at: the tree the
+    """A kind's `sampled_tree_reach` (served.sampled_reach's tree) where its positions draft
+    side by side and its session serves them as a tree: over its `served_logits` at
+    `temperature`, at the contexts the walk visits (those whose next token is scored). shape_at: the tree the
     session samples from a context's (depth, draft vocab) logits, divided by the temperature;
     by default `confident_shape`, as a block drafter's session shapes each proposal."""
     logits = drafter.served_logits(batch, target_out, decode)

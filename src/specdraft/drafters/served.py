@@ -147,6 +147,7 @@ def drafts_chain(drafter, decode) -> bool:
     return decode.chain or not drafter.drafts_trees
 
 
+@torch.no_grad()
 def served_drafts(drafter, batch, target_out, decode) -> ServedDrafts | None:
     """What greedy decoding with `decode` drafts after every position of the batch, through the
     drafter's training path unrolled as its session drafts (chain or tree, gamma, stop rule,
@@ -167,6 +168,7 @@ def served_drafts(drafter, batch, target_out, decode) -> ServedDrafts | None:
     return chain_drafts(drafts, confident, batch["input_ids"], decode.gamma)
 
 
+@torch.no_grad()
 def sampled_reach(
     drafter, batch, target_out, decode, temperature: float = 1.0
 ) -> torch.Tensor | None:

@@ -140,6 +140,7 @@ class RowSessions(BatchSession):
         self.capture_layers = list(self.sessions[0].capture_layers)
         self.lossy = self.sessions[0].lossy
         self.finished_copies = 0  # copied passes of rows already dropped
+        self.alone = False  # bound to the target's cache as a prompt decoded alone
 
     def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
         return [
@@ -154,11 +155,14 @@ class RowSessions(BatchSession):
             session.accept(tree, path, hidden)
 
     def bind_cache(self, cache) -> None:
-        if len(self.sessions) == 1:  # a prompt decoded alone: its session may draft on it
+        """A prompt decoded alone: its session may draft on the target's cache (and `verify` its
+        own drafts there). A batch's rows never share it, even once one row is left."""
+        self.alone = len(self.sessions) == 1
+        if self.alone:
             self.sessions[0].bind_cache(cache)
 
     def verify(self, trees, logits_to_keep):
-        if len(self.sessions) == 1:
+        if self.alone:
             return self.sessions[0].verify(trees[0], logits_to_keep)
         return None
 
@@ -180,9 +184,13 @@ def check_features_known(session: str, known: int, length: int, row: int | None 
     position of the context but the last (whose features come with the next verification).
     RuntimeError naming the loop's duty where it does not."""
     if known != length - 1:
-        where = f" of row {row}" if row is not None else ""
+        where, calls = (
+            (f" of row {row}", "accept(trees, paths, hidden_states)")
+            if row is not None
+            else ("", "accept(tree, path, hidden_states)")
+        )
         raise RuntimeError(
             f"{session} has the target's features of {known} positions{where} but the context "
-            f"has {length}: the loop must call accept(tree, path, hidden_states) after every "
-            "verification forward, and pass the context that forward extended"
+            f"has {length}: the loop must call {calls} after every verification forward, and "
+            "pass the context that forward extended"
         )

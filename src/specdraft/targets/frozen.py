@@ -1,7 +1,7 @@
 """The frozen target a training run holds: whole, sharded over the processes by ZeRO-3, or an
 embeddings-only copy (`frozen_targets`).
 
-A sharded target (`ShardedTarget`, targets/target.py) runs forwards but holds no whole weight
+A sharded target (`ShardedTarget`, targets/sharded_target.py) runs forwards but holds no whole weight
 outside them, so a drafter that reads the target's embedding or LM head while training (EAGLE,
 Medusa) gets an embeddings-only copy of them on its device, while the trainer runs the sharded
 forwards. A drafter that reads weights only when it is built (a distilled student seeded from

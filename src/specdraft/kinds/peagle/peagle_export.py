@@ -88,7 +88,7 @@ def read_speculators(
     folder: Path, config: dict, target: Target, *, strict: bool = True
 ) -> PEagleDrafter:
     """A P-EAGLE folder in speculators' layout, checked against `target` as an EAGLE-3 head is
-    (kinds/eagle/eagle_export.py read_head) and for its own fields, then built as our head."""
+    (kinds/eagle/eagle_formats.py read_head) and for its own fields, then built as our head."""
     where = folder / CONFIG_NAME
     found = problems(config, target.vocab_size)
     if found:
