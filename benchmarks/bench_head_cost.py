@@ -29,6 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specdraft.data.stdlib_corpus import build_demo_tokenizer, demo_corpus_texts
 from specdraft.inference import generate
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
+from specdraft.kinds.eagle.eagle_session import EagleModuleWeights
 from specdraft.targets.target import Target
 
 SHAPES = ["512x4x1408", "384x8x1024", "256x12x704", "384x12x1024"]  # hidden x layers x mlp
@@ -124,7 +125,7 @@ def _modules_only(on: bool):
     """Sessions run the head's HF modules (no drafting weights) while on."""
     original = EagleDrafter.drafting_weights
     if on:
-        EagleDrafter.drafting_weights = lambda self, int8: None
+        EagleDrafter.drafting_weights = lambda self, int8: EagleModuleWeights(self)
     try:
         yield
     finally:

@@ -57,6 +57,7 @@ from specdraft.kinds.eagle.eagle_layers import (
 from specdraft.kinds.eagle.eagle_session import (
     EagleBatchSession,
     EagleDraftingWeights,
+    EagleModuleWeights,
     EagleSession,
 )
 from specdraft.losses import token_losses
@@ -275,14 +276,14 @@ class EagleDrafter(Drafter):
             self, target, batch_size, sampling=sampling, decode=decode, generator=generator
         )
 
-    def drafting_weights(self, int8: bool) -> EagleDraftingWeights | None:
-        """The head's weights as drafting runs them (drafters/lean.py), or None where its layer
-        is not one LeanLayer reproduces (sessions then call the modules). Built once and shared
+    def drafting_weights(self, int8: bool) -> EagleDraftingWeights | EagleModuleWeights:
+        """The head's weights as drafting runs them (drafters/lean.py), or where its layer is not
+        one LeanLayer reproduces, the same calls through its modules (full weights). Built once and shared
         by sessions until a parameter changes: the key holds the parameters themselves with
         their storage and version, and switching train/eval mode drops it (writes through
         `.data` or fused optimizers do not bump versions; the trainer switches modes)."""
         if not lean_supported(self.layer, self.rotary):
-            return None
+            return EagleModuleWeights(self)
         params = [*self.parameters(), self.target.model.get_output_embeddings().weight]
         return self._drafting.get(params, int8, lambda: EagleDraftingWeights(self, int8))
 

@@ -47,6 +47,7 @@ class EagleDraftingWeights:
 
     @torch.no_grad()
     def __init__(self, head: EagleDrafter, int8: bool) -> None:
+        self.head = head
         self.int8 = int8
         self.layer = LayerWeights(head.layer, int8=int8)
         self.fuse = self.input = self.out_eps = None
@@ -64,6 +65,60 @@ class EagleDraftingWeights:
         the fused layer and folded products are copies too)."""
         linears = [lin for lin in (self.input, self.output, self.fuse) if lin is not None]
         return self.layer.memory_bytes() + sum(lin.memory_bytes() for lin in linears)
+
+    # What a session calls, the same on EagleModuleWeights: the int8/lean choice is made once,
+    # when the head's drafting_weights picks which of the two to hand the session.
+
+    @property
+    def lean_layer(self) -> LayerWeights:
+        """The layer's weights for drafters/lean.py's LeanLayer (`decode_layer`)."""
+        return self.layer
+
+    def layer_input(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """(1, n) tokens + (1, n, hidden) features -> the layer's input."""
+        emb = self.head.target.embed(tokens).to(features.dtype)
+        x = torch.cat([emb, features], dim=-1)  # the eagle3 layer norms them itself
+        return x if self.input is None else self.input(x)
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (..., draft vocab) draft logits (the target's vocab for eagle1)."""
+        return self.output(h if self.out_eps is None else rms(h, self.out_eps))
+
+    def fused(
+        self, hidden_states: Mapping[int, torch.Tensor], rows: list[int], layers: Sequence[int]
+    ) -> torch.Tensor:
+        """The features of the given positions (rows) of a verification forward, from its
+        hidden states at `layers` (the session's capture_layers)."""
+        if self.fuse is None:  # eagle1: the final feature as it is
+            return self.head.fuse(hidden_states)[:, rows]
+        dtype = self.layer.dtype
+        low_mid_high = [hidden_states[i][:, rows].to(dtype) for i in layers]
+        return self.fuse(self.head.fused_input(torch.cat(low_mid_high, dim=-1)))
+
+
+class EagleModuleWeights:
+    """EagleDraftingWeights' calls through the head's own modules: for a layer drafters/lean.py
+    does not reproduce (LeanLayer runs the Llama layer only), which drafts with full weights."""
+
+    int8 = False
+    lean_layer = None  # decode_layer then runs the head's layer module
+
+    def __init__(self, head: EagleDrafter) -> None:
+        self.head = head
+
+    def layer_input(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        return self.head.layer_input(tokens, features)
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head.draft_logits(h)
+
+    def fused(
+        self, hidden_states: Mapping[int, torch.Tensor], rows: list[int], layers: Sequence[int]
+    ) -> torch.Tensor:
+        return self.head.fuse(hidden_states)[:, rows]
+
+    def memory_bytes(self) -> int:
+        return 0  # the modules' weights are the head's parameters
 
 
 def verified_rows(
@@ -138,8 +193,8 @@ class EagleSession(DraftSession):
             else None
         )
         self.capture_layers: list[int] = list(drafter.capture_layers)
-        self.w = drafter.drafting_weights(int8)  # None: run the head's modules
-        if self.w is None and int8:
+        self.w = drafter.drafting_weights(int8)  # lean's, or the head's modules
+        if int8 and not self.w.int8:
             warn_once(
                 f"draft_weights=int8 needs a layer drafters/lean.py runs ({type(drafter.layer)}"
                 " is not one); drafting with the head's full weights"
@@ -179,34 +234,22 @@ class EagleSession(DraftSession):
     def _build(self, capacity: int) -> None:
         """The head's layer with an in-place KV cache for this call (drafters/lean.py), from the
         head's shared drafting weights; a layer layout LeanLayer does not know runs as modules."""
-        lean = None if self.w is None else self.w.layer
-        self.layer = decode_layer(self.head.layer, self.head.rotary, capacity, weights=lean)
+        self.layer = decode_layer(
+            self.head.layer, self.head.rotary, capacity, weights=self.w.lean_layer
+        )
 
     def _step(self, tokens, features, positions, visible=None) -> torch.Tensor:
         """One head pass: (1, n) tokens + (1, n, hidden) features -> (1, n, hidden) h, the keys
         appended to the head's cache. positions and visible as `LeanLayer.__call__` takes them."""
-        w = self.w
-        if w is None:
-            return self.layer(self.head.layer_input(tokens, features), positions, visible)
-        emb = self.head.target.embed(tokens).to(features.dtype)
-        x = torch.cat([emb, features], dim=-1)  # the eagle3 layer norms them itself
-        return self.layer(x if w.input is None else w.input(x), positions, visible)
+        return self.layer(self.w.layer_input(tokens, features), positions, visible)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """(..., hidden) -> (..., draft vocab) draft logits (the target's vocab for eagle1)."""
-        w = self.w
-        if w is None:
-            return self.head.draft_logits(h)
-        return w.output(h if w.out_eps is None else rms(h, w.out_eps))
+        return self.w.draft_logits(h)
 
     def _fuse(self, hidden_states: Mapping[int, torch.Tensor], rows: list[int]) -> torch.Tensor:
         """The features of the given positions (rows) of a verification forward."""
-        w = self.w
-        if w is None or w.fuse is None:
-            return self.head.fuse(hidden_states)[:, rows]
-        dtype = w.layer.dtype
-        low_mid_high = [hidden_states[i][:, rows].to(dtype) for i in self.capture_layers]
-        return w.fuse(self.head.fused_input(torch.cat(low_mid_high, dim=-1)))
+        return self.w.fused(hidden_states, rows, self.capture_layers)
 
     def _chain(self, h: torch.Tensor, depth: int) -> DraftTree:
         """Each drafted token is fed back with the head's own h as its feature."""
@@ -274,8 +317,7 @@ class EagleSession(DraftSession):
     def extra_memory_bytes(self) -> int:
         """The head's KV cache, plus the drafting copies of its weights (fused, folded, int8),
         which exist from the session's start even if every draft was copied."""
-        weights = 0 if self.w is None else self.w.memory_bytes()
-        return weights + (0 if self.layer is None else self.layer.memory_bytes())
+        return self.w.memory_bytes() + (0 if self.layer is None else self.layer.memory_bytes())
 
 
 # --- batch session (inference): the chains of a batch's rows, one head pass per depth ----------

@@ -416,7 +416,7 @@ class PEagleSession(EagleSession):
         super().__init__(drafter, target, **kwargs)
         with torch.no_grad():
             w = self.w
-            if w is None:
+            if w.lean_layer is None:  # the head's modules
                 self.mask_feature = drafter.mask_feature()
             else:  # as the true features are fused while drafting
                 self.mask_feature = w.fuse(drafter.mask_hidden.to(w.layer.dtype))
