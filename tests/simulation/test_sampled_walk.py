@@ -11,7 +11,7 @@ from spec_helpers import KINDS, PROMPTS, build, perturbed
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings
 from specdraft.drafters.position_tree import TreeShape, _child_acceptance, sampled_tree
-from specdraft.drafters.served import served_drafts
+from specdraft.drafters.served import sampled_reach, served_drafts
 from specdraft.inference.metrics import expected_passes, simulate_serving
 from specdraft.inference.verify import verify_sampling
 from specdraft.kinds.distill.distill import DistillDrafter
@@ -40,6 +40,25 @@ def test_the_walk_in_expectation_of_sure_outcomes_is_the_greedy_walk(
             walked = simulate_serving(drafts, batch, decode, drafter.drafts_after_prefill)
             expected = expected_passes(reach, batch, drafter.drafts_after_prefill)
             assert [(s.new_tokens, float(s.target_passes)) for s in walked] == expected
+
+
+@pytest.mark.parametrize("gamma, topk", [(3, 1), (3, 2)], ids=["chain", "tree"])
+def test_a_lossy_acceptance_rule_has_no_sampled_walk(
+    random_target, examples, kind_drafter, gamma, topk
+):
+    """Medusa's typical acceptance is not lossless (DecodeConfig.lossless): the walk in
+    expectation assumes the loop emits what the target samples, so it gives None there, for
+    chains and trees, and a reach where the same heads verify exactly."""
+    drafter = kind_drafter("medusa")
+    batch = example_batch(examples[0], random_target.device)
+    target_out = random_target.forward(
+        batch["input_ids"], capture_layers=list(drafter.capture_layers)
+    )
+    exact = drafter.decode_settings(DecodeConfig(gamma=gamma, tree_top_k=topk))
+    typical = exact.replace(acceptance="typical")
+    assert exact.lossless and not typical.lossless
+    assert sampled_reach(drafter, batch, target_out, typical) is None
+    assert sampled_reach(drafter, batch, target_out, exact) is not None
 
 
 def test_a_childs_chance_given_the_token_is_the_loops(random_target):
