@@ -31,11 +31,47 @@ from specdraft.core import DraftTree, ancestors, float_mask
 COMPACT_FACTOR = 2
 
 
-class BatchCache:
-    """A DynamicCache shared by the active rows, with each row's valid columns and positions."""
+class CacheColumns:
+    """A DynamicCache's keys and values as columns shared by the rows of a batch: what
+    BatchCache moves when rows keep different tokens or leave. A drafter's drafters/lean.py
+    layer moves its own buffers with the same three calls."""
 
-    def __init__(self, rows: int, device: torch.device) -> None:
-        self.cache = DynamicCache()
+    def __init__(self, cache: DynamicCache) -> None:
+        self.cache = cache
+
+    def crop(self, columns: int) -> None:
+        """Keep the first `columns` columns."""
+        drop = self.cache.get_seq_length() - columns
+        if drop > 0:
+            self.cache.crop(-drop)  # a negative crop drops the last ones
+
+    def gather(self, index: torch.Tensor, start: int) -> None:
+        """Every layer's keys and values: columns [start, ...) replaced by, for each row r, the
+        columns start + index[r] (index (rows, w))."""
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                kv = getattr(layer, name)  # (rows, heads, columns, head_dim)
+                a, h, _, d = kv.shape
+                picked = kv[:, :, start:].gather(
+                    2, index[:, None, :, None].expand(a, h, index.shape[1], d)
+                )
+                setattr(layer, name, torch.cat([kv[:, :, :start], picked], dim=2))
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Only the rows `index` stay."""
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+
+
+class BatchCache:
+    """A KV cache shared by the active rows, with each row's valid columns and positions: the
+    target's DynamicCache (`cache`), or the buffers of a drafter's layer (`store`: anything with
+    CacheColumns' crop, gather and select_rows)."""
+
+    def __init__(self, rows: int, device: torch.device, store=None) -> None:
+        self.cache = DynamicCache() if store is None else None
+        self.store = CacheColumns(self.cache) if store is None else store
         self.device = device
         self.valid = torch.zeros(rows, 0, dtype=torch.bool, device=device)  # (A, C)
         self.positions = torch.zeros(rows, 0, dtype=torch.long, device=device)  # (A, C)
@@ -123,7 +159,7 @@ class BatchCache:
         width = int(counts.max()) if rows else 0
         padded = [list(cols) + [0] * (width - len(cols)) for cols in columns]
         index = torch.tensor(padded, dtype=torch.long, device=self.device).reshape(rows, width)
-        self._gather(index, past)
+        self.store.gather(index, past)
         valid = torch.arange(width, device=self.device)[None] < counts[:, None]
         positions = self.lengths[:, None] + torch.arange(width, device=self.device)[None]
         self.valid = torch.cat([self.valid, valid], dim=1)
@@ -132,33 +168,43 @@ class BatchCache:
         if self.columns > COMPACT_FACTOR * max(int(self.lengths.max()), 1):
             self.compact()
 
-    def append_tokens(self) -> None:
-        """After a forward that appended one column for every row: each row's next token (a
-        drafter's drafted level), at the row's next position."""
+    def append_tokens(self, n: int = 1) -> None:
+        """After a forward that appended n columns for every row: each row's next n tokens (a
+        drafter's drafted level, or pairs fed alike to rows without holes), at the row's next
+        positions."""
         rows = self.valid.shape[0]
         self.valid = torch.cat(
-            [self.valid, torch.ones(rows, 1, dtype=torch.bool, device=self.device)], dim=1
+            [self.valid, torch.ones(rows, n, dtype=torch.bool, device=self.device)], dim=1
         )
-        self.positions = torch.cat([self.positions, self.lengths[:, None]], dim=1)
-        self.lengths = self.lengths + 1
+        step = torch.arange(n, device=self.device)[None]
+        self.positions = torch.cat([self.positions, self.lengths[:, None] + step], dim=1)
+        self.lengths = self.lengths + n
+
+    @property
+    def dense(self) -> bool:
+        """Whether every row holds a token in every column (no holes; rows of equal length)."""
+        return bool(self.valid.all())
 
     def crop(self, columns: int) -> None:
         """Drop every column from `columns` on (what was appended since the cache had that many
         columns: a drafter's drafted levels)."""
         if self.columns > columns:
-            self.cache.crop(columns - self.columns)  # a negative crop drops the last ones
+            self.store.crop(columns)
             self.valid = self.valid[:, :columns]
             self.positions = self.positions[:, :columns]
             self.lengths = self.valid.sum(1)
 
     def truncate(self, lengths: Sequence[int]) -> None:
         """Row r keeps its first lengths[r] tokens (no more than it holds): the entries of later
-        positions become holes (a drafter's cache after its rejected drafts)."""
+        positions become holes (a drafter's cache after its rejected drafts), and the last
+        columns, where no row holds one, go (so rows that keep alike stay without holes)."""
         keep = torch.minimum(
             torch.as_tensor(list(lengths), dtype=torch.long, device=self.device), self.lengths
         )
         self.valid = self.valid & (self.positions < keep[:, None])
         self.lengths = keep
+        held = self.valid.any(0).nonzero()  # columns no row holds any more go at the end
+        self.crop(int(held.max()) + 1 if len(held) else 0)
         if self.columns > COMPACT_FACTOR * max(int(self.lengths.max()), 1):
             self.compact()
 
@@ -168,28 +214,14 @@ class BatchCache:
         # a stable sort puts each row's valid columns first, in their order
         order = torch.sort((~self.valid).to(torch.uint8), dim=1, stable=True).indices
         index = order[:, :longest]
-        self._gather(index, 0)
+        self.store.gather(index, 0)
         self.valid = torch.gather(self.valid, 1, index)
         self.positions = torch.gather(self.positions, 1, index)
-
-    def _gather(self, index: torch.Tensor, start: int) -> None:
-        """Every layer's keys and values: columns [start, ...) replaced by, for each row, the
-        columns start + index[r] (index (A, w))."""
-        for layer in self.cache.layers:
-            for name in ("keys", "values"):
-                kv = getattr(layer, name)  # (A, heads, columns, head_dim)
-                a, h, _, d = kv.shape
-                picked = kv[:, :, start:].gather(
-                    2, index[:, None, :, None].expand(a, h, index.shape[1], d)
-                )
-                setattr(layer, name, torch.cat([kv[:, :, :start], picked], dim=2))
 
     def select_rows(self, keep: Sequence[int]) -> None:
         """Only the rows `keep` (indices into the active rows) stay."""
         index = torch.tensor(list(keep), dtype=torch.long, device=self.device)
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)
-            layer.values = layer.values.index_select(0, index)
+        self.store.select_rows(index)
         self.valid = self.valid.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
         self.lengths = self.lengths.index_select(0, index)

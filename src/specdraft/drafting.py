@@ -124,20 +124,10 @@ def draft_chain(
     largest entry of q when sampling: the drafter's confidence, not the luck of the draw). That
     token is still verified. The rule looks only at the draft so far, so sampling stays exact.
     """
-    tokens, qs = [], []
-    for i in range(depth):
-        token, q = draft_token(logits, sampling, generator, vocab)
-        tokens.append(token)
-        if q is not None:
-            qs.append(q)
-        if stop_below > 0:
-            top = q.max(-1).values if q is not None else logits.float().softmax(-1).max(-1).values
-            if float(top.min()) < stop_below:
-                break
-        if i + 1 < depth:
-            logits = step(token, i)
-    q = torch.stack(qs, dim=1) if qs else None  # (batch, n, vocab)
-    return DraftTree.chain(torch.cat(tokens, dim=1), q)
+    return draft_chains(
+        logits, step, depths=[depth], sampling=sampling, generator=generator,
+        stop_below=stop_below, vocab=vocab,
+    )[0]  # fmt: skip
 
 
 def draft_chains(
@@ -152,26 +142,34 @@ def draft_chains(
 ) -> list[DraftTree]:
     """`draft_chain` for the rows of a batch, each row its own chain: row r (of logits (rows,
     draft vocab)) drafts at most depths[r] tokens and ends after its first unsure position
-    (stop_below) as draft_chain ends a chain; every row is fed until the deepest row is done, and
-    each row's chain is cut where its own would have ended. A row of depth 0 gets an empty tree.
+    (stop_below); the rows are fed together until every row's chain has ended, and each row's
+    chain is cut where its own ends. A row of depth 0 gets an empty tree.
     """
     rows, deepest = logits.shape[0], max(depths, default=0)
     if deepest <= 0:
         return [DraftTree.empty(1, logits.device) for _ in range(rows)]
+    deeper = torch.tensor(depths, device=logits.device)  # a row goes on below level i + 1 ...
+    going = torch.ones(rows, dtype=torch.bool, device=logits.device)  # ... while it is sure
     tokens, qs, sure = [], [], []
     for i in range(deepest):
         token, q = draft_token(logits, sampling, generator, vocab)
         tokens.append(token)
         if q is not None:
             qs.append(q)
-        top = q.max(-1).values if q is not None else logits.float().softmax(-1).max(-1).values
-        sure.append(top >= stop_below if stop_below > 0 else torch.ones_like(top, dtype=torch.bool))
+        if stop_below > 0:
+            top = q.max(-1).values if q is not None else logits.float().softmax(-1).max(-1).values
+            sure.append(top >= stop_below)
+            going &= sure[-1]
+            if not bool((going & (deeper > i + 1)).any()):
+                break  # every chain has ended: no row reads another level
         if i + 1 < deepest:
             logits = step(token, i)
     drafted = torch.cat(tokens, dim=1)  # (rows, deepest)
     q_all = torch.stack(qs, dim=1) if qs else None
     # a row's chain ends after its first unsure position, and at its depth
-    confident = torch.stack(sure, dim=1).long().cumprod(1).sum(1).tolist()
+    confident = (
+        torch.stack(sure, dim=1).long().cumprod(1).sum(1).tolist() if sure else [deepest] * rows
+    )
     chains = []
     for r in range(rows):
         n = min(depths[r], confident[r] + 1)

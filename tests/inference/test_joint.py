@@ -136,8 +136,14 @@ def sample_joint(target, kind: str, decoding: dict, sampling: SamplingSettings) 
     seen = dict.fromkeys(("deep", "shallow", "reached_2", "accepted_2"), 0)
     trees = []
     propose = session_class.propose
+
+    def recorded(session, context):  # a sequence's session, or a session of rows (of one here)
+        out = propose(session, context)
+        trees.append(out[0] if isinstance(out, list) else out)
+        return out
+
     with pytest.MonkeyPatch.context() as m:  # record every proposal
-        m.setattr(session_class, "propose", lambda s, ctx: trees.append(propose(s, ctx)) or trees[-1])  # fmt: skip
+        m.setattr(session_class, "propose", recorded)
         for seed in range(SAMPLES):
             trees.clear()
             out = generate(

@@ -1,6 +1,6 @@
-"""EAGLE's batch session (EagleBatchSession; P-EAGLE's PEagleBatchSession): the chains of a
-batch's rows drafted together, one head pass per depth for every row, each row drafting exactly
-what its single-row session drafts (fp32: the same tokens, so the same per-step statistics),
+"""EAGLE's session (EagleSession; P-EAGLE's PEagleSession) serving a batch: the chains of the
+rows drafted together, one head pass per depth for every row, each row drafting exactly what it
+drafts decoded alone (a session of one row) (fp32: the same tokens, so the same per-step statistics),
 with prompts of different lengths, per-row stop_below, rows that draft nothing or accept a tree
 another drafter proposed, and sampled rows that follow the target's distribution."""
 
@@ -15,13 +15,8 @@ from specdraft.core import DraftContext, DraftTree, SamplingSettings
 from specdraft.drafters.sessions import BatchSession, DraftSession, RowSessions
 from specdraft.inference import generate
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
-from specdraft.kinds.eagle.eagle_session import EagleBatchSession, EagleSession
-from specdraft.kinds.peagle.peagle import (
-    PEagleBatchSession,
-    PEagleConfig,
-    PEagleDrafter,
-    PEagleSession,
-)
+from specdraft.kinds.eagle.eagle_session import EagleSession
+from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter, PEagleSession
 
 pytestmark = [pytest.mark.exact, pytest.mark.usefixtures("one_thread")]
 
@@ -42,42 +37,34 @@ def step_stats(stats) -> tuple:
 
 @pytest.fixture
 def drafts(monkeypatch) -> dict[tuple, list[int]]:
-    """Every draft an EAGLE or P-EAGLE session made, single-row or batch, by the context it
+    """Every draft an EAGLE or P-EAGLE session made, for a batch or one row, by the context it
     drafted after and its max depth (a row's contexts differ at every step)."""
     made = {}
-
-    def record(cls, batch: bool) -> None:
+    for cls in (EagleSession, PEagleSession):
         propose = cls.propose
 
-        def recording(self, contexts):
+        def recording(self, contexts, propose=propose):
             trees = propose(self, contexts)
-            pairs = zip(contexts, trees, strict=True) if batch else [(contexts, trees)]
-            for context, tree in pairs:
+            for context, tree in zip(contexts, trees, strict=True):
                 if context is not None:
                     made[(*context.tokens[0].tolist(), context.max_depth)] = tree.tokens[0].tolist()
             return trees
 
         monkeypatch.setattr(cls, "propose", recording)
-
-    for cls in (EagleSession, PEagleSession):
-        record(cls, batch=False)
-    for cls in (EagleBatchSession, PEagleBatchSession):
-        record(cls, batch=True)
     return made
 
 
 @pytest.fixture
 def head_passes(monkeypatch) -> list[int]:
-    """The rows of every head pass through the modules (the batch session's; a single-row
-    session runs drafters/lean.py's layer)."""
+    """The rows of every head pass of a session."""
     passes = []
-    step = EagleDrafter.step
+    step = EagleSession._step
 
     def counting(self, tokens, *args, **kwargs):
         passes.append(tokens.shape[0])
         return step(self, tokens, *args, **kwargs)
 
-    monkeypatch.setattr(EagleDrafter, "step", counting)
+    monkeypatch.setattr(EagleSession, "_step", counting)
     return passes
 
 
@@ -87,7 +74,7 @@ def test_batched_rows_draft_what_each_row_drafts_alone(
     random_target, examples, kind_drafter, drafts, head_passes, kind, stop_below
 ):
     drafter = kind_drafter(kind)
-    native = PEagleBatchSession if kind == "peagle" else EagleBatchSession
+    native = PEagleSession if kind == "peagle" else EagleSession
     assert type(batch_session(drafter, random_target, 3, stop_below=stop_below)) is native
     options = dict(max_new_tokens=NEW, gamma=GAMMA, stop_below=stop_below)
     for size in (16, 3):
@@ -119,8 +106,8 @@ def test_trees_draft_row_by_row(random_target, kind_drafter):
 
 
 def test_prompt_lookup_in_front_of_the_batch_session(random_target, examples, kind_drafter, drafts):
-    """Copying (CopyingRows) drafts the rows whose context repeats; the batch session drafts the
-    others, each as its single-row session does behind CopyingSession."""
+    """Copying (CopyingRows) drafts the rows whose context repeats; the session drafts the
+    others, each as it drafts the row decoded alone."""
     drafter = kind_drafter("eagle3")
     prompts = ragged(examples, 8)
     options = dict(max_new_tokens=NEW, gamma=GAMMA, lookup_ngram=1)
@@ -190,7 +177,7 @@ def test_rows_that_copy_keep_drafting_what_they_draft_alone(
     random_target, examples, kind_drafter, monkeypatch
 ):
     """A row whose proposal another drafter made (a copy: no context for this session, then
-    that tree at accept) drafts on afterwards exactly as its single-row session does."""
+    that tree at accept) drafts on afterwards exactly as it does decoded alone."""
     drafter = kind_drafter("eagle3")
     prompts = ragged(examples, 5)
     plain = [generate(random_target, p, max_new_tokens=NEW).tokens[0].tolist() for p in prompts]
@@ -204,7 +191,7 @@ def test_rows_that_copy_keep_drafting_what_they_draft_alone(
 
     def copying_batch(self, target, batch_size, **kwargs):
         inner = new_batch(self, target, batch_size, **kwargs)
-        assert isinstance(inner, EagleBatchSession)
+        assert isinstance(inner, EagleSession)
         return CopyingRows(
             inner, [EveryOtherCopied(plain[r], len(p)) for r, p in enumerate(prompts)]
         )
@@ -248,5 +235,5 @@ def test_sampled_rows_follow_the_target(kind, options):
         head = EagleDrafter.build(EagleConfig(), target).eval()
     with torch.no_grad():
         perturb(head.parameters(), 0.5)  # an untrained head that still drafts varied tokens
-    assert isinstance(batch_session(head, target, 4, **options), EagleBatchSession)
+    assert isinstance(batch_session(head, target, 4, **options), EagleSession)
     sampled_rows_follow_the_target(target, head, **options)

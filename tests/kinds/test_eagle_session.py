@@ -88,6 +88,7 @@ def drive(
 
 
 def new_session(head, target, sampling, generator=None, **settings):
+    """The head's session for one sequence (a OneRow around its session of one row)."""
     return head.new_session(
         target, sampling=sampling, decode=DecodeConfig(**settings), generator=generator
     )
@@ -132,14 +133,14 @@ def test_lookup_drafts_repeats_without_the_head_and_stays_exact(tiny_target, tra
     prompt = PROMPTS[0] * 3  # a context that repeats
     session = CopyingSession(new_session(trained_head, tiny_target, greedy, gamma=4), 2, gamma=4)
     head_passes = 0
-    step = session.inner._step
+    step = session.inner.rows._step
 
     def counting_step(*args, **kwargs):
         nonlocal head_passes
         head_passes += 1
         return step(*args, **kwargs)
 
-    session.inner._step = counting_step
+    session.inner.rows._step = counting_step
     tokens, _, accepted = drive(tiny_target, session, prompt, 24, greedy)
     assert tokens == plain_greedy(tiny_target, prompt, 24)
     assert session.copied_passes > 0 and accepted > 0
@@ -209,7 +210,7 @@ def test_decoding_settings_shape_the_tree(tiny_target, trained_head, monkeypatch
     them decode= decides; output stays exact."""
     trees = []
     propose = EagleSession.propose
-    monkeypatch.setattr(EagleSession, "propose", lambda s, ctx: trees.append(propose(s, ctx)) or trees[-1])  # fmt: skip
+    monkeypatch.setattr(EagleSession, "propose", lambda s, ctxs: trees.extend(propose(s, ctxs)) or trees[-len(ctxs):])  # fmt: skip
     prompt = torch.tensor([PROMPTS[0]])
     plain = plain_greedy(tiny_target, PROMPTS[0], 16)
     for gamma, topk in ((2, 1), (3, 2)):
@@ -236,16 +237,16 @@ def test_drafting_weights_are_shared_until_a_parameter_changes(tiny_target, trai
     """Sessions reuse the head's fused/int8 drafting weights; an optimizer step (or any in-place
     change) rebuilds them, so a head evaluated during training drafts with its current weights."""
     greedy = SamplingSettings()
-    first = new_session(trained_head, tiny_target, greedy, draft_weights="int8").w
-    again = new_session(trained_head, tiny_target, greedy, draft_weights="int8").w
-    full = new_session(trained_head, tiny_target, greedy).w
+    first = new_session(trained_head, tiny_target, greedy, draft_weights="int8").rows.w
+    again = new_session(trained_head, tiny_target, greedy, draft_weights="int8").rows.w
+    full = new_session(trained_head, tiny_target, greedy).rows.w
     assert first is again and full is not first and first.int8 and not full.int8
     param = next(p for p in trained_head.parameters() if p.requires_grad)
     saved = param.detach().clone()
     with torch.no_grad():
         param.add_(1.0)
     try:
-        changed = new_session(trained_head, tiny_target, greedy, draft_weights="int8").w
+        changed = new_session(trained_head, tiny_target, greedy, draft_weights="int8").rows.w
         assert changed is not first
     finally:
         with torch.no_grad():
@@ -271,7 +272,7 @@ def test_stop_below_ends_chains_after_an_unsure_token(tiny_target, trained_head,
     token drafted with probability under the threshold."""
     trees = []
     propose = EagleSession.propose
-    monkeypatch.setattr(EagleSession, "propose", lambda s, ctx: trees.append(propose(s, ctx)) or trees[-1])  # fmt: skip
+    monkeypatch.setattr(EagleSession, "propose", lambda s, ctxs: trees.extend(propose(s, ctxs)) or trees[-len(ctxs):])  # fmt: skip
     seen = []
     logits = EagleSession._logits
     monkeypatch.setattr(EagleSession, "_logits", lambda s, h: seen.append(logits(s, h)) or seen[-1])  # fmt: skip
@@ -305,7 +306,7 @@ def test_int8_where_it_cannot_run_drafts_with_full_weights(tiny_target, trained_
     greedy = SamplingSettings()
     with pytest.warns(UserWarning, match="runs on CPU only"):
         session = new_session(trained_head, tiny_target, greedy, draft_weights="int8")
-    assert not session.w.int8
+    assert not session.rows.w.int8
     tokens, drafted, accepted = drive(tiny_target, session, PROMPTS[0], 12, greedy)
     assert drafted > 0 and accepted > 0 and tokens == plain_greedy(tiny_target, PROMPTS[0], 12)
 

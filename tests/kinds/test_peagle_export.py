@@ -84,7 +84,7 @@ def test_the_folder_reads_back_with_identical_drafts(target, draft_vocab, tmp_pa
     trees = []
     propose = PEagleSession.propose
     monkeypatch.setattr(
-        PEagleSession, "propose", lambda s, ctx: trees.append(propose(s, ctx)) or trees[-1]
+        PEagleSession, "propose", lambda s, ctxs: trees.extend(propose(s, ctxs)) or trees[-1:]
     )
     runs = []
     for drafter in (head, back):

@@ -56,7 +56,7 @@ def test_greedy_output_equals_plain_greedy(tiny_target, trained_head, options):
     drafted_total = accepted_total = 0
     for prompt in PROMPTS:
         session = new_session(trained_head, tiny_target, greedy, **options)
-        assert isinstance(session, PEagleSession)
+        assert isinstance(session.rows, PEagleSession)
         tokens, drafted, accepted = drive(tiny_target, session, prompt, 20, greedy)
         assert tokens == plain_greedy(tiny_target, prompt, 20)
         drafted_total += drafted
@@ -83,16 +83,15 @@ def test_one_head_pass_per_proposal_and_the_slots_leave_the_cache(
     monkeypatch.setattr(
         PEagleSession, "_step", lambda s, *a, **k: calls.append(a[0].shape[1]) or step(s, *a, **k)
     )
-    original = PEagleSession.accept
+    propose = PEagleSession.propose
 
-    def accept(self, tree, path, hidden_states=None):
-        if len(tree):  # a proposal's slots are in the cache until its accept
-            assert self.layer.length == self.fed + len(tree) - 1
-        original(self, tree, path, hidden_states)
-        if self.layer is not None:
-            assert self.layer.length == self.fed  # only pairs with the target's true features
+    def proposed(self, contexts):
+        trees = propose(self, contexts)
+        if self.layer is not None:  # only pairs with the target's true features stay cached
+            assert self.layer.length == self.cache.columns == self.fed[0]
+        return trees
 
-    monkeypatch.setattr(PEagleSession, "accept", accept)
+    monkeypatch.setattr(PEagleSession, "propose", proposed)
     _, drafted, _ = drive(tiny_target, session, PROMPTS[0], 12, greedy)
     proposals = len(calls)
     assert drafted > 0 and proposals > 0 and drafted <= K * proposals
@@ -123,11 +122,11 @@ def test_a_tree_holds_each_slots_top_candidates_within_its_budget(tiny_target, t
     session.accept(DraftTree.empty(1), [], out.hidden_states)
     context = torch.cat([prompt, out.logits[:, -1:].argmax(-1)], dim=1)  # the root pending
     calls = []
-    logits_of = session._logits
-    session._logits = lambda h: calls.append(logits_of(h)) or calls[-1]
+    logits_of = session.rows._logits
+    session.rows._logits = lambda h: calls.append(logits_of(h)) or calls[-1]
     tree = session.propose(DraftContext(context, max_depth=8))
     assert len(calls) == 1 and len(tree) == 7 and not tree.is_chain and tree.depth <= K
-    ranked = trained_head.d2t[calls[0][0].topk(3, dim=-1).indices]  # (K, 3) target ids
+    ranked = trained_head.d2t[calls[0][0, :K].topk(3, dim=-1).indices]  # (K, 3) target ids
     for node, (token, depth) in enumerate(zip(tree.tokens[0].tolist(), tree.depths, strict=True)):
         assert token in ranked[depth - 1].tolist(), node
     # the first slot's best candidate and the chain of every slot's best are in the tree

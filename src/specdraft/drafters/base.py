@@ -65,9 +65,6 @@ class Drafter(nn.Module):
     # What the kind's batch session drafts together (`batch_session`): "chains" (a tree goes row
     # by row), "all", or "none" (every batch row by row, `row_sessions`).
     batch_drafts: ClassVar[str] = "none"
-    # Where int8 drafting weights serve one sequence only, what a batch drafted together runs
-    # with instead ("the head's full weights"), said once; None: nothing to say.
-    batch_full_weights: ClassVar[str | None] = None
     # Target hidden-state ids the loss needs (the trainer captures them in the target forward).
     capture_layers: Sequence[int] = ()
     # True when the loss runs the target itself (Medusa-2's adapters, LayerSkip): the trainer
@@ -275,14 +272,6 @@ class Drafter(nn.Module):
             return self.row_sessions(
                 target, batch_size, sampling=sampling, decode=decode, generator=generator
             )
-        if self.batch_full_weights is not None and decode.draft_weights == "int8":
-            from specdraft.drafters.lean import use_int8
-
-            if use_int8(decode.draft_weights, target.device, self.batch_full_weights):
-                warn_once(
-                    "draft_weights=int8 drafts through drafters/lean.py's one-sequence path; a "
-                    f"batch drafts with {self.batch_full_weights}"
-                )
         return self.batch_session(
             target, batch_size, sampling=sampling, decode=decode, generator=generator
         )

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
+from specdraft.batch import CacheColumns
 from specdraft.core import float_mask, kv_bytes
 from specdraft.drafters.base import warn_once
 
@@ -108,12 +109,17 @@ def _is_llama_rms_norm(norm: nn.Module) -> bool:
 
 
 def decode_layer(
-    layer: nn.Module, rotary: nn.Module, capacity: int = 256, *, weights: LayerWeights | None = None
+    layer: nn.Module,
+    rotary: nn.Module,
+    capacity: int = 256,
+    *,
+    weights: LayerWeights | None = None,
+    rows: int = 1,
 ):
-    """A `LeanLayer` where `lean_supported(layer, rotary)` (from `weights` when given, built
-    from the layer otherwise), else a `ModuleLayer` around the layer itself."""
+    """A `LeanLayer` for `rows` sequences where `lean_supported(layer, rotary)` (from `weights`
+    when given, built from the layer otherwise), else a `ModuleLayer` around the layer itself."""
     if lean_supported(layer, rotary):
-        return LeanLayer(weights or LayerWeights(layer), rotary, capacity)
+        return LeanLayer(weights or LayerWeights(layer), rotary, capacity, rows)
     return ModuleLayer(layer, rotary)
 
 
@@ -267,18 +273,24 @@ class LayerWeights:
 
 
 class LeanLayer:
-    """A Llama-layout decoder layer with its own in-place KV cache (batch 1).
+    """A Llama-layout decoder layer with its own in-place KV cache for `rows` sequences.
 
-    Call it with (1, n, hidden) inputs ((1, n, 2 hidden) for EAGLE-3's reference layer), their position ids and which cached entries each may see;
-    it appends the n new keys/values after the `length` already held and returns the layer's
-    (1, n, hidden) output. `crop(m)` keeps the first m entries.
+    Call it with (rows, n, hidden) inputs ((rows, n, 2 hidden) for EAGLE-3's reference layer),
+    their position ids and which cached entries each may see; it appends the n new keys/values
+    of every row after the `length` columns already held and returns the layer's (rows, n,
+    hidden) output. `crop(m)` keeps the first m columns; `gather` and `select_rows` move columns
+    and rows as specdraft/batch.py's BatchCache asks, so rows of a batch that hold different
+    tokens share the buffers.
     """
 
-    def __init__(self, weights: LayerWeights, rotary: nn.Module, capacity: int = 256) -> None:
+    def __init__(
+        self, weights: LayerWeights, rotary: nn.Module, capacity: int = 256, rows: int = 1
+    ) -> None:
         self.w = weights
         self.device, self.dtype = weights.device, weights.dtype
         self.num_kv_heads, self.head_dim = weights.num_kv_heads, weights.head_dim
         self.rotary = rotary
+        self.rows = rows
         self.length = 0
         self.keys = self.values = self._rot = None
         self._grow(max(1, capacity))
@@ -287,7 +299,7 @@ class LeanLayer:
 
     def _grow(self, capacity: int) -> None:
         """Room for `capacity` entries (keys, values and rotary rows); keeps what is held."""
-        shape = (1, self.num_kv_heads, capacity, self.head_dim)
+        shape = (self.rows, self.num_kv_heads, capacity, self.head_dim)
         keys = torch.empty(shape, device=self.device, dtype=self.dtype)
         values = torch.empty(shape, device=self.device, dtype=self.dtype)
         if self.keys is not None:
@@ -303,8 +315,24 @@ class LeanLayer:
         return self.keys.shape[2]
 
     def crop(self, length: int) -> None:
-        """Keep the first `length` cached entries."""
+        """Keep the first `length` cached columns."""
         self.length = min(self.length, length)
+
+    def gather(self, index: torch.Tensor, start: int) -> None:
+        """Columns [start, length) replaced by, for each row r, the columns start + index[r]
+        (index (rows, w)): BatchCache's `keep` and `compact`."""
+        width = index.shape[1]
+        index = index[:, None, :, None].expand(self.rows, self.num_kv_heads, width, self.head_dim)
+        for buffer in (self.keys, self.values):
+            picked = buffer[:, :, start : self.length].gather(2, index)
+            buffer[:, :, start : start + width] = picked
+        self.length = start + width
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Only the rows `index` stay (rows that finished leave the batch)."""
+        self.keys = self.keys.index_select(0, index)
+        self.values = self.values.index_select(0, index)
+        self.rows = index.numel()
 
     def memory_bytes(self) -> int:
         """The KV buffers (the weights are accounted by LayerWeights)."""
@@ -319,20 +347,22 @@ class LeanLayer:
         positions: int | list[int] | torch.Tensor,
         visible: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(1, n, hidden) -> (1, n, hidden).
+        """(rows, n, hidden) -> (rows, n, hidden).
 
-        positions: the n position ids (an int: consecutive from it). visible: (n, length + n)
-        bool, True where a new entry may attend to a cached or new one; None: every new entry
-        sees the whole cache and the new entries causally (one entry: everything).
+        positions: the n position ids of every row (an int: consecutive from it), or (rows, n)
+        per row. visible: True (or 0.0 in a float mask) where a new entry may attend to a
+        column, (n, length + n) for every row alike or (rows, n, length + n) / (rows, 1, n,
+        length + n) per row; None: every new entry sees every column and the new entries
+        causally (one entry: everything).
         """
-        n = x.shape[1]
+        rows, n = x.shape[:2]
         start, end = self.length, self.length + n
         if isinstance(positions, int):
             top = positions + n
         else:
-            positions = torch.as_tensor(positions, device=self.device).flatten()
-            if positions.numel() != n:
-                raise ValueError(f"{positions.numel()} position ids for {n} inputs")
+            positions = torch.as_tensor(positions, device=self.device)
+            if positions.shape[-1] != n:
+                raise ValueError(f"position ids of shape {tuple(positions.shape)} for {n} inputs")
             top = int(positions.max()) + 1
         if max(end, top) > self.capacity:
             self._grow(2 * max(end, top))
@@ -348,30 +378,34 @@ class LeanLayer:
             x = feature if w.hidden_weight is None else normed * w.hidden_weight
         else:
             x_in = x if w.eps_in is None else rms(x, w.eps_in)
-        qkv = w.qkv(x_in)[0]  # (n, q + 2 kv), the norms' weights folded in
-        qk = qkv[:, : q_size + kv_size].float().view(n, nq + nkv, hd)
+        qkv = w.qkv(x_in)  # (rows, n, q + 2 kv), the norms' weights folded in
+        qk = qkv[..., : q_size + kv_size].float().view(rows, n, nq + nkv, hd)
         if w.q_norm is not None:  # Qwen3: per-head norms before the rotation
-            qk = torch.cat([F.rms_norm(qk[:, :nq], (hd,), *w.q_norm),
-                            F.rms_norm(qk[:, nq:], (hd,), *w.k_norm)], dim=1)  # fmt: skip
+            qk = torch.cat([F.rms_norm(qk[:, :, :nq], (hd,), *w.q_norm),
+                            F.rms_norm(qk[:, :, nq:], (hd,), *w.k_norm)], dim=2)  # fmt: skip
         # q and k rotated in one go: their rows pair the rotary halves (LayerWeights)
-        pairs = torch.view_as_complex(qk.view(n, nq + nkv, hd // 2, 2)) * rot[:, None]
-        qk = torch.view_as_real(pairs).view(n, nq + nkv, hd).to(self.dtype)
-        self.keys[0, :, start:end] = qk[:, nq:].transpose(0, 1)
-        self.values[0, :, start:end] = qkv[:, q_size + kv_size :].view(n, nkv, hd).transpose(0, 1)
+        pairs = torch.view_as_complex(qk.view(rows, n, nq + nkv, hd // 2, 2)) * rot.unsqueeze(-2)
+        qk = torch.view_as_real(pairs).view(rows, n, nq + nkv, hd).to(self.dtype)
+        self.keys[:, :, start:end] = qk[:, :, nq:].transpose(1, 2)
+        self.values[:, :, start:end] = (
+            qkv[..., q_size + kv_size :].view(rows, n, nkv, hd).transpose(1, 2)
+        )
         if visible is None and n > 1:
             visible = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(start)
         elif visible is not None:
             visible = visible.to(self.device)
+            if visible.dim() == 3:  # per row: one mask for every head
+                visible = visible[:, None]
         attn = F.scaled_dot_product_attention(
-            qk[:, :nq].transpose(0, 1)[None],  # (1, heads, n, hd)
+            qk[:, :, :nq].transpose(1, 2),  # (rows, heads, n, hd)
             self.keys[:, :, :end],
             self.values[:, :, :end],
             attn_mask=visible,
             scale=w.scaling,
             enable_gqa=nq != nkv,
-        )  # (1, heads, n, hd)
+        )  # (rows, heads, n, hd)
         self.length = end
-        x = x + w.o(attn.transpose(1, 2).reshape(1, n, q_size))  # (a bf16 product promotes)
+        x = x + w.o(attn.transpose(1, 2).reshape(rows, n, q_size))  # (a bf16 product promotes)
         h = w.gate_up(rms(x, w.eps_post))
         h = w.act(h[..., : w.intermediate]) * h[..., w.intermediate :]
         return x + w.down(h)
@@ -384,6 +418,7 @@ class ModuleLayer:
     def __init__(self, layer: nn.Module, rotary: nn.Module) -> None:
         self.layer, self.rotary = layer, rotary
         self.cache = DynamicCache()
+        self.columns = CacheColumns(self.cache)
         weight = next(layer.parameters())
         self.device, self.dtype = weight.device, weight.dtype
 
@@ -392,9 +427,13 @@ class ModuleLayer:
         return self.cache.get_seq_length()
 
     def crop(self, length: int) -> None:
-        drop = self.length - length
-        if drop > 0:
-            self.cache.crop(-drop)
+        self.columns.crop(length)
+
+    def gather(self, index: torch.Tensor, start: int) -> None:
+        self.columns.gather(index, start)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.columns.select_rows(index)
 
     def memory_bytes(self) -> int:
         return kv_bytes(self.cache)
@@ -406,15 +445,17 @@ class ModuleLayer:
         positions: int | list[int] | torch.Tensor,
         visible: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        n, past = x.shape[1], self.length
+        rows, n, past = x.shape[0], x.shape[1], self.length
         if isinstance(positions, int):
             positions = torch.arange(positions, positions + n, device=self.device)
-        positions = torch.as_tensor(positions, device=self.device).reshape(1, n)
+        positions = torch.as_tensor(positions, device=self.device).expand(rows, n)
         if visible is None:
             visible = torch.ones(n, past + n, dtype=torch.bool).tril(past)
-        mask = float_mask(visible.to(self.device), x.dtype)
+        visible = visible.to(self.device)
+        mask = float_mask(visible, x.dtype) if visible.dtype == torch.bool else visible
+        mask = mask.reshape(-1, 1, n, past + n)  # (1 or rows, 1, n, columns)
         out = self.layer(
-            x, attention_mask=mask[None, None], position_ids=positions, cache=self.cache,
+            x, attention_mask=mask, position_ids=positions, cache=self.cache,
             use_cache=True, position_embeddings=self.rotary(x, positions),
         )  # fmt: skip
         return out[0] if isinstance(out, tuple) else out
@@ -498,13 +539,14 @@ class ModelWeights:
 
 
 class LeanModel:
-    """A small causal LM run for drafting (batch 1): LeanLayers with in-place KV caches, called
-    with new token ids at consecutive positions from the cache's length; returns the last
-    position's logits. `crop(m)` keeps the first m cached positions."""
+    """A small causal LM run for drafting: LeanLayers with in-place KV caches for `rows`
+    sequences, called with new token ids and returns each row's last position's logits. The
+    layers' columns move together (`crop`, `gather`, `select_rows`: specdraft/batch.py's
+    BatchCache drives them for a batch whose rows hold different tokens)."""
 
-    def __init__(self, weights: ModelWeights, capacity: int = 256) -> None:
+    def __init__(self, weights: ModelWeights, capacity: int = 256, rows: int = 1) -> None:
         self.w = weights
-        self.layers = [LeanLayer(w, weights.rotary, capacity) for w in weights.layers]
+        self.layers = [LeanLayer(w, weights.rotary, capacity, rows) for w in weights.layers]
 
     @property
     def length(self) -> int:
@@ -514,18 +556,76 @@ class LeanModel:
         for layer in self.layers:
             layer.crop(length)
 
+    def gather(self, index: torch.Tensor, start: int) -> None:
+        for layer in self.layers:
+            layer.gather(index, start)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.select_rows(index)
+
     def memory_bytes(self) -> int:
         """The KV buffers (the weights are accounted by ModelWeights)."""
         return sum(layer.memory_bytes() for layer in self.layers)
 
     @torch.no_grad()
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """(1, n) token ids -> (1, vocab) logits after the last of them."""
+    def __call__(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        visible: torch.Tensor | None = None,
+        every: bool = False,
+    ) -> torch.Tensor:
+        """(rows, n) token ids -> (rows, vocab) logits after the last of them ((rows, n, vocab)
+        after each with `every`). positions and visible as LeanLayer takes them; None:
+        consecutive from the cache's length, causally after every column."""
         x = F.embedding(ids, self.w.embed)
-        position = self.length
+        where = self.length if positions is None else positions
         for layer in self.layers:
-            x = layer(x, position)
-        return self.w.output(rms(x[:, -1], self.w.eps))
+            x = layer(x, where, visible)
+        return self.w.output(rms(x if every else x[:, -1], self.w.eps))
+
+
+class ModuleModel:
+    """LeanModel's interface around a causal LM's own modules and a DynamicCache whose every
+    layer keeps every key (a sliding layer's window is then the mask's): for students
+    drafters/lean.py does not reproduce, and for trees."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.cache = DynamicCache()
+        self.columns = CacheColumns(self.cache)
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def crop(self, length: int) -> None:
+        self.columns.crop(length)
+
+    def gather(self, index: torch.Tensor, start: int) -> None:
+        self.columns.gather(index, start)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        self.columns.select_rows(index)
+
+    def memory_bytes(self) -> int:
+        return kv_bytes(self.cache)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        visible: torch.Tensor | None = None,
+        every: bool = False,
+    ) -> torch.Tensor:
+        """LeanModel's call; `visible` a float 4D mask (rows, 1, n, columns) when given."""
+        out = self.model(
+            input_ids=ids, attention_mask=visible, position_ids=positions, cache=self.cache,
+            use_cache=True, logits_to_keep=0 if every else 1,
+        )  # fmt: skip
+        return out.logits if every else out.logits[:, -1]
 
 
 class SharedWeights:

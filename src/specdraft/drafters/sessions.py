@@ -90,6 +90,7 @@ class BatchSession:
 
     capture_layers: Sequence[int] = ()
     lossy: bool = False
+    drafts_on_target_cache: bool = False  # DraftSession's, for a batch of one
 
     def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
         """One tree per active row; a row whose context is None drafts nothing (an empty tree),
@@ -139,6 +140,7 @@ class RowSessions(BatchSession):
         self.sessions = list(sessions)
         self.capture_layers = list(self.sessions[0].capture_layers)
         self.lossy = self.sessions[0].lossy
+        self.drafts_on_target_cache = self.sessions[0].drafts_on_target_cache
         self.finished_copies = 0  # copied passes of rows already dropped
         self.alone = False  # bound to the target's cache as a prompt decoded alone
 
@@ -177,6 +179,34 @@ class RowSessions(BatchSession):
 
     def extra_memory_bytes(self) -> int:
         return sum(session.extra_memory_bytes() for session in self.sessions)
+
+
+class OneRow(DraftSession):
+    """A BatchSession of one row driven as a DraftSession: how a kind whose one session drafts
+    the rows of a batch together (EAGLE's) hands out a single sequence's session (RowSessions'
+    rows, code that walks one sequence's steps itself)."""
+
+    def __init__(self, rows: BatchSession) -> None:
+        self.rows = rows
+        self.capture_layers = rows.capture_layers
+        self.lossy = rows.lossy
+
+    def propose(self, context: DraftContext) -> DraftTree:
+        return self.rows.propose([context])[0]
+
+    def accept(
+        self,
+        tree: DraftTree,
+        path: list[int],
+        hidden_states: Mapping[int, torch.Tensor] | None = None,
+    ) -> None:
+        self.rows.accept([tree], [path], [hidden_states])
+
+    def verify_sampled(self, tree: DraftTree, p: torch.Tensor, generator):
+        return self.rows.verify_sampled(0, tree, p, generator)
+
+    def extra_memory_bytes(self) -> int:
+        return self.rows.extra_memory_bytes()
 
 
 def check_features_known(session: str, known: int, length: int, row: int | None = None) -> None:

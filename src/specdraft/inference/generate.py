@@ -47,7 +47,7 @@ from specdraft.core import (
 )
 from specdraft.drafters.base import Drafter, hf_model_kind, warn_once
 from specdraft.drafters.prompt_lookup import CopyingRows, CopyingSession, PromptLookupDrafter
-from specdraft.drafters.sessions import BatchSession, DraftSession, RowSessions
+from specdraft.drafters.sessions import BatchSession, OneRow, RowSessions
 from specdraft.drafting import process_logits
 from specdraft.inference.metrics import Stats
 from specdraft.inference.tree import SequenceCache
@@ -110,8 +110,6 @@ def generate(
     session, stats, decode = _start_session(
         target, drafter, sampling, generator, decode, settings, len(prompts)
     )
-    if session is not None and len(prompts) == 1:  # one prompt: a batch of one
-        session = RowSessions([session])
     return _decode(
         target, prompts, session, stats, sampling, generator, max_new_tokens, stop_at_eos
     )
@@ -298,12 +296,15 @@ def _decode(
     return GenerateOutput(tokens, merged, new_lengths, row_stats, pad)
 
 
-def drafting_session(target: Target, drafter, decode: DecodeConfig | None) -> DraftSession:
-    """The session `generate` drafts one sequence with at temperature 0 (copying in front where
-    `decode` asks for it), for code that walks the loop's steps itself (simulation/serving_parity.py)."""
+def drafting_session(
+    target: Target, drafter, decode: DecodeConfig | None
+) -> tuple[BatchSession, Stats]:
+    """The session `generate` drafts one sequence with at temperature 0 (a batch of one, with
+    copying in front where `decode` asks for it) and its fresh stats, for code that walks the
+    loop's steps itself (simulation/serving_parity.py)."""
     sampling = SamplingSettings()
-    session, _, _ = _start_session(target, drafter, sampling, None, decode, {})
-    return session
+    session, stats, _ = _start_session(target, drafter, sampling, None, decode, {})
+    return session, stats
 
 
 def _check_inputs(target, input_ids, max_new_tokens, temperature, top_p, top_k):
@@ -358,8 +359,8 @@ def _prompts(input_ids) -> list[torch.Tensor]:
 
 
 def _start_session(target, drafter, sampling, generator, decode, settings, batch_size=1):
-    """The drafting session for this call (None for plain decoding; a BatchSession for a batch
-    of more than one), fresh stats and the resolved decoding settings (None for plain
+    """The drafting session for this call (None for plain decoding; else a BatchSession, one
+    prompt being a batch of one), fresh stats and the resolved decoding settings (None for plain
     decoding): those of the settings' batch_schedule entry for `batch_size` rows, which may
     turn the drafter off (stats.drafter_off)."""
     stats = Stats()
@@ -424,7 +425,14 @@ def _start_session(target, drafter, sampling, generator, decode, settings, batch
         stats.lossy = session.lossy and not sampling.greedy
         return session, stats, decode
     session = drafter.new_session(target, sampling=sampling, decode=decode, generator=generator)
-    if copying:
-        session = CopyingSession(session, decode.lookup_ngram, decode.lookup_gamma or decode.gamma)
+    gamma = decode.lookup_gamma or decode.gamma
+    if isinstance(session, OneRow):  # a kind whose one session drafts rows: it, for one row
+        session = session.rows
+        if copying:
+            session = CopyingRows(session, 1, decode.lookup_ngram, gamma)
+    else:  # a sequence's session, in a batch of one
+        if copying:
+            session = CopyingSession(session, decode.lookup_ngram, gamma)
+        session = RowSessions([session])
     stats.lossy = session.lossy and not sampling.greedy
     return session, stats, decode

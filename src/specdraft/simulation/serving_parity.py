@@ -28,7 +28,6 @@ import torch
 from specdraft.core import DecodeConfig, DraftContext, DraftTree
 from specdraft.data.formats import Example
 from specdraft.drafters.lean import int8_supported
-from specdraft.drafters.prompt_lookup import CopyingSession
 from specdraft.drafters.served import ServedDrafts, sampled_reach, served_drafts
 from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
 from specdraft.inference.generate import drafting_session, generate
@@ -207,16 +206,17 @@ def replay_serving(
             continue
         start, end = int(scored[0]), int(lengths[b])
         stop = start + int(loss_mask[b].sum())  # where the served output ends
-        session = drafting_session(target, drafter, decode)
+        session, stats = drafting_session(target, drafter, decode)
         if session.drafts_on_target_cache:
             return None
         row, truth = ids[b], ids[b].tolist()
-        stats, length, cached = Stats(), start, 0
+        length, cached = start, 0
         while length < stop:
             left = end - length
             tree = DraftTree.empty(device=ids.device)
             if left > 1:
-                tree = session.propose(DraftContext(row[None, :length], max_depth=left - 1))
+                context = DraftContext(row[None, :length], max_depth=left - 1)
+                tree = session.propose([context])[0]
             # the target's greedy choice after the root and after each node, where the node is
             # on the continuation: its next token (off it, verification never looks)
             chosen = [truth[length]] + [truth[length + d] for d in tree.depths]
@@ -224,13 +224,12 @@ def replay_serving(
             hidden = None
             if session.capture_layers:
                 hidden = _verified_states(target_out, b, cached, length, tree, path, session)
-            session.accept(tree, path, hidden)
+            session.accept([tree], [path], [hidden])
             cached = length + len(path)
             emitted = min(len(path) + 1, stop - length)
             stats.record_step(len(tree), tree.depth, len(path), emitted)
             length += emitted
-        stats.copies = isinstance(session, CopyingSession)
-        stats.copied_passes = session.copied_passes
+        stats.copied_passes = session.row_copied_passes(0)
         rows.append(stats)
     return rows
 

@@ -48,14 +48,13 @@ from specdraft.drafters.lean import (
     lean_supported,
 )
 from specdraft.drafters.served import one_later
-from specdraft.drafters.sessions import BatchSession
+from specdraft.drafters.sessions import OneRow
 from specdraft.kinds.eagle.eagle_layers import (
     Eagle3Layer,
     eagle1_reference_layer,
     llama_layer_config,
 )
 from specdraft.kinds.eagle.eagle_session import (
-    EagleBatchSession,
     EagleDraftingWeights,
     EagleModuleWeights,
     EagleSession,
@@ -176,8 +175,6 @@ class EagleDrafter(Drafter):
     # chains of a batch drafted together; EAGLE-2's trees row by row
     batch_drafts = "chains"
     session_class: ClassVar[type[EagleSession]] = EagleSession
-    batch_session_class: ClassVar[type[EagleBatchSession]] = EagleBatchSession
-    batch_full_weights = "the head's full weights"
     config_class = EagleConfig
     drafts_after_prefill = True  # the head reads the target's features of the context
     # The config with the defaults that depend on the target filled in (a kind built on this
@@ -254,11 +251,13 @@ class EagleDrafter(Drafter):
         sampling: SamplingSettings,
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
-    ) -> EagleSession:
-        """Per-call drafting state for the inference loop (kinds/eagle/eagle_session.py; a kind
-        built on this head names its own subclasses: `session_class`, `batch_session_class`)."""
-        return self.session_class(
-            self, target, sampling=sampling, decode=decode, generator=generator
+    ) -> OneRow:
+        """One sequence's drafting: `session_class`'s session of one row (kinds/eagle/
+        eagle_session.py; a kind built on this head names its own), driven as a DraftSession."""
+        return OneRow(
+            self.session_class(
+                self, target, 1, sampling=sampling, decode=decode, generator=generator
+            )
         )
 
     def batch_session(
@@ -269,10 +268,10 @@ class EagleDrafter(Drafter):
         sampling: SamplingSettings,
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
-    ) -> BatchSession:
-        """Chains of a batch drafted together, one head pass per depth (EagleBatchSession, on
-        the head's modules); EAGLE-2's trees go row by row."""
-        return self.batch_session_class(
+    ) -> EagleSession:
+        """The same session for the chains of a batch's rows, drafted together (one head pass
+        per depth); EAGLE-2's trees go row by row."""
+        return self.session_class(
             self, target, batch_size, sampling=sampling, decode=decode, generator=generator
         )
 

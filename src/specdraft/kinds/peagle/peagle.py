@@ -48,10 +48,9 @@ from specdraft.core import DecodeConfig, DraftContext, DraftTree, float_mask
 from specdraft.drafters.base import Metrics, sum_and_count
 from specdraft.drafters.position_tree import position_tree, tree_reach
 from specdraft.drafters.served import one_later
-from specdraft.drafters.sessions import check_features_known
 from specdraft.drafting import draft_chains
 from specdraft.kinds.eagle.eagle import EagleDrafter, default_feature_layers
-from specdraft.kinds.eagle.eagle_session import EagleBatchSession, EagleSession
+from specdraft.kinds.eagle.eagle_session import EagleSession
 from specdraft.losses import token_losses
 
 # --- config ------------------------------------------------------------------------------------
@@ -407,60 +406,19 @@ class PEagleDrafter(EagleDrafter):
 
 class PEagleSession(EagleSession):
     """EAGLE-3's session (kinds/eagle/eagle_session.py: the head's context cache fed the target's
-    true features, cropped to them on every accept), whose proposal is one head pass: the
-    pending true pairs, then depth - 1 parallel slots; the slots' cache entries go with the crop.
-    It drafts a chain of the slots' draws, or with tree_top_k > 1 a tree of their top candidates
+    true features, one cache for the rows), whose proposal is one head pass: each row's pending
+    true pairs, then its depth - 1 parallel slots, which are never kept in the cache. Each row
+    draws a chain from its own slots (drafting.draft_chains: its depth, its stop_below), or a
+    session of one row with tree_top_k > 1 a tree of the slots' top candidates
     (drafters/position_tree.py)."""
 
-    def __init__(self, drafter: PEagleDrafter, target, **kwargs) -> None:
-        super().__init__(drafter, target, **kwargs)
-        with torch.no_grad():
-            w = self.w
-            if w.lean_layer is None:  # the head's modules
-                self.mask_feature = drafter.mask_feature()
-            else:  # as the true features are fused while drafting
-                self.mask_feature = w.fuse(drafter.mask_hidden.to(w.layer.dtype))
-
-    @torch.no_grad()
-    def propose(self, context: DraftContext) -> DraftTree:
-        seq = context.tokens  # (batch, length)
-        length = seq.shape[1]
-        self._base = length
-        K = self.head.config.num_depths
-        depth = min(self.decode.gamma, K, context.max_depth)
-        if self.features is None or depth <= 0:  # no features before the prompt's forward
-            return DraftTree.empty(seq.shape[0], seq.device)
-        check_features_known("PEagleSession", self._known, length)
-        if self.layer is None:  # room for the whole call and one group of slots
-            self._build(capacity=length + context.max_depth + K + 1)
-        # 1. One pass: the pairs with true features not yet cached (positions fed .. length - 2;
-        # the last holds the root), then depth - 1 slots at length - 1 .. length + depth - 3.
-        n_new, slots = length - 1 - self.fed, depth - 1
-        feats = self.features[:, :n_new]
-        feats = torch.cat([feats, self.mask_feature.to(feats.dtype).expand(1, slots, -1)], dim=1)
-        mask = torch.full((1, slots), self.head.config.mask_token_id, dtype=seq.dtype)
-        tokens = torch.cat([seq[:, self.fed + 1 : length], mask], dim=1).to(feats.device)
-        h = self._step(tokens, feats, self.fed)[:, -depth:]  # (1, depth, hidden)
-        self.fed, self.features = length - 1, self.features[:, n_new:]
-        logits = self._logits(h)  # (1, depth, draft vocab): slot d predicts x_{length + d}
-        # 2. The chain drawn slot by slot (q recorded when sampling), or the tree of the slots'
-        # top candidates (drafters/position_tree.py): a slot does not read the token before it.
-        return position_tree(
-            logits[0], decode=self.decode, sampling=self.sampling, generator=self.generator,
-            vocab=self.vocab, device=seq.device,
-        )  # fmt: skip
-
-
-class PEagleBatchSession(EagleBatchSession):
-    """PEagleSession for the rows of a batch (EagleBatchSession's cache and feeding): one head
-    pass feeds every row's pending true pairs, then its depth - 1 parallel slots; each row's
-    chain is drawn from its own slots (drafting.draft_chains: its depth, its stop_below) and the
-    slots are never kept in the cache. Runs the head's modules, as EagleBatchSession."""
-
-    def __init__(self, drafter: PEagleDrafter, target, rows: int, **kwargs) -> None:
+    def __init__(self, drafter: PEagleDrafter, target, rows: int = 1, **kwargs) -> None:
         super().__init__(drafter, target, rows, **kwargs)
         with torch.no_grad():
-            self.mask_feature = drafter.mask_feature()[0]  # (1, hidden)
+            w = self.w  # the slots' feature, fused as true features are while drafting
+            self.mask_feature = (
+                drafter.mask_feature() if w.lean_layer is None else w.fuse(drafter.mask_hidden)
+            )[0, 0].to(self.dtype)  # (hidden,)
 
     @torch.no_grad()
     def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
@@ -468,27 +426,33 @@ class PEagleBatchSession(EagleBatchSession):
         depths, tokens, features = self._take_pending(contexts, min(self.decode.gamma, K))
         if max(depths, default=0) <= 0:
             return [DraftTree.empty(1, self.device) for _ in contexts]
+        self._build(contexts, K)
         # 1. One pass: each row's pairs with true features not yet cached (the last holds its
         # root), then its depth - 1 slots; only the pairs stay in the cache.
         mask_id = self.head.config.mask_token_id
         slots = [max(d - 1, 0) for d in depths]
-        fed = [len(t) for t in tokens]
         h = self._feed(
             [torch.cat([t, t.new_full((s,), mask_id)]) for t, s in zip(tokens, slots, strict=True)],
             [
-                torch.cat([f, self.mask_feature.to(self.dtype).expand(s, -1)])
+                torch.cat([f, self.mask_feature.to(f.dtype).expand(s, -1)])
                 for f, s in zip(features, slots, strict=True)
             ],
-            fed,
+            [len(t) for t in tokens],
         )  # (rows, P, hidden)
-        # 2. Row r's slot d (its depth d + 1) sits at column P - depth_r + d; a row's chain is
-        # drawn slot by slot, and a slot does not read the token drawn before it.
+        # 2. Row r's slot d (its depth d + 1) sits at column P - depth_r + d; a slot does not
+        # read the token drawn before it.
         P, deepest = h.shape[1], max(depths)
         d = torch.arange(deepest, device=self.device)
         depth = torch.tensor(depths, device=self.device).clamp(min=1)[:, None]
         columns = P - depth + torch.minimum(d[None], depth - 1)  # (rows, deepest)
         picked = h.gather(1, columns[..., None].expand(-1, -1, h.shape[-1]))
-        logits = self.head.draft_logits(picked)  # (rows, deepest, draft vocab)
+        logits = self._logits(picked)  # (rows, deepest, draft vocab)
+        if not self.decode.chain:  # one row: the tree of its slots' top candidates
+            tree = position_tree(
+                logits[0, : depths[0]], decode=self.decode, sampling=self.sampling,
+                generator=self.generator, vocab=self.vocab, device=self.device,
+            )  # fmt: skip
+            return [tree]
         return draft_chains(
             logits[:, 0],
             lambda token, i: logits[:, i + 1],
@@ -502,4 +466,3 @@ class PEagleBatchSession(EagleBatchSession):
 
 # the head's sessions are EAGLE's, drafting through the parallel slots (EagleDrafter.new_session)
 PEagleDrafter.session_class = PEagleSession
-PEagleDrafter.batch_session_class = PEagleBatchSession
