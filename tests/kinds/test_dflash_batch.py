@@ -1,5 +1,5 @@
-"""DFlash's batch session (DFlashBatchSession): every drafting row's block in one pass, each row
-drafting exactly what its single-row DFlashSession drafts (fp32: the same tokens, so the same
+"""DFlash's session (DFlashSession) serving a batch: every drafting row's block in one pass, each
+row drafting exactly what it drafts decoded alone (a session of one row) (fp32: the same tokens, so the same
 per-step statistics), with prompts of different lengths (different known context counts), per-row
 stop_below and depth, rows that draft nothing or accept a tree another drafter proposed, and
 sampled rows that follow the target's distribution."""
@@ -15,12 +15,7 @@ from testkit import perturb
 from specdraft.core import DraftContext, DraftTree, SamplingSettings
 from specdraft.drafters.sessions import BatchSession
 from specdraft.inference import generate
-from specdraft.kinds.dflash.dflash import (
-    DFlashBatchSession,
-    DFlashConfig,
-    DFlashDrafter,
-    DFlashSession,
-)
+from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter, DFlashSession
 
 pytestmark = [pytest.mark.exact, pytest.mark.usefixtures("one_thread")]
 
@@ -35,25 +30,19 @@ def batch_session(drafter, target, rows: int, **settings) -> BatchSession:
 
 @pytest.fixture
 def drafts(monkeypatch) -> dict[tuple, list[int]]:
-    """Every draft a DFlash session made, single-row or batch, by the context it drafted after
+    """Every draft a DFlash session made, for a batch or one row, by the context it drafted after
     and its max depth (a row's contexts differ at every step)."""
     made = {}
+    propose = DFlashSession.propose
 
-    def record(cls, batch: bool) -> None:
-        propose = cls.propose
+    def recording(self, contexts):
+        trees = propose(self, contexts)
+        for context, tree in zip(contexts, trees, strict=True):
+            if context is not None:
+                made[(*context.tokens[0].tolist(), context.max_depth)] = tree.tokens[0].tolist()
+        return trees
 
-        def recording(self, contexts):
-            trees = propose(self, contexts)
-            pairs = zip(contexts, trees, strict=True) if batch else [(contexts, trees)]
-            for context, tree in pairs:
-                if context is not None:
-                    made[(*context.tokens[0].tolist(), context.max_depth)] = tree.tokens[0].tolist()
-            return trees
-
-        monkeypatch.setattr(cls, "propose", recording)
-
-    record(DFlashSession, batch=False)
-    record(DFlashBatchSession, batch=True)
+    monkeypatch.setattr(DFlashSession, "propose", recording)
     return made
 
 
@@ -77,7 +66,7 @@ def test_batched_rows_draft_what_each_row_drafts_alone(
 ):
     drafter = kind_drafter("dflash")
     session = batch_session(drafter, random_target, 3, stop_below=stop_below)
-    assert type(session) is DFlashBatchSession
+    assert type(session) is DFlashSession
     assert session.capture_layers == drafter.capture_layers
     options = dict(max_new_tokens=NEW, gamma=GAMMA, stop_below=stop_below)
     for size in (16, 3):
@@ -123,7 +112,7 @@ def test_rows_that_copy_keep_drafting_what_they_draft_alone(
     random_target, examples, kind_drafter, monkeypatch
 ):
     """A row whose proposal another drafter made (a copy: no context for this session, then
-    that tree at accept) drafts on afterwards exactly as its single-row session does."""
+    that tree at accept) drafts on afterwards exactly as it does decoded alone."""
     drafter = kind_drafter("dflash")
     prompts = ragged(examples, 5)
     plain = [generate(random_target, p, max_new_tokens=NEW).tokens[0].tolist() for p in prompts]
@@ -137,7 +126,7 @@ def test_rows_that_copy_keep_drafting_what_they_draft_alone(
 
     def copying_batch(self, target, batch_size, **kwargs):
         inner = new_batch(self, target, batch_size, **kwargs)
-        assert isinstance(inner, DFlashBatchSession)
+        assert isinstance(inner, DFlashSession)
         return CopyingRows(
             inner, [EveryOtherCopied(plain[r], len(p)) for r, p in enumerate(prompts)]
         )
@@ -190,5 +179,5 @@ def test_sampled_rows_follow_the_target():
     with torch.no_grad():
         perturb(drafter.parameters(), 0.5)  # an untrained drafter that still drafts varied tokens
     options = dict(stop_below=0.3)
-    assert isinstance(batch_session(drafter, target, 4, **options), DFlashBatchSession)
+    assert isinstance(batch_session(drafter, target, 4, **options), DFlashSession)
     sampled_rows_follow_the_target(target, drafter, **options)

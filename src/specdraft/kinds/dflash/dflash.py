@@ -20,7 +20,7 @@ exactly as in a row of its own. Slot i learns the target's own distribution at a
 exp(-(i - 1) / position_decay). The loss sum is over the anchors' scored slots, which the batch
 alone counts (`loss_tokens`).
 
-Decoding (DFlashSession; DFlashBatchSession for a batch's rows, one block pass for all): the
+Decoding (DFlashSession, for one row or a batch's rows, one block pass for all): the
 context's keys and values per layer are computed once, from the verification forward's hidden
 states of the accepted positions (`accept`); `propose` runs the block once and returns a chain of
 min(gamma, B - 1) tokens: each slot's argmax, or at temperature > 0 a draw from each slot's own
@@ -58,9 +58,9 @@ from specdraft.core import (
 )
 from specdraft.drafters.base import Drafter, Metrics, sum_and_count
 from specdraft.drafters.position_tree import tree_reach
-from specdraft.drafters.sessions import BatchSession
+from specdraft.drafters.sessions import OneRow
 from specdraft.kinds.dflash.dflash_layers import DFlashLayer
-from specdraft.kinds.dflash.dflash_session import ContextKV, DFlashBatchSession, DFlashSession
+from specdraft.kinds.dflash.dflash_session import ContextKV, DFlashSession
 from specdraft.kinds.eagle.eagle import default_feature_layers
 from specdraft.kinds.eagle.eagle_layers import head_rope
 from specdraft.losses import token_losses
@@ -182,7 +182,6 @@ class DFlashDrafter(Drafter):
     # the sessions new_session and batch_session build (a kind built on this drafter, DSpark,
     # names its own)
     session_class: ClassVar[type[DFlashSession]] = DFlashSession
-    batch_session_class: ClassVar[type[DFlashBatchSession]] = DFlashBatchSession
 
     def __init__(self, config: DFlashConfig, target, *, init: bool = True) -> None:
         super().__init__()
@@ -514,9 +513,12 @@ class DFlashDrafter(Drafter):
         sampling: SamplingSettings,
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
-    ) -> DFlashSession:
-        """`session_class`'s session (a kind built on this drafter names its own)."""
-        return self.session_class(self, sampling=sampling, decode=decode, generator=generator)
+    ) -> OneRow:
+        """One sequence's drafting: `session_class`'s session of one row (a kind built on this
+        drafter names its own), driven as a DraftSession."""
+        return OneRow(
+            self.session_class(self, 1, sampling=sampling, decode=decode, generator=generator)
+        )
 
     def batch_session(
         self,
@@ -526,9 +528,10 @@ class DFlashDrafter(Drafter):
         sampling: SamplingSettings,
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
-    ) -> BatchSession:
-        """Every drafting row's block in one pass (`batch_session_class`)."""
-        return self.batch_session_class(
+    ) -> DFlashSession:
+        """The same session for the chains of a batch's rows: every drafting row's block in
+        one pass."""
+        return self.session_class(
             self, batch_size, sampling=sampling, decode=decode, generator=generator
         )
 

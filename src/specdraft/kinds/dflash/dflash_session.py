@@ -1,6 +1,6 @@
-"""DFlash's sessions: drafting one sequence (DFlashSession) or every row of a batch in one block
-pass (DFlashBatchSession), on the keys and values of the context's target features; the
-drafter is kinds/dflash/dflash.py."""
+"""DFlash's session: drafting for a prompt decoded alone (a batch of one) or for every row of a
+batch in one block pass, on the keys and values of the context's target features; the drafter
+is kinds/dflash/dflash.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
 from specdraft.drafters.position_tree import position_tree
-from specdraft.drafters.sessions import BatchSession, DraftSession, check_features_known
+from specdraft.drafters.sessions import BatchSession, check_features_known
 from specdraft.drafting import draft_chains
 from specdraft.kinds.eagle.eagle_session import verified_rows
 
@@ -22,127 +22,52 @@ if TYPE_CHECKING:
 ContextKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-# --- session (inference) -----------------------------------------------------------------------
-
-
-class DFlashSession(DraftSession):
-    """One generate call's drafting state: per layer, the keys and values of the context's
-    features (positions 0 .. known - 1, from the target's hidden states as they arrive).
-
-    `accept` gets the verification forward's hidden states at `capture_layers`, (batch, pending
-    + n, hidden): the pending tokens, then the tree's n nodes; it keeps the pending rows and the
-    accepted path's (what the target verified, in order) and appends their keys and values.
-    Every position of the context but its last token (the anchor, pending) is then known.
-    `propose` runs the block after the anchor once and drafts a chain of the slots' draws, or
-    with tree_top_k > 1 a tree of their top candidates (drafters/position_tree.py); the first
-    proposal (before the prompt's forward) is empty, as is one after a one-token prompt (no
-    context to draft from).
-    """
-
-    def __init__(
-        self,
-        drafter: DFlashDrafter,
-        *,
-        sampling: SamplingSettings,
-        decode: DecodeConfig,
-        generator: torch.Generator | None = None,
-    ) -> None:
-        self.drafter = drafter
-        self.sampling = sampling
-        self.decode = decode
-        self.generator = generator
-        self.capture_layers: list[int] = list(drafter.capture_layers)
-        self.context: ContextKV | None = None
-        self.known = 0  # context positions whose keys and values are in `context`
-
-    @torch.no_grad()
-    def propose(self, context: DraftContext) -> DraftTree:
-        seq = context.tokens  # (batch, length)
-        length = seq.shape[1]
-        depth = min(self.decode.gamma, self.drafter.drafts_per_block, context.max_depth)
-        if self.context is None or self.known == 0 or depth <= 0:
-            return DraftTree.empty(seq.shape[0], seq.device)
-        check_features_known("DFlashSession", self.known, length)
-        d = self.drafter
-        device = d.fc.weight.device
-        tokens = d.block_tokens(seq[:, -1].to(device))  # (batch, B)
-        positions = (length - 1 + torch.arange(d.block_size, device=device))[None]
-        h = d.block_states(tokens, positions.expand(tokens.shape[0], -1), self.context)
-        first = d.first_slot
-        return self.draft(h[:, first : first + depth], seq)
-
-    def draft(self, h: torch.Tensor, seq: torch.Tensor) -> DraftTree:
-        """The draft from (1, depth, hidden) states of the block's drafting slots, after the
-        context `seq` (1, length): a chain of the slots' draws (ended early by stop_below), or
-        a tree of their top candidates, as P-EAGLE's slots (drafters/position_tree.py)."""
-        logits = self.drafter.draft_logits(h[0])  # (depth, vocab)
-        return position_tree(
-            logits, decode=self.decode, sampling=self.sampling, generator=self.generator,
-            vocab=None, device=seq.device,
-        )  # fmt: skip
-
-    @torch.no_grad()
-    def accept(
-        self,
-        tree: DraftTree,
-        path: list[int],
-        hidden_states: Mapping[int, torch.Tensor] | None = None,
-    ) -> None:
-        rows = verified_rows(self, tree, path, hidden_states)
-        d = self.drafter
-        device = d.fc.weight.device
-        index = torch.tensor(rows, device=next(iter(hidden_states.values())).device)
-        kept = {i: hidden_states[i].index_select(1, index).to(device) for i in self.capture_layers}
-        at = self.known + torch.arange(len(rows), device=device)[None]  # (1, kept)
-        new = d.context_kv(d.features(kept), at)
-        if self.context is None:
-            self.context = new
-        else:
-            self.context = [
-                (torch.cat([k, k2], dim=2), torch.cat([v, v2], dim=2))
-                for (k, v), (k2, v2) in zip(self.context, new, strict=True)
-            ]
-        self.known += len(rows)
-
-    def extra_memory_bytes(self) -> int:
-        """The context's keys and values."""
-        if self.context is None:
-            return 0
-        return sum(t.numel() * t.element_size() for kv in self.context for t in kv)
-
-
-class DFlashBatchSession(BatchSession):
-    """DFlashSession for the rows of a batch: one block pass drafts every drafting row's chain.
-    Each row drafts what DFlashSession drafts for it alone (its depth, its stop_below, the same
-    tokens at T = 0 and the same q at T > 0: drafting.draft_chains cuts each row's chain where its
-    own would end).
+class DFlashSession(BatchSession):
+    """One generate call's drafting for its rows (one for a prompt decoded alone): per layer,
+    the keys and values of each row's context features (positions 0 .. known - 1, from the
+    target's hidden states as they arrive). One block pass, after each drafting row's anchor
+    (its context's last token, pending), drafts every row's chain of its slots' draws
+    (drafting.draft_chains: its depth, its stop_below), or for a session of one row with
+    tree_top_k > 1 a tree of their top candidates (drafters/position_tree.py; a batch drafts
+    trees row by row). A row drafts nothing before the prompt's forward or after a one-token
+    prompt (no context to draft from).
 
     State: per layer, one buffer of keys and one of values, (rows, kv_heads, capacity, dim),
     row r's context in columns 0 .. known[r] - 1 (its positions 0 .. known[r] - 1) and zeros
-    after them (finite: a masked key's value still meets a zero weight). Rows know different
-    counts, so the block's mask shows each row its own known columns, then its whole block.
-    `accept` computes every row's new keys and values in one call and writes them after the
-    row's known columns; the buffers grow by doubling.
+    after them (finite: a masked key's value still meets a zero weight). Where rows know
+    different counts, the block's mask shows each row its own known columns, then its whole
+    block; where they know the same (one row always), the block runs without a mask.
 
-    A row whose context is None drafts nothing; its accept (maybe of another drafter's tree, a
-    copy) still appends the verified positions' keys and values, so its next block is exact.
+    `accept` gets each row's verification forward's hidden states at `capture_layers`, (1,
+    pending + n, hidden): the pending tokens, then the tree's n nodes; it keeps the pending rows
+    and the accepted path's (what the target verified, in order) and writes their keys and
+    values, every row's in one call, after the row's known columns; the buffers grow by
+    doubling. A row whose context is None drafts nothing; its accept (maybe of another
+    drafter's tree, a copy) still appends the verified positions' keys and values, so its next
+    block is exact.
     """
 
     def __init__(
         self,
         drafter: DFlashDrafter,
-        rows: int,
+        rows: int = 1,
         *,
         sampling: SamplingSettings,
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> None:
+        if not decode.chain and rows != 1:
+            raise ValueError(
+                f"{type(self).__name__} drafts trees for one row, got {rows}: a batch drafts "
+                "trees row by row (Drafter.new_batch_session)"
+            )
         self.drafter = drafter
         self.sampling, self.decode, self.generator = sampling, decode, generator
         self.capture_layers: list[int] = list(drafter.capture_layers)
         self.device = drafter.fc.weight.device
         self.context: ContextKV | None = None  # per layer (rows, kv_heads, capacity, head_dim)
         self.known = [0] * rows  # per row: context positions whose keys and values are held
+        self.names_rows = rows > 1  # errors name the row of a batch
 
     @torch.no_grad()
     def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
@@ -155,7 +80,8 @@ class DFlashBatchSession(BatchSession):
                 depths.append(0)
                 continue
             length = context.tokens.shape[1]
-            check_features_known("DFlashBatchSession", self.known[r], length, row=r)
+            where = r if self.names_rows else None
+            check_features_known(type(self).__name__, self.known[r], length, where)
             depths.append(depth)
         drafting = [r for r, depth in enumerate(depths) if depth > 0]
         trees = [DraftTree.empty(1, self.device) for _ in contexts]
@@ -172,9 +98,11 @@ class DFlashBatchSession(BatchSession):
         anchors = torch.stack([contexts[r].tokens[0, -1] for r in drafting]).to(self.device)
         tokens = d.block_tokens(anchors)  # (n, B)
         positions = known[:, None] + torch.arange(d.block_size, device=self.device)  # (n, B)
-        sees = torch.arange(columns, device=self.device)[None] < known[:, None]  # (n, columns)
-        block = torch.ones(len(drafting), d.block_size, dtype=torch.bool, device=self.device)
-        mask = torch.cat([sees, block], dim=1)[:, None, None].expand(-1, -1, d.block_size, -1)
+        mask = None  # rows that know the same count see all: no mask
+        if len({self.known[r] for r in drafting}) > 1:
+            sees = torch.arange(columns, device=self.device)[None] < known[:, None]  # (n, cols)
+            block = torch.ones(len(drafting), d.block_size, dtype=torch.bool, device=self.device)
+            mask = torch.cat([sees, block], dim=1)[:, None, None].expand(-1, -1, d.block_size, -1)
         h = d.block_states(tokens, positions, context, mask)  # (n, B, hidden)
         deepest, first = max(depths), d.first_slot
         # 2. Each row's chain from its drafting slots' states
@@ -191,8 +119,15 @@ class DFlashBatchSession(BatchSession):
         """Each row's chain from (rows, deepest, hidden) states of its block's drafting slots
         (`anchors` (rows,) the tokens in slot 0), drawn slot by slot (q recorded when
         sampling); a slot does not read the token drawn before it, so the step only hands over
-        the next slot's logits."""
+        the next slot's logits. A session of one row drafting trees: the tree of its slots' top
+        candidates, as P-EAGLE's slots (drafters/position_tree.py)."""
         logits = self.drafter.draft_logits(h)  # (rows, deepest, vocab)
+        if not self.decode.chain:
+            tree = position_tree(
+                logits[0, : depths[0]], decode=self.decode, sampling=self.sampling,
+                generator=self.generator, vocab=None, device=self.device,
+            )  # fmt: skip
+            return [tree]
         return draft_chains(
             logits[:, 0],
             lambda token, i: logits[:, i + 1],

@@ -41,7 +41,7 @@ from torch import nn
 from specdraft.core import DecodeConfig
 from specdraft.drafters.base import Metrics, sum_and_count
 from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
-from specdraft.kinds.dspark.dspark_session import DSparkBatchSession, DSparkSession
+from specdraft.kinds.dspark.dspark_session import DSparkSession
 from specdraft.losses import token_losses
 
 # --- config ------------------------------------------------------------------------------------
@@ -117,7 +117,6 @@ class DSparkDrafter(DFlashDrafter):
     batch_drafts = "all"  # every row's block in one pass (it drafts chains only)
     # DFlash's sessions, drafting through the heads slot by slot
     session_class = DSparkSession
-    batch_session_class = DSparkBatchSession
 
     def __init__(self, config: DSparkConfig, target, *, init: bool = True) -> None:
         super().__init__(config, target, init=init)

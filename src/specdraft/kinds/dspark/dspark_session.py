@@ -1,7 +1,6 @@
-"""DSpark's sessions: DFlash's (kinds/dflash/dflash_session.py: the context's keys and values,
-one block pass for a sequence or for every drafting row of a batch), drafting each chain slot by
-slot through the Markov head and cutting it where the confidence head says; the drafter is
-kinds/dspark/dspark.py."""
+"""DSpark's session: DFlash's (kinds/dflash/dflash_session.py: the context's keys and values,
+one block pass for every drafting row), drafting each chain slot by slot through the Markov head
+and cutting it where the confidence head says; the drafter is kinds/dspark/dspark.py."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import torch
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings
 from specdraft.drafting import draft_chains
-from specdraft.kinds.dflash.dflash_session import DFlashBatchSession, DFlashSession
+from specdraft.kinds.dflash.dflash_session import DFlashSession
 
 if TYPE_CHECKING:
     from specdraft.kinds.dspark.dspark import DSparkDrafter
@@ -64,21 +63,7 @@ def dspark_chains(
 
 
 class DSparkSession(DFlashSession):
-    """DFlashSession drafting its chain through DSpark's heads (`dspark_chains`)."""
-
-    drafter: DSparkDrafter
-
-    def draft(self, h: torch.Tensor, seq: torch.Tensor) -> DraftTree:
-        anchors = seq[:, -1]
-        (chain,) = dspark_chains(
-            self.drafter, h, anchors, [h.shape[1]],
-            sampling=self.sampling, decode=self.decode, generator=self.generator,
-        )  # fmt: skip
-        return DraftTree.chain(chain.tokens.to(seq.device), chain.q) if len(chain) else chain
-
-
-class DSparkBatchSession(DFlashBatchSession):
-    """DFlashBatchSession drafting every row's chain through DSpark's heads at once."""
+    """DFlashSession drafting every row's chain through DSpark's heads at once."""
 
     drafter: DSparkDrafter
 
