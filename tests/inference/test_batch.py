@@ -22,7 +22,7 @@ from spec_helpers import (
 from specdraft import batch as batch_module
 from specdraft.inference import generate
 from specdraft.kinds.distill.distill import DistillDrafter
-from specdraft.kinds.distill.distill_session import DistillBatchSession
+from specdraft.kinds.distill.distill_session import DistillSession
 from specdraft.kinds.medusa.medusa_session import MedusaBatchSession
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
@@ -76,7 +76,7 @@ def test_batched_greedy_rows_equal_each_row_alone(
 
 
 BATCH_NATIVE = {
-    "distill": DistillBatchSession,
+    "distill": DistillSession,
     "medusa": MedusaBatchSession,
 }  # kind -> its session drafting a batch at once
 
@@ -85,7 +85,7 @@ BATCH_NATIVE = {
 def test_a_batch_native_session_drafts_what_each_row_drafts_alone(
     random_target, examples, kind_drafter, kind, monkeypatch
 ):
-    """Row for row the same drafts as the one-sequence session: the same tokens, so the same
+    """Row for row the same drafts as each row decoded alone: the same tokens, so the same
     statistics (drafted, reached and accepted per depth), with each row's own stop_below and
     dynamic gamma."""
     drafter = kind_drafter(kind)

@@ -48,9 +48,11 @@ def test_greedy_equals_plain_greedy(random_target, drafts, draft, topk):
 
 @pytest.mark.parametrize("weights", ["full", "int8"])
 def test_distilled_chains_draft_through_the_lean_model(random_target, drafts, weights):
-    """A Llama-layout student drafts chains through drafters/lean.py (trees through the HF
-    model): same greedy output, and a copy of the target is still always right (full weights)."""
+    """A Llama-layout student drafts chains through drafters/lean.py, alone and in a batch
+    (trees through the HF model): same greedy output, and a copy of the target is still always
+    right (full weights)."""
     from specdraft.core import DecodeConfig, SamplingSettings
+    from specdraft.drafters.lean import LeanModel
 
     ref = hf_greedy(random_target, PROMPT, 24)
     for name in ("copy", "partial"):
@@ -65,9 +67,11 @@ def test_distilled_chains_draft_through_the_lean_model(random_target, drafts, we
     decode = DecodeConfig(gamma=3, draft_weights=weights)
     session = drafter.new_session(random_target, sampling=greedy, decode=decode)
     session.propose(DraftContext(torch.tensor([PROMPT]), max_depth=3))
-    assert session.lean is not None and session.extra_memory_bytes() > 0
+    assert isinstance(session.rows.student, LeanModel) and session.extra_memory_bytes() > 0
+    batch = drafter.new_batch_session(random_target, 3, sampling=greedy, decode=decode)
+    assert batch.weights is not None  # a batch's chains too
     tree = drafter.new_session(random_target, sampling=greedy, decode=decode.replace(tree_top_k=2))
-    assert tree.weights is None  # trees keep the HF model and its DynamicCache
+    assert tree.rows.weights is None  # trees keep the HF model and its DynamicCache
     w = drafter.drafting_weights(weights == "int8")
     assert drafter.drafting_weights(weights == "int8") is w  # built once, shared
     assert w.layers[0].qkv.int8 == (weights == "int8")

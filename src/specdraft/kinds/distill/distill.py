@@ -27,9 +27,9 @@ from specdraft.drafters.lean import (
     lean_model_supported,
     use_int8,
 )
-from specdraft.drafters.sessions import BatchSession
+from specdraft.drafters.sessions import OneRow
 from specdraft.drafting import draft_token
-from specdraft.kinds.distill.distill_session import DistillBatchSession, DistillSession
+from specdraft.kinds.distill.distill_session import DistillSession
 from specdraft.losses import divergence_per_row, token_losses
 from specdraft.targets.target import final_logits
 
@@ -190,7 +190,6 @@ class DistillDrafter(Drafter):
     kind = "distill"
     title = "two-model"
     batch_drafts = "chains"
-    batch_full_weights = "the student's full weights"
     config_class = DistillConfig
     decode_class = DistillDecode
     # A plain HF causal LM (a folder without a specdraft block, or a model passed to generate)
@@ -260,8 +259,23 @@ class DistillDrafter(Drafter):
         sampling: SamplingSettings,
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
+    ) -> OneRow:
+        """One sequence's drafting: the session of one row (kinds/distill/distill_session.py),
+        driven as a DraftSession."""
+        return OneRow(self.batch_session(target, 1, sampling=sampling, decode=decode,
+                                         generator=generator))  # fmt: skip
+
+    def batch_session(
+        self,
+        target,
+        batch_size: int,
+        *,
+        sampling: SamplingSettings,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
     ) -> DistillSession:
-        """Per-call drafting state for the inference loop (kinds/distill/distill_session.py)."""
+        """The drafting of `batch_size` rows (one for a prompt alone; a batch's chains drafted
+        together, its trees row by row)."""
         if self.vocab_size != target.vocab_size:
             raise vocab_mismatch_error("the draft model", self.vocab_size, target)
         decode = self.decode_settings(decode)  # the kind's own class, whatever was passed
@@ -276,22 +290,7 @@ class DistillDrafter(Drafter):
                     f"draft_weights=int8 needs a student drafters/lean.py runs "
                     f"({type(self.hf_model).__name__} is not one); drafting with its full weights"
                 )
-        return DistillSession(self.hf_model, decode, sampling, generator, weights)
-
-    def batch_session(
-        self,
-        target,
-        batch_size: int,
-        *,
-        sampling: SamplingSettings,
-        decode: DecodeConfig,
-        generator: torch.Generator | None = None,
-    ) -> BatchSession:
-        """Chains of a batch drafted together (DistillBatchSession)."""
-        if self.vocab_size != target.vocab_size:
-            raise vocab_mismatch_error("the draft model", self.vocab_size, target)
-        decode = self.decode_settings(decode)
-        return DistillBatchSession(self.hf_model, batch_size, decode, sampling, generator)
+        return DistillSession(self.hf_model, batch_size, decode, sampling, generator, weights)
 
     @classmethod
     def build(cls, config: DistillConfig, target) -> DistillDrafter:

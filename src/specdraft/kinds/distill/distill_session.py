@@ -1,11 +1,12 @@
-"""The two-model drafter's sessions: drafting one sequence (DistillSession) or the chains of a
-batch together (DistillBatchSession) with the student's own KV cache; the drafter is
+"""The two-model drafter's session: drafting for a prompt decoded alone (a batch of one) or the
+chains of a batch's rows together, on the student's own KV cache; the drafter is
 kinds/distill/distill.py."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-from transformers import DynamicCache
 
 from specdraft.attention import AttentionLayout
 from specdraft.batch import BatchCache
@@ -14,173 +15,58 @@ from specdraft.core import (
     DraftContext,
     DraftTree,
     SamplingSettings,
-    compact,
     float_mask,
-    kv_bytes,
 )
-from specdraft.drafters.lean import (
-    LeanModel,
-    ModelWeights,
-)
-from specdraft.drafters.sessions import BatchSession, DraftSession
-from specdraft.drafting import draft_chain, draft_chains, draft_tree
-
-# --- propose / session (inference) -------------------------------------------------------------
-
+from specdraft.drafters.lean import LeanModel, ModelWeights, ModuleModel
+from specdraft.drafters.sessions import BatchSession
+from specdraft.drafting import draft_chains, draft_tree
 
 # dynamic_gamma grows gamma up to this (or the configured gamma, if larger)
 DYNAMIC_GAMMA_CEILING = 16
 
 
-class DistillSession(DraftSession):
-    """One generate call's drafting state: the draft model's KV cache and the current gamma.
+class DistillSession(BatchSession):
+    """One generate call's drafting for its rows (one for a prompt decoded alone): the student's
+    KV cache, one for the rows (specdraft/batch.py's BatchCache: a row's valid columns, its
+    positions, masks that hide the rest), and each row's gamma.
 
-    Drafting runs the small model autoregressively with its own KV cache, as
-    - a chain of gamma tokens (drafting.draft_chain: argmax if greedy, else sampled from q, which is
-      recorded for lossless verification; stop_below ends it early), through drafters/lean.py's
-      LeanModel (maybe int8) where the student's layout allows,
-    - or EAGLE-2's dynamic tree (drafting.draft_tree), its levels fed with a tree mask,
-    - with dynamic_gamma, a gamma that grows after a fully accepted draft and shrinks otherwise.
-    The cache holds the first `cached` tokens of the context; a proposal first feeds the rest, so
-    a tree this session did not draft (a copy) needs nothing but to be left alone.
+    Drafting runs the student autoregressively:
+    - chains: one pass feeds every row's pending tokens, then one per depth every row's last
+      drafted token (drafting.draft_chains: each row's gamma, max depth and stop_below; argmax
+      if greedy, else sampled from q, which is recorded for lossless verification), through
+      drafters/lean.py's LeanModel (maybe int8) where the student's layout allows (`weights`),
+      else through its modules; while no row has holes (one row always) every pass runs
+      causally without a mask;
+    - for a session of one row, EAGLE-2's dynamic tree (drafting.draft_tree) through the
+      modules, its levels fed with a tree mask (a batch drafts trees row by row);
+    - with dynamic_gamma, a row's gamma grows after a fully accepted draft and shrinks otherwise.
+    A row's cache holds the first tokens of its context; a proposal first feeds the rest, so a
+    tree this session did not draft (a copy) needs nothing but to be left alone.
     """
-
-    capture_layers: tuple[int, ...] = ()
 
     def __init__(
         self,
         model,
+        rows: int,
         decode: DecodeConfig,
         sampling: SamplingSettings,
-        generator,
+        generator: torch.Generator | None,
         weights: ModelWeights | None = None,
-    ):
-        self.model = model
+    ) -> None:
+        if not decode.chain and rows != 1:
+            raise ValueError(
+                f"{type(self).__name__} drafts trees for one row, got {rows}: a batch drafts "
+                "trees row by row (Drafter.new_batch_session)"
+            )
+        self.model, self.decode = model, decode
+        self.sampling, self.generator = sampling, generator
         self.weights = weights  # chains through drafters/lean.py's LeanModel when given
-        self.lean: LeanModel | None = None
-        self.decode = decode
-        self.sampling = sampling
-        self.generator = generator
-        self.gamma = decode.gamma
-        self.max_gamma = max(DYNAMIC_GAMMA_CEILING, decode.gamma)
+        self.student: LeanModel | ModuleModel | None = None  # built at the first proposal
         # every layer keeps every key, so a rejected draft crops away whatever the layer type;
         # a sliding student drafts its tree levels without its window (a draft: the target's
         # verification keeps the output exact either way)
-        self.cache = DynamicCache()
-        self.cached = 0
-        self.max_positions = getattr(model.config, "max_position_embeddings", None)
-        self._base = 0  # context length at the last proposal
-        self._depth = 0  # the depth it was asked to draft
-        self._tree: DraftTree | None = None  # the last proposal
-        self._fed_slots: list[int] = []  # per node of the last tree: its cache slot, or -1
-
-    def propose(self, context: DraftContext) -> DraftTree:
-        seq = context.tokens.to(self.model.device)  # (batch, seq)
-        length = seq.shape[-1]
-        depth = min(self.gamma, context.max_depth)
-        if self.max_positions is not None:  # a draft may have fewer positions than the target
-            depth = min(depth, self.max_positions - length)
-        self._base, self._depth = length, max(depth, 0)
-        pending = seq[:, self.cached :]
-        if depth <= 0:
-            tree, self._fed_slots = DraftTree.empty(seq.shape[0], seq.device), []
-        elif self.decode.chain:
-            if self.weights is not None and self.lean is None:  # room for the whole call
-                self.lean = LeanModel(self.weights, capacity=length + context.max_depth + 1)
-            tree = self._chain(pending, depth)
-            self._fed_slots = [*range(len(tree) - 1), -1]  # the last token is never fed
-        else:
-            tree, self._fed_slots = self._tree_draft(pending, depth)
-        self._tree = tree
-        return tree
-
-    def _logits(self, ids, mask=None, positions=None) -> torch.Tensor:
-        """Feed ids (batch, n) to the student's cache: (batch, n, vocab) logits (last only
-        without a mask)."""
-        if self.lean is not None:
-            return self.lean(ids)[:, None]
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=1 if mask is None else 0,
-        )
-        return out.logits
-
-    def _chain(self, pending: torch.Tensor, depth: int) -> DraftTree:
-        return draft_chain(
-            self._logits(pending)[:, -1],
-            lambda token, _: self._logits(token)[:, -1],
-            depth=depth,
-            sampling=self.sampling,
-            generator=self.generator,
-            stop_below=self.decode.stop_below,
-        )
-
-    def _tree_draft(self, pending: torch.Tensor, depth: int) -> tuple[DraftTree, list[int]]:
-        """Feed the pending tokens, then grow the tree; each level is fed with a mask that lets
-        every node see the context, its fed ancestors and itself (batch 1)."""
-        base, device, dtype = self._base, pending.device, self.model.dtype
-
-        def expand(nodes, tokens, parents, visible, level):
-            allowed = torch.cat([torch.ones(len(nodes), base, dtype=torch.bool), visible], dim=1)
-            mask = float_mask(allowed, dtype)
-            positions = torch.full((1, len(nodes)), base - 1 + level, device=device)
-            ids = torch.tensor([tokens], device=device)
-            return self._logits(ids, mask[None, None].to(device), positions)[0]
-
-        return draft_tree(
-            self._logits(pending)[0, -1],
-            expand,
-            depth=depth,
-            top_k=self.decode.tree_top_k,
-            budget=self.decode.tree_budget,
-        )
-
-    def accept(self, tree: DraftTree, path: list[int], hidden_states=None) -> None:
-        """Keep the cache entries of the accepted nodes that were fed; adapt gamma. A tree this
-        session did not propose leaves the cache as it is (its tokens are fed next time)."""
-        if tree is not self._tree or not len(tree):
-            return
-        self._tree = None
-        slots = [self._fed_slots[i] for i in path if self._fed_slots[i] >= 0]
-        if self.lean is not None:  # a chain: the accepted fed nodes are the first slots
-            self.lean.crop(self._base + len(slots))
-        else:
-            compact(self.cache, self._base, slots)
-        self.cached = self._base + len(slots)
-        if self.decode.dynamic_gamma:
-            # grow after a draft accepted to the depth asked for, shrink after a rejection
-            if len(path) == self._depth:
-                self.gamma = min(self.gamma + 2, self.max_gamma)
-            else:
-                self.gamma = max(1, self.gamma - 1)
-
-    def extra_memory_bytes(self) -> int:
-        """The student's KV cache, plus the lean drafting copies of its weights if any."""
-        if self.weights is None:
-            return kv_bytes(self.cache)
-        lean = 0 if self.lean is None else self.lean.memory_bytes()
-        return lean + self.weights.memory_bytes()
-
-
-class DistillBatchSession(BatchSession):
-    """The chains of a batch's rows drafted together: one student forward feeds every row's
-    pending tokens, then one per depth feeds every row's last drafted token, on one KV cache
-    whose rows keep their own tokens (specdraft/batch.py). Each row drafts what DistillSession
-    drafts for it alone (its gamma, dynamic or not, its max depth, its stop_below); rows are fed
-    until the deepest is done, and a row's chain is cut where its own would end. The student
-    runs its own modules (drafters/lean.py's model is one sequence's)."""
-
-    capture_layers: tuple[int, ...] = ()
-
-    def __init__(self, model, rows: int, decode: DecodeConfig, sampling, generator) -> None:
-        self.model, self.decode = model, decode
-        self.sampling, self.generator = sampling, generator
         self.layout = AttentionLayout.of(model.config)
-        self.cache = BatchCache(rows, model.device)
+        self.cache: BatchCache | None = None  # built at the first proposal
         self.gamma = [decode.gamma] * rows
         self.max_gamma = max(DYNAMIC_GAMMA_CEILING, decode.gamma)
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
@@ -188,47 +74,66 @@ class DistillBatchSession(BatchSession):
         self._depth: list[int] = [0] * rows
         self._drafted: list[bool] = [False] * rows  # the row drafted at the last proposal
         self._fed = 0  # drafted tokens fed to every row at the last proposal
+        self._tree_slots: list[int] | None = None  # a tree's fed nodes' columns, in feed order
+        self._proposed = False  # a proposal since the last accept (else a copy was verified)
+
+    def _build(self, contexts: Sequence[DraftContext | None]) -> None:
+        """The student's cache, with room for the whole call (prompt, new tokens, a draft)."""
+        if self.cache is not None:
+            return
+        rows = len(self.gamma)
+        if self.weights is None:
+            self.student = ModuleModel(self.model)
+        else:
+            room = max(
+                (c.tokens.shape[1] + c.max_depth for c in contexts if c is not None), default=0
+            )
+            self.student = LeanModel(self.weights, capacity=room + 1, rows=rows)
+        self.cache = BatchCache(rows, self.model.device, store=self.student)
 
     def _feed(self, pending: list[torch.Tensor]) -> torch.Tensor:
-        """Feed each row's tokens (1-D, maybe none): (rows, vocab) logits after each row's last."""
-        no_tree = [DraftTree.empty(1, self.model.device)] * len(pending)
-        ids, mask, positions, P, _ = self.cache.verification_inputs(
+        """Feed each row's tokens (1-D, maybe none) at its next positions: (rows, vocab) logits
+        after each row's last."""
+        cache, device = self.cache, self.model.device
+        if len({len(p) for p in pending}) == 1 and cache.dense:  # alike: causal, no mask
+            ids = torch.stack(pending)
+            logits = self.student(ids)
+            cache.append_tokens(ids.shape[1])
+            return logits
+        no_tree = [DraftTree.empty(1, device)] * len(pending)
+        ids, mask, positions, P, _ = cache.verification_inputs(
             pending, no_tree, self.model.dtype, self.layout, pad_id=0
         )
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=self.cache.cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        self.cache.keep([list(range(P - len(p), P)) for p in pending])
-        return out.logits[:, -1]
+        logits = self.student(ids, positions, mask)
+        cache.keep([list(range(P - len(p), P)) for p in pending])
+        return logits
 
-    def propose(self, contexts: list[DraftContext | None]) -> list[DraftTree]:
+    def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
         device = self.model.device
+        self._build(contexts)
         depths, pending = [], []
         for r, context in enumerate(contexts):
+            held = int(self.cache.lengths[r])
             if context is None:  # nothing to draft: its cache stays as it is
                 depths.append(0)
                 pending.append(torch.empty(0, dtype=torch.long, device=device))
-                self._base[r] = int(self.cache.lengths[r])
+                self._base[r] = held
                 continue
             seq = context.tokens[0].to(device)
             depth = min(self.gamma[r], context.max_depth)
-            if self.max_positions is not None:
+            if self.max_positions is not None:  # a draft may have fewer positions than the target
                 depth = min(depth, self.max_positions - len(seq))
             depths.append(max(depth, 0))
-            pending.append(seq[int(self.cache.lengths[r]) :])
+            pending.append(seq[held:])
             self._base[r] = len(seq)
         self._depth = depths
         self._drafted = [d > 0 for d in depths]
+        self._fed, self._tree_slots, self._proposed = 0, None, True
         if max(depths) <= 0:
-            self._fed = 0
             return [DraftTree.empty(1, device) for _ in contexts]
         logits = self._feed(pending)
-        self._fed = 0
+        if not self.decode.chain:
+            return [self._tree_draft(logits[0], depths[0])]
 
         def step(token: torch.Tensor, _: int) -> torch.Tensor:
             self._fed += 1
@@ -243,27 +148,59 @@ class DistillBatchSession(BatchSession):
             stop_below=self.decode.stop_below,
         )
 
+    def _tree_draft(self, root_logits: torch.Tensor, depth: int) -> DraftTree:
+        """Grow the tree below the fed context (one row); each level is fed with a mask that
+        lets every node see the context, its fed ancestors and itself. Its nodes' entries stay
+        after the context's columns until `accept` keeps the accepted ones."""
+        device, dtype = self.model.device, self.model.dtype
+        base, context = self._base[0], self.cache.valid[0]
+
+        def expand(nodes, tokens, parents, visible, level):
+            allowed = torch.cat([context.expand(len(nodes), -1), visible.to(device)], dim=1)
+            positions = torch.full((1, len(nodes)), base - 1 + level, device=device)
+            ids = torch.tensor([tokens], device=device)
+            mask = float_mask(allowed, dtype)[None, None]
+            return self.student(ids, positions, mask, every=True)[0]
+
+        tree, self._tree_slots = draft_tree(
+            root_logits, expand, depth=depth, top_k=self.decode.tree_top_k,
+            budget=self.decode.tree_budget,
+        )  # fmt: skip
+        return tree
+
     def accept(self, trees, paths, hidden_states) -> None:
-        """Keep each row's context and its accepted drafted tokens that were fed; adapt gamma."""
+        """Keep each row's context and its accepted drafted tokens that were fed; adapt gamma.
+        After a verification this session proposed nothing for (a copy driven through OneRow)
+        the cache stays as it is: the copy's tokens are fed at the next proposal."""
+        if not self._proposed:
+            return
+        self._proposed = False
+        if self._tree_slots is not None:  # one row's tree: its accepted fed nodes
+            slots = [self._tree_slots[i] for i in paths[0] if self._tree_slots[i] >= 0]
+            self.cache.keep([slots])
         lengths = []
         for r, path in enumerate(paths):
             if not self._drafted[r]:  # no draft, or another drafter's (a copy): nothing fed
                 lengths.append(self._base[r])
                 continue
-            lengths.append(self._base[r] + min(len(path), self._fed))
-            if self.decode.dynamic_gamma:  # as DistillSession adapts it
+            fed = len(path) if self._tree_slots is not None else min(len(path), self._fed)
+            lengths.append(self._base[r] + fed)
+            if self.decode.dynamic_gamma:  # grow after a draft accepted to the depth asked for
                 if len(path) == self._depth[r]:
                     self.gamma[r] = min(self.gamma[r] + 2, self.max_gamma)
                 else:
                     self.gamma[r] = max(1, self.gamma[r] - 1)
         self.cache.truncate(lengths)
-        self._fed = 0
+        self._fed, self._tree_slots = 0, None
 
     def drop(self, keep) -> None:
-        self.cache.select_rows(keep)
+        if self.cache is not None:
+            self.cache.select_rows(keep)
         for name in ("gamma", "_base", "_depth", "_drafted"):
             values = getattr(self, name)
             setattr(self, name, [values[r] for r in keep])
 
     def extra_memory_bytes(self) -> int:
-        return kv_bytes(self.cache.cache)
+        """The student's KV cache, plus the lean drafting copies of its weights if any."""
+        copies = 0 if self.weights is None else self.weights.memory_bytes()
+        return copies + (0 if self.student is None else self.student.memory_bytes())
