@@ -23,7 +23,7 @@ from specdraft import batch as batch_module
 from specdraft.inference import generate
 from specdraft.kinds.distill.distill import DistillDrafter
 from specdraft.kinds.distill.distill_session import DistillSession
-from specdraft.kinds.medusa.medusa_session import MedusaBatchSession
+from specdraft.kinds.medusa.medusa_session import MedusaSession
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = pytest.mark.exact
@@ -77,7 +77,7 @@ def test_batched_greedy_rows_equal_each_row_alone(
 
 BATCH_NATIVE = {
     "distill": DistillSession,
-    "medusa": MedusaBatchSession,
+    "medusa": MedusaSession,
 }  # kind -> its session drafting a batch at once
 
 

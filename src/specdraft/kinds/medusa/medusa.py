@@ -37,9 +37,10 @@ from specdraft.drafters.base import (
 from specdraft.drafters.lean import SharedWeights
 from specdraft.drafters.position_tree import TreeShape, expected_length, tree_paths, tree_reach
 from specdraft.drafters.served import ServedDrafts, one_later
+from specdraft.drafters.sessions import OneRow
 from specdraft.kinds.medusa.medusa_config import MedusaConfig, MedusaDecode
 from specdraft.kinds.medusa.medusa_layers import MedusaHead
-from specdraft.kinds.medusa.medusa_session import MedusaBatchSession, MedusaSession
+from specdraft.kinds.medusa.medusa_session import MedusaSession
 from specdraft.losses import token_losses
 from specdraft.targets.target import adapter_hash
 
@@ -185,13 +186,10 @@ class MedusaDrafter(Drafter):
         sampling: SamplingSettings,
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
-    ) -> MedusaSession:
-        decode = self.decode_settings(decode)  # the kind's own class, whatever was passed
-        if decode.acceptance == "typical":
-            # Typical acceptance needs no draft distribution q: the heads draft their top
-            # candidates, as the reference's do, rather than sampling from q.
-            sampling = SamplingSettings()
-        return MedusaSession(self, target, sampling=sampling, decode=decode, generator=generator)
+    ) -> OneRow:
+        """One sequence's drafting: the session of one row, driven as a DraftSession."""
+        return OneRow(self.batch_session(target, 1, sampling=sampling, decode=decode,
+                                         generator=generator))  # fmt: skip
 
     def batch_session(
         self,
@@ -201,13 +199,16 @@ class MedusaDrafter(Drafter):
         sampling: SamplingSettings,
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
-    ) -> MedusaBatchSession:
-        """One MedusaSession per row, their heads run over the batch at once."""
-        return MedusaBatchSession(
-            [
-                self.new_session(target, sampling=sampling, decode=decode, generator=generator)
-                for _ in range(batch_size)
-            ]
+    ) -> MedusaSession:
+        """The drafting of `batch_size` rows, the heads run over every drafting row at once
+        (kinds/medusa/medusa_session.py)."""
+        decode = self.decode_settings(decode)  # the kind's own class, whatever was passed
+        if decode.acceptance == "typical":
+            # Typical acceptance needs no draft distribution q: the heads draft their top
+            # candidates, as the reference's do, rather than sampling from q.
+            sampling = SamplingSettings()
+        return MedusaSession(
+            self, target, batch_size, sampling=sampling, decode=decode, generator=generator
         )
 
     def depth_cap(self) -> tuple[int, str]:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings, children_of
 from specdraft.drafters.lean import DraftLinear, use_int8
 from specdraft.drafters.position_tree import TreeShape, position_tree, tree_paths
-from specdraft.drafters.sessions import DraftSession, RowSessions
+from specdraft.drafters.sessions import BatchSession
 from specdraft.drafting import DraftVocab
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class MedusaDraftingWeights:
             self.outputs = [DraftLinear(head.out.weight, int8=int8) for head in drafter.heads]
 
     def logits(self, h: torch.Tensor, heads: int) -> torch.Tensor:
-        """(hidden,) -> (heads, draft vocab) logits of the first `heads` heads."""
+        """(..., hidden) -> (heads, ..., draft vocab) logits of the first `heads` heads."""
         xs = []
         for blocks in self.blocks[:heads]:
             x = h.to(self.dtype)
@@ -61,26 +61,30 @@ class MedusaDraftingWeights:
         return sum(lin.memory_bytes() for lin in linears)
 
 
-class MedusaSession(DraftSession):
-    """One generate call's drafting state: the target's hidden state at the last verified token.
+class MedusaSession(BatchSession):
+    """One generate call's drafting for its rows (one for a prompt decoded alone): each row's
+    target hidden state at its last verified token, and one pass of the heads over every
+    drafting row's at once.
 
-    The first `propose` returns an empty tree (no hidden state before the prompt's forward).
-    After each verification, `accept` keeps the hidden state of the last accepted position (the
+    A row drafts nothing before the prompt's forward (no hidden state). After each
+    verification, `accept` keeps each row's hidden state of its last accepted position (the
     last pending token when nothing was accepted): its LM-head output is the token now pending
     (the root), and head k drafts the token k + 1 below it.
 
-    Drafting (settings from `decode`): tree_top_k = 1 drafts a chain of the heads' top tokens
-    (sampled from each head's q at temperature > 0, which lossless verification needs, and
-    ending early by stop_below); tree_top_k > 1 drafts the tree of `tree_paths`, built once per
-    call from the heads' measured accuracies, with up to tree_budget nodes, gamma levels and
-    tree_top_k candidates per head: the heads' top candidates when greedy, and at temperature
-    > 0 each node's children sampled from their head's q without replacement (position_tree.sampled_tree).
+    Drafting (settings from `decode`), each row from its heads' logits: tree_top_k = 1 drafts a
+    chain of the heads' top tokens (sampled from each head's q at temperature > 0, which
+    lossless verification needs, and ending early by stop_below); tree_top_k > 1 drafts the
+    tree of `tree_paths`, built once per call from the heads' measured accuracies, with up to
+    tree_budget nodes, gamma levels and tree_top_k candidates per head: the heads' top
+    candidates when greedy, and at temperature > 0 each node's children sampled from their
+    head's q without replacement (position_tree.sampled_tree).
     """
 
     def __init__(
         self,
         drafter: MedusaDrafter,
         target,
+        rows: int = 1,
         *,
         sampling: SamplingSettings,
         decode: DecodeConfig,
@@ -97,7 +101,7 @@ class MedusaSession(DraftSession):
         self.vocab = DraftVocab(drafter.d2t, target.vocab_size) if drafter.reduced_vocab else None
         self.depth = min(decode.gamma, drafter.config.num_heads)
         self.lossy = not decode.lossless
-        self.h: torch.Tensor | None = None  # (hidden,) at the last verified position
+        self.h: list[torch.Tensor | None] = [None] * rows  # (hidden,) at the last verified
         self._shapes: dict[int, TreeShape] = {}
         if not decode.chain:
             self.accuracy = drafter.accuracies(sampling.greedy)
@@ -112,7 +116,7 @@ class MedusaSession(DraftSession):
         return self._shapes[depth]
 
     def verify_sampled(
-        self, tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None
+        self, row: int, tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None
     ) -> tuple[list[int], int] | None:
         """Typical acceptance where decode asks for it (lossy), else the loop's exact rule."""
         if not self.lossy:
@@ -122,20 +126,21 @@ class MedusaSession(DraftSession):
         )
 
     @torch.no_grad()
-    def propose(self, context: DraftContext) -> DraftTree:
-        seq = context.tokens
-        depth = self.depth_for(context)
-        if depth <= 0:
-            return DraftTree.empty(seq.shape[0], seq.device)
-        return self.draft(self.w.logits(self.h, depth), seq.device)
+    def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
+        depths = [
+            0 if c is None or h is None else max(min(self.depth, c.max_depth), 0)
+            for c, h in zip(contexts, self.h, strict=True)
+        ]
+        drafting = [r for r, d in enumerate(depths) if d > 0]
+        trees = [DraftTree.empty(1, c.tokens.device if c is not None else None) for c in contexts]
+        if drafting:
+            h = torch.stack([self.h[r] for r in drafting])  # (rows, hidden)
+            logits = self.w.logits(h, max(depths))  # (depth, rows, draft vocab)
+            for i, r in enumerate(drafting):
+                trees[r] = self._draft(logits[: depths[r], i], contexts[r].tokens.device)
+        return trees
 
-    def depth_for(self, context: DraftContext | None) -> int:
-        """How deep it drafts after `context` (0: not at all; no hidden state yet)."""
-        if context is None or self.h is None:
-            return 0
-        return max(min(self.depth, context.max_depth), 0)
-
-    def draft(self, logits: torch.Tensor, device: torch.device) -> DraftTree:
+    def _draft(self, logits: torch.Tensor, device: torch.device) -> DraftTree:
         """The chain or tree drafted from the heads' logits (depth, draft vocab)."""
         shape = None if self.decode.chain else self._shape(logits.shape[0])
         return position_tree(
@@ -146,52 +151,33 @@ class MedusaSession(DraftSession):
     @torch.no_grad()
     def accept(
         self,
-        tree: DraftTree,
-        path: list[int],
-        hidden_states: Mapping[int, torch.Tensor] | None = None,
+        trees: Sequence[DraftTree],
+        paths: Sequence[list[int]],
+        hidden_states: Sequence[Mapping[int, torch.Tensor] | None],
     ) -> None:
-        """Keep the hidden state of the last accepted position of this verification forward
-        (rows: the pending tokens, then the tree's nodes in node order)."""
-        if hidden_states is None:
-            raise ValueError(
-                "MedusaSession.accept needs hidden_states: the verification forward's final "
-                f"normed hidden states (layer {self.capture_layers[0]})"
-            )
-        h = hidden_states[self.capture_layers[0]]  # (1, pending + n, hidden)
-        pending = h.shape[1] - len(tree)
-        if pending < 1:
-            raise ValueError(
-                f"MedusaSession.accept got hidden states for {h.shape[1]} positions; expected the "
-                f"pending token(s) then the {len(tree)} tree nodes"
-            )
-        row = pending + path[-1] if path else pending - 1
-        self.h = h[0, row]
+        """Keep each row's hidden state of the last accepted position of this verification
+        forward (its positions: the pending tokens, then the tree's nodes in node order)."""
+        for r, (tree, path, hidden) in enumerate(zip(trees, paths, hidden_states, strict=True)):
+            if hidden is None:
+                raise ValueError(
+                    "MedusaSession.accept needs hidden_states: the verification forward's final "
+                    f"normed hidden states (layer {self.capture_layers[0]})"
+                )
+            h = hidden[self.capture_layers[0]]  # (1, pending + n, hidden)
+            pending = h.shape[1] - len(tree)
+            if pending < 1:
+                raise ValueError(
+                    f"MedusaSession.accept got hidden states for {h.shape[1]} positions; "
+                    f"expected the pending token(s) then the {len(tree)} tree nodes"
+                )
+            self.h[r] = h[0, pending + path[-1] if path else pending - 1]
+
+    def drop(self, keep: Sequence[int]) -> None:
+        self.h = [self.h[r] for r in keep]
 
     def extra_memory_bytes(self) -> int:
         """The drafting copies of the heads' weights (int8 or fused); no KV cache."""
         return self.w.memory_bytes()
-
-
-class MedusaBatchSession(RowSessions):
-    """A batch's Medusa drafting: each row keeps its own MedusaSession (its hidden state, tree
-    shapes, acceptance rule), and one pass of the heads over every drafting row's hidden state
-    gives all their logits, where row by row each row would read the heads' weights (and the
-    LM head, for every head) again."""
-
-    sessions: list[MedusaSession]
-
-    @torch.no_grad()
-    def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
-        depths = [s.depth_for(c) for s, c in zip(self.sessions, contexts, strict=True)]
-        drafting = [r for r, d in enumerate(depths) if d > 0]
-        trees = [DraftTree.empty(1, c.tokens.device if c is not None else None) for c in contexts]
-        if drafting:
-            h = torch.stack([self.sessions[r].h for r in drafting])  # (rows, hidden)
-            logits = self.sessions[0].w.logits(h, max(depths))  # (depth, rows, draft vocab)
-            for i, r in enumerate(drafting):
-                device = contexts[r].tokens.device
-                trees[r] = self.sessions[r].draft(logits[: depths[r], i], device)
-        return trees
 
 
 # --- typical acceptance -----------------------------------------------------------------------
