@@ -16,8 +16,8 @@ becomes compute-bound and verification costs up to gamma + 1 plain passes. So th
   that costs nothing breaks even (above it speculation wins; a real drafter needs more);
 - `drafting`: drafting seconds per loop step at each batch size, for the demo configs' two-model
   student (one layer seeded from the target), Medusa heads, EAGLE-3 head and DFlash drafter,
-  through the kind's batch session (one drafter pass per depth for the batch; DFlash: one block
-  pass) and row by row (RowSessions: one per row).
+  through the kind's session drafting the rows together (one drafter pass per depth for the
+  batch; DFlash: one block pass) and row by row (batch_drafting=rows: one session per row).
 
 The target: random weights of the demo target's shape (vocab 4,096, hidden 256, 8 layers, 4
 heads, MLP 688), fp32 (`--dtype` otherwise); time does not depend on the weights' values, so the
@@ -33,7 +33,6 @@ import argparse
 import json
 import statistics
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -118,14 +117,12 @@ def time_verify(
 
 
 def time_drafting(target: Target, drafter: Drafter, batch: int, rowwise: bool, new: int, gen):
-    """Drafting seconds per loop step (the batch's), through the kind's batch session or row
-    by row."""
-    if rowwise:
-        drafter.new_batch_session = types.MethodType(Drafter.new_batch_session, drafter)
-    try:
-        out = generate(target, prompts(batch, gen), drafter, max_new_tokens=new, gamma=4)
-    finally:
-        vars(drafter).pop("new_batch_session", None)
+    """Drafting seconds per loop step (the batch's), the rows drafted together by the kind's
+    session or row by row (batch_drafting=rows)."""
+    out = generate(
+        target, prompts(batch, gen), drafter, max_new_tokens=new, gamma=4,
+        batch_drafting="rows" if rowwise else "batch",
+    )  # fmt: skip
     steps = max(s.target_passes for s in out.row_stats)
     return out.stats.draft_seconds / steps
 

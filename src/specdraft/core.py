@@ -69,9 +69,8 @@ class DecodeConfig:
     # change slightly; output does not.
     draft_weights: str = choice("full", "int8")
     # A batch (generate with batch > 1): "batch" drafts every row in one drafter pass per depth
-    # where the kind has a batch session (its modules), "rows" one pass per row, each as a
-    # single sequence drafts (drafters/lean.py's fused and int8 paths among them), which can
-    # be faster for a few rows on a CPU; a batch_schedule entry may choose per batch size.
+    # where the kind's session drafts rows together, "rows" one pass per row, each as a single
+    # sequence drafts; a batch_schedule entry may choose per batch size.
     batch_drafting: str = choice("batch", "rows")
     # Where the context's last lookup_ngram or more tokens occurred before, draft what followed
     # them (prompt lookup, up to lookup_gamma tokens, else gamma; no drafter pass) instead of

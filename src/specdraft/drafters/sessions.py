@@ -1,7 +1,7 @@
 """The sessions the loop drives: a drafter's per-call drafting state.
 
-A kind's `Drafter.new_session` builds a DraftSession for one sequence, which the loop drives with
-two calls per step:
+A kind's `Drafter.new_session` builds a DraftSession for one sequence, driven with two calls per
+step:
 
     tree = session.propose(context)        # draft a tree after the context's last token
     session.accept(tree, path, hidden)     # after the target's pass: the accepted nodes
@@ -9,7 +9,8 @@ two calls per step:
 `accept` lets a session keep its own KV cache on the accepted path without recomputing it. A chain
 is a tree with one child per node, so both go through the same code. The loop drives every call
 as a batch (inference/generate.py): a BatchSession takes one entry per active row, and a prompt
-decoded alone is a RowSessions of its one DraftSession.
+decoded alone is a batch of one (the kind's session of one row, or a RowSessions of its one
+DraftSession).
 """
 
 from __future__ import annotations
@@ -81,12 +82,13 @@ class DraftSession:
 
 
 class BatchSession:
-    """The drafting of a batch of sequences in one generate call (`Drafter.new_batch_session`):
-    the loop's calls of a DraftSession, each taking one entry per active row, and `drop` when
-    rows finish. Row r's context, tree, path and hidden states are batch-1 objects exactly as a
-    DraftSession gets them, so a kind's single-sequence session serves a batch unchanged
-    (`RowSessions`, the default); a kind that drafts the rows of a batch in one pass builds a
-    subclass of its own in `Drafter.batch_session` (and says so in `batch_drafts`)."""
+    """The drafting of the rows of one generate call, a prompt alone being one row
+    (`Drafter.new_batch_session`): the loop's calls of a DraftSession, each taking one entry per
+    active row, and `drop` when rows finish. Row r's context, tree, path and hidden states are
+    batch-1 objects exactly as a DraftSession gets them, so a kind's single-sequence session
+    serves a batch unchanged (`RowSessions`, the default); a kind that drafts the rows of a
+    batch in one pass builds one session for one row or many (`Drafter.batch_session`, said in
+    `batch_drafts`) and hands out its one-row session as a DraftSession (`OneRow`)."""
 
     capture_layers: Sequence[int] = ()
     lossy: bool = False

@@ -1,8 +1,9 @@
-"""EAGLE's session (EagleSession; P-EAGLE's PEagleSession) serving a batch: the chains of the
-rows drafted together, one head pass per depth for every row, each row drafting exactly what it
-drafts decoded alone (a session of one row) (fp32: the same tokens, so the same per-step statistics),
-with prompts of different lengths, per-row stop_below, rows that draft nothing or accept a tree
-another drafter proposed, and sampled rows that follow the target's distribution."""
+"""A kind's one session serving a batch: EAGLE's (EagleSession, P-EAGLE's PEagleSession) and
+DFlash's (DFlashSession) draft the chains of the rows together, one drafter pass per depth for
+every row (P-EAGLE and DFlash: one pass), each row drafting exactly what it drafts decoded alone
+(fp32: the same tokens, so the same per-step statistics), with prompts of different lengths,
+per-row stop_below and depth, rows that draft nothing or accept a tree another drafter
+proposed, and sampled rows that follow the target's distribution."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from testkit import perturb
 from specdraft.core import DraftContext, DraftTree, SamplingSettings
 from specdraft.drafters.sessions import BatchSession, DraftSession, RowSessions
 from specdraft.inference import generate
+from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter, DFlashSession
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.kinds.eagle.eagle_session import EagleSession
 from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter, PEagleSession
@@ -22,7 +24,10 @@ pytestmark = [pytest.mark.exact, pytest.mark.usefixtures("one_thread")]
 
 NEW = 16
 GAMMA = 3
-KINDS = ["eagle1", "eagle3", "peagle"]
+KINDS = ["eagle1", "eagle3", "peagle", "dflash"]
+SESSION = {"eagle1": EagleSession, "eagle3": EagleSession, "peagle": PEagleSession,
+           "dflash": DFlashSession}  # fmt: skip
+PASSES_PER_STEP = {"eagle1": GAMMA, "eagle3": GAMMA, "peagle": 1, "dflash": 1}
 
 
 def batch_session(drafter, target, rows: int, **settings) -> BatchSession:
@@ -37,10 +42,10 @@ def step_stats(stats) -> tuple:
 
 @pytest.fixture
 def drafts(monkeypatch) -> dict[tuple, list[int]]:
-    """Every draft an EAGLE or P-EAGLE session made, for a batch or one row, by the context it
-    drafted after and its max depth (a row's contexts differ at every step)."""
+    """Every draft a session made, for a batch or one row, by the context it drafted after and
+    its max depth (a row's contexts differ at every step)."""
     made = {}
-    for cls in (EagleSession, PEagleSession):
+    for cls in (EagleSession, PEagleSession, DFlashSession):
         propose = cls.propose
 
         def recording(self, contexts, propose=propose):
@@ -55,60 +60,63 @@ def drafts(monkeypatch) -> dict[tuple, list[int]]:
 
 
 @pytest.fixture
-def head_passes(monkeypatch) -> list[int]:
-    """The rows of every head pass of a session."""
-    passes = []
-    step = EagleSession._step
+def passes(monkeypatch) -> list[int]:
+    """The rows of every drafter pass: an EAGLE head pass, a DFlash block pass."""
+    seen = []
+    for cls, name in ((EagleSession, "_step"), (DFlashDrafter, "block_states")):
+        run = getattr(cls, name)
 
-    def counting(self, tokens, *args, **kwargs):
-        passes.append(tokens.shape[0])
-        return step(self, tokens, *args, **kwargs)
+        def counting(self, tokens, *args, run=run, **kwargs):
+            seen.append(tokens.shape[0])
+            return run(self, tokens, *args, **kwargs)
 
-    monkeypatch.setattr(EagleSession, "_step", counting)
-    return passes
+        monkeypatch.setattr(cls, name, counting)
+    return seen
 
 
 @pytest.mark.parametrize("stop_below", [0.0, 0.4], ids=["gamma", "stop_below"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_batched_rows_draft_what_each_row_drafts_alone(
-    random_target, examples, kind_drafter, drafts, head_passes, kind, stop_below
+    random_target, examples, kind_drafter, drafts, passes, kind, stop_below
 ):
     drafter = kind_drafter(kind)
-    native = PEagleSession if kind == "peagle" else EagleSession
-    assert type(batch_session(drafter, random_target, 3, stop_below=stop_below)) is native
+    assert type(batch_session(drafter, random_target, 3, stop_below=stop_below)) is SESSION[kind]
     options = dict(max_new_tokens=NEW, gamma=GAMMA, stop_below=stop_below)
     for size in (16, 3):
         prompts = ragged(examples, size)
-        head_passes.clear()
+        passes.clear()
         drafts.clear()
         out = generate(random_target, prompts, drafter, **options)
-        passes, batched = list(head_passes), dict(drafts)
+        batch_passes, batched = list(passes), dict(drafts)
         drafts.clear()
         alone = [generate(random_target, p, drafter, **options) for p in prompts]
         assert out.rows() == [a.tokens[0].tolist() for a in alone]
         assert batched == drafts  # every step's draft, token for token
         assert [step_stats(s) for s in out.row_stats] == [step_stats(a.stats) for a in alone]
         assert out.stats.drafted > 0 and out.stats.accepted > 0
-        # every row at once: at most gamma passes per step (P-EAGLE: one), never one per row
+        # every row at once: at most PASSES_PER_STEP passes per step, never one per row
         steps = max(s.target_passes for s in out.row_stats)
-        per_step = 1 if kind == "peagle" else GAMMA
-        assert 0 < len(passes) <= steps * per_step and passes[0] == size
+        assert 0 < len(batch_passes) <= steps * PASSES_PER_STEP[kind]
+        assert batch_passes[0] == size
+        # rows finish at different steps (drop), and the drafter's cache was measured
+        assert len({s.target_passes for s in out.row_stats}) > 1
+        assert out.stats.drafter_kv_bytes > 0
     if stop_below:  # the rule ended some chains, each row's where its own would end
         full = generate(random_target, prompts, drafter, max_new_tokens=NEW, gamma=GAMMA)
         assert out.stats.drafted < full.stats.drafted
 
 
-def test_trees_draft_row_by_row(random_target, kind_drafter):
-    decode = dict(tree_top_k=2)
-    assert isinstance(
-        batch_session(kind_drafter("eagle3"), random_target, 3, **decode), RowSessions
-    )
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_trees_draft_row_by_row(random_target, kind_drafter, kind):
+    session = batch_session(kind_drafter(kind), random_target, 3, tree_top_k=2)
+    assert isinstance(session, RowSessions)
 
 
-def test_prompt_lookup_in_front_of_the_batch_session(random_target, examples, kind_drafter, drafts):
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_prompt_lookup_in_front_of_the_session(random_target, examples, kind_drafter, drafts, kind):
     """Copying (CopyingRows) drafts the rows whose context repeats; the session drafts the
     others, each as it drafts the row decoded alone."""
-    drafter = kind_drafter("eagle3")
+    drafter = kind_drafter(kind)
     prompts = ragged(examples, 8)
     options = dict(max_new_tokens=NEW, gamma=GAMMA, lookup_ngram=1)
     out = generate(random_target, prompts, drafter, **options)
@@ -173,12 +181,14 @@ class CopyingRows(BatchSession):
         self.inner.drop(keep)
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 def test_rows_that_copy_keep_drafting_what_they_draft_alone(
-    random_target, examples, kind_drafter, monkeypatch
+    random_target, examples, kind_drafter, monkeypatch, kind
 ):
     """A row whose proposal another drafter made (a copy: no context for this session, then
-    that tree at accept) drafts on afterwards exactly as it does decoded alone."""
-    drafter = kind_drafter("eagle3")
+    that tree at accept) drafts on afterwards exactly as it does decoded alone (there through
+    the session's one-row DraftSession)."""
+    drafter = kind_drafter(kind)
     prompts = ragged(examples, 5)
     plain = [generate(random_target, p, max_new_tokens=NEW).tokens[0].tolist() for p in prompts]
     rows = iter(range(len(prompts)))
@@ -191,7 +201,7 @@ def test_rows_that_copy_keep_drafting_what_they_draft_alone(
 
     def copying_batch(self, target, batch_size, **kwargs):
         inner = new_batch(self, target, batch_size, **kwargs)
-        assert isinstance(inner, EagleSession)
+        assert isinstance(inner, SESSION[kind])
         return CopyingRows(
             inner, [EveryOtherCopied(plain[r], len(p)) for r, p in enumerate(prompts)]
         )
@@ -206,34 +216,55 @@ def test_rows_that_copy_keep_drafting_what_they_draft_alone(
     assert out.stats.accepted > out.stats.target_passes // 2  # the copies were accepted
 
 
-def test_a_session_told_nothing_of_a_verification_says_so(random_target, kind_drafter):
-    session = batch_session(kind_drafter("eagle3"), random_target, 2)
-    contexts = [DraftContext(torch.tensor([[5, 17, 42]]), max_depth=4)] * 2
-    assert all(len(tree) == 0 for tree in session.propose(contexts))  # no features yet
-    hidden = random_target.forward(
-        torch.tensor([[5, 17, 42]]), capture_layers=session.capture_layers
-    )
-    session.accept([DraftTree.empty()] * 2, [[], []], [hidden.hidden_states] * 2)
-    longer = [DraftContext(torch.tensor([[5, 17, 42, 99, 7]]), max_depth=4)] * 2
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_prefill_drop_memory_and_a_session_told_nothing(random_target, kind_drafter, kind):
+    """The first proposal is empty (no features yet); after the prompts' forward each row holds
+    its own prompt's state (DFlash: the memory of the rows decoded alone), a dropped row takes
+    its own with it, and a session told nothing of a verification says so, naming the row."""
+    drafter = kind_drafter(kind)
+    session = batch_session(drafter, random_target, 2)
+    prompts = [[5, 17, 42], [9, 3, 8]]
+    contexts = [DraftContext(torch.tensor([p]), max_depth=4) for p in prompts]
+    assert all(len(tree) == 0 for tree in session.propose(contexts))
+    hidden = [
+        random_target.forward(torch.tensor([p]), capture_layers=session.capture_layers)
+        for p in prompts
+    ]
+    session.accept([DraftTree.empty()] * 2, [[], []], [h.hidden_states for h in hidden])
+    decode = drafter.decode_settings(None)
+    alone = drafter.new_session(random_target, sampling=SamplingSettings(), decode=decode)
+    alone.accept(DraftTree.empty(), [], hidden[1].hidden_states)
+    if kind == "dflash":
+        assert session.extra_memory_bytes() == 2 * alone.extra_memory_bytes() > 0
+    session.drop([1])
+    after = DraftContext(torch.tensor([[*prompts[1], 7]]), max_depth=4)
+    drafted = session.propose([after])[0].tokens.tolist()
+    assert drafted == alone.propose(after).tokens.tolist() and len(drafted[0]) > 0
+    longer = [DraftContext(torch.tensor([[*prompts[1], 99, 7]]), max_depth=4)]
     with pytest.raises(RuntimeError, match=r"features of 3 positions of row 0.*has 5"):
         session.propose(longer)
 
 
+def _drafter(kind: str, target):
+    torch.manual_seed(6)
+    if kind == "peagle":
+        return PEagleDrafter.build(PEagleConfig(num_depths=2), target).eval()
+    if kind == "dflash":
+        return DFlashDrafter.build(DFlashConfig(block_size=3), target).eval()
+    return EagleDrafter.build(EagleConfig(), target).eval()
+
+
 @pytest.mark.parametrize(
     ("kind", "options"),
-    [("eagle3", dict(stop_below=0.3)), ("peagle", dict())],
-    ids=["eagle3-stopping", "peagle"],
+    [("eagle3", dict(stop_below=0.3)), ("peagle", dict()), ("dflash", dict(stop_below=0.3))],
+    ids=["eagle3-stopping", "peagle", "dflash-stopping"],
 )
 def test_sampled_rows_follow_the_target(kind, options):
     """Chi-square on the joint of the first two tokens of five rows with one prompt, batched
-    with a row of another length, through the batch session (q recorded per row and depth)."""
+    with a row of another length, through the kind's session (q recorded per row and depth)."""
     target = make_target(tiny_llama(V, seed=3, hidden=16, layers=1, init=0.5))
-    torch.manual_seed(6)
-    if kind == "peagle":
-        head = PEagleDrafter.build(PEagleConfig(num_depths=2), target).eval()
-    else:
-        head = EagleDrafter.build(EagleConfig(), target).eval()
+    head = _drafter(kind, target)
     with torch.no_grad():
-        perturb(head.parameters(), 0.5)  # an untrained head that still drafts varied tokens
-    assert isinstance(batch_session(head, target, 4, **options), EagleSession)
+        perturb(head.parameters(), 0.5)  # an untrained drafter that still drafts varied tokens
+    assert isinstance(batch_session(head, target, 4, **options), SESSION[kind])
     sampled_rows_follow_the_target(target, head, **options)
