@@ -153,6 +153,42 @@ def test_int8_products_stay_close_and_odd_widths_keep_full_weights():
     assert not odd.int8 and odd(torch.randn(2, 40)).shape == (2, 8)
 
 
+@pytest.mark.parametrize("impl", ["lean", "module"])
+def test_rows_of_one_layer_compute_what_each_row_computes_alone(impl):
+    """Two rows in one layer's buffers, as BatchCache moves them (a step whose columns each row
+    keeps differently: `gather`; a row leaving: `select_rows`), with per-row positions and
+    masks that hide each row's holes, give each row's outputs alone."""
+    layer, rotary = parts(FAMILIES["llama"]())
+
+    def make(rows):
+        return LeanLayer(LayerWeights(layer), rotary, 4, rows) if impl == "lean" else (
+            ModuleLayer(layer, rotary))  # fmt: skip
+
+    both, alone = make(2), [make(1), make(1)]
+    torch.manual_seed(3)
+    x = torch.randn(2, 5, 64)
+    out = both(x, 0)  # 5 tokens each, no holes
+    for r in range(2):
+        torch.testing.assert_close(out[r], alone[r](x[r : r + 1], 0)[0], rtol=1e-5, atol=1e-5)
+    y = torch.randn(2, 3, 64)
+    both(y, 5)  # 3 more each; row 0 keeps all three, row 1 the third (then two holes)
+    both.gather(torch.tensor([[0, 1, 2], [2, 0, 0]]), 5)
+    alone[0](y[:1], 5)
+    alone[1](y[1:, 2:], 7)
+    assert both.length == 8 and alone[1].length == 6
+    z = torch.randn(2, 1, 64)
+    holes = torch.tensor([[True] * 8 + [True], [True] * 6 + [False, False, True]])
+    out = both(z, torch.tensor([[8], [8]]), holes[:, None])
+    torch.testing.assert_close(out[0], alone[0](z[:1], 8)[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[1], alone[1](z[1:], 8)[0], rtol=1e-5, atol=1e-5)
+    both.select_rows(torch.tensor([1]))  # row 0 finished
+    w = torch.randn(1, 2, 64)
+    seen = torch.tensor([[True] * 6 + [False, False, True, True, False],
+                         [True] * 6 + [False, False, True, True, True]])  # fmt: skip
+    out = both(w, torch.tensor([[9, 10]]), seen[None])
+    torch.testing.assert_close(out, alone[1](w, 9), rtol=1e-5, atol=1e-5)
+
+
 def test_unknown_layouts_fall_back_to_the_module():
     layer, rotary = parts(
         GemmaForCausalLM(GemmaConfig(**SMALL, num_key_value_heads=4, head_dim=16))

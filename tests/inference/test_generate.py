@@ -63,6 +63,10 @@ def test_distilled_chains_draft_through_the_lean_model(random_target, drafts, we
         assert out.tokens[0].tolist() == ref and out.stats.accepted > 0
         if name == "copy" and weights == "full":
             assert out.stats.accepted == out.stats.drafted
+    prompts = [PROMPT, PROMPT[2:], [9, 3]]  # a batch: lean's rows with masks where rows differ
+    batch = generate(random_target, prompts, drafter, max_new_tokens=16, draft_weights=weights)
+    assert batch.rows() == [hf_greedy(random_target, p, 16) for p in prompts]
+    assert batch.stats.drafted > 0 and batch.stats.accepted > 0
     greedy = SamplingSettings()
     decode = DecodeConfig(gamma=3, draft_weights=weights)
     session = drafter.new_session(random_target, sampling=greedy, decode=decode)
@@ -75,6 +79,23 @@ def test_distilled_chains_draft_through_the_lean_model(random_target, drafts, we
     w = drafter.drafting_weights(weights == "int8")
     assert drafter.drafting_weights(weights == "int8") is w  # built once, shared
     assert w.layers[0].qkv.int8 == (weights == "int8")
+
+
+@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+def test_a_tree_the_student_did_not_propose_leaves_only_the_context(random_target, drafts, topk):
+    """DraftSession.accept may get another drafter's tree: the two-model session keeps none of
+    its own drafts then, and drafts on as a fresh session would."""
+    from specdraft.core import DecodeConfig, DraftTree, SamplingSettings
+
+    drafter = DistillDrafter(drafts["partial"])
+    decode = DecodeConfig(gamma=3, tree_top_k=topk)
+    session = drafter.new_session(random_target, sampling=SamplingSettings(), decode=decode)
+    assert len(session.propose(DraftContext(torch.tensor([PROMPT]), max_depth=4))) > 0
+    session.accept(DraftTree.chain(torch.tensor([[1, 2]])), [0, 1])  # not its tree
+    assert int(session.rows.cache.lengths[0]) == session.rows.student.length == len(PROMPT)
+    longer = DraftContext(torch.tensor([[*PROMPT, 1, 2, 3]]), max_depth=4)
+    fresh = drafter.new_session(random_target, sampling=SamplingSettings(), decode=decode)
+    assert session.propose(longer).tokens.tolist() == fresh.propose(longer).tokens.tolist()
 
 
 def test_a_copy_of_the_target_accepts_every_draft(random_target, drafts):

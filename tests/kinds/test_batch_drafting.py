@@ -106,6 +106,33 @@ def test_batched_rows_draft_what_each_row_drafts_alone(
         assert out.stats.drafted < full.stats.drafted
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_alike_draft_without_a_mask_what_they_draft_alone(
+    random_target, examples, kind_drafter, drafts, kind, monkeypatch
+):
+    """Prompts of one length: the first proposal feeds every row alike (no holes: the pass runs
+    without a mask, as one row's does), later ones with masks; each row drafts what it drafts
+    alone."""
+    drafter = kind_drafter(kind)
+    prompts = [list(e.input_ids[:6]) for e in examples[:4]]
+    masks = []
+    for cls, name in ((EagleSession, "_step"), (DFlashDrafter, "block_states")):
+        run = getattr(cls, name)
+
+        def noting(self, *args, run=run, **kwargs):  # EAGLE's visible, DFlash's mask: 4th
+            masks.append(args[3] if len(args) > 3 else None)
+            return run(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, noting)
+    options = dict(max_new_tokens=NEW, gamma=GAMMA)
+    out = generate(random_target, prompts, drafter, **options)
+    batched, unmasked = dict(drafts), masks[0] is None
+    drafts.clear()
+    alone = [generate(random_target, p, drafter, **options) for p in prompts]
+    assert out.rows() == [a.tokens[0].tolist() for a in alone]
+    assert batched == drafts and batched and unmasked and len(masks) > 1
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 def test_trees_draft_row_by_row(random_target, kind_drafter, kind):
     session = batch_session(kind_drafter(kind), random_target, 3, tree_top_k=2)

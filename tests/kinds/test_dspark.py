@@ -199,14 +199,17 @@ def test_each_slot_reads_the_token_drafted_before_it(tiny_target, trained):
 
 
 def test_settings_it_cannot_honour_are_named(tiny_target, trained):
-    ref = plain(tiny_target, PROMPTS[0], 12)
+    """Said once, and decoding goes on, alone and in a batch (chains for tree_top_k)."""
+    refs = [plain(tiny_target, p, 12) for p in PROMPTS]
     for setting, message in [
         (dict(gamma=6), "gamma=6 is capped at 4"),
         (dict(tree_top_k=3), "tree_top_k=3 is ignored by DSpark"),
     ]:
         with pytest.warns(UserWarning, match=message):
             out = generate(tiny_target, PROMPTS[0], trained, max_new_tokens=12, **setting)
-        assert out.tokens[0].tolist() == ref and out.stats.drafted > 0
+        assert out.tokens[0].tolist() == refs[0] and out.stats.drafted > 0
+        batch = generate(tiny_target, PROMPTS, trained, max_new_tokens=12, **setting)
+        assert batch.rows() == refs and batch.stats.drafted > 0
 
 
 def test_the_confidence_stop_cuts_chains(tiny_target, trained):

@@ -620,7 +620,8 @@ class ModuleModel:
         visible: torch.Tensor | None = None,
         every: bool = False,
     ) -> torch.Tensor:
-        """LeanModel's call; `visible` a float 4D mask (rows, 1, n, columns) when given."""
+        """LeanModel's call; `visible` the attention mask the model takes when given (a float
+        (rows, 1, n, columns) mask, or attention.py's per-layer masks for a sliding model)."""
         out = self.model(
             input_ids=ids, attention_mask=visible, position_ids=positions, cache=self.cache,
             use_cache=True, logits_to_keep=0 if every else 1,

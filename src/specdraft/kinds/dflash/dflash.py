@@ -30,7 +30,7 @@ tree of the slots' top candidates instead (drafters/position_tree.py), drafted r
 batch.
 
 Read top to bottom: the config, the layers, the module (features, context keys, the block), the
-loss and acceptance; the sessions (one sequence, a batch) are kinds/dflash/dflash_session.py. Weight
+loss and acceptance; the session (one row or a batch's) is kinds/dflash/dflash_session.py. Weight
 names are speculators' (kinds/dflash/dflash_export.py).
 """
 

@@ -29,8 +29,8 @@ class DFlashSession(BatchSession):
     (its context's last token, pending), drafts every row's chain of its slots' draws
     (drafting.draft_chains: its depth, its stop_below), or for a session of one row with
     tree_top_k > 1 a tree of their top candidates (drafters/position_tree.py; a batch drafts
-    trees row by row). A row drafts nothing before the prompt's forward or after a one-token
-    prompt (no context to draft from).
+    trees row by row). A row drafts nothing before the prompt's forward hands it the context's
+    features.
 
     State: per layer, one buffer of keys and one of values, (rows, kv_heads, capacity, dim),
     row r's context in columns 0 .. known[r] - 1 (its positions 0 .. known[r] - 1) and zeros
@@ -56,7 +56,7 @@ class DFlashSession(BatchSession):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> None:
-        if not decode.chain and rows != 1:
+        if not decode.chain and drafter.drafts_trees and rows != 1:
             raise ValueError(
                 f"{type(self).__name__} drafts trees for one row, got {rows}: a batch drafts "
                 "trees row by row (Drafter.new_batch_session)"

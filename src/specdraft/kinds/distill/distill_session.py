@@ -75,7 +75,7 @@ class DistillSession(BatchSession):
         self._drafted: list[bool] = [False] * rows  # the row drafted at the last proposal
         self._fed = 0  # drafted tokens fed to every row at the last proposal
         self._tree_slots: list[int] | None = None  # a tree's fed nodes' columns, in feed order
-        self._proposed = False  # a proposal since the last accept (else a copy was verified)
+        self._trees: list[DraftTree] | None = None  # the last proposal's, until its accept
 
     def _build(self, contexts: Sequence[DraftContext | None]) -> None:
         """The student's cache, with room for the whole call (prompt, new tokens, a draft)."""
@@ -128,9 +128,14 @@ class DistillSession(BatchSession):
             self._base[r] = len(seq)
         self._depth = depths
         self._drafted = [d > 0 for d in depths]
-        self._fed, self._tree_slots, self._proposed = 0, None, True
+        self._fed, self._tree_slots = 0, None
+        self._trees = self._draft(pending, depths)
+        return self._trees
+
+    def _draft(self, pending: list[torch.Tensor], depths: list[int]) -> list[DraftTree]:
+        """Feed each row's pending tokens and draft below them."""
         if max(depths) <= 0:
-            return [DraftTree.empty(1, device) for _ in contexts]
+            return [DraftTree.empty(1, self.model.device) for _ in depths]
         logits = self._feed(pending)
         if not self.decode.chain:
             return [self._tree_draft(logits[0], depths[0])]
@@ -170,17 +175,23 @@ class DistillSession(BatchSession):
 
     def accept(self, trees, paths, hidden_states) -> None:
         """Keep each row's context and its accepted drafted tokens that were fed; adapt gamma.
-        After a verification this session proposed nothing for (a copy driven through OneRow)
-        the cache stays as it is: the copy's tokens are fed at the next proposal."""
-        if not self._proposed:
+        A row whose verified tree is not the one it proposed (another drafter's, a copy) keeps
+        its context only; after a verification this session proposed nothing for (a copy
+        driven through OneRow) the cache stays as it is. Either way the copy's tokens are fed at
+        the next proposal."""
+        if self._trees is None:
             return
-        self._proposed = False
+        proposed, self._trees = self._trees, None
+        ours = [
+            drafted and tree is mine
+            for drafted, tree, mine in zip(self._drafted, trees, proposed, strict=True)
+        ]
         if self._tree_slots is not None:  # one row's tree: its accepted fed nodes
-            slots = [self._tree_slots[i] for i in paths[0] if self._tree_slots[i] >= 0]
-            self.cache.keep([slots])
+            path = paths[0] if ours[0] else []
+            self.cache.keep([[self._tree_slots[i] for i in path if self._tree_slots[i] >= 0]])
         lengths = []
         for r, path in enumerate(paths):
-            if not self._drafted[r]:  # no draft, or another drafter's (a copy): nothing fed
+            if not ours[r]:  # no draft, or another drafter's (a copy): no draft of it stays
                 lengths.append(self._base[r])
                 continue
             fed = len(path) if self._tree_slots is not None else min(len(path), self._fed)

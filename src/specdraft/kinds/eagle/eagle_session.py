@@ -276,7 +276,7 @@ class EagleSession(BatchSession):
         counts = {len(t) for t in tokens}
         if len(counts) == 1 and len(set(kept)) == 1 and cache.dense:  # alike: no mask
             start = cache.columns  # every row's length
-            h = self._step(torch.stack(tokens), torch.stack(features), start)
+            h = self._step(torch.stack(tokens), torch.stack(features).to(self.dtype), start)
             self.layer.crop(start + kept[0])
             cache.append_tokens(kept[0])
             return h

@@ -12,7 +12,7 @@ A parallel slot does not know its feature yet (the target has not run there) nor
 has not been drafted), so it reads a learned placeholder, `mask_hidden` (1, 1, 3 hidden: the
 raw low/mid/high width, fused by the head's own fc as real features are), and the embedding of
 `mask_token_id`. Slots attend causally to the context and to the earlier slots of their group;
-they are never kept in the head's cache (the session crops them on accept).
+they are never kept in the head's cache (the session's proposal drops them once drafted).
 
 Training (conditional drop-token sampling, COD): at anchor t (the pair (f_t, x_{t+1})) depth 0
 is the ordinary step, scored against the target's distribution at t + 1; depth d is slot d of
