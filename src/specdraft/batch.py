@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from specdraft.attention import AttentionLayout, Mask
-from specdraft.core import DraftTree, ancestors, float_mask
+from specdraft.core import DraftTree, ancestors, float_mask, kv_bytes
 
 # squeeze the holes out when the cache's columns exceed the longest row by this factor
 COMPACT_FACTOR = 2
@@ -38,6 +38,14 @@ class CacheColumns:
 
     def __init__(self, cache: DynamicCache) -> None:
         self.cache = cache
+
+    @property
+    def length(self) -> int:
+        """The columns held."""
+        return self.cache.get_seq_length()
+
+    def memory_bytes(self) -> int:
+        return kv_bytes(self.cache)
 
     def crop(self, columns: int) -> None:
         """Keep the first `columns` columns."""

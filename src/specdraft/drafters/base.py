@@ -29,7 +29,7 @@ from specdraft.drafters.served import (
     ServedDrafts,
     greedy_confidence,
 )
-from specdraft.drafters.sessions import BatchSession, DraftSession, RowSessions
+from specdraft.drafters.sessions import BatchSession, DraftSession, OneRow, RowSessions
 from specdraft.losses import DEFAULT_CHUNK_TOKENS
 
 # kind -> class, filled as each kind's class is defined (Drafter.__init_subclass__).
@@ -62,8 +62,12 @@ class Drafter(nn.Module):
     # True when tree_top_k > 1 drafts a tree (where stop_below, which ends chains, is ignored);
     # False for a kind that drafts chains only (LayerSkip).
     drafts_trees: ClassVar[bool] = True
-    # What the kind's batch session drafts together (`batch_session`): "chains" (a tree goes row
-    # by row), "all", or "none" (every batch row by row, `row_sessions`).
+    # The kind's one session, for a prompt alone and for the rows of a batch drafted together:
+    # a BatchSession class built as session_class(drafter, target, rows, sampling=, decode=,
+    # generator=). None: the kind builds a single sequence's session itself (`new_session`).
+    session_class: ClassVar[type[BatchSession] | None] = None
+    # What `session_class` drafts together for a batch: "chains" (a tree goes row by row),
+    # "all", or "none" (every batch row by row, `row_sessions`).
     batch_drafts: ClassVar[str] = "none"
     # Target hidden-state ids the loss needs (the trainer captures them in the target forward).
     capture_layers: Sequence[int] = ()
@@ -253,7 +257,14 @@ class Drafter(nn.Module):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> DraftSession:
-        raise NotImplementedError
+        """One sequence's drafting: `session_class`'s session of one row, driven as a
+        DraftSession (`OneRow`); a kind without one builds its own."""
+        if self.session_class is None:
+            raise NotImplementedError(f"{type(self).__name__} names no session_class")
+        return OneRow(
+            self.session_class(self, target, 1, sampling=sampling, decode=decode,
+                               generator=generator)
+        )  # fmt: skip
 
     def new_batch_session(
         self,
@@ -265,34 +276,21 @@ class Drafter(nn.Module):
         generator: torch.Generator | None = None,
     ) -> BatchSession:
         """The drafting of a batch of `batch_size` sequences (generate with batch > 1): the
-        kind's `batch_session` where it drafts the rows together for `decode`
+        kind's `session_class` where it drafts the rows together for `decode`
         (`drafts_batches_together`), else row by row (`row_sessions`). The one rule for every
-        kind; a kind says what its batch session drafts (`batch_drafts`) and builds it."""
+        kind; a kind says what its session drafts together (`batch_drafts`)."""
         if not self.drafts_batches_together(decode):
             return self.row_sessions(
                 target, batch_size, sampling=sampling, decode=decode, generator=generator
             )
-        return self.batch_session(
-            target, batch_size, sampling=sampling, decode=decode, generator=generator
+        return self.session_class(
+            self, target, batch_size, sampling=sampling, decode=decode, generator=generator
         )
 
     def drafts_batches_together(self, decode: DecodeConfig) -> bool:
         """Whether `new_batch_session` drafts the rows together for `decode` (one pass for the
         batch), unlike `row_sessions`: where it does not, batch_drafting changes nothing."""
         return self.batch_drafts == "all" or (self.batch_drafts == "chains" and decode.chain)
-
-    def batch_session(
-        self,
-        target,
-        batch_size: int,
-        *,
-        sampling: SamplingSettings,
-        decode: DecodeConfig,
-        generator: torch.Generator | None = None,
-    ) -> BatchSession:
-        """The kind's own session for a batch drafted together (a kind with `batch_drafts` other
-        than "none" builds it)."""
-        raise NotImplementedError(f"{type(self).__name__} drafts batches row by row")
 
     def row_sessions(
         self,

@@ -33,7 +33,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from specdraft.batch import CacheColumns
-from specdraft.core import float_mask, kv_bytes
+from specdraft.core import float_mask
 from specdraft.drafters.base import warn_once
 
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -411,32 +411,15 @@ class LeanLayer:
         return x + w.down(h)
 
 
-class ModuleLayer:
+class ModuleLayer(CacheColumns):
     """The same interface around the layer module itself and a DynamicCache: for layer layouts
     LeanLayer does not reproduce."""
 
     def __init__(self, layer: nn.Module, rotary: nn.Module) -> None:
+        super().__init__(DynamicCache())
         self.layer, self.rotary = layer, rotary
-        self.cache = DynamicCache()
-        self.columns = CacheColumns(self.cache)
         weight = next(layer.parameters())
         self.device, self.dtype = weight.device, weight.dtype
-
-    @property
-    def length(self) -> int:
-        return self.cache.get_seq_length()
-
-    def crop(self, length: int) -> None:
-        self.columns.crop(length)
-
-    def gather(self, index: torch.Tensor, start: int) -> None:
-        self.columns.gather(index, start)
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        self.columns.select_rows(index)
-
-    def memory_bytes(self) -> int:
-        return kv_bytes(self.cache)
 
     @torch.no_grad()
     def __call__(
@@ -586,31 +569,14 @@ class LeanModel:
         return self.w.output(rms(x if every else x[:, -1], self.w.eps))
 
 
-class ModuleModel:
+class ModuleModel(CacheColumns):
     """LeanModel's interface around a causal LM's own modules and a DynamicCache whose every
     layer keeps every key (a sliding layer's window is then the mask's): for students
     drafters/lean.py does not reproduce, and for trees."""
 
     def __init__(self, model: nn.Module) -> None:
+        super().__init__(DynamicCache())
         self.model = model
-        self.cache = DynamicCache()
-        self.columns = CacheColumns(self.cache)
-
-    @property
-    def length(self) -> int:
-        return self.cache.get_seq_length()
-
-    def crop(self, length: int) -> None:
-        self.columns.crop(length)
-
-    def gather(self, index: torch.Tensor, start: int) -> None:
-        self.columns.gather(index, start)
-
-    def select_rows(self, index: torch.Tensor) -> None:
-        self.columns.select_rows(index)
-
-    def memory_bytes(self) -> int:
-        return kv_bytes(self.cache)
 
     @torch.no_grad()
     def __call__(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, children_of
-from specdraft.drafting import DraftVocab, draft_chain, process_logits
+from specdraft.drafting import DraftVocab, draft_chain, draft_chains, process_logits
 
 if TYPE_CHECKING:
     from specdraft.drafters.base import Drafter
@@ -187,6 +187,39 @@ def position_tree(
     if sampling.greedy:
         return ranked_tree(logits, shape, vocab, device)
     return sampled_tree(logits, shape, sampling, vocab, generator)
+
+
+def slot_drafts(
+    logits: torch.Tensor,
+    depths: list[int],
+    *,
+    decode: DecodeConfig,
+    sampling: SamplingSettings,
+    generator: torch.Generator | None,
+    vocab: DraftVocab | None,
+    device: torch.device,
+) -> list[DraftTree]:
+    """What the rows of one parallel pass draft from their slots' logits (rows, deepest, draft
+    vocab), slot d predicting the token d + 1 below the row's root: each row's chain drawn slot
+    by slot (drafting.draft_chains: its depth, its stop_below; a slot does not read the token
+    drawn before it), or for one row with tree_top_k > 1 the tree of its slots' top candidates
+    (`position_tree`)."""
+    if not decode.chain:
+        return [
+            position_tree(
+                logits[0, : depths[0]], decode=decode, sampling=sampling, generator=generator,
+                vocab=vocab, device=device,
+            )
+        ]  # fmt: skip
+    return draft_chains(
+        logits[:, 0],
+        lambda token, i: logits[:, i + 1],
+        depths=depths,
+        sampling=sampling,
+        generator=generator,
+        stop_below=decode.stop_below,
+        vocab=vocab,
+    )
 
 
 def sampled_tree_reach(

@@ -87,8 +87,8 @@ class BatchSession:
     active row, and `drop` when rows finish. Row r's context, tree, path and hidden states are
     batch-1 objects exactly as a DraftSession gets them, so a kind's single-sequence session
     serves a batch unchanged (`RowSessions`, the default); a kind that drafts the rows of a
-    batch in one pass builds one session for one row or many (`Drafter.batch_session`, said in
-    `batch_drafts`) and hands out its one-row session as a DraftSession (`OneRow`)."""
+    batch in one pass names one session for one row or many (`Drafter.session_class`, said in
+    `batch_drafts`), whose one-row session it hands out as a DraftSession (`OneRow`)."""
 
     capture_layers: Sequence[int] = ()
     lossy: bool = False

@@ -54,11 +54,9 @@ from specdraft.attention import document_seeds, document_spans
 from specdraft.config import choice
 from specdraft.core import (
     DecodeConfig,
-    SamplingSettings,
 )
 from specdraft.drafters.base import Drafter, Metrics, sum_and_count
 from specdraft.drafters.position_tree import tree_reach
-from specdraft.drafters.sessions import OneRow
 from specdraft.kinds.dflash.dflash_layers import DFlashLayer
 from specdraft.kinds.dflash.dflash_session import ContextKV, DFlashSession
 from specdraft.kinds.eagle.eagle import default_feature_layers
@@ -179,8 +177,7 @@ class DFlashDrafter(Drafter):
     config_class = DFlashConfig
     # the loss makes the target's logits from its final state (it holds the target's LM head)
     reads_target_logits = False
-    # the sessions new_session and batch_session build (a kind built on this drafter, DSpark,
-    # names its own)
+    # (a kind built on this drafter, DSpark, names its own)
     session_class: ClassVar[type[DFlashSession]] = DFlashSession
 
     def __init__(self, config: DFlashConfig, target, *, init: bool = True) -> None:
@@ -505,35 +502,6 @@ class DFlashDrafter(Drafter):
         return tree_reach(self, batch, target_out, decode, temperature=temperature)
 
     # --- decoding -------------------------------------------------------------------------------
-
-    def new_session(
-        self,
-        target,
-        *,
-        sampling: SamplingSettings,
-        decode: DecodeConfig,
-        generator: torch.Generator | None = None,
-    ) -> OneRow:
-        """One sequence's drafting: `session_class`'s session of one row (a kind built on this
-        drafter names its own), driven as a DraftSession."""
-        return OneRow(
-            self.session_class(self, 1, sampling=sampling, decode=decode, generator=generator)
-        )
-
-    def batch_session(
-        self,
-        target,
-        batch_size: int,
-        *,
-        sampling: SamplingSettings,
-        decode: DecodeConfig,
-        generator: torch.Generator | None = None,
-    ) -> DFlashSession:
-        """The same session for the chains of a batch's rows: every drafting row's block in
-        one pass."""
-        return self.session_class(
-            self, batch_size, sampling=sampling, decode=decode, generator=generator
-        )
 
     def depth_cap(self) -> tuple[int, str]:
         if self.first_slot == 0:

@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
-from specdraft.drafters.position_tree import position_tree
+from specdraft.drafters.position_tree import slot_drafts
 from specdraft.drafters.sessions import BatchSession, check_features_known
-from specdraft.drafting import draft_chains
 from specdraft.kinds.eagle.eagle_session import verified_rows
 
 if TYPE_CHECKING:
@@ -50,6 +49,7 @@ class DFlashSession(BatchSession):
     def __init__(
         self,
         drafter: DFlashDrafter,
+        target,
         rows: int = 1,
         *,
         sampling: SamplingSettings,
@@ -121,21 +121,10 @@ class DFlashSession(BatchSession):
         sampling); a slot does not read the token drawn before it, so the step only hands over
         the next slot's logits. A session of one row drafting trees: the tree of its slots' top
         candidates, as P-EAGLE's slots (drafters/position_tree.py)."""
-        logits = self.drafter.draft_logits(h)  # (rows, deepest, vocab)
-        if not self.decode.chain:
-            tree = position_tree(
-                logits[0, : depths[0]], decode=self.decode, sampling=self.sampling,
-                generator=self.generator, vocab=None, device=self.device,
-            )  # fmt: skip
-            return [tree]
-        return draft_chains(
-            logits[:, 0],
-            lambda token, i: logits[:, i + 1],
-            depths=depths,
-            sampling=self.sampling,
-            generator=self.generator,
-            stop_below=self.decode.stop_below,
-        )
+        return slot_drafts(
+            self.drafter.draft_logits(h), depths, decode=self.decode, sampling=self.sampling,
+            generator=self.generator, vocab=None, device=self.device,
+        )  # fmt: skip
 
     @torch.no_grad()
     def accept(

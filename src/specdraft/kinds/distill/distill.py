@@ -20,14 +20,12 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from specdraft.attention import model_inputs
 from specdraft.config import choice
 from specdraft.core import DecodeConfig, SamplingSettings
-from specdraft.drafters.base import Drafter, Metrics, sum_and_count, vocab_mismatch_error, warn_once
+from specdraft.drafters.base import Drafter, Metrics, sum_and_count
 from specdraft.drafters.lean import (
     ModelWeights,
     SharedWeights,
     lean_model_supported,
-    use_int8,
 )
-from specdraft.drafters.sessions import OneRow
 from specdraft.drafting import draft_token
 from specdraft.kinds.distill.distill_session import DistillSession
 from specdraft.losses import divergence_per_row, token_losses
@@ -189,6 +187,7 @@ class DistillDrafter(Drafter):
 
     kind = "distill"
     title = "two-model"
+    session_class = DistillSession  # one row or a batch's chains; trees row by row
     batch_drafts = "chains"
     config_class = DistillConfig
     decode_class = DistillDecode
@@ -251,46 +250,6 @@ class DistillDrafter(Drafter):
     @property
     def vocab_size(self) -> int:
         return self.hf_model.get_output_embeddings().weight.shape[0]
-
-    def new_session(
-        self,
-        target,
-        *,
-        sampling: SamplingSettings,
-        decode: DecodeConfig,
-        generator: torch.Generator | None = None,
-    ) -> OneRow:
-        """One sequence's drafting: the session of one row (kinds/distill/distill_session.py),
-        driven as a DraftSession."""
-        return OneRow(self.batch_session(target, 1, sampling=sampling, decode=decode,
-                                         generator=generator))  # fmt: skip
-
-    def batch_session(
-        self,
-        target,
-        batch_size: int,
-        *,
-        sampling: SamplingSettings,
-        decode: DecodeConfig,
-        generator: torch.Generator | None = None,
-    ) -> DistillSession:
-        """The drafting of `batch_size` rows (one for a prompt alone; a batch's chains drafted
-        together, its trees row by row)."""
-        if self.vocab_size != target.vocab_size:
-            raise vocab_mismatch_error("the draft model", self.vocab_size, target)
-        decode = self.decode_settings(decode)  # the kind's own class, whatever was passed
-        weights = None
-        if decode.chain:  # chains draft through the lean model where the student's layout allows
-            int8 = use_int8(
-                decode.draft_weights, self.hf_model.device, "the student's full weights"
-            )
-            weights = self.drafting_weights(int8)
-            if weights is None and int8:
-                warn_once(
-                    f"draft_weights=int8 needs a student drafters/lean.py runs "
-                    f"({type(self.hf_model).__name__} is not one); drafting with its full weights"
-                )
-        return DistillSession(self.hf_model, batch_size, decode, sampling, generator, weights)
 
     @classmethod
     def build(cls, config: DistillConfig, target) -> DistillDrafter:

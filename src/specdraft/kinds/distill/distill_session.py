@@ -5,6 +5,7 @@ kinds/distill/distill.py."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,9 +18,13 @@ from specdraft.core import (
     SamplingSettings,
     float_mask,
 )
-from specdraft.drafters.lean import LeanModel, ModelWeights, ModuleModel
+from specdraft.drafters.base import vocab_mismatch_error, warn_once
+from specdraft.drafters.lean import LeanModel, ModelWeights, ModuleModel, use_int8
 from specdraft.drafters.sessions import BatchSession
 from specdraft.drafting import draft_chains, draft_tree
+
+if TYPE_CHECKING:
+    from specdraft.kinds.distill.distill import DistillDrafter
 
 # dynamic_gamma grows gamma up to this (or the configured gamma, if larger)
 DYNAMIC_GAMMA_CEILING = 16
@@ -46,21 +51,35 @@ class DistillSession(BatchSession):
 
     def __init__(
         self,
-        model,
-        rows: int,
-        decode: DecodeConfig,
+        drafter: DistillDrafter,
+        target,
+        rows: int = 1,
+        *,
         sampling: SamplingSettings,
-        generator: torch.Generator | None,
-        weights: ModelWeights | None = None,
+        decode: DecodeConfig,
+        generator: torch.Generator | None = None,
     ) -> None:
+        if drafter.vocab_size != target.vocab_size:
+            raise vocab_mismatch_error("the draft model", drafter.vocab_size, target)
+        decode = drafter.decode_settings(decode)  # the kind's own class, whatever was passed
         if not decode.chain and rows != 1:
             raise ValueError(
                 f"{type(self).__name__} drafts trees for one row, got {rows}: a batch drafts "
                 "trees row by row (Drafter.new_batch_session)"
             )
+        model = drafter.hf_model
         self.model, self.decode = model, decode
         self.sampling, self.generator = sampling, generator
-        self.weights = weights  # chains through drafters/lean.py's LeanModel when given
+        # chains draft through drafters/lean.py's LeanModel where the student's layout allows
+        self.weights: ModelWeights | None = None
+        if decode.chain:
+            int8 = use_int8(decode.draft_weights, model.device, "the student's full weights")
+            self.weights = drafter.drafting_weights(int8)
+            if self.weights is None and int8:
+                warn_once(
+                    f"draft_weights=int8 needs a student drafters/lean.py runs "
+                    f"({type(model).__name__} is not one); drafting with its full weights"
+                )
         self.student: LeanModel | ModuleModel | None = None  # built at the first proposal
         # every layer keeps every key, so a rejected draft crops away whatever the layer type;
         # a sliding student drafts its tree levels without its window (a draft: the target's

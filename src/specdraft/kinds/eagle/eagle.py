@@ -39,7 +39,6 @@ from specdraft.attention import loss_targets
 from specdraft.config import choice, follows
 from specdraft.core import (
     DecodeConfig,
-    SamplingSettings,
     float_mask,
 )
 from specdraft.drafters.base import Drafter, Metrics, sum_and_count
@@ -48,7 +47,6 @@ from specdraft.drafters.lean import (
     lean_supported,
 )
 from specdraft.drafters.served import one_later
-from specdraft.drafters.sessions import OneRow
 from specdraft.kinds.eagle.eagle_layers import (
     Eagle3Layer,
     eagle1_reference_layer,
@@ -242,37 +240,6 @@ class EagleDrafter(Drafter):
     def draft_vocab_size(self) -> int:
         return (
             self.lm_head.out_features if self.config.version == "eagle3" else self.target.vocab_size
-        )
-
-    def new_session(
-        self,
-        target,
-        *,
-        sampling: SamplingSettings,
-        decode: DecodeConfig,
-        generator: torch.Generator | None = None,
-    ) -> OneRow:
-        """One sequence's drafting: `session_class`'s session of one row (kinds/eagle/
-        eagle_session.py; a kind built on this head names its own), driven as a DraftSession."""
-        return OneRow(
-            self.session_class(
-                self, target, 1, sampling=sampling, decode=decode, generator=generator
-            )
-        )
-
-    def batch_session(
-        self,
-        target,
-        batch_size: int,
-        *,
-        sampling: SamplingSettings,
-        decode: DecodeConfig,
-        generator: torch.Generator | None = None,
-    ) -> EagleSession:
-        """The same session for the chains of a batch's rows, drafted together (one head pass
-        per depth); EAGLE-2's trees go row by row."""
-        return self.session_class(
-            self, target, batch_size, sampling=sampling, decode=decode, generator=generator
         )
 
     def drafting_weights(self, int8: bool) -> EagleDraftingWeights | EagleModuleWeights:

@@ -26,7 +26,6 @@ from torch import nn
 from specdraft.attention import loss_targets, target_inputs
 from specdraft.core import (
     DecodeConfig,
-    SamplingSettings,
 )
 from specdraft.drafters.base import (
     Drafter,
@@ -37,7 +36,6 @@ from specdraft.drafters.base import (
 from specdraft.drafters.lean import SharedWeights
 from specdraft.drafters.position_tree import TreeShape, expected_length, tree_paths, tree_reach
 from specdraft.drafters.served import ServedDrafts, one_later
-from specdraft.drafters.sessions import OneRow
 from specdraft.kinds.medusa.medusa_config import MedusaConfig, MedusaDecode
 from specdraft.kinds.medusa.medusa_layers import MedusaHead
 from specdraft.kinds.medusa.medusa_session import MedusaSession
@@ -52,6 +50,7 @@ class MedusaDrafter(Drafter):
     kind = "medusa"
     drafts_after_prefill = True  # the heads read the target's state at the last verified token
     title = "Medusa"
+    session_class = MedusaSession
     batch_drafts = "all"  # the heads run over the batch at once, chains and trees
     config_class = MedusaConfig
     # Keys of model.safetensors a drafter loaded for decoding ignores: Medusa-2's adapter
@@ -178,38 +177,6 @@ class MedusaDrafter(Drafter):
     @property
     def reduced_vocab(self) -> bool:
         return len(self.d2t) < self.target.vocab_size
-
-    def new_session(
-        self,
-        target,
-        *,
-        sampling: SamplingSettings,
-        decode: DecodeConfig,
-        generator: torch.Generator | None = None,
-    ) -> OneRow:
-        """One sequence's drafting: the session of one row, driven as a DraftSession."""
-        return OneRow(self.batch_session(target, 1, sampling=sampling, decode=decode,
-                                         generator=generator))  # fmt: skip
-
-    def batch_session(
-        self,
-        target,
-        batch_size: int,
-        *,
-        sampling: SamplingSettings,
-        decode: DecodeConfig,
-        generator: torch.Generator | None = None,
-    ) -> MedusaSession:
-        """The drafting of `batch_size` rows, the heads run over every drafting row at once
-        (kinds/medusa/medusa_session.py)."""
-        decode = self.decode_settings(decode)  # the kind's own class, whatever was passed
-        if decode.acceptance == "typical":
-            # Typical acceptance needs no draft distribution q: the heads draft their top
-            # candidates, as the reference's do, rather than sampling from q.
-            sampling = SamplingSettings()
-        return MedusaSession(
-            self, target, batch_size, sampling=sampling, decode=decode, generator=generator
-        )
 
     def depth_cap(self) -> tuple[int, str]:
         return self.config.num_heads, f"one head a level ({self.config.num_heads} heads)"

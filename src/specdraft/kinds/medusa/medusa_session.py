@@ -90,6 +90,11 @@ class MedusaSession(BatchSession):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> None:
+        decode = drafter.decode_settings(decode)  # the kind's own class, whatever was passed
+        if decode.acceptance == "typical":
+            # Typical acceptance needs no draft distribution q: the heads draft their top
+            # candidates, as the reference's do, rather than sampling from q.
+            sampling = SamplingSettings()
         self.drafter = drafter
         self.sampling = sampling
         self.decode = decode

@@ -46,9 +46,8 @@ from specdraft.attention import document_seeds, document_spans
 from specdraft.config import choice
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, float_mask
 from specdraft.drafters.base import Metrics, sum_and_count
-from specdraft.drafters.position_tree import position_tree, tree_reach
+from specdraft.drafters.position_tree import slot_drafts, tree_reach
 from specdraft.drafters.served import one_later
-from specdraft.drafting import draft_chains
 from specdraft.kinds.eagle.eagle import EagleDrafter, default_feature_layers
 from specdraft.kinds.eagle.eagle_session import EagleSession
 from specdraft.losses import token_losses
@@ -447,21 +446,10 @@ class PEagleSession(EagleSession):
         columns = P - depth + torch.minimum(d[None], depth - 1)  # (rows, deepest)
         picked = h.gather(1, columns[..., None].expand(-1, -1, h.shape[-1]))
         logits = self._logits(picked)  # (rows, deepest, draft vocab)
-        if not self.decode.chain:  # one row: the tree of its slots' top candidates
-            tree = position_tree(
-                logits[0, : depths[0]], decode=self.decode, sampling=self.sampling,
-                generator=self.generator, vocab=self.vocab, device=self.device,
-            )  # fmt: skip
-            return [tree]
-        return draft_chains(
-            logits[:, 0],
-            lambda token, i: logits[:, i + 1],
-            depths=depths,
-            sampling=self.sampling,
-            generator=self.generator,
-            stop_below=self.decode.stop_below,
-            vocab=self.vocab,
-        )
+        return slot_drafts(
+            logits, depths, decode=self.decode, sampling=self.sampling,
+            generator=self.generator, vocab=self.vocab, device=self.device,
+        )  # fmt: skip
 
 
 # the head's sessions are EAGLE's, drafting through the parallel slots (EagleDrafter.new_session)
