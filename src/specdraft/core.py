@@ -364,15 +364,15 @@ def eos_ids(model, tokenizer=None) -> set[int]:
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
-# Fingerprint keys compared only where both sides record them (fingerprints written before
-# they existed carry none).
-_RECORDED_SINCE = ("weights",)
+# Fingerprint keys compared only where both sides record them: a target whose embedding could
+# not be read whole records no weights hash (targets/target.py's make_fingerprint).
+_OPTIONAL_KEYS = ("weights",)
 
 
 def fingerprint_differences(expected: Mapping, actual: Mapping) -> list[str]:
     """Human-readable differences between two target fingerprints (empty when they match)."""
     keys = sorted(set(expected) | set(actual))
-    keys = [k for k in keys if k not in _RECORDED_SINCE or (k in expected and k in actual)]
+    keys = [k for k in keys if k not in _OPTIONAL_KEYS or (k in expected and k in actual)]
     said = {
         "weights": "the embedding's weights differ: another checkpoint of the same shape (a base "
         "model and its instruct twin, a fine-tune); strict=False loads it anyway"
