@@ -34,10 +34,11 @@ def process_logits(logits: torch.Tensor, sampling: SamplingSettings) -> torch.Te
 
 @dataclass(frozen=True)
 class DraftVocab:
-    """A reduced draft vocabulary (EAGLE-3): draft id i is target id d2t[i]."""
+    """A reduced draft vocabulary (EAGLE-3's, Medusa's): draft id i is target id d2t[i]."""
 
     d2t: torch.Tensor  # (draft vocab,) target ids
     vocab_size: int  # the target's
+    t2d: torch.Tensor  # (vocab_size,) each target id's draft id, -1 outside the draft vocabulary
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return self.d2t[ids]

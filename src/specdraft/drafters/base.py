@@ -30,6 +30,7 @@ from specdraft.drafters.served import (
     greedy_confidence,
 )
 from specdraft.drafters.sessions import BatchSession, DraftSession, OneRow, RowSessions
+from specdraft.drafting import DraftVocab
 from specdraft.losses import DEFAULT_CHUNK_TOKENS
 
 # kind -> class, filled as each kind's class is defined (Drafter.__init_subclass__).
@@ -214,14 +215,10 @@ class Drafter(nn.Module):
         kind whose session samples position trees returns position_tree.tree_reach's."""
         return None
 
-    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary ids as the target's: the same where the kind drafts over the
-        target's vocabulary (the default)."""
-        return draft_ids
-
-    def draft_index_of(self) -> torch.Tensor | None:
-        """(target vocab,) each target id's index in the draft vocabulary (-1: outside it);
-        None where the kind drafts over the target's vocabulary (the default)."""
+    def draft_vocab(self) -> DraftVocab | None:
+        """The reduced vocabulary the kind drafts over (drafting.DraftVocab: its ids as the
+        target's and back), for its sessions and the simulation of serving; None where it
+        drafts over the target's vocabulary (the default)."""
         return None
 
     def prepare_batch(self, batch: dict, target, generator, shared) -> dict:

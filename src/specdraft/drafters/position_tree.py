@@ -345,7 +345,7 @@ def tree_reach(
         shape_at = lambda q_logits: confident_shape(q_logits, decode, divided)  # noqa: E731
     scored = batch["loss_mask"].bool()
     contexts = torch.cat([scored[:, 1:], torch.zeros_like(scored[:, :1])], dim=1)
-    d2t = drafter.target_ids(torch.arange(logits.shape[-1], device=logits.device))
+    vocab = drafter.draft_vocab()
     return sampled_tree_reach(
         logits,
         target_out.logits / temperature,
@@ -354,5 +354,5 @@ def tree_reach(
         batch["attention_mask"].sum(1),
         decode.gamma,
         shape_at,
-        d2t,
+        None if vocab is None else vocab.d2t,
     )

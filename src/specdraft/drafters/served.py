@@ -137,7 +137,7 @@ def _prob_of_next(logits: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
 #
 # The simulation asks a drafter (drafters/base.py) for no more than: `served_logits` (a chain's
 # logits after every position, through its training path), `chain_confidence` (where such a chain
-# stops), `target_ids` and `draft_index_of` (its draft vocabulary), and for trees
+# stops), `draft_vocab` (its draft vocabulary), and for trees
 # `served_tree_drafts` / `sampled_tree_reach`. What follows composes them, the same for every kind.
 
 
@@ -160,7 +160,8 @@ def served_drafts(drafter, batch, target_out, decode) -> ServedDrafts | None:
     logits = drafter.served_logits(batch, target_out, decode)
     if logits is None:
         return None
-    drafts = drafter.target_ids(logits.argmax(-1))
+    vocab = drafter.draft_vocab()
+    drafts = logits.argmax(-1) if vocab is None else vocab.to_target(logits.argmax(-1))
     confident = drafter.chain_confidence(batch, target_out, logits, decode)
     if logits.dim() == 3:  # one set per position: depth i + 1 after c is position c + i's
         drafts = along_positions(drafts, decode.gamma)
@@ -188,7 +189,8 @@ def sampled_reach(
         return None
     logits = logits / temperature  # q as the session processes it (no top-k, top-p)
     confident = drafter.chain_confidence(batch, target_out, logits, decode)
+    vocab = drafter.draft_vocab()
     return chain_reach(
         logits, target_out.logits / temperature, confident, batch["input_ids"],
-        decode.gamma, drafter.draft_index_of(),
+        decode.gamma, None if vocab is None else vocab.t2d,
     )  # fmt: skip

@@ -47,6 +47,7 @@ from specdraft.drafters.lean import (
     lean_supported,
 )
 from specdraft.drafters.served import one_later
+from specdraft.drafting import DraftVocab
 from specdraft.kinds.eagle.eagle_layers import (
     Eagle3Layer,
     eagle1_reference_layer,
@@ -505,8 +506,7 @@ class EagleDrafter(Drafter):
         )  # (batch, seq - 1, gamma, draft vocab)
         return one_later(logits, 0.0)  # nothing is drafted after the first token alone
 
-    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return self.d2t[draft_ids] if self.config.version == "eagle3" else draft_ids
-
-    def draft_index_of(self) -> torch.Tensor | None:
-        return self.t2d if self.config.version == "eagle3" else None
+    def draft_vocab(self) -> DraftVocab | None:
+        if self.config.version != "eagle3":  # EAGLE-1 drafts through the target's LM head
+            return None
+        return DraftVocab(self.d2t, self.target.vocab_size, self.t2d)

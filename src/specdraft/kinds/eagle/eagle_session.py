@@ -21,7 +21,7 @@ from specdraft.drafters.lean import (
     use_int8,
 )
 from specdraft.drafters.sessions import BatchSession, check_features_known
-from specdraft.drafting import DraftVocab, draft_chains, draft_tree
+from specdraft.drafting import draft_chains, draft_tree
 
 if TYPE_CHECKING:
     from specdraft.kinds.eagle.eagle import EagleDrafter
@@ -190,11 +190,7 @@ class EagleSession(BatchSession):
         self.head = drafter
         self.sampling, self.decode, self.generator = sampling, decode, generator
         int8 = use_int8(decode.draft_weights, target.device, "the head's full weights")
-        self.vocab = (
-            DraftVocab(drafter.d2t, drafter.target.vocab_size)
-            if drafter.config.version == "eagle3"
-            else None
-        )
+        self.vocab = drafter.draft_vocab()
         self.capture_layers: list[int] = list(drafter.capture_layers)
         self.w = drafter.drafting_weights(int8)  # lean's, or the head's modules
         if int8 and not self.w.int8:

@@ -36,6 +36,7 @@ from specdraft.drafters.base import (
 from specdraft.drafters.lean import SharedWeights
 from specdraft.drafters.position_tree import TreeShape, expected_length, tree_paths, tree_reach
 from specdraft.drafters.served import ServedDrafts, one_later
+from specdraft.drafting import DraftVocab
 from specdraft.kinds.medusa.medusa_config import MedusaConfig, MedusaDecode
 from specdraft.kinds.medusa.medusa_layers import MedusaHead
 from specdraft.kinds.medusa.medusa_session import MedusaSession
@@ -462,11 +463,10 @@ class MedusaDrafter(Drafter):
 
         return tree_reach(self, batch, target_out, decode, shape, temperature)
 
-    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return self.d2t[draft_ids]
-
-    def draft_index_of(self) -> torch.Tensor | None:
-        return self.t2d
+    def draft_vocab(self) -> DraftVocab | None:
+        return (
+            DraftVocab(self.d2t, self.target.vocab_size, self.t2d) if self.reduced_vocab else None
+        )
 
     @torch.no_grad()
     def eval_statistics(

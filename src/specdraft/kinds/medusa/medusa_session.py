@@ -15,7 +15,6 @@ from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettin
 from specdraft.drafters.lean import DraftLinear, use_int8
 from specdraft.drafters.position_tree import TreeShape, position_tree, tree_paths
 from specdraft.drafters.sessions import BatchSession
-from specdraft.drafting import DraftVocab
 
 if TYPE_CHECKING:
     from specdraft.kinds.medusa.medusa import MedusaDrafter
@@ -103,7 +102,7 @@ class MedusaSession(BatchSession):
         int8 = use_int8(decode.draft_weights, target.device, "the heads' full weights")
         params = [*drafter.parameters(), drafter.target.model.get_output_embeddings().weight]
         self.w = drafter._drafting.get(params, int8, lambda: MedusaDraftingWeights(drafter, int8))
-        self.vocab = DraftVocab(drafter.d2t, target.vocab_size) if drafter.reduced_vocab else None
+        self.vocab = drafter.draft_vocab()
         self.depth = min(decode.gamma, drafter.config.num_heads)
         self.lossy = not decode.lossless
         self.h: list[torch.Tensor | None] = [None] * rows  # (hidden,) at the last verified
