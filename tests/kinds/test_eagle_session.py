@@ -10,7 +10,8 @@ from testkit import perturb
 from transformers import DynamicCache
 
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings, compact
-from specdraft.drafters.prompt_lookup import CopyingSession
+from specdraft.drafters.prompt_lookup import CopyingRows
+from specdraft.drafters.sessions import OneRow
 from specdraft.drafting import process_logits
 from specdraft.inference import generate
 from specdraft.inference.tree import tree_attention
@@ -131,22 +132,24 @@ def test_lookup_drafts_repeats_without_the_head_and_stays_exact(tiny_target, tra
     the rest by the head; greedy output is still the target's own."""
     greedy = SamplingSettings()
     prompt = PROMPTS[0] * 3  # a context that repeats
-    session = CopyingSession(new_session(trained_head, tiny_target, greedy, gamma=4), 2, gamma=4)
+    head = new_session(trained_head, tiny_target, greedy, gamma=4).rows
+    copying = CopyingRows(head, 1, 2, gamma=4)
     head_passes = 0
-    step = session.inner.rows._step
+    step = head._step
 
     def counting_step(*args, **kwargs):
         nonlocal head_passes
         head_passes += 1
         return step(*args, **kwargs)
 
-    session.inner.rows._step = counting_step
-    tokens, _, accepted = drive(tiny_target, session, prompt, 24, greedy)
+    head._step = counting_step
+    tokens, _, accepted = drive(tiny_target, OneRow(copying), prompt, 24, greedy)
     assert tokens == plain_greedy(tiny_target, prompt, 24)
-    assert session.copied_passes > 0 and accepted > 0
+    copied = copying.row_copied_passes(0)
+    assert copied > 0 and accepted > 0
     forwards = 24 - accepted  # each verification forward emits its accepted tokens plus one
     # a head-drafted step runs at most gamma passes; a copied one runs none
-    assert 0 < head_passes <= 4 * (forwards - session.copied_passes)
+    assert 0 < head_passes <= 4 * (forwards - copied)
 
 
 def test_generate_reports_the_passes_a_hybrid_copied(tiny_target, trained_head, monkeypatch):

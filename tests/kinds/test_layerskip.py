@@ -10,6 +10,7 @@ from spec_helpers import chi_square_p_value, first_two_joint, make_target, tiny_
 
 from specdraft.inference import generate
 from specdraft.kinds.layerskip.layerskip import LayerSkipConfig, LayerSkipDrafter
+from specdraft.kinds.layerskip.layerskip_session import LayerSkipSession
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = [pytest.mark.exact, pytest.mark.usefixtures("one_thread")]
@@ -56,6 +57,11 @@ def test_long_copies_between_own_drafts_stay_exact(deep_target, exit_layer, monk
         return record(stats, drafted, depth, *args)
 
     monkeypatch.setattr(Stats, "record_step", spy)
+    own = []  # whether each verification was the session's own (late layers only)
+    verify = LayerSkipSession.verify
+    monkeypatch.setattr(
+        LayerSkipSession, "verify", lambda s, *a: own.append(v := verify(s, *a)) or v
+    )
     drafter = self_drafter(deep_target, exit_layer)
     out = generate(
         deep_target, prompt, drafter, max_new_tokens=40, gamma=2, lookup_ngram=2, lookup_gamma=8
@@ -64,6 +70,8 @@ def test_long_copies_between_own_drafts_stay_exact(deep_target, exit_layer, monk
     s = out.stats
     assert 0 < s.copied_passes < s.target_passes - 1  # copies, and drafts of its own
     assert max(depths) > 2
+    # copying in front still lets the session verify its own drafts on the shared cache
+    assert any(v is not None for v in own) and any(v is None for v in own)
 
 
 def test_the_early_layers_run_once_per_token(deep_target, monkeypatch):

@@ -6,14 +6,14 @@ tokens, else the earliest (inside a repeating run, the latest is followed by alm
 It needs no weights and no cache, and its tokens are deterministic (point masses), so
 verification stays lossless when sampling.
 
-`CopyingSession` puts it in front of any drafter's session (`DecodeConfig.lookup_ngram`): where
-the context repeats itself the draft is copied for free, elsewhere the drafter drafts. The same
-split as suffix decoding beside a model drafter in Arctic Inference.
+`CopyingRows` puts it in front of any drafter's session (`DecodeConfig.lookup_ngram`): where a
+row's context repeats itself the draft is copied for free, elsewhere the drafter drafts. The
+same split as suffix decoding beside a model drafter in Arctic Inference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -73,64 +73,24 @@ class PromptLookupSession(DraftSession):
         return DraftTree.empty(1, seq.device)
 
 
-class CopyingSession(DraftSession):
-    """Any drafter's session with prompt lookup in front: where the context's last `ngram` or
-    more tokens occurred before, the draft is copied from what followed them (no drafter pass),
-    up to `gamma` tokens (the loop passes DecodeConfig.lookup_gamma, else the drafter's gamma);
-    elsewhere `inner` drafts. The inner session still sees every verification (`accept` with the
-    copied tree), so a drafter fed by the target's features (EAGLE) gets the verified tokens'
-    features, and one with a KV cache feeds them at its next proposal."""
-
-    def __init__(self, inner: DraftSession, ngram: int, gamma: int) -> None:
-        self.inner = inner
-        self.lookup = PromptLookupSession(max(3, ngram), ngram, gamma)
-        self.capture_layers: Sequence[int] = inner.capture_layers
-        self.copied_passes = 0  # proposals copied rather than drafted
-        self.lossy = inner.lossy  # the inner session's acceptance rule verifies copies too
-        self.drafts_on_target_cache = inner.drafts_on_target_cache
-
-    def propose(self, context: DraftContext) -> DraftTree:
-        tree = self.lookup.propose(context)
-        if len(tree):
-            self.copied_passes += 1
-            return tree
-        return self.inner.propose(context)
-
-    def bind_cache(self, cache) -> None:
-        self.inner.bind_cache(cache)
-
-    def verify_sampled(self, tree: DraftTree, p, generator):
-        return self.inner.verify_sampled(tree, p, generator)
-
-    def verify(self, tree: DraftTree, logits_to_keep: int):
-        """The inner session's own verification of its draft, if it has one; else None (the
-        loop's full forward, which also verifies every copy)."""
-        return self.inner.verify(tree, logits_to_keep)
-
-    def accept(
-        self,
-        tree: DraftTree,
-        path: list[int],
-        hidden_states: Mapping[int, torch.Tensor] | None = None,
-    ) -> None:
-        self.inner.accept(tree, path, hidden_states)
-
-    def extra_memory_bytes(self) -> int:
-        return self.inner.extra_memory_bytes()
-
-
 class CopyingRows(BatchSession):
-    """CopyingSession for a batch: where a row's context repeats itself its draft is copied
-    (prompt lookup, no drafter pass), and `inner` drafts the other rows (it gets None for a
-    copied row, and then that row's copied tree at `accept`, as CopyingSession's inner session
-    does)."""
+    """Any drafter's session with prompt lookup in front, for the rows of a generate call (one
+    for a prompt alone): where a row's context repeats itself its draft is copied from what
+    followed the repeat (no drafter pass), up to `gamma` tokens (the loop passes
+    DecodeConfig.lookup_gamma, else the drafter's gamma); `inner` drafts the other rows. The
+    inner session gets None for a copied row, then that row's copied tree at `accept`, so a
+    drafter fed by the target's features (EAGLE) gets the verified tokens' features, and one
+    with a KV cache feeds them at its next proposal. A session that drafts on the target's
+    cache (LayerSkip, a prompt alone) keeps it: `bind_cache` and `verify` pass through, and its
+    `verify` of a copy is the loop's full forward."""
 
     def __init__(self, inner: BatchSession, rows: int, ngram: int, gamma: int) -> None:
         self.inner = inner
         self.lookups = [PromptLookupSession(max(3, ngram), ngram, gamma) for _ in range(rows)]
         self.copied = [0] * rows  # proposals copied rather than drafted, per row
         self.capture_layers = inner.capture_layers
-        self.lossy = inner.lossy
+        self.lossy = inner.lossy  # the inner session's acceptance rule verifies copies too
+        self.drafts_on_target_cache = inner.drafts_on_target_cache
 
     def propose(self, contexts: Sequence[DraftContext | None]) -> list[DraftTree]:
         copies = [
@@ -147,6 +107,12 @@ class CopyingRows(BatchSession):
 
     def accept(self, trees, paths, hidden_states) -> None:
         self.inner.accept(trees, paths, hidden_states)
+
+    def bind_cache(self, cache) -> None:
+        self.inner.bind_cache(cache)
+
+    def verify(self, trees, logits_to_keep):
+        return self.inner.verify(trees, logits_to_keep)
 
     def verify_sampled(self, row, tree, p, generator):
         return self.inner.verify_sampled(row, tree, p, generator)

@@ -46,7 +46,7 @@ from specdraft.core import (
     owner_of,
 )
 from specdraft.drafters.base import Drafter, hf_model_kind, warn_once
-from specdraft.drafters.prompt_lookup import CopyingRows, CopyingSession, PromptLookupDrafter
+from specdraft.drafters.prompt_lookup import CopyingRows, PromptLookupDrafter
 from specdraft.drafters.sessions import BatchSession, OneRow, RowSessions
 from specdraft.drafting import process_logits
 from specdraft.inference.metrics import Stats
@@ -425,14 +425,9 @@ def _start_session(target, drafter, sampling, generator, decode, settings, batch
         stats.lossy = session.lossy and not sampling.greedy
         return session, stats, decode
     session = drafter.new_session(target, sampling=sampling, decode=decode, generator=generator)
-    gamma = decode.lookup_gamma or decode.gamma
-    if isinstance(session, OneRow):  # a kind whose one session drafts rows: it, for one row
-        session = session.rows
-        if copying:
-            session = CopyingRows(session, 1, decode.lookup_ngram, gamma)
-    else:  # a sequence's session, in a batch of one
-        if copying:
-            session = CopyingSession(session, decode.lookup_ngram, gamma)
-        session = RowSessions([session])
+    # a batch of one: the kind's session of one row, or its sequence's session in a RowSessions
+    session = session.rows if isinstance(session, OneRow) else RowSessions([session])
+    if copying:
+        session = CopyingRows(session, 1, decode.lookup_ngram, decode.lookup_gamma or decode.gamma)
     stats.lossy = session.lossy and not sampling.greedy
     return session, stats, decode

@@ -191,7 +191,7 @@ def simulate_serving(
     ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     lengths = batch["attention_mask"].sum(1)
     lookup = None
-    if decode.lookup_ngram > 0:  # as generate builds its CopyingSession
+    if decode.lookup_ngram > 0:  # as generate builds its CopyingRows
         ngram = decode.lookup_ngram
         lookup = PromptLookupSession(max(3, ngram), ngram, decode.lookup_gamma or decode.gamma)
     for b in range(loss_mask.shape[0]):
