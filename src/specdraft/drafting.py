@@ -149,8 +149,9 @@ def draft_chains(
     rows, deepest = logits.shape[0], max(depths, default=0)
     if deepest <= 0:
         return [DraftTree.empty(1, logits.device) for _ in range(rows)]
-    deeper = torch.tensor(depths, device=logits.device)  # a row goes on below level i + 1 ...
-    going = torch.ones(rows, dtype=torch.bool, device=logits.device)  # ... while it is sure
+    if stop_below > 0:  # a row goes on below level i + 1 (deeper) while it is sure (going)
+        deeper = torch.tensor(depths, device=logits.device)
+        going = torch.ones(rows, dtype=torch.bool, device=logits.device)
     tokens, qs, sure = [], [], []
     for i in range(deepest):
         token, q = draft_token(logits, sampling, generator, vocab)
