@@ -142,7 +142,9 @@ def fitted_medusa_heads(
     heads.eval()
     if measure:
         # as load_drafter gives a checkpoint's
-        heads.heldout = heads.heldout_summary(heads.eval_statistics(batch, out))
+        heads.checkpoint = heads.checkpoint.with_heldout(
+            heads.heldout_summary(heads.eval_statistics(batch, out))
+        )
     return heads
 
 

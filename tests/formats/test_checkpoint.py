@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from specdraft.drafters.base import Drafter
+from specdraft.drafters.base import CheckpointRecord, Drafter
 from specdraft.formats import checkpoint
 from specdraft.formats.checkpoint import CheckpointError, check_complete, save_drafter
 from specdraft.formats.reading import load_decoding, load_drafter
@@ -41,7 +41,7 @@ def test_distill_round_trip_is_bit_exact_and_a_plain_hf_folder(tiny_target, stud
     loaded = load_drafter(folder, tiny_target)
     _same_state(student, loaded)
     assert loaded.config == student.config
-    assert loaded.target_fingerprint == tiny_target.fingerprint
+    assert loaded.checkpoint.target_fingerprint == tiny_target.fingerprint
 
     block = json.loads((folder / "config.json").read_text())["specdraft"]
     assert block["kind"] == "distill"
@@ -133,7 +133,7 @@ class _HeadConfig:
 class _HeadDrafter(Drafter):
     kind = "toyhead"
     config_class = _HeadConfig
-    shared_with_target = ("lm_head.weight",)
+    checkpoint = CheckpointRecord(shared_with_target=("lm_head.weight",))
 
     def __init__(self, config: _HeadConfig, lm_head: nn.Linear):
         super().__init__()

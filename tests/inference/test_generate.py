@@ -6,6 +6,7 @@ a clear error. Every run checks that drafting happened, so none passes vacuously
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -399,7 +400,8 @@ def test_settings_a_kind_cannot_honour_are_named_once(random_target, drafts, mon
 
 def test_a_drafter_trained_for_another_target_is_refused(random_target, drafts):
     drafter = DistillDrafter(drafts["copy"])
-    drafter.target_fingerprint = dict(random_target.fingerprint, hidden_size=4096)
+    fingerprint = dict(random_target.fingerprint, hidden_size=4096)
+    drafter.checkpoint = replace(drafter.checkpoint, target_fingerprint=fingerprint)
     with pytest.raises(ValueError, match=r"another target.*hidden_size"):
         generate(random_target, PROMPT, drafter, max_new_tokens=4)
 

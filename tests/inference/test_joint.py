@@ -79,8 +79,10 @@ def medusa_heads(target) -> MedusaDrafter:
         "attention_mask": torch.ones_like(ids),
         "loss_mask": torch.ones_like(ids),
     }
-    heads.heldout = heads.heldout_summary(  # as load_drafter gives a checkpoint's
-        heads.eval_statistics(batch, target.forward(ids, capture_layers=[target.num_layers]))
+    out = target.forward(ids, capture_layers=[target.num_layers])
+    # as load_drafter gives a checkpoint's
+    heads.checkpoint = heads.checkpoint.with_heldout(
+        heads.heldout_summary(heads.eval_statistics(batch, out))
     )
     return heads
 

@@ -202,7 +202,9 @@ def test_checkpoint_round_trip_keeps_weights_accuracy_and_decoding(random_target
     )
     loaded = load_drafter(tmp_path / "heads", random_target)
     assert isinstance(loaded, MedusaDrafter) and load_decoding(tmp_path / "heads") == decode
-    assert loaded.heldout == heldout and heads.heldout == {}  # the checkpoint's, not the module's
+    assert (
+        loaded.checkpoint.heldout == heldout and heads.checkpoint.heldout == {}
+    )  # the checkpoint's, not the module's
     for (k, a), (k2, b) in zip(
         heads.state_dict().items(), loaded.state_dict().items(), strict=True
     ):

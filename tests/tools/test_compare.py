@@ -199,7 +199,7 @@ def test_a_medusa_tree_gets_its_own_simulated_tau(tiny_target):
     from specdraft.train.comparison import Family, served_simulated_tau
 
     heads = MedusaDrafter.build(MedusaConfig(num_heads=2, accuracy_ranks=2), tiny_target)
-    heads.heldout = {"accuracy_greedy": [[0.5, 0.2], [0.4, 0.1]]}  # (head, rank)
+    heads.checkpoint = heads.checkpoint.with_heldout({"accuracy_greedy": [[0.5, 0.2], [0.4, 0.1]]})
     tree = DecodeConfig(tree_top_k=2, tree_budget=4, gamma=2)
     # the 4 likeliest nodes: (0) 0.5, (0, 0) 0.2, (1) 0.2, (1, 0) 0.08 (over (0, 1)'s 0.05)
     expected = 1 + 0.5 + 0.2 + 0.2 + 0.08
@@ -209,7 +209,7 @@ def test_a_medusa_tree_gets_its_own_simulated_tau(tiny_target):
     assert served == (pytest.approx(expected), "served")
     chain = asdict(tree.replace(tree_top_k=1))
     assert served_simulated_tau(found, chain) == (pytest.approx(1 + 0.5 + 0.5 * 0.4), "served")
-    heads.heldout = {}
+    heads.checkpoint = heads.checkpoint.with_heldout({})
     assert heads.predicted_tree_tau(tree) is None
     unmeasured = Family("medusa", alpha_greedy=[0.5, 0.4], tree_tau=None)
     assert served_simulated_tau(unmeasured, asdict(tree)) == (

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import ClassVar
 
@@ -38,6 +38,26 @@ _KINDS: dict[str, type[Drafter]] = {}
 _BUILTIN_IMPORTED: list[bool] = []
 
 
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """What a drafter's checkpoint folder says beside the drafter's own tensors: how the kind
+    lays its weights out (set on the class), and what the folder recorded (load_drafter fills it
+    in; the trainer's evaluation reads a copy with its latest held-out statistics)."""
+
+    # The fingerprint of the target the drafter was trained against (None: unknown).
+    target_fingerprint: dict | None = None
+    # Its held-out statistics (`heldout_summary`'s, as saved; Medusa's per-rank accuracies,
+    # which shape its tree): read by its sessions and the simulation of serving.
+    heldout: Mapping = field(default_factory=lambda: MappingProxyType({}))
+    # State-dict names copied from the target: recorded in the checkpoint, not stored.
+    shared_with_target: tuple[str, ...] = ()
+    # Prefixes of saved weight names that only training uses (Medusa-2's adapters).
+    training_only_prefixes: tuple[str, ...] = ()
+
+    def with_heldout(self, heldout: Mapping) -> CheckpointRecord:
+        return replace(self, heldout=MappingProxyType(dict(heldout)))
+
+
 class Drafter(nn.Module):
     """Base of every trained drafter kind: weights on the module, state in sessions.
 
@@ -51,11 +71,9 @@ class Drafter(nn.Module):
     config_class: ClassVar[type | None] = None
     # A display name for messages ("Medusa", "LayerSkip"); the kind itself when empty.
     title: ClassVar[str] = ""
-    # The fingerprint of the target a loaded drafter was trained against (None: unknown).
-    target_fingerprint: dict | None = None
-    # The held-out statistics its checkpoint carries (`heldout_summary`'s, as saved; Medusa's
-    # per-rank accuracies, which shape its tree): given by load_drafter, read by its sessions.
-    heldout: Mapping = MappingProxyType({})
+    # What its checkpoint records beside its own tensors: the kind's layout (a class-wide
+    # CheckpointRecord) with what load_drafter read from the folder.
+    checkpoint: CheckpointRecord = CheckpointRecord()
     # The session's first proposal, before the target has verified the prompt, is empty: a
     # drafter fed by the target's hidden states has none yet (EAGLE, Medusa, DFlash). The
     # simulation of serving starts the same way.
@@ -93,10 +111,6 @@ class Drafter(nn.Module):
     # settings only it takes (LayerSkip's exit layer, Medusa's acceptance rule). Another kind's
     # setting is an error naming its owner (DecodeConfig.of).
     decode_class: ClassVar[type[DecodeConfig]] = DecodeConfig
-    # State-dict names copied from the target: recorded in the checkpoint, not stored.
-    shared_with_target: tuple[str, ...] = ()
-    # Prefixes of saved weight names that only training uses (none by default; see Medusa).
-    training_only_prefixes: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

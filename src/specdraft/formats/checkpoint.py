@@ -97,7 +97,7 @@ def save_drafter(
             "config": dataclasses.asdict(drafter.config),
             "decode": dataclasses.asdict(drafter.decode_settings(decode)),
             # what its evaluation measured for decoding (Drafter.heldout_summary)
-            "heldout": dict(heldout if heldout is not None else drafter.heldout),
+            "heldout": dict(heldout if heldout is not None else drafter.checkpoint.heldout),
             "target_fingerprint": target_fingerprint,
             "provenance": {"git_commit": git_commit(), **(provenance or {})},
         }
@@ -114,7 +114,7 @@ def save_drafter(
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp)
         else:
-            shared = set(drafter.shared_with_target)
+            shared = set(drafter.checkpoint.shared_with_target)
             state = {
                 k: v.detach().contiguous().cpu()
                 for k, v in drafter.state_dict().items()
@@ -316,9 +316,11 @@ def load_checkpoint(
         drafter = cls.from_checkpoint(config, target, model)
     else:
         drafter = cls.from_checkpoint(config, target, None)
-        missing, unexpected, drafter.heldout = read_weights(drafter, folder, meta)
+        missing, unexpected, heldout = read_weights(drafter, folder, meta)
+        drafter.checkpoint = drafter.checkpoint.with_heldout(heldout)
         # weights only training uses (Medusa-2's adapters, which decoding has merged in)
-        unexpected = [k for k in unexpected if not k.startswith(cls.training_only_prefixes)]
+        only_training = cls.checkpoint.training_only_prefixes
+        unexpected = [k for k in unexpected if not k.startswith(only_training)]
         if missing or unexpected:
             raise CheckpointError(
                 f"{folder / WEIGHTS_NAME} does not fit the {kind} drafter its config describes: "
@@ -327,7 +329,8 @@ def load_checkpoint(
             )
     drafter.to(device=device, dtype=dtype).eval()  # drafting, not training: no dropout
     if meta is not None:
-        drafter.target_fingerprint = meta.get("target_fingerprint")
+        fingerprint = meta.get("target_fingerprint")
+        drafter.checkpoint = dataclasses.replace(drafter.checkpoint, target_fingerprint=fingerprint)
     return drafter
 
 

@@ -392,7 +392,7 @@ def _start_session(target, drafter, sampling, generator, decode, settings, batch
             f"{type(drafter).__name__}"
         )
     check_fingerprint(
-        drafter.target_fingerprint,
+        drafter.checkpoint.target_fingerprint,
         target.fingerprint,
         f"this {drafter.kind} drafter",
     )

@@ -84,7 +84,7 @@ def simulate_serving(
     total, how = Stats(), "served"
     model.eval()
     loaded = copy.copy(model)  # after eval(): its flag is copied, its modules are shared
-    loaded.heldout = heldout
+    loaded.checkpoint = model.checkpoint.with_heldout(heldout)
     try:
         for chunk, weight in chunks:
             batch = collate([examples[i] for i in chunk], acc.device)
@@ -126,7 +126,7 @@ def expected_tau(
     passes = torch.zeros((), device=acc.device, dtype=torch.float64)
     model.eval()
     loaded = copy.copy(model)
-    loaded.heldout = heldout
+    loaded.checkpoint = model.checkpoint.with_heldout(heldout)
     try:
         for chunk, weight in chunks:
             batch = collate([examples[i] for i in chunk], acc.device)

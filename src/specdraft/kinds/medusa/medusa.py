@@ -28,6 +28,7 @@ from specdraft.core import (
     DecodeConfig,
 )
 from specdraft.drafters.base import (
+    CheckpointRecord,
     Drafter,
     Metrics,
     sum_and_count,
@@ -54,9 +55,9 @@ class MedusaDrafter(Drafter):
     session_class = MedusaSession
     batch_drafts = "all"  # the heads run over the batch at once, chains and trees
     config_class = MedusaConfig
-    # Keys of model.safetensors a drafter loaded for decoding ignores: Medusa-2's adapter
-    # weights, which decoding gets merged into the target (load_target(..., adapter=...)).
-    training_only_prefixes = ("lora.",)
+    # A drafter loaded for decoding ignores Medusa-2's adapter weights in model.safetensors:
+    # decoding gets them merged into the target (load_target(..., adapter=...)).
+    checkpoint = CheckpointRecord(training_only_prefixes=("lora.",))
     # Per head and rank r < accuracy_ranks, measured on held-out data by every evaluation
     # (heldout_summary, saved in the checkpoint's config): how often the head's r-th candidate
     # is the target's greedy token, and the target's mean probability of it. The tree is built
@@ -510,7 +511,7 @@ class MedusaDrafter(Drafter):
         """(K, R) the per-rank accuracies its checkpoint carries for this way of decoding, or
         None for heads never evaluated (eval_every=0, a published head) or measured at another
         shape."""
-        values = self.heldout.get("accuracy_greedy" if greedy else "accuracy_sampled")
+        values = self.checkpoint.heldout.get("accuracy_greedy" if greedy else "accuracy_sampled")
         if values is None:
             return None
         acc = torch.tensor(values, dtype=torch.float)

@@ -169,7 +169,8 @@ def drafter_from(weights: HeadWeights, target: Target) -> MedusaDrafter:
     )
     drafter = MedusaDrafter(config, target, d2t=weights.d2t)
     if weights.accuracy:  # the tree the heads were measured to draw, not an assumed one
-        drafter.heldout = {f"accuracy_{k}": weights.accuracy[k] for k in ("greedy", "sampled")}
+        accuracy = {f"accuracy_{k}": weights.accuracy[k] for k in ("greedy", "sampled")}
+        drafter.checkpoint = drafter.checkpoint.with_heldout(accuracy)
     with torch.no_grad():
         for head, blocks, out in zip(drafter.heads, weights.blocks, weights.out, strict=True):
             for block, (w, b) in zip(head.blocks, blocks, strict=True):
