@@ -53,7 +53,7 @@ def test_distilled_chains_draft_through_the_lean_model(random_target, drafts, we
     (trees through the HF model): same greedy output, and a copy of the target is still always
     right (full weights)."""
     from specdraft.core import DecodeConfig, SamplingSettings
-    from specdraft.drafters.lean import LeanModel
+    from specdraft.kinds.distill.distill_layers import LeanModel
 
     ref = hf_greedy(random_target, PROMPT, 24)
     for name in ("copy", "partial"):

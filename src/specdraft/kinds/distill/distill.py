@@ -21,12 +21,9 @@ from specdraft.attention import model_inputs
 from specdraft.config import choice
 from specdraft.core import DecodeConfig, SamplingSettings
 from specdraft.drafters.base import Drafter, Metrics, sum_and_count
-from specdraft.drafters.lean import (
-    ModelWeights,
-    SharedWeights,
-    lean_model_supported,
-)
+from specdraft.drafters.lean import SharedWeights
 from specdraft.drafting import draft_token
+from specdraft.kinds.distill.distill_layers import ModelWeights, lean_model_supported
 from specdraft.kinds.distill.distill_session import DistillSession
 from specdraft.losses import divergence_per_row, token_losses
 from specdraft.targets.target import final_logits

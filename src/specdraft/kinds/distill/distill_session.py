@@ -19,9 +19,10 @@ from specdraft.core import (
     float_mask,
 )
 from specdraft.drafters.base import vocab_mismatch_error, warn_once
-from specdraft.drafters.lean import LeanModel, ModelWeights, ModuleModel, use_int8
+from specdraft.drafters.lean import use_int8
 from specdraft.drafters.sessions import BatchSession
 from specdraft.drafting import draft_chains, draft_tree
+from specdraft.kinds.distill.distill_layers import LeanModel, ModelWeights, ModuleModel
 
 if TYPE_CHECKING:
     from specdraft.kinds.distill.distill import DistillDrafter
