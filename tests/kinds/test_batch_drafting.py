@@ -295,3 +295,15 @@ def test_sampled_rows_follow_the_target(kind, options):
         perturb(head.parameters(), 0.5)  # an untrained drafter that still drafts varied tokens
     assert isinstance(batch_session(head, target, 4, **options), SESSION[kind])
     sampled_rows_follow_the_target(target, head, **options)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_a_session_of_several_rows_refuses_trees(random_target, kind):
+    """Trees of a batch draft row by row (new_batch_session hands out RowSessions): the kind's
+    session built for several rows directly says so."""
+    drafter = _drafter(kind, random_target)
+    decode = drafter.decode_settings(None, tree_top_k=2)
+    with pytest.raises(ValueError, match="drafts trees for one row, got 2"):
+        SESSION[kind](drafter, random_target, 2, sampling=SamplingSettings(), decode=decode)
+    rows = drafter.new_batch_session(random_target, 2, sampling=SamplingSettings(), decode=decode)
+    assert isinstance(rows, RowSessions)

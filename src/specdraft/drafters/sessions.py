@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from specdraft.core import DraftContext, DraftTree
+from specdraft.core import DecodeConfig, DraftContext, DraftTree
 
 
 class DraftSession:
@@ -209,6 +209,18 @@ class OneRow(DraftSession):
 
     def extra_memory_bytes(self) -> int:
         return self.rows.extra_memory_bytes()
+
+
+def check_trees_alone(
+    session: BatchSession, rows: int, decode: DecodeConfig, drafts_trees: bool = True
+) -> None:
+    """A session drafts a tree (tree_top_k > 1, for a kind that `drafts_trees`) for one row
+    only: ValueError for a session of several, whose trees the batch drafts row by row."""
+    if drafts_trees and not decode.chain and rows != 1:
+        raise ValueError(
+            f"{type(session).__name__} drafts trees for one row, got {rows}: a batch drafts "
+            "trees row by row (Drafter.new_batch_session)"
+        )
 
 
 def check_features_known(session: str, known: int, length: int, row: int | None = None) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
 from specdraft.drafters.position_tree import slot_drafts
-from specdraft.drafters.sessions import BatchSession, check_features_known
+from specdraft.drafters.sessions import BatchSession, check_features_known, check_trees_alone
 from specdraft.kinds.eagle.eagle_session import verified_rows
 
 if TYPE_CHECKING:
@@ -56,11 +56,7 @@ class DFlashSession(BatchSession):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> None:
-        if not decode.chain and drafter.drafts_trees and rows != 1:
-            raise ValueError(
-                f"{type(self).__name__} drafts trees for one row, got {rows}: a batch drafts "
-                "trees row by row (Drafter.new_batch_session)"
-            )
+        check_trees_alone(self, rows, decode, drafter.drafts_trees)
         self.drafter = drafter
         self.sampling, self.decode, self.generator = sampling, decode, generator
         self.capture_layers: list[int] = list(drafter.capture_layers)

@@ -20,7 +20,7 @@ from specdraft.core import (
 )
 from specdraft.drafters.base import vocab_mismatch_error, warn_once
 from specdraft.drafters.lean import use_int8
-from specdraft.drafters.sessions import BatchSession
+from specdraft.drafters.sessions import BatchSession, check_trees_alone
 from specdraft.drafting import draft_chains, draft_tree
 from specdraft.kinds.distill.distill_layers import LeanModel, ModelWeights, ModuleModel
 
@@ -63,11 +63,7 @@ class DistillSession(BatchSession):
         if drafter.vocab_size != target.vocab_size:
             raise vocab_mismatch_error("the draft model", drafter.vocab_size, target)
         decode = drafter.decode_settings(decode)  # the kind's own class, whatever was passed
-        if not decode.chain and rows != 1:
-            raise ValueError(
-                f"{type(self).__name__} drafts trees for one row, got {rows}: a batch drafts "
-                "trees row by row (Drafter.new_batch_session)"
-            )
+        check_trees_alone(self, rows, decode)
         model = drafter.hf_model
         self.model, self.decode = model, decode
         self.sampling, self.generator = sampling, generator

@@ -20,7 +20,7 @@ from specdraft.drafters.lean import (
     rms,
     use_int8,
 )
-from specdraft.drafters.sessions import BatchSession, check_features_known
+from specdraft.drafters.sessions import BatchSession, check_features_known, check_trees_alone
 from specdraft.drafting import draft_chains, draft_tree
 
 if TYPE_CHECKING:
@@ -182,11 +182,7 @@ class EagleSession(BatchSession):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> None:
-        if not decode.chain and rows != 1:
-            raise ValueError(
-                f"{type(self).__name__} drafts trees for one row, got {rows}: a batch drafts "
-                "EAGLE-2's trees row by row (Drafter.new_batch_session)"
-            )
+        check_trees_alone(self, rows, decode)
         self.head = drafter
         self.sampling, self.decode, self.generator = sampling, decode, generator
         int8 = use_int8(decode.draft_weights, target.device, "the head's full weights")
