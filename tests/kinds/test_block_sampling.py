@@ -1,6 +1,7 @@
-"""DFlash sampling through the loop: output follows the target's distribution when both
-first tokens come from one drafted block (chi-square), and a verifier that keeps every draft
-fails the same check (the test's power)."""
+"""Block drafters' sampling through the loop (DFlash, and DSpark's block drafted through its
+Markov head): output follows the target's distribution when both first tokens come from one
+drafted block (chi-square), and a verifier that keeps every draft fails the same check (the
+test's power)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from spec_helpers import chi_square_p_value, first_two_joint, make_target, tiny_
 from specdraft.core import SamplingSettings
 from specdraft.inference import generate
 from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
+from specdraft.kinds.dspark.dspark import DSparkConfig, DSparkDrafter
 
 # Exactness: CI runs these once more with native bf16 forced off (tests/conftest.py).
 pytestmark = [pytest.mark.exact, pytest.mark.usefixtures("one_thread")]
@@ -26,15 +28,26 @@ def accept_every_draft(tree, p, generator):
     return path, int(torch.multinomial(p[len(tree)], 1, generator=generator))
 
 
+def dflash(target):
+    return DFlashDrafter.build(DFlashConfig(block_size=3), target)
+
+
+def dspark(target):
+    return DSparkDrafter.build(DSparkConfig(block_size=2, markov_rank=3), target)
+
+
 @pytest.mark.parametrize(
-    ("lossy", "tree_top_k"),
-    [(False, 1), (False, 2), (True, 1)],
-    ids=["exact", "exact-tree", "accept-every-draft"],
-)
-def test_sampled_output_follows_the_target(lossy, tree_top_k, monkeypatch):
-    """Chi-square on the joint of the first two tokens, both drafted by one block (three tokens
-    asked for, gamma 2), as a chain or as the tree of the slots' sampled candidates; a verifier
-    that keeps every draft fails the same check."""
+    ("build", "lossy", "tree_top_k"),
+    [(dflash, False, 1), (dflash, False, 2), (dflash, True, 1), (dspark, False, 1),
+     (dspark, True, 1)],
+    ids=["dflash-exact", "dflash-exact-tree", "dflash-accept-every-draft", "dspark-exact",
+         "dspark-accept-every-draft"],
+)  # fmt: skip
+def test_sampled_output_follows_the_target(build, lossy, tree_top_k, monkeypatch):
+    """Chi-square on the joint of the first two tokens, both drafted by one block (gamma 2): as a
+    chain or as the tree of the slots' sampled candidates; DSpark's through the Markov head, so
+    the second slot's q depends on the first slot's draw. A verifier that keeps every draft fails
+    the same check."""
     import importlib
 
     if lossy:
@@ -42,10 +55,12 @@ def test_sampled_output_follows_the_target(lossy, tree_top_k, monkeypatch):
         monkeypatch.setattr(loop, "verify_sampling", accept_every_draft)
     target = make_target(tiny_llama(V, seed=3, hidden=16, layers=1, init=0.5))
     torch.manual_seed(6)
-    drafter = DFlashDrafter.build(DFlashConfig(block_size=3), target).eval()
+    drafter = build(target).eval()
     with torch.no_grad():  # an untrained drafter that still drafts varied tokens
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.5)
+        if build is dspark:
+            drafter.markov_head.markov_w2.weight.mul_(4)  # a bias that matters
     prompt = [1, 2, 3]
     counts = torch.zeros(V, V)
     drafted = accepted = 0
