@@ -161,7 +161,8 @@ def test_each_kind_is_one_folder():
 # The code every kind shares knows kinds only through the Drafter hooks and the registry
 # (docs/architecture.md, "Drafter").
 SHARED = [
-    "train/trainer.py", "train/train_config.py", "train/entry.py", "formats/checkpoint.py",
+    "train/trainer.py", "train/train_config.py", "train/entry.py", "train/beside_target.py",
+    "formats/checkpoint.py",
     "inference/generate.py", "measuring/tuning.py", "measuring/measure.py", "measuring/evaluation.py",
     "measuring/evaluation_report.py",
     "measuring/report_writer.py", "train/comparison.py", "tools/tune.py", "tools/evaluate.py",

@@ -44,9 +44,10 @@ def run_args(tiny_target_path, tmp_path):
 
 
 def recorded_training(monkeypatch) -> list[SimpleNamespace]:
-    """Each call of the EAGLE script's trainer: the head's weights before training, the
-    examples it trained and evaluated on, and the result (its per-step losses)."""
-    script = importlib.import_module("specdraft.kinds.eagle.eagle_trainer")
+    """Each call of the EAGLE script's trainer (through train/beside_target.py): the head's
+    weights before training, the examples it trained and evaluated on, and the result (its
+    per-step losses)."""
+    script = importlib.import_module("specdraft.train.beside_target")
     real, calls = script.train, []
 
     def recording(cfg, head, features, train_examples, eval_examples, **kwargs):

@@ -2,34 +2,22 @@
 
 Defaults to configs/medusa/demo.yaml (Medusa-1 heads on the frozen SmolLM2-135M-Instruct, on a
 CPU); `--config medusa2-demo.yaml` co-trains the target through LoRA adapters (Medusa-2),
-`--help` lists every key. Setup, train, report: the loop is
-train/trainer.py, the heads, their loss and their tree kinds/medusa/medusa.py.
+`--help` lists every key. Setup, train, report: train/beside_target.py, the heads, their loss
+and their tree kinds/medusa/medusa.py.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-import torch
-
 from specdraft.config import default_config
-from specdraft.core import eos_ids
-from specdraft.data.dataset import build_datasets
-from specdraft.drafting import build_draft_vocab
 from specdraft.kinds.medusa.medusa import MedusaDrafter
 from specdraft.kinds.medusa.medusa_config import MedusaConfig, MedusaDecode
-from specdraft.targets.frozen import frozen_targets
-from specdraft.train.after_training import (
-    loop_prompts,
-    report_after_training,
-    warn_the_loop_loads_the_whole_target,
-)
+from specdraft.train.beside_target import draft_vocab, train_beside_target
 from specdraft.train.fine_tuned import finish_fine_tuning
-from specdraft.train.launch import whole_model_loading
-from specdraft.train.train_config import TrainConfig, setting_up
-from specdraft.train.trainer import TrainResult, train
+from specdraft.train.train_config import TrainConfig
+from specdraft.train.trainer import TrainResult
 
 DEFAULT_CONFIG = default_config("medusa")
 
@@ -48,43 +36,29 @@ class MedusaTrainConfig(TrainConfig):
 
 def build_heads(cfg: MedusaConfig, target, train_examples) -> MedusaDrafter:
     """The heads, with their draft vocabulary counted from the training data when reduced."""
-    d2t = None
-    if 0 < cfg.draft_vocab_size < target.vocab_size:
-        eos = eos_ids(target.model, target.tokenizer)
-        d2t = build_draft_vocab(train_examples, cfg.draft_vocab_size, target.vocab_size, always=eos)
+    d2t = draft_vocab(train_examples, cfg.draft_vocab_size, target)
     return MedusaDrafter.build(cfg, target, d2t)
 
 
-def run(cfg: MedusaTrainConfig) -> TrainResult:
-    """Set up, train and report one run of `cfg`: what `main` does once the command line is
-    read, and what scripts/compare.py calls. Raises SetupError before training for missing data, a
-    bad target or bad sizes."""
-    with setting_up():
-        # sharded (Medusa-1 only), the heads read an embeddings-only copy of the target
-        target, frozen = frozen_targets(
-            cfg.target, dtype=cfg.target_dtype(), sharding=cfg.target_sharding, reads_weights=True
-        )
-        train_examples, eval_examples, summary = build_datasets(cfg.data, target.tokenizer)
-        torch.manual_seed(cfg.seed)  # identical heads on every process
-        heads = build_heads(cfg.drafter, target, train_examples)
-        prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
-        warn_the_loop_loads_the_whole_target(cfg, prompts)
-    print(summary.format(), file=sys.stderr)
+def heads_summary(heads: MedusaDrafter, target) -> str:
     hc = heads.config
-    print(
-        f"[specdraft] {hc.num_heads} Medusa heads x {hc.num_layers} block(s), output {hc.output}: "
+    return (
+        f"{hc.num_heads} Medusa heads x {hc.num_layers} block(s), output {hc.output}: "
         f"{heads.num_extra_parameters(target) / 1e6:.2f}M parameters (target "
         f"{target.num_parameters() / 1e6:.2f}M), draft vocab "
-        f"{heads.draft_vocab_size}, loss {hc.loss} weighted {hc.loss_decay}^k",
-        file=sys.stderr,
+        f"{heads.draft_vocab_size}, loss {hc.loss} weighted {hc.loss_decay}^k"
     )
-    result = train(
-        cfg, heads, frozen, train_examples, eval_examples, tokenizer=target.tokenizer,
-        provenance={"data_rows": summary.rows_kept, "data_examples": summary.train_examples},
-    )  # fmt: skip
-    if heads.peft is not None and result.main_process and not result.stopped_by_signal:
-        target = finish_fine_tuning(heads.peft, target, eval_examples, cfg, "Medusa-2", prompts)
-    with whole_model_loading():  # the saved drafter, loaded whole, also after a ZeRO-3 run
-        frozen = None  # a sharded target's memory goes before the whole one
-        report_after_training(target, result, prompts, cfg)
-    return result
+
+
+def run(cfg: MedusaTrainConfig) -> TrainResult:
+    """Set up, train and report one run of `cfg` (train/beside_target.py's recipe; sharded,
+    Medusa-1 only, the heads read an embeddings-only copy of the target). Raises SetupError
+    before training for missing data, a bad target or bad sizes."""
+
+    def fine_tuned(heads: MedusaDrafter, target, eval_examples, prompts):
+        if heads.peft is None:  # Medusa-1: the target as it was
+            return target
+        # Medusa-2: the fine-tuned target, its adapter merged as a user loads it
+        return finish_fine_tuning(heads.peft, target, eval_examples, cfg, "Medusa-2", prompts)
+
+    return train_beside_target(cfg, build_heads, heads_summary, finish=fine_tuned)
