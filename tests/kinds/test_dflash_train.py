@@ -74,9 +74,13 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tiny_target_path, tmp_path):
     assert states[0] == states[1] and len(states[0]) == 4
 
 
-def test_offline_training_from_the_hidden_cache_equals_online(tiny_target_path, tmp_path):
-    """scripts/dump_hidden_states.py --kind dflash stores the aux layers and the final state;
-    training from that cache gives the online run's losses and weights."""
+@pytest.mark.parametrize(("kind", "extra"), [("dflash", []), ("dspark", ["drafter.markov_rank=8"])])
+def test_offline_training_from_the_hidden_cache_equals_online(
+    kind, extra, tiny_target_path, tmp_path
+):
+    """scripts/dump_hidden_states.py --kind KIND (found through the kind's trainer; DSpark's is
+    DFlash's with its own head) stores the aux layers and the final state; training from that
+    cache gives the online run's losses and weights."""
     from specdraft.tools import dump_hidden_states
 
     data = tmp_path / "code.txt"  # a few dozen examples: the dump stores every one
@@ -84,13 +88,13 @@ def test_offline_training_from_the_hidden_cache_equals_online(tiny_target_path, 
     args = [
         f"target={tiny_target_path}", "max_steps=2", "eval_every=2", "eval_batches=1",
         "save_every=2", "eval_loop.enabled=false", *COMMON, f"data.path={data}",
-        "data.eval_fraction=0.1",
+        "data.eval_fraction=0.1", *extra,
     ]  # fmt: skip
     cache = tmp_path / "cache"
-    assert dump_hidden_states.main(["--kind", "dflash", "--out", str(cache), "--dtype", "fp32", *args]) == 0  # fmt: skip
-    assert train_main("dflash", [*args, f"output_dir={tmp_path / 'online'}"]) == 0
+    assert dump_hidden_states.main(["--kind", kind, "--out", str(cache), "--dtype", "fp32", *args]) == 0  # fmt: skip
+    assert train_main(kind, [*args, f"output_dir={tmp_path / 'online'}"]) == 0
     assert (
-        train_main("dflash", [*args, f"output_dir={tmp_path / 'offline'}", f"hidden_cache={cache}"])
+        train_main(kind, [*args, f"output_dir={tmp_path / 'offline'}", f"hidden_cache={cache}"])
         == 0
     )
     on, off = (

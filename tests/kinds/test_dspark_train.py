@@ -1,13 +1,12 @@
 """`specdraft train dspark` end to end on the tiny target: trains, saves, drafts exactly in its
-end-of-run loop; trains from the hidden-state cache as online; the recipes load."""
+end-of-run loop; the recipes load (training from the hidden-state cache:
+tests/kinds/test_dflash_train.py)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from specdraft.config import SHIPPED_CONFIGS, load_config
 from specdraft.core import DecodeConfig
@@ -41,34 +40,6 @@ def test_trains_saves_and_drafts_exactly_in_its_end_of_run_loop(
     assert load_decoding(out / "final") == DecodeConfig(gamma=4, stop_below=0.1)
     served = json.loads((out / "eval_loop.json").read_text())
     assert served["drafted"] > 0 and served["matches_ar"] is True
-
-
-def test_offline_training_from_the_hidden_cache_equals_online(tiny_target_path, tmp_path):
-    """scripts/dump_hidden_states.py --kind dspark (found through the kind's trainer) stores
-    the aux layers and the final state; training from it gives the online run's losses."""
-    from specdraft.tools import dump_hidden_states
-
-    data = tmp_path / "code.txt"
-    data.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(60)))
-    args = [
-        f"target={tiny_target_path}", "max_steps=2", "eval_every=2", "eval_batches=1",
-        "save_every=2", "eval_loop.enabled=false", *COMMON, f"data.path={data}",
-        "data.eval_fraction=0.1",
-    ]  # fmt: skip
-    cache = tmp_path / "cache"
-    assert dump_hidden_states.main(["--kind", "dspark", "--out", str(cache), "--dtype", "fp32", *args]) == 0  # fmt: skip
-    assert train_main("dspark", [*args, f"output_dir={tmp_path / 'online'}"]) == 0
-    assert (
-        train_main("dspark", [*args, f"output_dir={tmp_path / 'offline'}", f"hidden_cache={cache}"])
-        == 0
-    )
-    on, off = (
-        json.loads((tmp_path / d / "checkpoint-2" / "trainer_state.json").read_text())
-        for d in ("online", "offline")
-    )
-    assert off["losses"] == pytest.approx(on["losses"], rel=1e-5)
-    a, b = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("online", "offline"))
-    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
 
 
 def test_bad_settings_are_named(tiny_target_path, tmp_path, capsys):
