@@ -6,8 +6,6 @@ verification passes, the way vLLM and SGLang count acceptance length; docs/bench
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from specdraft.data.benchmarks import BENCHMARKS
 
 
@@ -18,12 +16,10 @@ def breakdown_markdown(report: dict) -> list[str]:
     if not rows:
         return []
     bench = report.get("benchmark", {})
-    name = bench.get("prompts", "")
-    title = BENCHMARKS[name].title if name in BENCHMARKS else name
     turns = bench.get("turns", 1)
     lines = [
         "",
-        f"## Per category and turn: {title}",
+        f"## Per category and turn: {_title(report)}",
         "",
         f"{bench.get('requests', '?')} requests"
         + (
@@ -59,6 +55,12 @@ def breakdown_markdown(report: dict) -> list[str]:
     return lines
 
 
+def _title(report: dict) -> str:
+    """The prompts' name: a benchmark set's title (MT-Bench), else what --prompts said."""
+    name = report.get("benchmark", {}).get("prompts", "")
+    return BENCHMARKS[name].title if name in BENCHMARKS else name
+
+
 def _cell(figures: dict | None, method: str) -> str:
     if figures is None:
         return "-"
@@ -77,25 +79,17 @@ def category_figure(plt, report: dict):
     width = 0.8 / max(len(rows), 1)
     for i, r in enumerate(rows):
         x = [k + (i - (len(rows) - 1) / 2) * width for k in range(len(categories))]
-        speed = _values(r, categories, "speedup_vs_ar")
-        tau = _values(r, categories, "tau")
-        left.bar(x, speed, width, label=r["label"])
-        right.bar(x, tau, width, label=r["label"])
-    left.axhline(1.0, color="black", lw=0.8)
-    right.axhline(1.0, color="black", lw=0.8)
+        for ax, key in ((left, "speedup_vs_ar"), (right, "tau")):
+            values = [(r["by_category"].get(c) or {}).get(key) or 0.0 for c in categories]
+            ax.bar(x, values, width, label=r["label"])
     for ax in (left, right):
+        ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xticks(range(len(categories)))
         ax.set_xticklabels(categories, rotation=30, ha="right", rotation_mode="anchor")
         ax.grid(axis="y", alpha=0.3)
-    name = report.get("benchmark", {}).get("prompts", "")
-    title = BENCHMARKS[name].title if name in BENCHMARKS else name
-    left.set(ylabel="speedup vs plain decoding", title=f"{title}: speedup per category")
+    left.set(ylabel="speedup vs plain decoding", title=f"{_title(report)}: speedup per category")
     right.set(ylabel="tau (tokens per target pass)", title="tau per category (pooled)")
     fig.tight_layout()
     fig.legend(*left.get_legend_handles_labels(), loc="upper left", bbox_to_anchor=(1.0, 0.95),
                frameon=False)  # fmt: skip
     return fig
-
-
-def _values(row: dict, groups: Sequence[str], key: str) -> list[float]:
-    return [(row["by_category"].get(g) or {}).get(key) or 0.0 for g in groups]

@@ -63,7 +63,7 @@ def make_report(
             plain.setdefault((run.dtype, run.batch_size), run)
     fastest = {}  # batch size -> the fastest plain decoding at it, whatever its precision
     for (_, b), run in plain.items():
-        if b not in fastest or _tokens_per_s(run) > _tokens_per_s(fastest[b]):
+        if b not in fastest or run.tokens_per_s > fastest[b].tokens_per_s:
             fastest[b] = run
     rows = []
     for run in runs:
@@ -73,7 +73,7 @@ def make_report(
         same_as = by_name.get((run.same_as, b), own)
         row = summarize(run, fastest[b], target, greedy, same_as=same_as)
         row["dtype"] = run.dtype
-        row["speedup_vs_ar_same_dtype"] = _tokens_per_s(run) / _tokens_per_s(own)
+        row["speedup_vs_ar_same_dtype"] = run.tokens_per_s / own.tokens_per_s
         if cases is not None:
             row.update(breakdown(run, fastest[b], cases))
         rows.append(row)
@@ -86,17 +86,8 @@ def make_report(
         # a lossy run's speedup is not comparable to the exact ones': every plot says so too
         label = label_of[row["name"]]
         row["label"] = f"{label} (lossy)" if row["lossy"] else label
-    keys = (
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "gamma",
-        "tree_top_k",
-        "seed",
-        "prompts",
-    )
-    settings = {k: getattr(spec, k) for k in keys}
+    keys = ("max_new_tokens", "temperature", "top_p", "top_k", "gamma", "tree_top_k", "seed")
+    settings = {k: getattr(spec, k) for k in (*keys, "prompts")}
     sizes = sorted(fastest)
     settings.update(
         device=str(targets[0].device),
@@ -112,7 +103,7 @@ def make_report(
             speedups.setdefault(row["name"], {})[row["batch_size"]] = row["speedup_vs_ar"]
     if bandwidth is not None:
         settings["memory_bound"] = {
-            dtype: memory_bound(of_dtype.get(dtype, targets[0]), _tokens_per_s(run), bandwidth)
+            dtype: memory_bound(of_dtype.get(dtype, targets[0]), run.tokens_per_s, bandwidth)
             for (dtype, b), run in plain.items()
             if b == 1
         }
@@ -158,10 +149,6 @@ def crossover(speedups: Mapping[int, float]) -> int | None:
     decoding at that batch size) is below 1: where batching has made plain decoding the faster.
     None where it is at least 1 at every batch size measured."""
     return min((b for b, s in speedups.items() if s < 1), default=None)
-
-
-def _tokens_per_s(run: Run) -> float:
-    return run.stats.new_tokens / run.seconds
 
 
 def short_labels(rows: Sequence[dict]) -> list[str]:

@@ -34,14 +34,8 @@ from specdraft.llamacpp_build import LlamaCpp, LlamaCppError
 START_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 1800
 
-# how each kind of drafting takes its draft length: the drafters' --spec-draft-n-max, the n-gram
-# drafters' own knobs
-LENGTH_FLAG = {
-    "draft-simple": "--spec-draft-n-max",
-    "draft-eagle3": "--spec-draft-n-max",
-    "draft-dflash": "--spec-draft-n-max",
-    "draft-dspark": "--spec-draft-n-max",
-    "draft-mtp": "--spec-draft-n-max",
+# how the n-gram drafters take their draft length; every draft-* type takes --spec-draft-n-max
+NGRAM_LENGTH_FLAG = {
     "ngram-simple": "--spec-ngram-simple-size-m",
     "ngram-map-k": "--spec-ngram-map-k-size-m",
     "ngram-mod": "--spec-ngram-mod-n-max",
@@ -50,37 +44,30 @@ LENGTH_FLAG = {
 
 @dataclass(frozen=True)
 class Drafting:
-    """How llama.cpp drafts: its --spec-type, the drafter's GGUF where the type needs one, the
-    draft length (None: llama.cpp's default) and any other flags."""
+    """How llama.cpp drafts: its --spec-type, the drafter's GGUF where the type needs one and the
+    draft length (None: llama.cpp's default)."""
 
     spec_type: str
     draft: Path | None = None
     length: int | None = None
-    flags: tuple[str, ...] = ()
 
     def args(self) -> list[str]:
-        args = ["--spec-type", self.spec_type, *self.flags]
+        args = ["--spec-type", self.spec_type]
         if self.draft is not None:
             args += ["--spec-draft-model", str(self.draft)]
         if self.length is not None:
             # several types (ngram-simple,draft-eagle3): the length is the drafter's
             types = self.spec_type.split(",")
             kind = next((t for t in types if t.startswith("draft-")), types[-1])
-            if kind not in LENGTH_FLAG:
+            flag = (
+                "--spec-draft-n-max" if kind.startswith("draft-") else NGRAM_LENGTH_FLAG.get(kind)
+            )
+            if flag is None:
                 raise LlamaCppError(f"llama.cpp's {kind} takes no draft length")
             if kind == "ngram-mod":
                 args += ["--spec-ngram-mod-n-min", str(min(self.length, 48))]
-            args += [LENGTH_FLAG[kind], str(self.length)]
+            args += [flag, str(self.length)]
         return args
-
-    @property
-    def label(self) -> str:
-        extra = " ".join(self.flags)
-        return (
-            f"{self.spec_type}"
-            + (f" {extra}" if extra else "")
-            + (f" n={self.length}" if self.length is not None else "")
-        )
 
 
 @dataclass
@@ -186,7 +173,8 @@ class LlamaServer:
         d = self.drafting
         if d is None:
             return ""
-        return f" with {d.label}" + (f" ({d.draft.name})" if d.draft else "")
+        length = f" n={d.length}" if d.length is not None else ""
+        return f" with {d.spec_type}{length}" + (f" ({d.draft.name})" if d.draft else "")
 
     def said(self, lines: int = 25) -> str:
         """The last meaningful lines of llama.cpp's own output."""

@@ -68,17 +68,14 @@ class Run:
     # figures can be taken over any group of prompts (`group_figures`)
     calls: list[tuple[int, Stats, float]] = field(default_factory=list)
 
+    @property
+    def tokens_per_s(self) -> float:
+        return self.stats.new_tokens / self.seconds
+
     def at_batch_size(self, batch_size: int) -> Run:
         """The same method at another batch size, with nothing measured yet."""
-        return dataclasses.replace(
-            self,
-            batch_size=batch_size,
-            outputs=[],
-            seconds=0.0,
-            stats=Stats(),
-            has_stats=True,
-            calls=[],
-        )
+        nothing = dict(outputs=[], seconds=0.0, stats=Stats(), has_stats=True, calls=[])
+        return dataclasses.replace(self, batch_size=batch_size, **nothing)
 
 
 PROMPT_SOURCES = (
@@ -401,8 +398,8 @@ def summarize(run: Run, ar: Run, target, greedy: bool, same_as: Run | None = Non
     """One run's figures beside plain decoding `ar` (measured on the same prompts); greedy
     output is checked against `same_as` when given (the plain decoding of the target the run
     decoded with), else against `ar`."""
-    tps = run.stats.new_tokens / run.seconds
-    speedup = tps / (ar.stats.new_tokens / ar.seconds)
+    tps = run.tokens_per_s
+    speedup = tps / ar.tokens_per_s
     tau = run.stats.tau if run.has_stats else (1.0 if run.method == "hf_ar" else None)
     return {
         "name": run.name,
@@ -471,7 +468,7 @@ def measure_vs_plain(
     greedy = options.get("temperature", 0.0) == 0
     row = summarize(run, ar, target, greedy=greedy)
     row.update(breakdown(run, ar, cases))
-    row["ar_tokens_per_s"] = ar.stats.new_tokens / ar.seconds
+    row["ar_tokens_per_s"] = ar.tokens_per_s
     row["ar_mean_log_p"] = ar.stats.mean_log_p
     if solo is not None:
         keep = ("tau", "acceptance_per_position", "tokens_per_s", "speedup_vs_ar", "matches_ar")

@@ -202,9 +202,7 @@ def search_decode(
         candidates = [best]
         for value in space[key]:
             for variant in _variants(best, key, value, space):
-                decode = _fit(drafter, variant, key, best)
-                if decode is not None and _behaviour(decode) not in map(_behaviour, candidates):
-                    candidates.append(decode)
+                _add_new(candidates, _fit(drafter, variant, key, best))
         if len(candidates) == 1:
             raced_with[key] = others(best, key)
             continue
@@ -214,13 +212,10 @@ def search_decode(
         plain, measured = trials[0], trials[1:]
         round_rows = []
         for trial in measured:
-            same = trial.outputs == plain.outputs if greedy else None
             copies = {"lookup_gamma": trial.decode.lookup_gamma} if key == "lookup_ngram" else {}
             round_rows.append({
                 "pass": number, "round": key, key: getattr(trial.decode, key), **copies,
-                "tokens_per_s": trial.tokens_per_s,
-                "speedup": trial.tokens_per_s / plain.tokens_per_s,
-                "tau": trial.stats.tau, "matches_plain": same, "kept": False,
+                **_figures(trial, plain, greedy), "kept": False,
             })  # fmt: skip
         eligible = [
             (t, r)
@@ -233,20 +228,42 @@ def search_decode(
         raced_with[key] = others(best, key)
         rows.extend(round_rows)
         if log is not None:
-            log(
-                (f"pass {number}, " if number > 1 else "")
-                + f"{key}: "
-                + ", ".join(
-                    f"{r[key]}"
-                    + (f" (copies of {r['lookup_gamma']})" if r.get("lookup_gamma") else "")
-                    + f" {r['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x"
-                    + (", differs from plain" if r["matches_plain"] is False else "")
-                    + ")"
-                    for r in round_rows
-                )
-                + f" -> {getattr(best, key)}"
-            )
+            said = [
+                f"{r[key]}" + (f" (copies of {r['lookup_gamma']})" if r.get("lookup_gamma") else "")
+                for r in round_rows
+            ]
+            again = f"pass {number}, " if number > 1 else ""
+            log(f"{again}{key}: {_said_race(said, round_rows)} -> {getattr(best, key)}")
     return best.replace(batch_schedule=schedule), rows
+
+
+def _figures(trial: Trial, plain: Trial, greedy: bool | None = None) -> dict:
+    """A trial's tokens/s, speedup and tau (1 for plain decoding itself) in a race beside plain
+    decoding's; given `greedy`, also whether its output is plain decoding's (None when
+    sampling)."""
+    figures = {
+        "tokens_per_s": trial.tokens_per_s,
+        "speedup": trial.tokens_per_s / plain.tokens_per_s,
+        "tau": trial.stats.tau if trial.decode is not None else 1.0,
+    }
+    if greedy is not None:
+        figures["matches_plain"] = trial.outputs == plain.outputs if greedy else None
+    return figures
+
+
+def _said_race(names: Sequence[str], rows: Sequence[dict]) -> str:
+    """A race's rows in a log line, each after its name: tokens/s, speedup, a differing output."""
+    return ", ".join(
+        f"{name} {r['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x"
+        + (", differs from plain)" if r["matches_plain"] is False else ")")
+        for name, r in zip(names, rows, strict=True)
+    )
+
+
+def _add_new(candidates: list[DecodeConfig], decode: DecodeConfig | None) -> None:
+    """Append `decode` to the candidates unless it is None or decodes as one of them does."""
+    if decode is not None and _behaviour(decode) not in map(_behaviour, candidates):
+        candidates.append(decode)
 
 
 def _variants(best: DecodeConfig, key: str, value, space: Mapping[str, Sequence]):
@@ -360,17 +377,10 @@ def tune_against_saved(
         "dtype": dtype_name(target.dtype),
         "temperature": temperature,
         "prompts": f"{source} x {len(prompts)}, {max_new_tokens} new tokens".lstrip(),
-        "tokens_per_s": after.tokens_per_s,
+        **_figures(after, plain),
         "plain_tokens_per_s": plain.tokens_per_s,
-        "speedup": after.tokens_per_s / plain.tokens_per_s,
-        "tau": after.stats.tau,
         "kept_saved": kept_saved,
-        "before": {
-            "decode": dataclasses.asdict(saved),
-            "tokens_per_s": before.tokens_per_s,
-            "speedup": before.tokens_per_s / plain.tokens_per_s,
-            "tau": before.stats.tau,
-        },
+        "before": {"decode": dataclasses.asdict(saved), **_figures(before, plain)},
     }
     return Tuned(best, rows, measured, kept_saved)
 
@@ -453,13 +463,8 @@ def tune_batch_schedule(
         raced = []
         for trial in trials:
             settings = "off" if trial.decode is None else _changes(base, trial.decode)
-            same = (trial.outputs == plain.outputs) if greedy else None
-            raced.append({
-                "batch_size": size, "settings": settings, "tokens_per_s": trial.tokens_per_s,
-                "speedup": trial.tokens_per_s / plain.tokens_per_s,
-                "tau": trial.stats.tau if trial.decode is not None else 1.0,
-                "matches_plain": same, "chosen": False,
-            })  # fmt: skip
+            figures = _figures(trial, plain, greedy)
+            raced.append({"batch_size": size, "settings": settings, **figures, "chosen": False})
         # plain decoding always may win: it is what the entry falls back to, and it keeps the
         # entry unless a candidate beats it by more than min_gain
         eligible = [
@@ -475,23 +480,12 @@ def tune_batch_schedule(
         winner["chosen"] = True
         off = winner["settings"] == "off"
         entries.append({"batch_size": size, **({"off": True} if off else winner["settings"])})
-        measured.append({
-            "batch_size": size, "settings": winner["settings"],
-            "tokens_per_s": winner["tokens_per_s"], "plain_tokens_per_s": plain.tokens_per_s,
-            "speedup": winner["speedup"], "tau": winner["tau"],
-        })  # fmt: skip
+        shown = ("batch_size", "settings", "tokens_per_s", "speedup", "tau")
+        measured.append({k: winner[k] for k in shown} | {"plain_tokens_per_s": plain.tokens_per_s})
         rows.extend(raced)
         if log is not None:
-            log(
-                f"batch size {size}: "
-                + ", ".join(
-                    f"{_said(r['settings'])} {r['tokens_per_s']:.1f} tok/s ({r['speedup']:.2f}x"
-                    + (", differs from plain" if r["matches_plain"] is False else "")
-                    + ")"
-                    for r in raced
-                )
-                + f" -> {_said(winner['settings'])}"
-            )
+            said = [_said(r["settings"]) for r in raced]
+            log(f"batch size {size}: {_said_race(said, raced)} -> {_said(winner['settings'])}")
     return Schedule(base.replace(batch_schedule=entries), rows, measured)
 
 
@@ -504,12 +498,10 @@ def _schedule_candidates(drafter, base: DecodeConfig, space: Mapping[str, Sequen
         deep = _fit(drafter, base.replace(gamma=gamma), "gamma", base)
         if deep is None:
             continue
-        variants = [deep]
+        _add_new(candidates, deep)
         for budget in budgets:
-            variants.append(_fit(drafter, deep.replace(tree_budget=budget), "tree_budget", deep))
-        for decode in variants:
-            if decode is not None and _behaviour(decode) not in map(_behaviour, candidates):
-                candidates.append(decode)
+            wide = deep.replace(tree_budget=budget)
+            _add_new(candidates, _fit(drafter, wide, "tree_budget", deep))
     return candidates
 
 

@@ -1,11 +1,21 @@
-"""The command-line arguments every measuring tool shares: --prompts and --num-prompts,
---threads."""
+"""What the tools' command lines share: the parser, and the measuring tools' --prompts and
+--num-prompts, --threads and --batch-sizes."""
 
 from __future__ import annotations
 
 import argparse
 
+from specdraft.measuring.evaluation import parse_batch_sizes
 from specdraft.measuring.measure import PROMPTS_HELP
+
+
+def new_parser(doc: str, **options) -> argparse.ArgumentParser:
+    """A tool's parser: `doc` (its module docstring, or a part) as the description, laid out as
+    written."""
+    return argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **options
+    )
+
 
 THREADS_HELP = "CPU threads (0: the count that runs the target fastest on the machine as it is now)"
 
@@ -41,3 +51,16 @@ def add_threads_argument(parser) -> None:
         return int(text)
 
     parser.add_argument("--threads", type=count, default=0, help=THREADS_HELP)
+
+
+def add_batch_sizes_argument(parser, help: str, default: str | None = "1", **options) -> None:
+    """--batch-sizes "1,2,4,8,16", read by `parse_batch_sizes` into a sorted tuple; a bad one is
+    the parser's error naming it."""
+
+    def sizes(text: str) -> tuple[int, ...]:
+        try:
+            return parse_batch_sizes(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parser.add_argument("--batch-sizes", type=sizes, default=default, help=help, **options)

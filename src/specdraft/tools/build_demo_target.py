@@ -25,6 +25,7 @@ from specdraft.targets.demo_target import (
     report,
     resolve_spec,
 )
+from specdraft.tools.arguments import new_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,9 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The options; args.overrides holds --set's items, checked against the build settings."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = new_parser(__doc__)
     parser.add_argument("--variant", default="default", choices=sorted(SPECS))
     parser.add_argument("--budget", default="default", choices=sorted(BUDGETS))
     parser.add_argument("--seed", type=int, default=0)

@@ -22,12 +22,10 @@ plain decoding), report.md the speedup against batch size, and batch_sizes.png t
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from specdraft.measuring.evaluation import parse_batch_sizes
 from specdraft.targets.target import DEFAULT_TARGET, TARGET_HELP
-from specdraft.tools.arguments import add_prompts_arguments
+from specdraft.tools.arguments import add_batch_sizes_argument, add_prompts_arguments, new_parser
 from specdraft.train.comparison import CompareSpec, compare, families
 
 
@@ -43,9 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def parse_args(argv: list[str] | None) -> CompareSpec:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = new_parser(__doc__)
     parser.add_argument(
         "--target",
         default=DEFAULT_TARGET,
@@ -84,19 +80,14 @@ def parse_args(argv: list[str] | None) -> CompareSpec:
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 (default: as saved)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--batch-sizes",
-        default="1",
-        help="measure every run at each of these batch sizes (comma-separated, e.g. 1,2,4,8,16) "
+    add_batch_sizes_argument(
+        parser,
+        "measure every run at each of these batch sizes (comma-separated, e.g. 1,2,4,8,16) "
         "against plain decoding at the same batch size (default: 1)",
     )
     parser.add_argument("--output", default="runs/compare")
     parser.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to W&B")
     args = parser.parse_args(argv)
-    try:
-        batch_sizes = parse_batch_sizes(args.batch_sizes)
-    except ValueError as e:
-        parser.error(f"--batch-sizes: {e}")
     folders = {}
     for item in args.folder:
         family, sep, folder = item.partition("=")
@@ -116,7 +107,7 @@ def parse_args(argv: list[str] | None) -> CompareSpec:
             prompts=args.prompts, num_prompts=args.num_prompts,
             max_new_tokens=args.max_new_tokens, tune_prompts=args.tune_prompts,
             sampled=args.sampled, dtype=args.dtype, device=args.device, seed=args.seed,
-            output=args.output, wandb=args.wandb, batch_sizes=batch_sizes,
+            output=args.output, wandb=args.wandb, batch_sizes=args.batch_sizes,
         )  # fmt: skip
     except ValueError as e:  # an unknown family, a count below 1
         parser.error(str(e))

@@ -23,6 +23,7 @@ from specdraft.config import parse_cli
 from specdraft.data.dataset import build_datasets
 from specdraft.targets.hidden_cache import DTYPES, bytes_per_token, write_cache
 from specdraft.targets.target import load_target
+from specdraft.tools.arguments import new_parser
 from specdraft.train.entry import Recipe, trained_kinds
 from specdraft.train.train_config import TrainConfig
 
@@ -65,13 +66,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, TrainConfig]:
     """The cache's own options, and the run's config from the rest of the command line
     (`--config PATH`, `key=value`), read as the kind's trainer reads it. `--help` prints
     both."""
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        usage=f"{PROG} --out DIR [--kind KIND] [options] [--config PATH] [key=value ...]",
-        description=__doc__,
-        add_help=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    usage = f"{PROG} --out DIR [--kind KIND] [options] [--config PATH] [key=value ...]"
+    parser = new_parser(__doc__, prog=PROG, usage=usage, add_help=False)
     parser.add_argument(
         "--kind", default="eagle", choices=list(cached_kinds()), help="whose run it feeds"
     )

@@ -45,7 +45,6 @@ from specdraft.measuring.evaluation import (
     HF_GAMMA,
     EvalSpec,
     default_target,
-    parse_batch_sizes,
     parse_dtypes,
     runs_per_precision,
 )
@@ -59,7 +58,12 @@ from specdraft.measuring.measure import (
 from specdraft.measuring.report_writer import write_report
 from specdraft.targets import load_target
 from specdraft.targets.target import DEFAULT_TARGET, TARGET_HELP
-from specdraft.tools.arguments import add_prompts_arguments, add_threads_argument
+from specdraft.tools.arguments import (
+    add_batch_sizes_argument,
+    add_prompts_arguments,
+    add_threads_argument,
+    new_parser,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,9 +100,7 @@ def _log(message: str) -> None:
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalSpec]:
     """scripts/evaluate.py's options, and what to measure as an EvalSpec; the precisions asked
     for in args.dtypes (parse_dtypes)."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = new_parser(__doc__)
     parser.add_argument(
         "--target",
         default=None,
@@ -141,10 +143,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalSpec]:
         "drafter's own",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--batch-sizes",
-        default="1",
-        help="measure every method at each of these batch sizes (comma-separated, e.g. "
+    add_batch_sizes_argument(
+        parser,
+        "measure every method at each of these batch sizes (comma-separated, e.g. "
         "1,2,4,8,16), each against plain decoding at the same batch size (default: 1)",
     )
     parser.add_argument("--device", default=None)
@@ -159,15 +160,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, EvalSpec]:
     parser.add_argument("--wandb", default=None, metavar="PROJECT", help="also log to W&B")
     args = parser.parse_args(argv)
     try:
-        batch_sizes = parse_batch_sizes(args.batch_sizes)
-    except ValueError as e:
-        parser.error(f"--batch-sizes: {e}")
-    try:
         spec = EvalSpec(
             drafters=args.drafter, baselines=args.baselines.split(","), prompts=args.prompts,
             num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, gamma=args.gamma,
-            tree_top_k=args.tree_top_k, seed=args.seed, batch_sizes=batch_sizes,
+            tree_top_k=args.tree_top_k, seed=args.seed, batch_sizes=args.batch_sizes,
         )  # fmt: skip
     except ValueError as e:
         parser.error(str(e))

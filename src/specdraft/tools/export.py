@@ -39,6 +39,7 @@ from specdraft.formats.gguf_export import GGUF_TYPES, NOT_SERVED, export_gguf
 from specdraft.formats.reading import load_decoding, load_drafter
 from specdraft.llamacpp_build import LlamaCppError, ensure_llamacpp
 from specdraft.targets.target import TargetError, load_target
+from specdraft.tools.arguments import new_parser
 
 PROG = "scripts/export.py"
 
@@ -102,11 +103,7 @@ def target_of(folder: Path) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     formats = "\n".join(f"  {name:8} {f.help}" for name, f in FORMATS.items())
     formats += "\n  gguf     llama.cpp's draft.gguf + target.gguf (two-model drafts, EAGLE-3 heads)"
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description=__doc__ + formats,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = new_parser(__doc__ + formats, prog=PROG)
     parser.add_argument("folder", metavar="FOLDER", help="a trained drafter folder (final/, best/)")
     parser.add_argument("out", metavar="OUT", help="the folder to write")
     parser.add_argument("--format", required=True, choices=sorted([*FORMATS, "gguf"]))

@@ -30,6 +30,7 @@ import json
 import sys
 
 from specdraft.config import SHIPPED_CONFIGS
+from specdraft.tools.arguments import new_parser
 
 GIB = 2**30
 ZERO2_CONFIG = SHIPPED_CONFIGS / "deepspeed" / "zero2.json"
@@ -159,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = new_parser(__doc__)
     parser.add_argument("target", help="a model folder or hub id (only its config is read)")
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)

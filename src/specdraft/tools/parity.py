@@ -42,7 +42,7 @@ from specdraft.simulation.serving_parity import (
     served_sampled_tau,
     simulate,
 )
-from specdraft.tools.arguments import add_prompts_arguments, add_threads_argument
+from specdraft.tools.arguments import add_prompts_arguments, add_threads_argument, new_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,13 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     where = first_difference(target, drafter, examples[prompt], decode)
     where = where or "the inputs and drafts agree (numerics)"
     tolerance = 0.01 if args.tolerance is None else args.tolerance
-    if gap <= tolerance:
+    within = gap <= tolerance
+    if within:
         print(f"  in parity within {tolerance:.0%}: tau differs by {gap:.2%}")
-        print(f"  prompt {prompt}: {where}")
-        return 0
-    print(f"  NOT in parity: tau differs by {gap:.2%}, over {tolerance:.0%}")
+    else:
+        print(f"  NOT in parity: tau differs by {gap:.2%}, over {tolerance:.0%}")
     print(f"  prompt {prompt}: {where}")
-    return 1
+    return 0 if within else 1
 
 
 def sampled(args, target, drafter, decode, prompts) -> int:
@@ -122,10 +122,7 @@ def sampled(args, target, drafter, decode, prompts) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="scripts/parity.py", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    p = new_parser(__doc__.split("\n\n")[0], prog="scripts/parity.py")
     p.add_argument(
         "folder", help="a trained drafter folder, FOLDER[:KEY=VALUE,...] (runs/eagle-demo/final)"
     )

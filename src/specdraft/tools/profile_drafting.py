@@ -41,7 +41,7 @@ from specdraft.formats.reading import (
 from specdraft.inference.generate import generate
 from specdraft.measuring.evaluation import split_drafter_spec
 from specdraft.measuring.measure import choose_threads, load_prompts
-from specdraft.tools.arguments import add_prompts_arguments, add_threads_argument
+from specdraft.tools.arguments import add_prompts_arguments, add_threads_argument, new_parser
 
 PROPOSE = "specdraft.propose"  # the profiler's label around each proposal
 
@@ -174,10 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="scripts/profile_drafting.py", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    p = new_parser(__doc__.split("\n\n")[0], prog="scripts/profile_drafting.py")
     p.add_argument(
         "drafters", nargs="+", metavar="FOLDER[:KEY=VALUE,...]",
         help="trained drafters, each with decoding settings over its saved ones",

@@ -98,9 +98,7 @@ def regenerate(
         replies = _replay_batch(target, [c for _, _, c in batch], drafter, max_new_tokens,
                                 temperature, top_p, seed + batch[0][0])  # fmt: skip
         for (_, where, _), (messages, tokens) in zip(batch, replies, strict=True):
-            _write(out, {"messages": messages, "source": where})
-            counts["written"] += 1
-            counts["generated_tokens"] += tokens
+            _write(out, {"messages": messages, "source": where}, tokens, counts)
         batch.clear()
         seconds = time.perf_counter() - start
         log(f"[specdraft] regenerate: {counts['written']} written, {counts['generated_tokens']:,}"
@@ -132,9 +130,7 @@ def regenerate(
                         break
                     text, tokens = _continue(target, prompt, max_new_tokens, temperature, top_p,
                                              (seed + index) * 100_003 + n)  # fmt: skip
-                    _write(out, {"text": text, "source": source})
-                    counts["written"] += 1
-                    counts["generated_tokens"] += tokens
+                    _write(out, {"text": text, "source": source}, tokens, counts)
                 continue
             if not isinstance(item, Conversation):
                 plain = isinstance(item, Text)
@@ -164,10 +160,13 @@ def _answer_slot(record):
     return record
 
 
-def _write(out, record: dict) -> None:
+def _write(out, record: dict, tokens: int, counts: Counter) -> None:
+    """`record` as a line of `out`, on disk when this returns, counted with its `tokens`."""
     out.write(json.dumps(record) + "\n")
     out.flush()
     os.fsync(out.fileno())  # a line is either fully on disk or dropped on resume
+    counts["written"] += 1
+    counts["generated_tokens"] += tokens
 
 
 def _rows(data: str, name: str | None = None, split: str = "train"):

@@ -32,7 +32,6 @@ from pathlib import Path
 from specdraft.drafters.base import kinds_own_settings
 from specdraft.formats.checkpoint import set_decode
 from specdraft.formats.reading import folder_target, load_decoding, load_drafter
-from specdraft.measuring.evaluation import parse_batch_sizes
 from specdraft.measuring.measure import choose_threads, load_prompts
 from specdraft.measuring.tuning import (
     MIN_GAIN,
@@ -45,14 +44,22 @@ from specdraft.measuring.tuning import (
     tune_against_saved,
     tune_batch_schedule,
 )
-from specdraft.tools.arguments import add_prompts_arguments, add_threads_argument
+from specdraft.tools.arguments import (
+    add_batch_sizes_argument,
+    add_prompts_arguments,
+    add_threads_argument,
+    new_parser,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    log = lambda m: print(f"[tune] {m}", file=sys.stderr)  # noqa: E731
     try:
-        target, drafter = load(args)
-        choose_threads(args.threads, target, log=lambda m: print(f"[tune] {m}", file=sys.stderr))
+        # the target the folder decodes with (reading.folder_target), and the drafter
+        target = folder_target(args.folder, args.target, dtype=args.dtype, device=args.device)
+        drafter = load_drafter(args.folder, target)
+        choose_threads(args.threads, target, log=log)
         prompts = load_prompts(args.prompts, args.num_prompts, target)
         space = parse_space(args.search, default_space(drafter, target), drafter.decode_class)
         check_space(drafter, space)
@@ -64,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         tuned = tune_against_saved(
             target, drafter, prompts, space, saved=saved, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, seed=args.seed, passes=args.passes,
-            require_equal=not args.allow_mismatch, source=args.prompts,
-            log=lambda m: print(f"[tune] {m}", file=sys.stderr),
+            require_equal=not args.allow_mismatch, source=args.prompts, log=log,
         )  # fmt: skip
     except NoExactSetting as e:
         print(
@@ -80,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         schedule = tune_batch_schedule(
             target, drafter, prompts, space, base=best, batch_sizes=args.batch_sizes,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-            require_equal=not args.allow_mismatch, min_gain=args.min_gain,
-            log=lambda m: print(f"[tune] {m}", file=sys.stderr),
+            require_equal=not args.allow_mismatch, min_gain=args.min_gain, log=log,
         )  # fmt: skip
         best, batch_rows = schedule.decode, schedule.rows
         measured["batch_schedule"] = schedule.measured
@@ -98,25 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def load(args):
-    """The target the folder decodes with (reading.folder_target), and the drafter."""
-    target = folder_target(args.folder, args.target, dtype=args.dtype, device=args.device)
-    return target, load_drafter(args.folder, target)
-
-
-def _batch_sizes(text: str) -> list[int]:
-    """--batch-sizes, as evaluate.py reads it (measuring/evaluation.py, parse_batch_sizes)."""
-    try:
-        return list(parse_batch_sizes(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """scripts/tune.py's command line, checked: a bad value is the parser's error naming it."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = new_parser(__doc__)
     parser.add_argument("folder", help="a trained drafter folder (a run's final/ or best/)")
     parser.add_argument(
         "--target",
@@ -146,13 +135,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="passes over the settings; a later pass races a setting again where another one "
         "changed since its round (they interact: a shallow LayerSkip exit wants a short draft)",
     )
-    parser.add_argument(
-        "--batch-sizes",
-        type=_batch_sizes,
+    add_batch_sizes_argument(
+        parser,
+        "also race gamma (and a tree's budget) against plain decoding at each of these batch "
+        "sizes, and save the winners as the settings' batch_schedule (e.g. 1,4,16)",
         default=None,
         metavar="B1,B2,...",
-        help="also race gamma (and a tree's budget) against plain decoding at each of these "
-        "batch sizes, and save the winners as the settings' batch_schedule (e.g. 1,4,16)",
     )
     parser.add_argument(
         "--min-gain",
