@@ -50,46 +50,57 @@ class Format:
     decoding: Callable[[dict, DecodeConfig], DecodeConfig] | None = None
 
 
-def also_holding(
-    inner: Format,
-    kind: str,
-    model_type: str,
-    architecture: str,
-    write: Callable[[Drafter, str, DecodeConfig], tuple[dict, dict[str, torch.Tensor]]],
-    read: Callable[..., Drafter],
-    validate: Callable[[Path, int], list[str]],
-) -> Format:
-    """speculators' entry `inner` holding drafters of `kind` too: a folder whose config.json says
-    speculators_model_type `model_type` is read and checked by `read` and `validate`, a drafter of
-    `kind` is written by `write`, and everything else goes to `inner`, as before. One speculators
-    layout holds every kind it serves, each kind's code in its own module."""
+@dataclass(frozen=True)
+class Held:
+    """A kind speculators' layout holds beside EAGLE-3 heads (`also_holding`): its folders say
+    speculators_model_type `kind`, architectures [`architecture`]."""
 
-    def ours(config: dict) -> bool:
-        return config.get("speculators_model_type") == model_type
+    kind: str
+    architecture: str
+    write: Callable[[Drafter, str, DecodeConfig], tuple[dict, dict[str, torch.Tensor]]]
+    read: Callable[..., Drafter]
+    validate: Callable[[Path, int], list[str]]
 
-    def write_any(drafter: Drafter, base_model: str, decode: DecodeConfig):
-        return (write if drafter.kind == kind else inner.write)(drafter, base_model, decode)
 
-    def read_any(folder, config: dict, target: Target, *, strict: bool = True) -> Drafter:
-        return (read if ours(config) else inner.read)(folder, config, target, strict=strict)
+def also_holding(inner: Format, *held: Held) -> Format:
+    """speculators' entry `inner` holding the kinds `held` too: a drafter of one is written by its
+    `write`, a folder whose speculators_model_type names one is read and checked by its `read` and
+    `validate`, and everything else goes to `inner`, as before. One speculators layout holds every
+    kind it serves, each kind's code in its own module."""
+    by_kind = {h.kind: h for h in held}
 
-    def validate_any(folder: Path, vocab_size: int) -> list[str]:
+    def of(config: dict) -> Held | Format:
+        return by_kind.get(config.get("speculators_model_type"), inner)
+
+    def write(drafter: Drafter, base_model: str, decode: DecodeConfig):
+        return by_kind.get(drafter.kind, inner).write(drafter, base_model, decode)
+
+    def read(folder, config: dict, target: Target, *, strict: bool = True) -> Drafter:
+        return of(config).read(folder, config, target, strict=strict)
+
+    def validate(folder: Path, vocab_size: int) -> list[str]:
         config = json.loads((Path(folder) / CONFIG_NAME).read_text())
-        return (validate if ours(config) else inner.validate)(folder, vocab_size)
+        return of(config).validate(folder, vocab_size)
 
+    names = " or ".join(["Eagle3Speculator", *(h.architecture for h in held)])
     return dataclasses.replace(
         inner,
-        help=inner.help.replace("Eagle3Speculator", f"Eagle3Speculator or {architecture}", 1),
-        kinds=(*inner.kinds, kind),
-        write=write_any,
-        read=read_any,
-        validate=validate_any,
+        help=inner.help.replace("Eagle3Speculator", names, 1),
+        kinds=(*inner.kinds, *by_kind),
+        write=write,
+        read=read,
+        validate=validate,
     )
+
+
+def integer(value, low: int = 1) -> bool:
+    """An integer (not a bool) >= `low`, as a config.json field must be to count something."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def count(config: dict, key: str, folder: Path, also: str | None = None) -> int:
     value = config.get(key, config.get(also)) if also else config.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not integer(value):
         raise CheckpointError(
             f"{folder / CONFIG_NAME}: {key} must be an integer >= 1; got {value!r}"
         )
@@ -119,6 +130,51 @@ def read_weights(files: list[Path]) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{file} repeats weights of another file there: {repeated[:5]}")
         state.update(part)
     return state
+
+
+def folder_weights(
+    folder: Path, what: str, weights_file: str
+) -> tuple[dict[str, torch.Tensor], Path]:
+    """Every .safetensors file in `folder` as one state, as the engines read them, and where, for
+    messages. A folder with a pickle instead (converted to `weights_file`, says the error) or no
+    weights at all (`what`: whose config.json it holds) is a CheckpointError."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
+        if pickles:
+            raise CheckpointError(pickle_message(pickles[0], weights_file))
+        raise CheckpointError(f"{folder} has a {what} config.json but no .safetensors weights")
+    return read_weights(files), folder / ", ".join(f.name for f in files)
+
+
+def folder_problems(
+    folder: str | Path,
+    weights_file: str,
+    problems_of: Callable[..., list[str]],
+    shapes_of: Callable[[dict], dict[str, tuple[int, ...]]],
+    more: Callable[[dict, dict[str, torch.Tensor]], list[str]] | None = None,
+) -> list[str]:
+    """What an engine would refuse in a written folder, each a sentence; [] when it loads: its
+    config.json's `problems_of(config)`, then, where there are none, the weights' names and
+    shapes against `shapes_of(config)` and `problems_of(config, names)`, then, where there are
+    still none, `more(config, weights)`. Reads only the files, never a target."""
+    folder = Path(folder)
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    problems = problems_of(config)
+    if problems:
+        return problems
+    state = load_file(folder / weights_file)
+    expected = shapes_of(config)
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or extra:
+        problems.append(f"weights missing {few(missing)}, unexpected {few(extra)}")
+    problems += [
+        f"{name} has shape {tuple(state[name].shape)}, expected {shape}"
+        for name, shape in expected.items()
+        if name in state and tuple(state[name].shape) != shape
+    ]
+    problems += problems_of(config, set(state))
+    return problems or (more(config, state) if more is not None else [])
 
 
 def check_names_and_shapes(

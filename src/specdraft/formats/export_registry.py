@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from specdraft.core import DecodeConfig
 from specdraft.drafters.base import Drafter
 from specdraft.formats.checkpoint import CONFIG_NAME, _clear_leftovers, _replace_dir
-from specdraft.formats.export_formats import ExportError, Format
+from specdraft.formats.export_formats import ExportError, Format, also_holding
 from specdraft.kinds.dflash import dflash_export
 from specdraft.kinds.dspark import dspark_export
 from specdraft.kinds.eagle.eagle_formats import EAGLE_FORMATS
@@ -35,15 +35,16 @@ from specdraft.targets.target import Target
 # formats/reading.py `load_decoding` reads it back.
 EXPORTED_DECODING = "specdraft_decoding"
 
-# speculators' layout holds P-EAGLE heads, DFlash and DSpark drafters too: one entry, each kind
-# written, read and checked by its own module
+# speculators' layout holds DFlash drafters, P-EAGLE heads and DSpark drafters too: one entry,
+# each kind written, read and checked by its own module
 FORMATS: dict[str, Format] = {
     **MEDUSA_FORMATS,
     **EAGLE_FORMATS,
-    "speculators": dspark_export.speculators_format(
-        peagle_export.speculators_format(
-            dflash_export.speculators_format(EAGLE_FORMATS["speculators"])
-        )
+    "speculators": also_holding(
+        EAGLE_FORMATS["speculators"],
+        dflash_export.SPECULATORS,
+        peagle_export.SPECULATORS,
+        dspark_export.SPECULATORS,
     ),
 }
 

@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.base import Drafter
+from specdraft.formats.checkpoint import _replace_dir
 from specdraft.formats.export_formats import ExportError
 from specdraft.llamacpp_build import COMMIT, LlamaCpp
 from specdraft.targets.target import Target, target_path
@@ -137,12 +138,7 @@ def export_gguf(
             )
             + "\n"
         )
-        old = out.with_name(f".{out.name}-old")
-        if out.exists():  # set aside, not deleted, until the new folder is in place
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+        _replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -263,6 +259,8 @@ def gguf_problems(
     named otherwise (gpt-oss is openai-moe.cpp) is not checked."""
     t, d = gguf_fields(target), gguf_fields(draft)
     tv, dv = t.get("tokenizer.ggml.tokens") or [], d.get("tokenizer.ggml.tokens") or []
+    arch = t.get("general.architecture")
+    width, layers = t.get(f"{arch}.embedding_length"), t.get(f"{arch}.block_count")
     problems = []
     if spec_type == "draft-eagle3":  # it drafts target ids (d2t): only the sizes must agree
         if len(tv) != len(dv):
@@ -299,8 +297,6 @@ def gguf_problems(
             "from one folder)"
         ]
     if spec_type == "draft-eagle3":
-        arch = t.get("general.architecture")
-        width, layers = t.get(f"{arch}.embedding_length"), t.get(f"{arch}.block_count")
         wants = d.get("eagle3.target_hidden_size")
         if wants != width:
             problems.append(
@@ -312,7 +308,6 @@ def gguf_problems(
             problems.append(
                 f"the EAGLE-3 head reads target layers {reads}; {target.name} has {layers}"
             )
-    arch = t.get("general.architecture")
     model = source / "src" / "models" / f"{arch}.cpp" if source else None
     if (
         spec_type in READS_TARGET_LAYERS
@@ -325,11 +320,7 @@ def gguf_problems(
             f"{arch} model does not hand its layers' inputs to a drafter (it aborts on the "
             "first request); serve this drafter with vLLM (--format speculators)"
         )
-    found = {
-        "num_layers": t.get(f"{arch}.block_count"),
-        "hidden_size": t.get(f"{arch}.embedding_length"),
-        "vocab_size": len(tv) or None,
-    }
+    found = {"num_layers": layers, "hidden_size": width, "vocab_size": len(tv) or None}
     differ = [
         f"{key} {fingerprint[key]} (trained for) against {value} ({target.name})"
         for key, value in found.items()

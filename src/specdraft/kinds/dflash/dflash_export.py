@@ -1,9 +1,10 @@
 """DFlash drafters in vllm-project/speculators' layout (which vLLM serves), and read back.
 
 `scripts/export.py --format speculators` writes an EAGLE-3 head or a DFlash drafter: the one
-"speculators" entry of FORMATS (`speculators_format`) sends each drafter to its writer and each
-folder, by its `speculators_model_type`, to its reader. A DFlash folder (speculators 0.9.0's
-DFlashSpeculatorConfig and DFlashDraftModel, read for this layout):
+"speculators" entry of FORMATS (export_formats.also_holding, given this module's `SPECULATORS`)
+sends each drafter to its writer and each folder, by its `speculators_model_type`, to its
+reader. A DFlash folder (speculators 0.9.0's DFlashSpeculatorConfig and DFlashDraftModel, read
+for this layout):
 
     config.json        speculators_model_type dflash, architectures [DFlashSpeculator],
                        transformer_layer_config (the layers' Qwen3Config as a diff dict,
@@ -28,25 +29,29 @@ drafter reading it is refused. speculative_tokens is the chain served: min(gamma
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-
-import torch
-from safetensors.torch import load_file
 
 from specdraft.core import DecodeConfig
 from specdraft.formats.checkpoint import CONFIG_NAME, CheckpointError
 from specdraft.formats.export_formats import (
-    ExportError,
-    Format,
-    also_holding,
+    Held,
     check_names_and_shapes,
-    few,
-    read_weights,
+    folder_problems,
+    folder_weights,
+    integer,
 )
-from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter, layer_config
-from specdraft.kinds.eagle.eagle_export import GENERIC_KEYS, LAYER_FIELDS, SPECULATORS_VERSION
-from specdraft.kinds.eagle.eagle_formats import check_verifier
+from specdraft.kinds.dflash.dflash import DFlashDrafter, layer_config
+from specdraft.kinds.eagle.eagle_export import (
+    SPECULATORS_VERSION,
+    check_captured,
+    engine_layer_dict,
+    in_layer_order,
+    layer_shapes,
+    speculative_tokens,
+    speculators_config,
+    speculators_problems,
+)
+from specdraft.kinds.eagle.eagle_formats import check_verifier, layer_differences
 from specdraft.targets.target import Target
 
 WEIGHTS = "model.safetensors"
@@ -63,23 +68,10 @@ def write_speculators(
     min(decode.gamma, block_size - 1)."""
     cfg, target = drafter.config, drafter.target
     ids = list(cfg.aux_layers)
-    if target.num_layers in ids:
-        raise ExportError(
-            f"this drafter reads target hidden state {target.num_layers}, the final normed state, "
-            "which the engines never capture (they take the pre-norm outputs of decoder layers): "
-            f"retrain with drafter.aux_layers below {target.num_layers} to serve it"
-        )
-    if len(set(ids)) < len(ids):
-        raise ExportError(
-            f"this drafter reads target layers {ids}, a layer twice; the engines capture each "
-            "layer once, so fc would get fewer features than it reads: retrain with distinct "
-            "drafter.aux_layers"
-        )
+    check_captured(ids, target.num_layers, "drafter reads", "aux_layers")
     H = target.hidden_size
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in drafter.state_dict().items()}
-    order = sorted(range(len(ids)), key=lambda j: ids[j])
-    fc = state["fc.weight"]
-    state["fc.weight"] = torch.cat([fc[:, j * H : (j + 1) * H] for j in order], dim=1)
+    state["fc.weight"] = in_layer_order(state["fc.weight"], ids, H)
     config = {
         "architectures": [ARCHITECTURE],
         "speculators_model_type": "dflash",
@@ -92,22 +84,9 @@ def write_speculators(
         "mask_token_id": cfg.mask_token_id,
         "sample_from_anchor": False,
         "sliding_window_non_causal": False,
-        "speculators_config": {
-            "algorithm": "dflash",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": min(decode.gamma, drafter.drafts_per_block),
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {
-                "name_or_path": base_model,
-                "architectures": list(target.config.architectures or [type(target.model).__name__]),
-            },
-        },
+        "speculators_config": speculators_config(
+            "dflash", min(decode.gamma, drafter.drafts_per_block), base_model, target
+        ),
     }
     return config, state
 
@@ -115,13 +94,7 @@ def write_speculators(
 def layer_config_dict(target: Target, num_layers: int) -> dict:
     """The layers' Qwen3Config as speculators writes it (a diff dict, model_type qwen3)."""
     config = layer_config(target.config, num_layers).to_diff_dict()
-    for key in GENERIC_KEYS:
-        config.pop(key, None)
-    config["model_type"] = "qwen3"
-    rope = config.get("rope_parameters") or {}
-    if "rope_theta" in rope:  # also where older readers of the layer config look for it
-        config["rope_theta"] = rope["rope_theta"]
-    return config
+    return engine_layer_dict({**config, "model_type": "qwen3"})
 
 
 # --- the layout's rules --------------------------------------------------------------------------
@@ -130,23 +103,8 @@ def layer_config_dict(target: Target, num_layers: int) -> dict:
 def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """The exact weight names and shapes of a DFlash folder with this config.json."""
     layer = config["transformer_layer_config"]
-    H, inter = layer["hidden_size"], layer["intermediate_size"]
-    heads = layer["num_attention_heads"]
-    kv = layer.get("num_key_value_heads") or heads
-    D = layer.get("head_dim") or H // heads
-    per_layer = {
-        "self_attn.q_proj.weight": (heads * D, H),
-        "self_attn.k_proj.weight": (kv * D, H),
-        "self_attn.v_proj.weight": (kv * D, H),
-        "self_attn.o_proj.weight": (H, heads * D),
-        "self_attn.q_norm.weight": (D,),
-        "self_attn.k_norm.weight": (D,),
-        "mlp.gate_proj.weight": (inter, H),
-        "mlp.up_proj.weight": (inter, H),
-        "mlp.down_proj.weight": (H, inter),
-        "input_layernorm.weight": (H,),
-        "post_attention_layernorm.weight": (H,),
-    }
+    H = layer["hidden_size"]
+    per_layer = layer_shapes(layer, width=H, qk_norm=True)
     shapes = {
         f"layers.{i}.{k}": v
         for i in range(layer["num_hidden_layers"])
@@ -171,10 +129,7 @@ def layout_problems(
         if not cond:
             problems.append(message)
 
-    def integer(value, low: int = 1) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-    need("model_type" not in config, "a top-level model_type hides it from vLLM's detection")
+    problems += speculators_problems(config, names)
     need(
         config.get("speculators_model_type") == model_type,
         f"speculators_model_type != {model_type}",
@@ -206,24 +161,12 @@ def layout_problems(
     else:
         need(isinstance(from_anchor, bool), "sample_from_anchor must be true or false")
     drafts = (config.get("block_size") or 2) - (0 if from_anchor is True else 1)
-    spec = config.get("speculators_config") or {}
-    methods = spec.get("proposal_methods") or [{}]
-    tokens = methods[0].get("speculative_tokens")
+    tokens = speculative_tokens(config)
     need(
         integer(tokens) and tokens <= drafts,
         f"speculators_config.proposal_methods[0].speculative_tokens must be in 1..{drafts} "
         "(the tokens a block drafts)",
     )
-    verifier = spec.get("verifier") or {}
-    need(
-        isinstance(verifier.get("name_or_path"), str) and verifier["name_or_path"] != "",
-        "speculators_config.verifier.name_or_path must name the target",
-    )
-    if names is not None:
-        need(
-            not any(n.startswith("model.") for n in names),
-            "weight names must not start with model. (vLLM adds it)",
-        )
     return problems
 
 
@@ -236,71 +179,41 @@ def validate_folder(
     """Every problem speculators or vLLM would find in a written DFlash folder (or, with a
     kind's own `problems_of(config, names)` and `shapes_of(config)`, a folder of that kind);
     [] when it loads."""
-    folder = Path(folder)
-    config = json.loads((folder / CONFIG_NAME).read_text())
-    problems = problems_of(config)
-    if problems:
-        return problems
-    state = load_file(folder / WEIGHTS)
-    expected = shapes_of(config)
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or extra:
-        problems.append(f"weights missing {few(missing)}, unexpected {few(extra)}")
-    problems += [
-        f"{name} has shape {tuple(state[name].shape)}, expected {shape}"
-        for name, shape in expected.items()
-        if name in state and tuple(state[name].shape) != shape
-    ]
-    if config["draft_vocab_size"] != vocab_size:
-        problems.append(f"draft_vocab_size {config['draft_vocab_size']} is not the target's {vocab_size}")  # fmt: skip
-    return problems + problems_of(config, set(state))
+
+    def vocabulary(config: dict, state) -> list[str]:
+        if config["draft_vocab_size"] == vocab_size:
+            return []
+        return [f"draft_vocab_size {config['draft_vocab_size']} is not the target's {vocab_size}"]
+
+    return folder_problems(folder, WEIGHTS, problems_of, shapes_of, vocabulary)
 
 
 # --- reading -------------------------------------------------------------------------------------
 
 
 def read_drafter(
-    folder: Path, config: dict, target: Target, *, strict: bool = True
+    folder: Path,
+    config: dict,
+    target: Target,
+    *,
+    strict: bool = True,
+    drafter_class: type[DFlashDrafter] = DFlashDrafter,
+    problems_of=layout_problems,
+    shapes_of=expected_shapes,
+    fields: tuple[str, ...] = (),
 ) -> DFlashDrafter:
     """A DFlash folder in speculators' layout, checked against `target` (layer shape, sizes,
-    verifier, exact names and shapes) before a module is built."""
-    state = checked_weights(folder, config, target, strict, layout_problems, expected_shapes)
-    layer = config["transformer_layer_config"]
-    try:
-        drafter_config = DFlashConfig(
-            num_layers=layer["num_hidden_layers"],
-            block_size=config["block_size"],
-            aux_layers=list(config["aux_hidden_state_layer_ids"]),
-            mask_token_id=config["mask_token_id"],
-        )
-        drafter = DFlashDrafter(drafter_config, target, init=False)
-    except ValueError as e:
-        raise CheckpointError(f"{folder / CONFIG_NAME}: {e}") from e
-    drafter.load_state_dict(state, strict=True)
-    return drafter
-
-
-def checked_weights(
-    folder: Path, config: dict, target: Target, strict: bool, problems_of, shapes_of
-) -> dict[str, torch.Tensor]:
-    """The weights of a DFlash-backbone folder (a kind's own `problems_of`, `shapes_of`), once
-    its config and weights are checked against `target`: a CheckpointError naming the first
-    problem."""
+    verifier, exact names and shapes) before a module is built. A kind built on DFlash's backbone
+    (kinds/dspark/dspark_export.py) gives its `drafter_class`, its own `problems_of(config)` and
+    `shapes_of(config)`, and the config.json `fields` its config takes as written."""
     where = folder / CONFIG_NAME
+    name = drafter_class.__name__.removesuffix("Drafter")
     problems = problems_of(config)
     if problems:
-        kind = {"dspark": "DSpark"}.get(config.get("speculators_model_type"), "DFlash")
-        raise CheckpointError(f"{where} is not a loadable {kind} drafter: {'; '.join(problems)}")
+        raise CheckpointError(f"{where} is not a loadable {name} drafter: {'; '.join(problems)}")
     layer = config["transformer_layer_config"]
     ours = layer_config(target.config, layer["num_hidden_layers"]).to_dict()
-    theirs = dict(layer)
-    theirs.setdefault("num_key_value_heads", layer["num_attention_heads"])
-    theirs["head_dim"] = theirs.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]  # fmt: skip
-    differ = [
-        f"{key} {theirs.get(key)!r} (the target's {ours.get(key)!r})"
-        for key in LAYER_FIELDS
-        if theirs.get(key) is not None and theirs.get(key) != ours.get(key)
-    ]
+    differ = layer_differences(layer, ours)
     hidden = config.get("target_hidden_size") or layer["hidden_size"]
     if hidden != target.hidden_size:
         differ.append(f"target_hidden_size {hidden} (the target's {target.hidden_size})")
@@ -316,26 +229,27 @@ def checked_weights(
         )
     if strict:
         check_verifier(config["speculators_config"]["verifier"], target, where)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder} has a DFlash config.json but no .safetensors weights")
-    state = {k.removeprefix("model."): v for k, v in read_weights(files).items()}
+    state, where_w = folder_weights(folder, name, WEIGHTS)
+    state = {k.removeprefix("model."): v for k, v in state.items()}
     # what speculators also accepts in the folder: the verifier's own embedding and LM head
     for shared in ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight"):
         state.pop(shared, None)
-    where_w = folder / ", ".join(f.name for f in files)
     check_names_and_shapes(state, shapes_of(config), where_w, target, config)
-    return state
+    try:
+        drafter_config = drafter_class.config_class(
+            num_layers=layer["num_hidden_layers"],
+            block_size=config["block_size"],
+            aux_layers=list(config["aux_hidden_state_layer_ids"]),
+            mask_token_id=config["mask_token_id"],
+            **{key: config[key] for key in fields if key in config},
+        )
+        drafter = drafter_class(drafter_config, target, init=False)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from e
+    drafter.load_state_dict(state, strict=True)
+    return drafter
 
 
-def speculators_format(inner: Format) -> Format:
-    """speculators' FORMATS entry `inner`, holding DFlash drafters too."""
-    return also_holding(
-        inner,
-        DFlashDrafter.kind,
-        "dflash",
-        ARCHITECTURE,
-        write_speculators,
-        read_drafter,
-        validate_folder,
-    )
+SPECULATORS = Held(
+    DFlashDrafter.kind, ARCHITECTURE, write_speculators, read_drafter, validate_folder
+)

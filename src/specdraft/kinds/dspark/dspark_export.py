@@ -17,14 +17,12 @@ DSparkSpeculatorConfig fields and its heads' weights:
 
 from __future__ import annotations
 
-from pathlib import Path
+from functools import partial
 
 from specdraft.core import DecodeConfig
-from specdraft.formats.checkpoint import CONFIG_NAME, CheckpointError
-from specdraft.formats.export_formats import Format, also_holding
+from specdraft.formats.export_formats import Held, integer
 from specdraft.kinds.dflash import dflash_export
-from specdraft.kinds.dspark.dspark import DSparkConfig, DSparkDrafter
-from specdraft.targets.target import Target
+from specdraft.kinds.dspark.dspark import DSparkDrafter
 
 ARCHITECTURE = "DSparkSpeculator"
 
@@ -51,8 +49,7 @@ def write_speculators(
 def layout_problems(config: dict, names: set[str] | None = None) -> list[str]:
     """DFlash's backbone rules for a dspark folder, and its heads': [] when it loads."""
     problems = dflash_export.layout_problems(config, names, model_type="dspark")
-    rank = config.get("markov_rank")
-    if not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
+    if not integer(config.get("markov_rank")):
         problems.append(
             "markov_rank must be an integer >= 1 (a DSpark folder without a Markov head is a "
             "DFlash drafter)"
@@ -84,45 +81,17 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def validate_folder(folder: str | Path, vocab_size: int) -> list[str]:
-    """Every problem speculators or vLLM would find in a written DSpark folder."""
-    return dflash_export.validate_folder(folder, vocab_size, layout_problems, expected_shapes)
-
-
-def read_drafter(
-    folder: Path, config: dict, target: Target, *, strict: bool = True
-) -> DSparkDrafter:
-    """A DSpark folder in speculators' layout, checked against `target` before a module is
-    built (as a DFlash folder is, and its heads' shapes)."""
-    state = dflash_export.checked_weights(
-        folder, config, target, strict, layout_problems, expected_shapes
-    )
-    layer = config["transformer_layer_config"]
-    try:
-        drafter_config = DSparkConfig(
-            num_layers=layer["num_hidden_layers"],
-            block_size=config["block_size"],
-            aux_layers=list(config["aux_hidden_state_layer_ids"]),
-            mask_token_id=config["mask_token_id"],
-            sample_from_anchor=config["sample_from_anchor"],
-            markov_rank=config["markov_rank"],
-            enable_confidence_head=config.get("enable_confidence_head", True),
-        )
-        drafter = DSparkDrafter(drafter_config, target, init=False)
-    except ValueError as e:
-        raise CheckpointError(f"{folder / CONFIG_NAME}: {e}") from e
-    drafter.load_state_dict(state, strict=True)
-    return drafter
-
-
-def speculators_format(inner: Format) -> Format:
-    """speculators' FORMATS entry `inner`, holding DSpark drafters too."""
-    return also_holding(
-        inner,
-        DSparkDrafter.kind,
-        "dspark",
-        ARCHITECTURE,
-        write_speculators,
-        read_drafter,
-        validate_folder,
-    )
+# DFlash's reader and check, with the heads' rules and shapes and the fields DSparkConfig adds
+SPECULATORS = Held(
+    DSparkDrafter.kind,
+    ARCHITECTURE,
+    write_speculators,
+    partial(
+        dflash_export.read_drafter,
+        drafter_class=DSparkDrafter,
+        problems_of=layout_problems,
+        shapes_of=expected_shapes,
+        fields=("sample_from_anchor", "markov_rank", "enable_confidence_head"),
+    ),
+    partial(dflash_export.validate_folder, problems_of=layout_problems, shapes_of=expected_shapes),
+)

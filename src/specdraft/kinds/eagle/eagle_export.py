@@ -51,9 +51,7 @@ import torch
 
 from specdraft.core import DecodeConfig
 from specdraft.formats.checkpoint import CheckpointError
-from specdraft.formats.export_formats import (
-    ExportError,
-)
+from specdraft.formats.export_formats import ExportError, integer
 from specdraft.kinds.eagle.eagle import EagleDrafter
 from specdraft.kinds.eagle.eagle_layers import llama_layer_config
 from specdraft.targets.target import Target
@@ -95,19 +93,9 @@ def reference_state(drafter: EagleDrafter, fmt: str) -> dict[str, torch.Tensor]:
             f"an {version} one: export it with --format {able}"
         )
     if cfg.version == "eagle3":
-        last = drafter.target.num_layers
-        if last in cfg.feature_layers:
-            raise ExportError(
-                f"this head fuses target hidden state {last}, the final normed state, which the "
-                "engines never capture (they fuse the pre-norm outputs of decoder layers): "
-                f"retrain with drafter.feature_layers below {last} to serve it"
-            )
-        if len(set(cfg.feature_layers)) < 3:
-            raise ExportError(
-                f"this head fuses target layers {cfg.feature_layers}, a layer twice; the engines "
-                "capture each layer once (sorted, duplicates dropped), so their fc would get "
-                "fewer features than it reads: retrain with three distinct drafter.feature_layers"
-            )
+        check_captured(
+            cfg.feature_layers, drafter.target.num_layers, "head fuses", "feature_layers"
+        )
         if fmt == "sglang" and 0 in cfg.feature_layers:
             raise ExportError(
                 "this head fuses the target's embeddings (feature layer 0), which SGLang's "
@@ -142,18 +130,39 @@ def reference_state(drafter: EagleDrafter, fmt: str) -> dict[str, torch.Tensor]:
         if drafter.fc.bias is not None:
             state["fc.bias"] = plain(drafter.fc.bias)
         return state
-    # the engines capture the fused layers in ascending order: fc's column blocks follow it
-    order = sorted(range(3), key=lambda j: cfg.feature_layers[j])
     H = drafter.target.hidden_size
-    state["fc.weight"] = plain(
-        torch.cat([drafter.fc_fuse.weight[:, j * H : (j + 1) * H] for j in order], dim=1)
-    )
+    state["fc.weight"] = plain(in_layer_order(drafter.fc_fuse.weight, cfg.feature_layers, H))
     if getattr(drafter, "input_norm", None) is not None:  # EAGLE-3.1: its blocks follow fc's
         w = drafter.input_norm.weight
-        state["input_norm.weight"] = plain(torch.cat([w[j * H : (j + 1) * H] for j in order]))
+        state["input_norm.weight"] = plain(in_layer_order(w, cfg.feature_layers, H))
     state["norm.weight"] = plain(drafter.final_norm.weight)
     state["lm_head.weight"] = plain(drafter.lm_head.weight)
     return state
+
+
+def check_captured(layers: list[int], num_layers: int, reads: str, setting: str) -> None:
+    """ExportError unless the engines capture every target layer in `layers` (what the drafter
+    `reads`, under drafter.`setting`): each once, and none the final normed state (our id
+    `num_layers`), which they never take."""
+    if num_layers in layers:
+        raise ExportError(
+            f"this {reads} target hidden state {num_layers}, the final normed state, which the "
+            "engines never capture (they take the pre-norm outputs of decoder layers): retrain "
+            f"with drafter.{setting} below {num_layers} to serve it"
+        )
+    if len(set(layers)) < len(layers):
+        raise ExportError(
+            f"this {reads} target layers {layers}, a layer twice; the engines capture each layer "
+            "once (sorted, duplicates dropped), so fc would get fewer features than it reads: "
+            f"retrain with distinct drafter.{setting}"
+        )
+
+
+def in_layer_order(t: torch.Tensor, layers: list[int], width: int) -> torch.Tensor:
+    """`t`'s last dimension, one block of `width` per fused target layer (fc's columns), with the
+    blocks reordered to the layers ascending: the order the engines capture them in."""
+    order = sorted(range(len(layers)), key=lambda j: layers[j])
+    return torch.cat([t[..., j * width : (j + 1) * width] for j in order], dim=-1)
 
 
 def engine_maps(d2t: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,16 +218,42 @@ def draft_vocabulary(drafter: EagleDrafter, state: dict[str, torch.Tensor], fmt:
 def layer_config_dict(target: Target) -> dict:
     """The head layer's LlamaConfig as config.json holds it, with the rotary base also under the
     keys older engines read (rope_theta, rope_scaling)."""
-    config = llama_layer_config(target.config).to_dict()
+    config = engine_layer_dict(llama_layer_config(target.config).to_dict())
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        config["rope_scaling"] = dict(rope)
+    config["architectures"] = ["LlamaForCausalLM"]
+    return config
+
+
+def engine_layer_dict(config: dict) -> dict:
+    """A draft layer's config dict without GENERIC_KEYS, its rotary base also under rope_theta,
+    where older readers of the layer config look for it."""
     for key in GENERIC_KEYS:
         config.pop(key, None)
     rope = config.get("rope_parameters") or {}
     if "rope_theta" in rope:
         config["rope_theta"] = rope["rope_theta"]
-    if rope.get("rope_type", "default") != "default":
-        config["rope_scaling"] = dict(rope)
-    config["architectures"] = ["LlamaForCausalLM"]
     return config
+
+
+def speculators_config(algorithm: str, tokens: int, base_model: str, target: Target) -> dict:
+    """speculators' `speculators_config`: one greedy proposal of `tokens` drafted tokens, verified
+    by `base_model` (the target's architectures)."""
+    method = {"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1,
+              "accept_tolerance": 0.0}  # fmt: skip
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [method],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": base_model, "architectures": target_architectures(target)},
+    }
+
+
+def speculative_tokens(config: dict):
+    """The default proposal's speculative_tokens of a speculators config.json, or None."""
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return methods[0].get("speculative_tokens")
 
 
 # --- writers -------------------------------------------------------------------------------------
@@ -243,22 +278,7 @@ def write_speculators(
         "norm_output": getattr(drafter.config, "norm_output", False),
         "target_hidden_size": target.hidden_size,
         "eagle_aux_hidden_state_layer_ids": sorted(drafter.config.feature_layers),
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": decode.gamma,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {
-                "name_or_path": base_model,
-                "architectures": target_architectures(target),
-            },
-        },
+        "speculators_config": speculators_config("eagle3", decode.gamma, base_model, target),
     }
     return config, state
 
@@ -308,25 +328,14 @@ def expected_shapes(fmt: str, config: dict, vocab_size: int, *, embedding=True) 
     vocabulary size for the maps and the embedding, which our exports hold and published heads
     may leave out: `embedding`); names as the format writes them."""
     layer = config["transformer_layer_config"] if fmt == "speculators" else config
-    H, inter = layer["hidden_size"], layer["intermediate_size"]
-    heads = layer["num_attention_heads"]
-    kv = layer.get("num_key_value_heads") or heads
-    head_dim = layer.get("head_dim") or H // heads
-    width = H if fmt == "eagle" else 2 * H  # EAGLE-3's q/k/v read cat(embedding, feature)
-    prefix = "midlayer." if fmt == "sglang" else "layers.0."
-    shapes = {
-        "self_attn.q_proj.weight": (heads * head_dim, width),
-        "self_attn.k_proj.weight": (kv * head_dim, width),
-        "self_attn.v_proj.weight": (kv * head_dim, width),
-        "self_attn.o_proj.weight": (H, heads * head_dim),
-        "mlp.gate_proj.weight": (inter, H),
-        "mlp.up_proj.weight": (inter, H),
-        "mlp.down_proj.weight": (H, inter),
-        "post_attention_layernorm.weight": (H,),
-    }
-    if fmt != "eagle":
-        shapes["input_layernorm.weight"] = (H,)
+    H = layer["hidden_size"]
+    # EAGLE-3's q/k/v read cat(embedding, feature); EAGLE-1's layer has no input_layernorm
+    shapes = layer_shapes(layer, width=H if fmt == "eagle" else 2 * H)
+    if fmt == "eagle":
+        del shapes["input_layernorm.weight"]
+    else:
         shapes["hidden_norm.weight"] = (H,)
+    prefix = "midlayer." if fmt == "sglang" else "layers.0."
     expected = {prefix + k: v for k, v in shapes.items()}
     if embedding:
         expected["embed_tokens.weight"] = (vocab_size, H)
@@ -352,6 +361,29 @@ def expected_shapes(fmt: str, config: dict, vocab_size: int, *, embedding=True) 
     return expected
 
 
+def layer_shapes(layer: dict, width: int, qk_norm: bool = False) -> dict[str, tuple[int, ...]]:
+    """A decoder layer's weight names and shapes, from its config dict: q/k/v read `width`
+    features; with `qk_norm`, Qwen3's per-head q_norm and k_norm."""
+    H, inter = layer["hidden_size"], layer["intermediate_size"]
+    heads = layer["num_attention_heads"]
+    kv = layer.get("num_key_value_heads") or heads
+    D = layer.get("head_dim") or H // heads
+    shapes = {
+        "self_attn.q_proj.weight": (heads * D, width),
+        "self_attn.k_proj.weight": (kv * D, width),
+        "self_attn.v_proj.weight": (kv * D, width),
+        "self_attn.o_proj.weight": (H, heads * D),
+        "mlp.gate_proj.weight": (inter, H),
+        "mlp.up_proj.weight": (inter, H),
+        "mlp.down_proj.weight": (H, inter),
+        "post_attention_layernorm.weight": (H,),
+        "input_layernorm.weight": (H,),
+    }
+    if qk_norm:
+        shapes["self_attn.q_norm.weight"] = shapes["self_attn.k_norm.weight"] = (D,)
+    return shapes
+
+
 def layout_problems(fmt: str, config: dict, names: set[str] | None = None) -> list[str]:
     """What the engine's loader would refuse or misread in a `fmt` folder's config.json (and, when
     given, its weight names), each said in a sentence; [] when it loads. Pure Python: each rule
@@ -362,13 +394,8 @@ def layout_problems(fmt: str, config: dict, names: set[str] | None = None) -> li
         if not cond:
             problems.append(message)
 
-    def integer(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
     if fmt == "speculators":
-        # vllm/transformers_utils/config.py: a config with speculators_config and no model_type
-        # is a speculators checkpoint
-        need("model_type" not in config, "a top-level model_type hides it from vLLM's detection")
+        problems += speculators_problems(config, names)
         # vllm/transformers_utils/configs/speculators/base.py and algos.py (update_eagle3)
         need(
             config.get("speculators_model_type") in ("eagle3", "peagle"),
@@ -380,16 +407,9 @@ def layout_problems(fmt: str, config: dict, names: set[str] | None = None) -> li
             "transformer_layer_config must be a dict with model_type llama (vLLM builds "
             "Eagle3LlamaForCausalLM from it)",
         )
-        spec = config.get("speculators_config") or {}
-        methods = spec.get("proposal_methods") or [{}]
         need(
-            integer(methods[0].get("speculative_tokens")),
+            integer(speculative_tokens(config)),
             "speculators_config.proposal_methods[0].speculative_tokens must be an integer >= 1",
-        )
-        verifier = spec.get("verifier") or {}
-        need(
-            isinstance(verifier.get("name_or_path"), str) and verifier["name_or_path"] != "",
-            "speculators_config.verifier.name_or_path must name the target",
         )
         # vLLM defaults a missing norm_before_residual to True, speculators to False
         need(
@@ -434,12 +454,22 @@ def layout_problems(fmt: str, config: dict, names: set[str] | None = None) -> li
             need(integer(layer.get(key)), f"{key} must be an integer >= 1")
     if fmt != "eagle":
         need(integer(config.get("draft_vocab_size")), "draft_vocab_size must be an integer >= 1")
-    if names is not None:
-        # vLLM's llama_eagle3.py load_weights prefixes every name but d2t and lm_head with model.
-        need(
-            fmt != "speculators" or not any(n.startswith("model.") for n in names),
-            "weight names must not start with model. (vLLM adds it)",
-        )
+    return problems
+
+
+def speculators_problems(config: dict, names: set[str] | None = None) -> list[str]:
+    """What vLLM refuses or misreads in any speculators folder, whatever its kind."""
+    problems = []
+    # vllm/transformers_utils/config.py: a config with speculators_config and no model_type is a
+    # speculators checkpoint
+    if "model_type" in config:
+        problems.append("a top-level model_type hides it from vLLM's detection")
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    if not isinstance(verifier.get("name_or_path"), str) or verifier["name_or_path"] == "":
+        problems.append("speculators_config.verifier.name_or_path must name the target")
+    # vLLM's llama_eagle3.py load_weights prefixes every name but d2t and lm_head with model.
+    if names is not None and any(n.startswith("model.") for n in names):
+        problems.append("weight names must not start with model. (vLLM adds it)")
     return problems
 
 

@@ -6,12 +6,10 @@ against the engine's own loader (`validate_folder`). The layouts are described i
 from __future__ import annotations
 
 import dataclasses
-import json
 from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from specdraft.core import DecodeConfig
 from specdraft.formats.checkpoint import CONFIG_NAME, CheckpointError
@@ -20,8 +18,8 @@ from specdraft.formats.export_formats import (
     check_names_and_shapes,
     check_sizes,
     few,
-    pickle_message,
-    read_weights,
+    folder_problems,
+    folder_weights,
 )
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.kinds.eagle.eagle_export import (
@@ -53,20 +51,12 @@ def read_head(
         raise CheckpointError(f"{where} is not a loadable {fmt} EAGLE head: {'; '.join(problems)}")
     layer = config["transformer_layer_config"] if fmt == "speculators" else config
     _check_layer(layer, target, where)
-    if fmt == "speculators":
-        hidden = config.get("target_hidden_size") or config["transformer_layer_config"]["hidden_size"]  # fmt: skip
+    if fmt != "eagle":
+        hidden = config.get("target_hidden_size") or layer["hidden_size"]
         check_sizes({"hidden_size": hidden}, target, folder)
-        if strict:
-            check_verifier(config["speculators_config"]["verifier"], target, where)
-    elif fmt == "sglang":
-        check_sizes({"hidden_size": config.get("target_hidden_size", layer["hidden_size"])}, target, folder)  # fmt: skip
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        pickles = sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
-        if pickles:
-            raise CheckpointError(pickle_message(pickles[0], WEIGHTS))
-        raise CheckpointError(f"{folder} has a {fmt} EAGLE config.json but no .safetensors weights")
-    state = read_weights(files)
+    if fmt == "speculators" and strict:
+        check_verifier(config["speculators_config"]["verifier"], target, where)
+    state, where_w = folder_weights(folder, f"{fmt} EAGLE", WEIGHTS)
     # what the engines accept beside the names we write: SGLang and vLLM strip a model. prefix
     # and take midlayer. and layers.0. alike; an embedding equal to the target's is shared
     state = {_our_name(k.removeprefix("model.")): v for k, v in state.items()}
@@ -83,11 +73,7 @@ def read_head(
     expected = {_our_name(k): v for k, v in shapes.items()}
     if fmt == "sglang" and "d2t" not in state and config["draft_vocab_size"] == target.vocab_size:
         del expected["d2t"], expected["t2d"]  # SGLang itself takes a full vocabulary without maps
-    where_w = folder / ", ".join(f.name for f in files)
     check_names_and_shapes(state, expected, where_w, target, config)
-    problems = layout_problems(fmt, config, set(state))
-    if problems:
-        raise CheckpointError(f"{where_w}: {'; '.join(problems)}")
     V = target.vocab_size
     d2t = None
     if fmt != "eagle":
@@ -147,22 +133,27 @@ def _head_config(fmt: str, config: dict, target: Target, where: Path) -> EagleCo
         raise CheckpointError(f"{fmt} EAGLE config: {e}") from e
 
 
-def _check_layer(layer: dict, target: Target, where: Path) -> None:
-    """The head's layer config against the target's shape, with the values a Llama config
-    takes where a key is missing (kv heads = heads, head_dim = hidden / heads, the rotary)."""
-    ours = layer_config_dict(target)
+def layer_differences(layer: dict, ours: dict) -> list[str]:
+    """Where a folder's layer config differs from `ours` (the target's shape) in LAYER_FIELDS,
+    each said with both values, taking what a Llama config takes where a key is missing (kv
+    heads = heads, head_dim = hidden / heads)."""
     theirs = dict(layer)
-    heads, hidden = theirs.get("num_attention_heads"), theirs.get("hidden_size")
-    theirs.setdefault("num_key_value_heads", heads)
-    theirs["num_key_value_heads"] = theirs["num_key_value_heads"] or heads
-    theirs["head_dim"] = theirs.get("head_dim") or hidden // heads
-    differ = [
+    heads = theirs["num_attention_heads"]
+    theirs["num_key_value_heads"] = theirs.get("num_key_value_heads") or heads
+    theirs["head_dim"] = theirs.get("head_dim") or theirs["hidden_size"] // heads
+    return [
         f"{key} {theirs.get(key)!r} (the target's {ours.get(key)!r})"
         for key in LAYER_FIELDS
         if theirs.get(key) is not None and theirs.get(key) != ours.get(key)
     ]
-    rope = theirs.get("rope_parameters") or theirs.get("rope_scaling") or {}
-    theta = rope.get("rope_theta", theirs.get("rope_theta"))
+
+
+def _check_layer(layer: dict, target: Target, where: Path) -> None:
+    """The head's layer config against the target's shape (layer_differences, and the rotary)."""
+    ours = layer_config_dict(target)
+    differ = layer_differences(layer, ours)
+    rope = layer.get("rope_parameters") or layer.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", layer.get("rope_theta"))
     if theta is not None and theta != ours.get("rope_theta"):
         differ.append(f"rope_theta {theta!r} (the target's {ours.get('rope_theta')!r})")
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -270,27 +261,18 @@ def validate_folder(folder: str | Path, fmt: str, vocab_size: int) -> list[str]:
     """Every problem the engine of `fmt` would find in `folder` (config fields, exact weight names
     and shapes, the maps' invariant), each a sentence; [] when it would load. Reads only the
     files, never a target: what an engine sees."""
-    folder = Path(folder)
-    config = json.loads((folder / CONFIG_NAME).read_text())
-    problems = layout_problems(fmt, config)
-    if problems:
-        return problems
-    state = load_file(folder / WEIGHTS)
-    expected = expected_shapes(fmt, config, vocab_size)
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or extra:
-        problems.append(f"weights missing {few(missing)}, unexpected {few(extra)}")
-    problems += [
-        f"{name} has shape {tuple(state[name].shape)}, expected {shape}"
-        for name, shape in expected.items()
-        if name in state and tuple(state[name].shape) != shape
-    ]
-    problems += layout_problems(fmt, config, set(state))
-    if "d2t" in state and not problems:
+
+    def maps(config: dict, state: dict[str, torch.Tensor]) -> list[str]:
+        if "d2t" not in state:
+            return []
+        problems = []
         if state["d2t"].dtype != torch.int64:
             problems.append(f"d2t is {state['d2t'].dtype}; the engines read int64 offsets")
         try:
-            our_d2t(state["d2t"], state.get("t2d"), vocab_size, folder)
+            our_d2t(state["d2t"], state.get("t2d"), vocab_size, Path(folder))
         except CheckpointError as e:
             problems.append(str(e))
-    return problems
+        return problems
+
+    shapes = partial(expected_shapes, fmt, vocab_size=vocab_size)
+    return folder_problems(folder, WEIGHTS, partial(layout_problems, fmt), shapes, maps)

@@ -59,6 +59,7 @@ from specdraft.formats.export_formats import (
     check_names_and_shapes,
     check_sizes,
     count,
+    folder_weights,
     pickle_message,
     read_weights,
 )
@@ -314,12 +315,7 @@ def read_vllm(folder: Path, config: dict, target: Target, *, strict: bool = True
     """The heads of a vLLM Medusa folder, read as vLLM reads them (any *.safetensors file there,
     names without a `medusa_heads.` prefix, one LM head for all with original_lm_head), checked
     against `target` before anything is built."""
-    files = sorted(folder.glob("*.safetensors"))  # vLLM reads every safetensors file there
-    if not files:
-        pickles = sorted(folder.glob("*.bin")) + sorted(folder.glob("*.pt"))
-        if pickles:
-            raise CheckpointError(pickle_message(pickles[0], VLLM_WEIGHTS))
-        raise CheckpointError(f"{folder} has a vLLM Medusa config.json but no .safetensors weights")
+    state, where = folder_weights(folder, "vLLM Medusa", VLLM_WEIGHTS)  # as vLLM: every file
     K = count(config, "num_heads", folder, also="medusa_num_heads")
     L = count(config, "num_hidden_layers", folder, also="medusa_num_layers")
     check_sizes(config, target, folder)
@@ -333,7 +329,7 @@ def read_vllm(folder: Path, config: dict, target: Target, *, strict: bool = True
     bias = bool(config.get("medusa_fc_bias", False))
     shared = bool(config.get("original_lm_head", False))
     # vLLM strips this prefix from every name
-    state = {k.removeprefix("medusa_heads."): v for k, v in read_weights(files).items()}
+    state = {k.removeprefix("medusa_heads."): v for k, v in state.items()}
     if shared and "lm_head.weight" in state:  # vLLM takes either name for the one LM head
         state["lm_heads.0.weight"] = state.pop("lm_head.weight")
     expected: dict[str, tuple[int, ...]] = {}
@@ -349,14 +345,13 @@ def read_vllm(folder: Path, config: dict, target: Target, *, strict: bool = True
         expected[name] = (rows, H)
     if Vd < V:
         expected["token_map"] = (Vd,)
-    where = ", ".join(f.name for f in files)
-    check_names_and_shapes(state, expected, folder / where, target, config)
+    check_names_and_shapes(state, expected, where, target, config)
     d2t = None
     if Vd < V:
         d2t = state["token_map"]
         if d2t.is_floating_point() or d2t.min() < 0 or d2t.max() >= V or len(d2t.unique()) < Vd:
             raise CheckpointError(
-                f"{folder / where}: token_map must hold {Vd} distinct target token ids in "
+                f"{where}: token_map must hold {Vd} distinct target token ids in "
                 f"0..{V - 1}; the file is corrupt"
             )
         d2t = d2t.long()

@@ -14,7 +14,7 @@ EAGLE-3 folder of kinds/eagle/eagle_export.py with
 
 speculative_tokens is the chain served, min(decode.gamma, K); a folder without num_depths (one
 speculators trained) drafts K = speculative_tokens. The one speculators entry of FORMATS
-(`speculators_format`) sends each drafter to its writer and each folder, by its
+(`SPECULATORS` here) sends each drafter to its writer and each folder, by its
 speculators_model_type, to its reader.
 """
 
@@ -23,12 +23,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from specdraft.core import DecodeConfig
 from specdraft.formats.checkpoint import CONFIG_NAME, CheckpointError
-from specdraft.formats.export_formats import Format, also_holding
+from specdraft.formats.export_formats import Held, integer
 from specdraft.kinds.eagle import eagle_export, eagle_formats
+from specdraft.kinds.eagle.eagle_export import in_layer_order, speculative_tokens
 from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter
 from specdraft.targets.target import Target
 
@@ -53,10 +52,8 @@ def write_speculators(
     spec["proposal_methods"][0]["speculative_tokens"] = min(decode.gamma, cfg.num_depths)
     # fc's column blocks are written in ascending layer order (eagle_export.reference_state);
     # mask_hidden is fc's input, so its blocks follow the same order
-    H = drafter.target.hidden_size
-    order = sorted(range(3), key=lambda j: cfg.feature_layers[j])
     mask = drafter.mask_hidden.detach().to("cpu", state["fc.weight"].dtype)
-    state["mask_hidden"] = torch.cat([mask[..., j * H : (j + 1) * H] for j in order], -1).clone()
+    state["mask_hidden"] = in_layer_order(mask, cfg.feature_layers, drafter.target.hidden_size)
     return config, state
 
 
@@ -69,19 +66,14 @@ def problems(config: dict, vocab_size: int | None = None) -> list[str]:
     if (config.get("speculators_config") or {}).get("algorithm") != "peagle":
         out.append("speculators_config.algorithm must be peagle")
     mask = config.get("mask_token_id")
-    if not isinstance(mask, int) or isinstance(mask, bool) or mask < 0:
+    if not integer(mask, 0):
         out.append(f"mask_token_id must be a token id (the parallel slots' input); got {mask!r}")
     elif vocab_size is not None and mask >= vocab_size:
         out.append(f"mask_token_id {mask} is outside the target's {vocab_size} tokens")
-    depths = config.get("num_depths", _speculative_tokens(config))
-    if not isinstance(depths, int) or isinstance(depths, bool) or depths < 2:
+    depths = config.get("num_depths", speculative_tokens(config))
+    if not integer(depths, 2):
         out.append(f"num_depths (K) must be an integer >= 2; got {depths!r}")
     return out
-
-
-def _speculative_tokens(config: dict):
-    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    return methods[0].get("speculative_tokens")
 
 
 def read_speculators(
@@ -93,7 +85,7 @@ def read_speculators(
     found = problems(config, target.vocab_size)
     if found:
         raise CheckpointError(f"{where} is not a loadable P-EAGLE head: {'; '.join(found)}")
-    depths = config.get("num_depths", _speculative_tokens(config))
+    depths = config.get("num_depths", speculative_tokens(config))
 
     def build(head, target, d2t) -> PEagleDrafter:
         try:
@@ -129,14 +121,6 @@ def validate_folder(folder: str | Path, vocab_size: int) -> list[str]:
     return found + eagle_formats.validate_folder(folder, "speculators", vocab_size)
 
 
-def speculators_format(inner: Format) -> Format:
-    """speculators' FORMATS entry `inner`, holding P-EAGLE heads too."""
-    return also_holding(
-        inner,
-        PEagleDrafter.kind,
-        "peagle",
-        ARCHITECTURE,
-        write_speculators,
-        read_speculators,
-        validate_folder,
-    )
+SPECULATORS = Held(
+    PEagleDrafter.kind, ARCHITECTURE, write_speculators, read_speculators, validate_folder
+)
