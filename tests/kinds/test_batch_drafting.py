@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_helpers import V, make_target, ragged, sampled_rows_follow_the_target, tiny_llama
+from spec_helpers import (
+    V,
+    make_target,
+    perturbed,
+    ragged,
+    sampled_rows_follow_the_target,
+    tiny_llama,
+)
 from testkit import perturb
 
 from specdraft.core import DraftContext, DraftTree, SamplingSettings
 from specdraft.drafters.sessions import BatchSession, DraftSession, RowSessions
 from specdraft.inference import generate
 from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter, DFlashSession
+from specdraft.kinds.distill.distill import DistillDrafter
 from specdraft.kinds.eagle.eagle import EagleConfig, EagleDrafter
 from specdraft.kinds.eagle.eagle_session import EagleSession
 from specdraft.kinds.peagle.peagle import PEagleConfig, PEagleDrafter, PEagleSession
@@ -297,13 +305,16 @@ def test_sampled_rows_follow_the_target(kind, options):
     sampled_rows_follow_the_target(target, head, **options)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "distill"])
 def test_a_session_of_several_rows_refuses_trees(random_target, kind):
     """Trees of a batch draft row by row (new_batch_session hands out RowSessions): the kind's
     session built for several rows directly says so."""
-    drafter = _drafter(kind, random_target)
+    if kind == "distill":
+        drafter = DistillDrafter(perturbed(random_target.model, scale=0.05, seed=1))
+    else:
+        drafter = _drafter(kind, random_target)
     decode = drafter.decode_settings(None, tree_top_k=2)
     with pytest.raises(ValueError, match="drafts trees for one row, got 2"):
-        SESSION[kind](drafter, random_target, 2, sampling=SamplingSettings(), decode=decode)
+        drafter.session_class(drafter, random_target, 2, sampling=SamplingSettings(), decode=decode)
     rows = drafter.new_batch_session(random_target, 2, sampling=SamplingSettings(), decode=decode)
     assert isinstance(rows, RowSessions)

@@ -5,6 +5,7 @@ layout."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 
@@ -202,9 +203,9 @@ def test_checkpoint_round_trip_keeps_weights_accuracy_and_decoding(random_target
     )
     loaded = load_drafter(tmp_path / "heads", random_target)
     assert isinstance(loaded, MedusaDrafter) and load_decoding(tmp_path / "heads") == decode
-    assert (
-        loaded.checkpoint.heldout == heldout and heads.checkpoint.heldout == {}
-    )  # the checkpoint's, not the module's
+    # the checkpoint's, not the module's; and a loaded drafter still copies as any module does
+    assert loaded.checkpoint.heldout == heldout and heads.checkpoint.heldout == {}
+    assert copy.deepcopy(loaded).checkpoint == loaded.checkpoint
     for (k, a), (k2, b) in zip(
         heads.state_dict().items(), loaded.state_dict().items(), strict=True
     ):

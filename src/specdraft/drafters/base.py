@@ -18,7 +18,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
 from typing import ClassVar
 
 import torch
@@ -48,14 +47,14 @@ class CheckpointRecord:
     target_fingerprint: dict | None = None
     # Its held-out statistics (`heldout_summary`'s, as saved; Medusa's per-rank accuracies,
     # which shape its tree): read by its sessions and the simulation of serving.
-    heldout: Mapping = field(default_factory=lambda: MappingProxyType({}))
+    heldout: Mapping = field(default_factory=dict)
     # State-dict names copied from the target: recorded in the checkpoint, not stored.
     shared_with_target: tuple[str, ...] = ()
     # Prefixes of saved weight names that only training uses (Medusa-2's adapters).
     training_only_prefixes: tuple[str, ...] = ()
 
     def with_heldout(self, heldout: Mapping) -> CheckpointRecord:
-        return replace(self, heldout=MappingProxyType(dict(heldout)))
+        return replace(self, heldout=dict(heldout))
 
 
 class Drafter(nn.Module):

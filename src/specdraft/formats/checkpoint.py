@@ -88,7 +88,7 @@ def save_drafter(
     """
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    _clear_leftovers(folder)
+    clear_leftovers(folder)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
         meta = {
@@ -134,7 +134,7 @@ def save_drafter(
             else:
                 (tmp / name).write_bytes(data)
         (tmp / COMPLETE_MARKER).write_text("complete\n")
-        _replace_dir(tmp, folder)
+        replace_dir(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
@@ -146,13 +146,13 @@ def save_target_folder(model, tokenizer, folder: str | Path) -> Path:
     the adapter merged into it."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    _clear_leftovers(folder)
+    clear_leftovers(folder)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        _replace_dir(tmp, folder)
+        replace_dir(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
@@ -175,12 +175,12 @@ def set_decode(folder: str | Path, decode: DecodeConfig, measured: dict | None =
     _fsync(config_file.parent)
 
 
-def _replace_dir(new: Path, dest: Path) -> None:
+def replace_dir(new: Path, dest: Path) -> None:
     """Put the complete folder `new` at `dest`, durably, so that a reader or a crash finds the
     old folder or the new one, never neither: `new` is synced to disk first, and an existing
     `dest` is swapped with it in one atomic exchange (Linux renameat2). Where no exchange exists,
     the old folder is renamed aside for the instant between two renames, and a later save
-    clears what a crash there left (`_clear_leftovers`)."""
+    clears what a crash there left (`clear_leftovers`)."""
     _fsync_tree(new)
     if not dest.exists():
         os.rename(new, dest)
@@ -194,7 +194,7 @@ def _replace_dir(new: Path, dest: Path) -> None:
     _fsync(dest.parent)
 
 
-def _clear_leftovers(folder: Path) -> None:
+def clear_leftovers(folder: Path) -> None:
     """Remove what a crashed save of `folder` left beside it: a temporary or swapped-out copy
     (never the folder itself). If the crash came between the two renames of the fallback, the
     swapped-out copy is the last complete folder: it is put back rather than removed."""

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.base import Drafter
-from specdraft.formats.checkpoint import CONFIG_NAME, _clear_leftovers, _replace_dir
+from specdraft.formats.checkpoint import CONFIG_NAME, clear_leftovers, replace_dir
 from specdraft.formats.export_formats import ExportError, Format, also_holding
 from specdraft.kinds.dflash import dflash_export
 from specdraft.kinds.dspark import dspark_export
@@ -86,7 +86,7 @@ def export_drafter(
     # every engine we write for keeps an unknown top-level key; load_decoding reads it back
     config[EXPORTED_DECODING] = dataclasses.asdict(decode)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _clear_leftovers(out)
+    clear_leftovers(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         save_file(tensors, str(tmp / spec.weights_file), metadata={"format": "pt"})
@@ -96,7 +96,7 @@ def export_drafter(
         problems = [] if spec.validate is None else spec.validate(tmp, drafter.target.vocab_size)
         if problems:  # a bug of ours: the engine would refuse or misread the folder
             raise ExportError(f"the {fmt} folder written would not load: {'; '.join(problems)}")
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

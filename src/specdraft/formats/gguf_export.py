@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from specdraft.core import DecodeConfig
 from specdraft.drafters.base import Drafter
-from specdraft.formats.checkpoint import _replace_dir
+from specdraft.formats.checkpoint import clear_leftovers, replace_dir
 from specdraft.formats.export_formats import ExportError
 from specdraft.llamacpp_build import COMMIT, LlamaCpp
 from specdraft.targets.target import Target, target_path
@@ -107,6 +107,7 @@ def export_gguf(
     decode = decode or DecodeConfig()
     target_folder = Path(target_path(target.name))
     out.parent.mkdir(parents=True, exist_ok=True)
+    clear_leftovers(out)  # an earlier export's, stopped before it cleaned up
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         with tempfile.TemporaryDirectory() as work:
@@ -138,7 +139,7 @@ def export_gguf(
             )
             + "\n"
         )
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -377,8 +377,9 @@ def tune_against_saved(
         "dtype": dtype_name(target.dtype),
         "temperature": temperature,
         "prompts": f"{source} x {len(prompts)}, {max_new_tokens} new tokens".lstrip(),
-        **_figures(after, plain),
+        "tokens_per_s": after.tokens_per_s,
         "plain_tokens_per_s": plain.tokens_per_s,
+        **_figures(after, plain),
         "kept_saved": kept_saved,
         "before": {"decode": dataclasses.asdict(saved), **_figures(before, plain)},
     }
@@ -480,8 +481,9 @@ def tune_batch_schedule(
         winner["chosen"] = True
         off = winner["settings"] == "off"
         entries.append({"batch_size": size, **({"off": True} if off else winner["settings"])})
-        shown = ("batch_size", "settings", "tokens_per_s", "speedup", "tau")
-        measured.append({k: winner[k] for k in shown} | {"plain_tokens_per_s": plain.tokens_per_s})
+        with_plain = winner | {"plain_tokens_per_s": plain.tokens_per_s}
+        shown = ("batch_size", "settings", "tokens_per_s", "plain_tokens_per_s", "speedup", "tau")
+        measured.append({k: with_plain[k] for k in shown})
         rows.extend(raced)
         if log is not None:
             said = [_said(r["settings"]) for r in raced]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from specdraft.measuring.evaluation import parse_batch_sizes
-from specdraft.measuring.measure import PROMPTS_HELP
+# the measuring modules (torch and the loop) are imported where an argument needs them: a tool
+# that only builds a parser here (scripts/memory_plan.py) starts without them
 
 
 def new_parser(doc: str, **options) -> argparse.ArgumentParser:
@@ -25,6 +25,8 @@ def add_prompts_arguments(
 ) -> None:
     """Every measuring script's --prompts and --num-prompts (PROMPTS_HELP), with its defaults;
     first_turns: the script decodes each request's first turn only."""
+    from specdraft.measuring.measure import PROMPTS_HELP
+
     parser.add_argument(
         "--prompts",
         default=prompts,
@@ -56,6 +58,8 @@ def add_threads_argument(parser) -> None:
 def add_batch_sizes_argument(parser, help: str, default: str | None = "1", **options) -> None:
     """--batch-sizes "1,2,4,8,16", read by `parse_batch_sizes` into a sorted tuple; a bad one is
     the parser's error naming it."""
+
+    from specdraft.measuring.evaluation import parse_batch_sizes
 
     def sizes(text: str) -> tuple[int, ...]:
         try:

@@ -29,6 +29,7 @@ drafter reading it is refused. speculative_tokens is the chain served: min(gamma
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from specdraft.core import DecodeConfig
@@ -179,13 +180,11 @@ def validate_folder(
     """Every problem speculators or vLLM would find in a written DFlash folder (or, with a
     kind's own `problems_of(config, names)` and `shapes_of(config)`, a folder of that kind);
     [] when it loads."""
-
-    def vocabulary(config: dict, state) -> list[str]:
-        if config["draft_vocab_size"] == vocab_size:
-            return []
-        return [f"draft_vocab_size {config['draft_vocab_size']} is not the target's {vocab_size}"]
-
-    return folder_problems(folder, WEIGHTS, problems_of, shapes_of, vocabulary)
+    problems = folder_problems(folder, WEIGHTS, problems_of, shapes_of)
+    config = json.loads((Path(folder) / CONFIG_NAME).read_text())
+    if not problems_of(config) and config["draft_vocab_size"] != vocab_size:
+        problems.append(f"draft_vocab_size {config['draft_vocab_size']} is not the target's {vocab_size}")  # fmt: skip
+    return problems
 
 
 # --- reading -------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ class DistillSession(BatchSession):
     - chains: one pass feeds every row's pending tokens, then one per depth every row's last
       drafted token (drafting.draft_chains: each row's gamma, max depth and stop_below; argmax
       if greedy, else sampled from q, which is recorded for lossless verification), through
-      drafters/lean.py's LeanModel (maybe int8) where the student's layout allows (`weights`),
+      distill_layers.py's LeanModel (maybe int8) where the student's layout allows (`weights`),
       else through its modules; while no row has holes (one row always) every pass runs
       causally without a mask;
     - for a session of one row, EAGLE-2's dynamic tree (drafting.draft_tree) through the
@@ -67,7 +67,7 @@ class DistillSession(BatchSession):
         model = drafter.hf_model
         self.model, self.decode = model, decode
         self.sampling, self.generator = sampling, generator
-        # chains draft through drafters/lean.py's LeanModel where the student's layout allows
+        # chains draft through distill_layers.py's LeanModel where the student's layout allows
         self.weights: ModelWeights | None = None
         if decode.chain:
             int8 = use_int8(decode.draft_weights, model.device, "the student's full weights")

@@ -52,7 +52,10 @@ def read_head(
     layer = config["transformer_layer_config"] if fmt == "speculators" else config
     _check_layer(layer, target, where)
     if fmt != "eagle":
-        hidden = config.get("target_hidden_size") or layer["hidden_size"]
+        # speculators writes null for "the layer's"; SGLang's key, where present, is checked
+        hidden = config.get("target_hidden_size", layer["hidden_size"])
+        if fmt == "speculators":
+            hidden = hidden or layer["hidden_size"]
         check_sizes({"hidden_size": hidden}, target, folder)
     if fmt == "speculators" and strict:
         check_verifier(config["speculators_config"]["verifier"], target, where)

@@ -315,7 +315,6 @@ def read_vllm(folder: Path, config: dict, target: Target, *, strict: bool = True
     """The heads of a vLLM Medusa folder, read as vLLM reads them (any *.safetensors file there,
     names without a `medusa_heads.` prefix, one LM head for all with original_lm_head), checked
     against `target` before anything is built."""
-    state, where = folder_weights(folder, "vLLM Medusa", VLLM_WEIGHTS)  # as vLLM: every file
     K = count(config, "num_heads", folder, also="medusa_num_heads")
     L = count(config, "num_hidden_layers", folder, also="medusa_num_layers")
     check_sizes(config, target, folder)
@@ -328,6 +327,8 @@ def read_vllm(folder: Path, config: dict, target: Target, *, strict: bool = True
         )
     bias = bool(config.get("medusa_fc_bias", False))
     shared = bool(config.get("original_lm_head", False))
+    # read once the config fits the target (K heads of V x H can be large): as vLLM, every file
+    state, where = folder_weights(folder, "vLLM Medusa", VLLM_WEIGHTS)
     # vLLM strips this prefix from every name
     state = {k.removeprefix("medusa_heads."): v for k, v in state.items()}
     if shared and "lm_head.weight" in state:  # vLLM takes either name for the one LM head
