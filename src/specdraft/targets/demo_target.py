@@ -261,13 +261,11 @@ def build(spec: DemoSpec, out: Path) -> dict:
     """Train tokenizer and model for `spec` and save both to `out`; returns the build info."""
     start = time.time()
     torch.manual_seed(spec.seed)
-    train_texts = demo_corpus_texts("train")
-    train_texts = train_texts[: spec.corpus_files] if spec.corpus_files else train_texts
-    heldout_texts = demo_corpus_texts("heldout")
+    train_texts = demo_corpus_texts("train")[: spec.corpus_files or None]  # 0: all
     tokenizer = build_demo_tokenizer(train_texts, spec.vocab_size)
 
     train_blocks = _blocks(train_texts, tokenizer, spec.seq_len)  # (n, seq_len + 1)
-    eval_blocks = _blocks(heldout_texts, tokenizer, spec.seq_len)[:64]
+    eval_blocks = _blocks(demo_corpus_texts("heldout"), tokenizer, spec.seq_len)[:64]
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,

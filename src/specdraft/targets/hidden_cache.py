@@ -83,10 +83,7 @@ def write_cache(
     path = folder / MANIFEST
     if path.exists():
         old = json.loads(path.read_text())
-        same = {k: v for k, v in old.items() if k != "shards"} == {
-            k: v for k, v in manifest.items() if k != "shards"
-        }
-        if not same:
+        if {**old, "shards": None} != {**manifest, "shards": None}:
             raise HiddenCacheError(
                 f"{folder} holds a cache of another target, layers, dtype or data; write to a new "
                 "folder, or delete this one to start over"
@@ -184,9 +181,7 @@ class HiddenStateCache:
                 "that this head needs; dump it again with the head's config"
             )
         hashes = [ids_hash(e.input_ids) for e in examples]
-        if hashes != manifest["examples"][: len(hashes)] or len(hashes) != len(
-            manifest["examples"]
-        ):
+        if hashes != manifest["examples"]:
             raise HiddenCacheError(
                 f"the cache in {self.folder} holds {len(manifest['examples'])} examples that are "
                 f"not the {len(hashes)} examples of this run's data config; dump it with the same "
@@ -218,10 +213,7 @@ class HiddenStateCache:
                 handle = safe_open(str(path), framework="pt")
                 keys = set(handle.keys())
             except (SafetensorError, OSError, ValueError) as e:
-                raise HiddenCacheError(
-                    f"{path} cannot be read ({e}): the shard is truncated or corrupt. Delete it "
-                    "and rerun scripts/dump_hidden_states.py with the same arguments to rewrite it"
-                ) from e
+                raise unreadable(path, e) from e
             if len(self._open) >= 32:  # bound the open files
                 self._open.pop(next(iter(self._open)))
             self._open[name] = handle = (handle, keys)
@@ -248,10 +240,7 @@ class HiddenStateCache:
         try:
             tensors = {k: handle.get_tensor(k) for k in wanted}
         except (SafetensorError, OSError, ValueError) as e:
-            raise HiddenCacheError(
-                f"{path} cannot be read ({e}): the shard is truncated or corrupt. Delete it and "
-                "rerun scripts/dump_hidden_states.py with the same arguments to rewrite it"
-            ) from e
+            raise unreadable(path, e) from e
         if tensors[wanted[0]].tolist() != list(ids):
             raise HiddenCacheError(f"{path}: the token ids of example {i} do not match the data")
         out = {}
@@ -269,6 +258,13 @@ class HiddenStateCache:
                 )
             out[layer] = h
         return out
+
+
+def unreadable(shard: Path, err: Exception) -> HiddenCacheError:
+    return HiddenCacheError(
+        f"{shard} cannot be read ({err}): the shard is truncated or corrupt. Delete it and rerun "
+        "scripts/dump_hidden_states.py with the same arguments to rewrite it"
+    )
 
 
 class CachedTarget:

@@ -13,7 +13,14 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from specdraft.precision import to_dtype
-from specdraft.targets.target import Target, TargetError, target_path, weights_hash
+from specdraft.targets.target import (
+    Target,
+    TargetError,
+    checkpoint_dtype,
+    target_path,
+    unreachable,
+    weights_hash,
+)
 
 
 class ShardedTarget(Target):
@@ -101,12 +108,9 @@ def load_sharded_target(
     from transformers.integrations import deepspeed as hf_deepspeed
 
     path = target_path(name)
-    saved = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).dtype
-    saved = to_dtype(str(saved).removeprefix("torch.")) if saved else torch.float32
-    if isinstance(dtype, str) and dtype != "auto":
-        dtype = to_dtype(dtype)
-    if dtype is None or dtype == "auto":
-        dtype = saved
+    model_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    saved = checkpoint_dtype(model_config) or torch.float32
+    dtype = saved if dtype is None or dtype == "auto" else to_dtype(dtype)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -148,10 +152,7 @@ def load_sharded_target(
                 path, dtype=dtype, trust_remote_code=trust_remote_code
             )
         except OSError as err:
-            raise TargetError(
-                f"could not load target {name!r}: {err}. Pass a local model folder, or a hub id "
-                "that is reachable (or already in the HF cache when HF_HUB_OFFLINE=1)."
-            ) from err
+            raise unreachable(name, err) from err
         engine, *_ = deepspeed.initialize(model=model, config=config)
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved_ref

@@ -154,16 +154,12 @@ class Target:
     @property
     def layers(self) -> nn.ModuleList:
         """The decoder layers, for drafters that run a prefix of them (LayerSkip)."""
-        return self._llama_style()[0]
+        return llama_parts(self.model)[1]
 
     @property
     def norm(self) -> nn.Module:
         """The final norm applied before the LM head."""
-        return self._llama_style()[1]
-
-    def _llama_style(self) -> tuple[nn.ModuleList, nn.Module]:
-        _, layers, norm, _, _ = llama_parts(self.model)
-        return layers, norm
+        return llama_parts(self.model)[2]
 
     def check_layer_ids(self, layer_ids: Sequence[int]) -> list[int]:
         """Validate hidden-state layer ids (0..L, see module docstring); negative ids count from L."""
@@ -242,7 +238,7 @@ class Target:
         if not layer_ids:
             return []
         try:
-            layers, norm = self._llama_style()
+            _, layers, norm, _, _ = llama_parts(self.model)
         except TargetError:
             return None
 
@@ -421,9 +417,10 @@ def load_target(
         dtype = to_dtype(dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        saved = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).dtype
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        saved = checkpoint_dtype(config)  # before from_config sets config.dtype to what it built
         if embeddings_only:
-            model = _embeddings_only(path, dtype, trust_remote_code)
+            model = _embeddings_only(path, config, dtype, trust_remote_code)
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 path,
@@ -449,16 +446,20 @@ def load_target(
     target = Target(model, tokenizer, name=name)
     target.complete = not embeddings_only
     # the precision the checkpoint was saved in: what decoding "as saved" means
-    target.saved_dtype = to_dtype(str(saved).removeprefix("torch.")) if saved else target.dtype
+    target.saved_dtype = saved or target.dtype
     return target
 
 
-def _embeddings_only(path: str, dtype, trust_remote_code: bool) -> PreTrainedModel:
+def checkpoint_dtype(config) -> torch.dtype | None:
+    """The dtype `config` says its checkpoint was saved in (a torch.dtype or its name), if any."""
+    return to_dtype(str(config.dtype).removeprefix("torch.")) if config.dtype else None
+
+
+def _embeddings_only(path: str, config, dtype, trust_remote_code: bool) -> PreTrainedModel:
     """The model built on the meta device with only its input embedding and LM head read from
     its safetensors files (a sharded checkpoint's index says which shard holds them)."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     if dtype is None or dtype == "auto":
-        dtype = to_dtype(str(config.dtype).removeprefix("torch.")) if config.dtype else None
+        dtype = checkpoint_dtype(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype or torch.float32, trust_remote_code=trust_remote_code
