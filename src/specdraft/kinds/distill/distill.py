@@ -312,12 +312,12 @@ class DistillDrafter(Drafter):
         and the trainer's tau = 1 + sum_k prod_{i<=k} alpha_i equals
         (1 - alpha^(gamma+1)) / (1 - alpha), for the gamma the drafter is served with.
         """
-        student_logits, target_logits, _ = self._aligned(batch, target_out)
-        alpha = simulated_alpha(target_logits, student_logits).sum()
-        agree = (student_logits.argmax(-1) == target_logits.argmax(-1)).sum().float()
-        count = torch.tensor(float(student_logits.shape[0]), device=alpha.device)
-        gamma = decode.gamma
-        return alpha.repeat(gamma), agree.repeat(gamma), count.repeat(gamma)
+        # packed rows: each document attends to itself only (specdraft/attention.py), which
+        # transformers applies in a forward without a cache
+        out = self.hf_model(input_ids=batch["input_ids"], **model_inputs(batch), use_cache=False)
+        keep = batch["loss_mask"][:, 1:].bool()  # (b, s - 1): token t + 1 is a target
+        sums = agreement_sums(target_out.logits[:, :-1][keep], out.logits[:, :-1][keep])
+        return tuple(x.repeat(decode.gamma) for x in sums)
 
     @torch.no_grad()
     def served_logits(
@@ -330,15 +330,6 @@ class DistillDrafter(Drafter):
             return None
         ids = batch["input_ids"]
         return self.hf_model(input_ids=ids, attention_mask=batch["attention_mask"]).logits
-
-    def _aligned(self, batch, target_out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(student logits, target logits, next tokens) at the loss positions: (n, vocab) x2, (n,)."""
-        input_ids = batch["input_ids"]
-        # packed rows: each document attends to itself only (specdraft/attention.py), which
-        # transformers applies in a forward without a cache
-        logits = self.hf_model(input_ids=input_ids, **model_inputs(batch), use_cache=False).logits
-        keep = batch["loss_mask"][:, 1:].bool()  # (b, s - 1): token t + 1 is a target
-        return logits[:, :-1][keep], target_out.logits[:, :-1][keep], input_ids[:, 1:][keep]
 
     # --- on-policy data ------------------------------------------------------------------------
 
@@ -405,6 +396,16 @@ def simulated_alpha(target_logits: torch.Tensor, student_logits: torch.Tensor) -
     p = F.softmax(target_logits.float(), dim=-1)
     q = F.softmax(student_logits.float(), dim=-1)
     return torch.minimum(p, q).sum(-1)
+
+
+def agreement_sums(
+    target_logits: torch.Tensor, student_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(n, vocab) x2 -> (alpha summed, greedy agreement summed, n): how a chain drafted from the
+    student's logits fares against the target's at n positions (the chain kinds' `acceptance`)."""
+    alpha = simulated_alpha(target_logits, student_logits).sum()
+    agree = (student_logits.argmax(-1) == target_logits.argmax(-1)).sum().float()
+    return alpha, agree, alpha.new_tensor(float(student_logits.shape[0]))
 
 
 @torch.no_grad()

@@ -23,7 +23,6 @@ layers at a time, are kinds/layerskip/layerskip_session.py.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from specdraft.core import (
 )
 from specdraft.drafters.base import Drafter, LoraConfig, Metrics, sum_and_count
 from specdraft.drafters.sessions import RowSessions
-from specdraft.kinds.distill.distill import simulated_alpha
+from specdraft.kinds.distill.distill import agreement_sums
 from specdraft.kinds.layerskip.layerskip_session import (
     LayerSkipRowSession,
     LayerSkipSession,
@@ -48,6 +47,7 @@ from specdraft.kinds.layerskip.layerskip_session import (
 )
 from specdraft.losses import token_losses
 from specdraft.targets.target import (
+    adapter_hash,
     final_logits,
     layer_rotary,
     llama_parts,
@@ -209,13 +209,8 @@ def active_exits(cfg: LayerSkipConfig, num_layers: int, step: int, max_steps: in
 def weights_digest(model: nn.Module) -> str:
     """A short hash of a model's weights (every tensor, sampled at a stride of at most 4096
     values each, fp32): what a fully fine-tuned target is told apart from its base by."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1)
-        stride = max(1, flat.numel() // 4096)
-        digest.update(name.encode())
-        digest.update(flat[::stride].float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:16]
+    state = model.state_dict()
+    return adapter_hash({n: t.reshape(-1)[:: max(1, t.numel() // 4096)] for n, t in state.items()})
 
 
 # --- the drafter ----------------------------------------------------------------------------------
@@ -305,8 +300,6 @@ class LayerSkipDrafter(Drafter):
         load_target(folder) gives the same fingerprint back)."""
         if self.peft is not None:
             from peft.utils import get_peft_model_state_dict
-
-            from specdraft.targets.target import adapter_hash
 
             digest = adapter_hash(get_peft_model_state_dict(self.peft))
         else:
@@ -478,16 +471,14 @@ class LayerSkipDrafter(Drafter):
         layer's distribution q against the model's own final p at each loss position; a chain
         drafter's depths get the same estimate (as the distilled draft's)."""
         e, last = self.draft_exit(decode), self.num_layers
-        states = self.exit_states(batch, [e, last])
+        logits = self._loss_logits(batch, self.exit_states(batch, [e, last]))
+        return tuple(x.repeat(decode.gamma) for x in agreement_sums(logits(last), logits(e)))
+
+    def _loss_logits(self, batch: Mapping[str, torch.Tensor], states: dict[int, torch.Tensor]):
+        """exit e -> its (n, vocab) float32 logits at the batch's n loss positions, through the
+        shared final norm's output and LM head (soft-capped as the model caps)."""
         keep = batch["loss_mask"][:, 1:].bool()
-        lm_head = partial(final_logits, self.hf_model)  # soft-capped as the model caps
-        q_logits = lm_head(states[e][:, :-1][keep]).float()
-        p_logits = lm_head(states[last][:, :-1][keep]).float()
-        alpha = simulated_alpha(p_logits, q_logits).sum()
-        agree = (q_logits.argmax(-1) == p_logits.argmax(-1)).sum().float()
-        count = torch.tensor(float(q_logits.shape[0]), device=alpha.device)
-        gamma = decode.gamma
-        return alpha.repeat(gamma), agree.repeat(gamma), count.repeat(gamma)
+        return lambda e: final_logits(self.hf_model, states[e][:, :-1][keep]).float()
 
     @torch.no_grad()
     def served_logits(
@@ -512,15 +503,11 @@ class LayerSkipDrafter(Drafter):
             states = self.exit_states(batch, [*exits, self.num_layers])
         finally:
             self.train(training)
-        keep = batch["loss_mask"][:, 1:].bool()
-        lm_head = partial(final_logits, self.hf_model)  # soft-capped as the model caps
-        final = lm_head(states[self.num_layers][:, :-1][keep]).float()
-        out = {}
-        for e in exits:
-            logits = lm_head(states[e][:, :-1][keep]).float()
-            agree = (logits.argmax(-1) == final.argmax(-1)).sum().float()
-            alpha = simulated_alpha(final, logits).sum()
-            out[e] = torch.stack([agree, alpha, agree.new_tensor(float(len(logits)))])
+        logits = self._loss_logits(batch, states)
+        final, out = logits(self.num_layers), {}
+        for e in exits:  # one exit's logits at a time
+            alpha, agree, count = agreement_sums(final, logits(e))
+            out[e] = torch.stack([agree, alpha, count])
         return out
 
     # --- decoding ----------------------------------------------------------------------------
@@ -533,19 +520,18 @@ class LayerSkipDrafter(Drafter):
         decode: DecodeConfig,
         generator: torch.Generator | None = None,
     ) -> LayerSkipSession:
-        decode, exit_layer = self._session_settings(target, decode)
-        return LayerSkipSession(target.model, exit_layer, decode, sampling, generator)
+        return LayerSkipSession(*self._session_args(target, decode), sampling, generator)
 
-    def _session_settings(self, target, decode: DecodeConfig) -> tuple[DecodeConfig, int]:
-        """The kind's own settings and exit layer for a session on `target`, which must be this
-        drafter's own model."""
+    def _session_args(self, target, decode: DecodeConfig) -> tuple[nn.Module, int, DecodeConfig]:
+        """A session's model, exit layer and settings (the kind's own class) on `target`, which
+        must be this drafter's own model."""
         if target.model is not self.hf_model:
             raise ValueError(
                 "a LayerSkip drafter decodes with its own fine-tuned model as the target: load "
                 "the target from the drafter's folder (evaluate.py --target FOLDER)"
             )
-        decode = self.decode_settings(decode)  # the kind's own class, whatever was passed
-        return decode, self.draft_exit(decode)
+        decode = self.decode_settings(decode)
+        return target.model, self.draft_exit(decode), decode
 
     def row_sessions(
         self,
@@ -558,10 +544,7 @@ class LayerSkipDrafter(Drafter):
     ) -> RowSessions:
         """A batch drafts row by row, each row's early layers on a cache of its own
         (LayerSkipRowSession); the loop verifies the batch with the full forward."""
-        decode, exit_layer = self._session_settings(target, decode)
+        args = self._session_args(target, decode)
         return RowSessions(
-            [
-                LayerSkipRowSession(target.model, exit_layer, decode, sampling, generator)
-                for _ in range(batch_size)
-            ]
+            [LayerSkipRowSession(*args, sampling, generator) for _ in range(batch_size)]
         )

@@ -24,23 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.attention import loss_targets, target_inputs
-from specdraft.core import (
-    DecodeConfig,
-)
-from specdraft.drafters.base import (
-    CheckpointRecord,
-    Drafter,
-    Metrics,
-    sum_and_count,
-    warn_once,
-)
+from specdraft.core import DecodeConfig
+from specdraft.drafters.base import CheckpointRecord, Drafter, Metrics, sum_and_count, warn_once
 from specdraft.drafters.lean import SharedWeights
-from specdraft.drafters.position_tree import TreeShape, expected_length, tree_paths, tree_reach
+from specdraft.drafters.position_tree import expected_length, tree_paths, tree_reach
 from specdraft.drafters.served import ServedDrafts, one_later
 from specdraft.drafting import DraftVocab
 from specdraft.kinds.medusa.medusa_config import MedusaConfig, MedusaDecode
 from specdraft.kinds.medusa.medusa_layers import MedusaHead
-from specdraft.kinds.medusa.medusa_session import MedusaSession
+from specdraft.kinds.medusa.medusa_session import MedusaSession, tree_shapes
 from specdraft.losses import token_losses
 from specdraft.targets.target import adapter_hash
 
@@ -58,10 +50,6 @@ class MedusaDrafter(Drafter):
     # A drafter loaded for decoding ignores Medusa-2's adapter weights in model.safetensors:
     # decoding gets them merged into the target (load_target(..., adapter=...)).
     checkpoint = CheckpointRecord(training_only_prefixes=("lora.",))
-    # Per head and rank r < accuracy_ranks, measured on held-out data by every evaluation
-    # (heldout_summary, saved in the checkpoint's config): how often the head's r-th candidate
-    # is the target's greedy token, and the target's mean probability of it. The tree is built
-    # from them (tree_paths).
     decode_class = MedusaDecode
     # the loss (kl) makes the target's logits from its final state, which it reads anyway
     reads_target_logits = False
@@ -285,32 +273,29 @@ class MedusaDrafter(Drafter):
 
     # --- loss -----------------------------------------------------------------------------------
 
+    def heads_scored(self, batch: Mapping[str, torch.Tensor]):
+        """(k, S_k, valid) for each head the batch is long enough for: head k scores x_{t+2+k}
+        from each position t < S_k = seq - 2 - k; valid (batch, S_k) bool where that token is a
+        loss token of t's own document."""
+        T = batch["input_ids"].shape[1]
+        for k in range(min(self.config.num_heads, max(T - 2, 0))):
+            yield k, T - 2 - k, loss_targets(batch, 2 + k)
+
     def per_head(
         self, batch: Mapping[str, torch.Tensor], target_out
     ) -> list[dict[str, torch.Tensor]]:
-        """What head k predicts at each position t < S_k = seq - 1 - k, and against what:
-        logits (batch, S_k, draft vocab) from h_t; labels (batch, S_k) the data's x_{t+2+k};
-        p_logits (batch, S_k, vocab) the target's logits at t + 1 + k, which predict the same
-        token; valid (batch, S_k) bool where x_{t+2+k} is a loss token."""
+        """Per head k (`heads_scored`): logits (batch, S_k, draft vocab) from h_t; p_logits
+        (batch, S_k, vocab) the target's logits at t + 1 + k, which predict the same token; and
+        valid."""
         target_out = self._target_out(batch, target_out)
-        input_ids = batch["input_ids"]
-        T = input_ids.shape[1]
+        T = batch["input_ids"].shape[1]
         h = target_out.hidden_states[self.capture_layers[0]]  # (batch, T, hidden)
         p_logits = target_out.logits.detach()  # a teacher, also when the target trains
-        out = []
-        K = self.config.num_heads
         logits = self.logits(h[:, : max(T - 2, 0)])  # (K, batch, T - 2, draft vocab)
-        for k in range(K):
-            S = T - 2 - k
-            if S <= 0:  # sequences too short for this head
-                break
-            out.append({
-                "logits": logits[k, :, :S],
-                "labels": input_ids[:, 2 + k : 2 + k + S],
-                "p_logits": p_logits[:, 1 + k : 1 + k + S],
-                "valid": loss_targets(batch, 2 + k),  # (batch, S): in t's own document
-            })  # fmt: skip
-        return out
+        return [
+            {"logits": logits[k, :, :S], "p_logits": p_logits[:, 1 + k : 1 + k + S], "valid": valid}
+            for k, S, valid in self.heads_scored(batch)
+        ]
 
     def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, Metrics]:
         """Sum over positions t of sum_k loss_decay^k * (head k's loss at t, where valid): each
@@ -333,12 +318,7 @@ class MedusaDrafter(Drafter):
         x = self.features(h[:, : max(T - 2, 0)])  # (K, batch, T - 2, hidden)
         total = None
         metrics: Metrics = {}
-        for k in range(cfg.num_heads):
-            S = T - 2 - k
-            if S <= 0:  # sequences too short for this head
-                break
-            # (batch, S): x_{t+2+k} is a loss token of t's own document
-            valid = loss_targets(batch, 2 + k)
+        for k, S, valid in self.heads_scored(batch):
             if cfg.loss == "ce":
                 label = self.t2d[input_ids[:, 2 + k : 2 + k + S][valid]]  # -1: not draftable
                 scored = token_losses(
@@ -453,16 +433,8 @@ class MedusaDrafter(Drafter):
     ) -> torch.Tensor | None:
         """The tree the session samples from the heads' sampled accuracies
         (position_tree.tree_reach)."""
-        accuracy, shapes = self.accuracies(greedy=False), {}
-
-        def shape(logits: torch.Tensor) -> TreeShape:  # as the session builds it, per depth
-            depth = logits.shape[0]
-            if depth not in shapes:
-                paths = tree_paths(accuracy, decode.tree_budget, depth, decode.tree_top_k)
-                shapes[depth] = TreeShape.from_paths(paths)
-            return shapes[depth]
-
-        return tree_reach(self, batch, target_out, decode, shape, temperature)
+        shape = tree_shapes(self.accuracies(greedy=False), decode)
+        return tree_reach(self, batch, target_out, decode, lambda q: shape(q.shape[0]), temperature)
 
     def draft_vocab(self) -> DraftVocab | None:
         return (
@@ -482,14 +454,12 @@ class MedusaDrafter(Drafter):
         sampled = torch.zeros(K, R, device=device)
         count = torch.zeros(K, 1, device=device)
         for k, s in enumerate(self.per_head(batch, target_out)):
-            ranked = self.d2t[s["logits"].topk(min(R, len(self.d2t)), dim=-1).indices]  # (B,S,R)
+            ranked = self.d2t[s["logits"].topk(R, dim=-1).indices]  # (B, S, R) R <= draft vocab
             p = F.softmax(s["p_logits"].float(), dim=-1)
             w = s["valid"].float()[..., None]  # (B, S, 1)
-            r = ranked.shape[-1]
-            greedy[k, :r] = ((ranked == s["p_logits"].argmax(-1)[..., None]).float() * w).sum(
-                (0, 1)
-            )
-            sampled[k, :r] = (p.gather(-1, ranked) * w).sum((0, 1))
+            hit = ranked == s["p_logits"].argmax(-1)[..., None]  # (B, S, R)
+            greedy[k] = (hit.float() * w).sum((0, 1))
+            sampled[k] = (p.gather(-1, ranked) * w).sum((0, 1))
             count[k] = w.sum()
         return {"greedy": greedy, "sampled": sampled, "count": count}
 

@@ -7,14 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdraft.config import choice
-from specdraft.core import (
-    DecodeConfig,
-)
-from specdraft.drafters.base import (
-    LoraConfig,
-)
-
-# --- config ------------------------------------------------------------------------------------
+from specdraft.core import DecodeConfig
+from specdraft.drafters.base import LoraConfig
 
 
 @dataclass(frozen=True)

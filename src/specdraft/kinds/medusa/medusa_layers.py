@@ -8,8 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# --- module ------------------------------------------------------------------------------------
-
 
 class ResBlock(nn.Module):
     """x + SiLU(W x + b), W and b zero at the start: the identity until trained."""

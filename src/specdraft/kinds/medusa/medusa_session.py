@@ -5,7 +5,8 @@ Medusa's (lossy) typical acceptance, the session's own rule at temperature > 0.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +22,18 @@ if TYPE_CHECKING:
 
 
 # --- session (inference) ---------------------------------------------------------------------------
+
+
+def tree_shapes(accuracy: torch.Tensor, decode: DecodeConfig) -> Callable[[int], TreeShape]:
+    """depth -> the tree of `tree_paths` for drafts up to that deep (shallower only at the end of
+    generation), from the heads' (K, R) accuracies; each built once."""
+
+    @cache
+    def shape(depth: int) -> TreeShape:
+        paths = tree_paths(accuracy, decode.tree_budget, depth, decode.tree_top_k)
+        return TreeShape.from_paths(paths)
+
+    return shape
 
 
 class MedusaDraftingWeights:
@@ -106,18 +119,8 @@ class MedusaSession(BatchSession):
         self.depth = min(decode.gamma, drafter.config.num_heads)
         self.lossy = not decode.lossless
         self.h: list[torch.Tensor | None] = [None] * rows  # (hidden,) at the last verified
-        self._shapes: dict[int, TreeShape] = {}
         if not decode.chain:
-            self.accuracy = drafter.accuracies(sampling.greedy)
-
-    def _shape(self, depth: int) -> TreeShape:
-        """The tree for drafts up to `depth` deep (shallower only at the end of generation)."""
-        if depth not in self._shapes:
-            paths = tree_paths(
-                self.accuracy, self.decode.tree_budget, depth, self.decode.tree_top_k
-            )
-            self._shapes[depth] = TreeShape.from_paths(paths)
-        return self._shapes[depth]
+            self._shape = tree_shapes(drafter.accuracies(sampling.greedy), decode)
 
     def verify_sampled(
         self, row: int, tree: DraftTree, p: torch.Tensor, generator: torch.Generator | None
