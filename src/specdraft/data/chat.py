@@ -140,9 +140,7 @@ def _end_of_turn(full: str, start: int, end: int, end_tokens: tuple[str, ...]) -
 def _special_tokens(tokenizer) -> tuple[str, ...]:
     special = set(tokenizer.all_special_tokens)
     special.update(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
-    return tuple(
-        sorted(special, key=lambda token: (-len(token), token))
-    )  # longest first for matching
+    return tuple(sorted(special, key=lambda token: (-len(token), token)))  # longest first
 
 
 def _check_no_control_tokens(conversation: Conversation, tokenizer) -> None:
@@ -162,7 +160,7 @@ def _check_no_control_tokens(conversation: Conversation, tokenizer) -> None:
 def _not_a_prefix(tokenizer, count: int, how: str, part: str, full: str, source: str) -> str:
     at = next((k for k, (a, b) in enumerate(zip(part, full, strict=False)) if a != b), len(part))
     return (
-        f"{_at(source)}the chat template of {type(tokenizer).__name__} does not render conversations "
+        f"{source + ': ' if source else ''}the chat template of {type(tokenizer).__name__} does not render conversations "
         f"incrementally: the first {count} messages rendered {how} are not a prefix of the whole "
         f"conversation (they differ at character {at}: {part[at : at + 40]!r} vs "
         f"{full[at : at + 40]!r}). Assistant-only loss masks need each partial render to be a "
@@ -170,7 +168,3 @@ def _not_a_prefix(tokenizer, count: int, how: str, part: str, full: str, source:
         "of past assistant turns) do not. Set tokenizer.chat_template to a template without "
         "that rewriting, or train on single-turn conversations."
     )
-
-
-def _at(source: str) -> str:
-    return f"{source}: " if source else ""

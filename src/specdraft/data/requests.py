@@ -22,7 +22,7 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
-from specdraft.data.stdlib_corpus import demo_corpus_files, stdlib_root
+from specdraft.data.stdlib_corpus import demo_corpus_files, round_robin, stdlib_root
 
 # What a user asks about one documented function or class: (name, template). The template's
 # fields: module, qualname, name, signature, doc (the whole docstring), summary (its first
@@ -54,20 +54,7 @@ def stdlib_requests(n: int | None = None, split: str = "train") -> list[dict]:
         raise ValueError(f"stdlib_requests needs n >= 1 (or None for all), got {n}")
     root = stdlib_root()
     files = [p for p in demo_corpus_files(split) if not _private(p.relative_to(root))]
-    per_file = [list(_requests(path)) for path in files]
-    per_file = [rows for rows in per_file if rows]
-    out: list[dict] = []
-    depth = 0
-    while n is None or len(out) < n:
-        added = False
-        for rows in per_file:
-            if depth < len(rows) and (n is None or len(out) < n):
-                out.append(rows[depth])
-                added = True
-        if not added:
-            break
-        depth += 1
-    return out
+    return round_robin([list(_requests(path)) for path in files], n)
 
 
 def _private(rel: Path) -> bool:

@@ -210,11 +210,9 @@ def _read_parquet(file: Path) -> Iterator[Row]:
         parquet = pq.ParquetFile(file)
     except Exception as e:  # pyarrow raises several types for a file that is not parquet
         raise DataError(f"cannot read {file} as parquet: {e}. Is the file complete?") from e
-    index = 0
-    for batch in parquet.iter_batches(batch_size=1024):
-        for record in batch.to_pylist():
-            yield Row(f"{file}[{index}]", record)
-            index += 1
+    records = (r for batch in parquet.iter_batches(batch_size=1024) for r in batch.to_pylist())
+    for index, record in enumerate(records):
+        yield Row(f"{file}[{index}]", record)
 
 
 def _read_text(file: Path) -> Row:
@@ -239,9 +237,4 @@ def read_hub(
             f"datasets.load_dataset: {type(e).__name__}: {e}. If you meant a local file, check "
             f"the path; {SUPPORTED_HELP}. A hub dataset needs network access or a warm cache."
         ) from e
-    return _iter_dataset(dataset, f"{path} ({split})")
-
-
-def _iter_dataset(dataset: Any, label: str) -> Iterator[Row]:
-    for index, record in enumerate(dataset):
-        yield Row(f"{label}[{index}]", record)
+    return (Row(f"{path} ({split})[{index}]", record) for index, record in enumerate(dataset))

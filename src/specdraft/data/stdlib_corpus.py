@@ -89,29 +89,19 @@ def demo_prompts(n: int, lines: int = 12) -> list[str]:
     continuation. Deterministic; taken round-robin over files so no one file dominates."""
     if n < 1:
         raise ValueError(f"demo_prompts needs n >= 1, got {n}")
-    per_file: list[list[str]] = []
+    per_file = []
     for text in demo_corpus_texts("heldout"):
         src = text.splitlines(keepends=True)
-        cuts = [
+        per_file.append([
             "".join(src[max(0, i + 1 - lines) : i + 1])
             for i, line in enumerate(src)
-            if line.lstrip().startswith("def ") and line.rstrip().endswith(":") and i >= lines // 2
-        ]
-        if cuts:
-            per_file.append(cuts)
-    prompts: list[str] = []
-    depth = 0
-    while len(prompts) < n:
-        added = False
-        for cuts in per_file:
-            if depth < len(cuts) and len(prompts) < n:
-                prompts.append(cuts[depth])
-                added = True
-        if not added:
-            raise ValueError(
-                f"the held-out demo files yield only {len(prompts)} prompts; ask for fewer"
-            )
-        depth += 1
+            if _opens_function(line) and i >= lines // 2
+        ])  # fmt: skip
+    prompts = round_robin(per_file, n)
+    if len(prompts) < n:
+        raise ValueError(
+            f"the held-out demo files yield only {len(prompts)} prompts; ask for fewer"
+        )
     return prompts
 
 
@@ -123,14 +113,14 @@ def demo_conversations(n: int, split: str = "train", max_lines: int = 40) -> lis
     round-robin over files, like `demo_prompts`."""
     if n < 1:
         raise ValueError(f"demo_conversations needs n >= 1, got {n}")
-    per_file: list[list[dict]] = []
+    per_file = []
     for text in demo_corpus_texts(split):
         src = text.splitlines()
         rows = []
         for i, line in enumerate(src):
-            stripped = line.lstrip()
-            if not (stripped.startswith("def ") and stripped.rstrip().endswith(":")):
+            if not _opens_function(line):
                 continue
+            stripped = line.lstrip()
             indent = len(line) - len(stripped)
             end = i + 1
             while (
@@ -144,20 +134,24 @@ def demo_conversations(n: int, split: str = "train", max_lines: int = 40) -> lis
             rows.append({"messages": [
                 {"role": "user", "content": ask}, {"role": "assistant", "content": body},
             ]})  # fmt: skip
-        if rows:
-            per_file.append(rows)
-    out: list[dict] = []
-    depth = 0
-    while len(out) < n:
-        added = False
-        for rows in per_file:
-            if depth < len(rows) and len(out) < n:
-                out.append(rows[depth])
-                added = True
-        if not added:
-            raise ValueError(f"the {split} demo files yield only {len(out)} conversations")
-        depth += 1
+        per_file.append(rows)
+    out = round_robin(per_file, n)
+    if len(out) < n:
+        raise ValueError(f"the {split} demo files yield only {len(out)} conversations")
     return out
+
+
+def _opens_function(line: str) -> bool:
+    """A `def` line ending its signature (`def f(x):`, at any indent)."""
+    return line.lstrip().startswith("def ") and line.rstrip().endswith(":")
+
+
+def round_robin(per_file: list[list], n: int | None = None) -> list:
+    """The first n (None: all) items taken round-robin over files (every file's first, then
+    every file's second, ...), so no one file dominates."""
+    rounds = max(map(len, per_file), default=0)
+    items = [file[depth] for depth in range(rounds) for file in per_file if depth < len(file)]
+    return items if n is None else items[:n]
 
 
 def build_demo_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
