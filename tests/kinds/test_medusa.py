@@ -203,6 +203,7 @@ def test_checkpoint_round_trip_keeps_weights_accuracy_and_decoding(random_target
     )
     loaded = load_drafter(tmp_path / "heads", random_target)
     assert isinstance(loaded, MedusaDrafter) and load_decoding(tmp_path / "heads") == decode
+    assert loaded.config == heads.config  # its nested lora settings as LoraConfig too
     # the checkpoint's, not the module's; and a loaded drafter still copies as any module does
     assert loaded.checkpoint.heldout == heldout and heads.checkpoint.heldout == {}
     assert copy.deepcopy(loaded).checkpoint == loaded.checkpoint

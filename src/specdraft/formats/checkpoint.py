@@ -460,12 +460,20 @@ def decode_from_dict(kind: type[Drafter], values: dict, folder: Path) -> DecodeC
 
 
 def _config_from_dict(cls: type, values: dict, folder: Path) -> Any:
-    unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(values) - set(fields)
     if unknown:
         raise CheckpointError(
             f"{folder / CONFIG_NAME}: its {cls.__name__} has keys this specdraft does not know: "
             f"{sorted(unknown)}; it was written by a newer version"
         )
+    values = dict(values)
+    for name, value in values.items():  # a nested config (Medusa's lora) as its own dataclass
+        factory = fields[name].default_factory
+        if isinstance(value, dict) and factory is not dataclasses.MISSING:
+            inner = factory()
+            if dataclasses.is_dataclass(inner):
+                values[name] = _config_from_dict(type(inner), value, folder)
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:
