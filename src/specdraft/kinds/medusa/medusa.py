@@ -394,7 +394,7 @@ class MedusaDrafter(Drafter):
     ) -> ServedDrafts | None:
         """What the session drafts after every position with tree_top_k > 1: the tree of
         `tree_paths` over the heads' ranked candidates, built from the accuracies the heads
-        carry (`heldout`), as the session builds it."""
+        carry (`checkpoint.heldout`), as the session builds it."""
         logits = self.served_logits(batch, target_out, decode)
         ids = batch["input_ids"]
         depth = logits.shape[2]
