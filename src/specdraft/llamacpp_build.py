@@ -59,7 +59,8 @@ def engines_dir() -> Path:
 
 @dataclass(frozen=True)
 class LlamaCpp:
-    """A built llama.cpp: its folder, the server, the converter and the interpreter that runs it."""
+    """A built llama.cpp: its folder, its source (the converter's too), the server, and the
+    interpreter that runs the converter."""
 
     root: Path
 
@@ -70,10 +71,6 @@ class LlamaCpp:
     @property
     def server(self) -> Path:
         return self.root / "bin" / "llama-server"
-
-    @property
-    def converter(self) -> Path:
-        return self.source / "convert_hf_to_gguf.py"
 
     @property
     def python(self) -> Path:

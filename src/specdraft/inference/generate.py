@@ -29,6 +29,7 @@ alone gives (greedy: token for token; sampled: the target's distribution).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 
@@ -149,9 +150,7 @@ def _decode(
     max_new_tokens: int,
     stop_at_eos: bool,
 ) -> GenerateOutput:
-    """The loop, for every active row at once; one prompt is a batch of one, whose target cache
-    is a SequenceCache (inference/tree.py: a chain needs no mask) instead of a BatchCache
-    (specdraft/batch.py: each row's own columns)."""
+    """The loop (module docstring), for every active row at once."""
     device, rows = target.device, len(prompts)
     eos = eos_ids(target.model) if stop_at_eos else set()
     pad = _pad_id(target)
@@ -278,13 +277,9 @@ def _decode(
     wall = time.perf_counter() - start
     for r in range(rows):
         row_stats[r].log_p_sum = float(log_p[r])
-        row_stats[r].lossy = stats.lossy
-        row_stats[r].drafter_off = stats.drafter_off
-        row_stats[r].copies = stats.copies
-        row_stats[r].drafter_params = stats.drafter_params
-    merged = row_stats[0]
-    for other in row_stats[1:]:
-        merged = merged.merge(other)
+        for name in ("lossy", "drafter_off", "copies", "drafter_params"):  # the call's
+            setattr(row_stats[r], name, getattr(stats, name))
+    merged = functools.reduce(Stats.merge, row_stats)  # one row: its own Stats
     merged.total_seconds = wall
     merged.draft_seconds, merged.verify_seconds = stats.draft_seconds, stats.verify_seconds
     merged.drafter_kv_bytes = peak_memory
@@ -419,15 +414,12 @@ def _start_session(target, drafter, sampling, generator, decode, settings, batch
         rows = decode.batch_drafting == "rows"
         start = drafter.row_sessions if rows else drafter.new_batch_session
         session = start(target, batch_size, sampling=sampling, decode=decode, generator=generator)
-        if copying:
-            gamma = decode.lookup_gamma or decode.gamma
-            session = CopyingRows(session, batch_size, decode.lookup_ngram, gamma)
-        stats.lossy = session.lossy and not sampling.greedy
-        return session, stats, decode
-    session = drafter.new_session(target, sampling=sampling, decode=decode, generator=generator)
-    # a batch of one: the kind's session of one row, or its sequence's session in a RowSessions
-    session = session.rows if isinstance(session, OneRow) else RowSessions([session])
+    else:
+        session = drafter.new_session(target, sampling=sampling, decode=decode, generator=generator)
+        # a batch of one: the kind's session of one row, or its sequence's session in a RowSessions
+        session = session.rows if isinstance(session, OneRow) else RowSessions([session])
     if copying:
-        session = CopyingRows(session, 1, decode.lookup_ngram, decode.lookup_gamma or decode.gamma)
+        gamma = decode.lookup_gamma or decode.gamma
+        session = CopyingRows(session, batch_size, decode.lookup_ngram, gamma)
     stats.lossy = session.lossy and not sampling.greedy
     return session, stats, decode

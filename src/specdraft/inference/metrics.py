@@ -26,7 +26,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -99,56 +99,47 @@ class Stats:
         """The target's mean log-likelihood of the emitted tokens; None where not recorded."""
         return self.log_p_sum / self.log_p_tokens if self.log_p_tokens else None
 
-    @property
-    def extra_memory_bytes(self) -> int:
-        return self.drafter_kv_bytes
-
     def merge(self, other: Stats) -> Stats:
-        """Sum of two runs (e.g. over prompts); memory figures take the larger."""
+        """Sum of two runs (e.g. over prompts): counts and seconds add (the passes emitted
+        follow one another), flags are either's, memory figures and the batch size the larger."""
         out = Stats()
         for name in ("new_tokens", "target_passes", "drafted", "accepted", "copied_passes",
-                     "log_p_tokens"):  # fmt: skip
+                     "log_p_tokens", "log_p_sum", "draft_seconds", "verify_seconds",
+                     "total_seconds", "emitted_per_pass"):  # fmt: skip
             setattr(out, name, getattr(self, name) + getattr(other, name))
-        out.copies = self.copies or other.copies
-        out.lossy = self.lossy or other.lossy
-        out.drafter_off = self.drafter_off or other.drafter_off
-        for name in ("draft_seconds", "verify_seconds", "total_seconds", "log_p_sum"):
-            setattr(out, name, getattr(self, name) + getattr(other, name))
-        n = max(len(self.reached_at), len(other.reached_at))
-        out.reached_at = _add_padded(self.reached_at, other.reached_at, n)
-        out.accepted_at = _add_padded(self.accepted_at, other.accepted_at, n)
-        out.emitted_per_pass = self.emitted_per_pass + other.emitted_per_pass
-        out.drafter_params = max(self.drafter_params, other.drafter_params)
-        out.drafter_kv_bytes = max(self.drafter_kv_bytes, other.drafter_kv_bytes)
-        out.batch_size = max(self.batch_size, other.batch_size)
+        for name in ("copies", "lossy", "drafter_off"):
+            setattr(out, name, getattr(self, name) or getattr(other, name))
+        for name in ("drafter_params", "drafter_kv_bytes", "batch_size"):
+            setattr(out, name, max(getattr(self, name), getattr(other, name)))
+        out.reached_at = _add_padded(self.reached_at, other.reached_at)
+        out.accepted_at = _add_padded(self.accepted_at, other.accepted_at)
         return out
 
     def to_dict(self) -> dict:
-        return {
-            "tau": self.tau,
-            "acceptance_per_position": self.acceptance_per_position,
-            "new_tokens": self.new_tokens,
-            "target_passes": self.target_passes,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "draft_seconds": self.draft_seconds,
-            "verify_seconds": self.verify_seconds,
-            "total_seconds": self.total_seconds,
-            "tokens_per_s": self.tokens_per_s,
-            "draft_time_frac": self.draft_time_frac,
-            "drafter_params": self.drafter_params,
-            "drafter_kv_bytes": self.drafter_kv_bytes,
-            "copied_passes": self.copied_passes,
-            "copies": self.copies,
-            "mean_log_p": self.mean_log_p,
-            "lossy": self.lossy,
-            "batch_size": self.batch_size,
-            "drafter_off": self.drafter_off,
-        }
+        names = ("tau", "acceptance_per_position", "new_tokens", "target_passes", "drafted",
+                 "accepted", "draft_seconds", "verify_seconds", "total_seconds", "tokens_per_s",
+                 "draft_time_frac", "drafter_params", "drafter_kv_bytes", "copied_passes",
+                 "copies", "mean_log_p", "lossy", "batch_size", "drafter_off")  # fmt: skip
+        return {name: getattr(self, name) for name in names}
 
 
-def _add_padded(a: list[int], b: list[int], n: int) -> list[int]:
+def _add_padded(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
     return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)), strict=True)]
+
+
+def served_rows(batch: dict[str, torch.Tensor]) -> Iterator[tuple[int, int, int, int]]:
+    """(row, start, end, stop) for each row of a batch of the target's own continuations with a
+    served output: its prompt's length, its real length (its attention mask's sum: the prompt
+    and every continuation token, including those past an EOS, which a draft may still match)
+    and where the served output ends (loss_mask scores it up to and including its EOS)."""
+    loss_mask = batch["loss_mask"]
+    lengths = batch["attention_mask"].sum(1).tolist()
+    for b in range(loss_mask.shape[0]):
+        scored = loss_mask[b].nonzero()
+        if len(scored):
+            start = int(scored[0])
+            yield b, start, int(lengths[b]), start + int(loss_mask[b].sum())
 
 
 def simulated_tau(alphas: Sequence[float]) -> float:
@@ -182,24 +173,16 @@ def simulate_serving(
     verified for a drafter that needs its hidden states, output cut at the EOS), and records
     them with the loop's own `Stats.record_step`: tau and the acceptance per position equal the
     served ones. With copying (decode.lookup_ngram) a step copies where the loop's copying
-    session would (drafters/prompt_lookup.py decides, on the same context). A row's real
-    length (its attention mask's sum) is its prompt plus every continuation token, including
-    those past an EOS (which a draft may still match).
+    session would (drafters/prompt_lookup.py decides, on the same context).
     """
     rows = []
     accepted, depth, size = (t.tolist() for t in (drafts.accepted, drafts.depth, drafts.size))
-    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
-    lengths = batch["attention_mask"].sum(1)
+    ids = batch["input_ids"]
     lookup = None
     if decode.lookup_ngram > 0:  # as generate builds its CopyingRows
         ngram = decode.lookup_ngram
         lookup = PromptLookupSession(max(3, ngram), ngram, decode.lookup_gamma or decode.gamma)
-    for b in range(loss_mask.shape[0]):
-        scored = loss_mask[b].nonzero()
-        if not len(scored):
-            continue
-        start, end = int(scored[0]), int(lengths[b])  # the prompt's length, the row's
-        stop = start + int(loss_mask[b].sum())  # where the served output ends
+    for b, start, end, stop in served_rows(batch):
         stats, length = Stats(), start
         while length < stop:
             cap = min(drafts.gamma, end - length - 1)
@@ -241,14 +224,7 @@ def expected_passes(
     rows = []
     gamma = reach.shape[-1]
     reach = reach.double().tolist()
-    loss_mask = batch["loss_mask"]
-    lengths = batch["attention_mask"].sum(1).tolist()
-    for b in range(loss_mask.shape[0]):
-        scored = loss_mask[b].nonzero()
-        if not len(scored):
-            continue
-        start, end = int(scored[0]), int(lengths[b])  # as simulate_serving reads them
-        stop = start + int(loss_mask[b].sum())
+    for b, start, end, stop in served_rows(batch):
         passes = [0.0] * (stop + 1)  # expected passes from each length on
         for length in range(stop - 1, start - 1, -1):
             cap = min(gamma, end - length - 1)

@@ -21,6 +21,7 @@ step, and the same statistics as the loop, whatever the session drafts.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -31,7 +32,7 @@ from specdraft.drafters.lean import int8_supported
 from specdraft.drafters.served import ServedDrafts, sampled_reach, served_drafts
 from specdraft.formats.reading import fine_tuned_target, load_decoding, load_drafter
 from specdraft.inference.generate import drafting_session, generate
-from specdraft.inference.metrics import Stats, expected_passes, simulate_serving
+from specdraft.inference.metrics import Stats, expected_passes, served_rows, simulate_serving
 from specdraft.inference.verify import verify_greedy
 from specdraft.simulation.continuations import served_examples
 
@@ -46,6 +47,16 @@ def example_batch(example: Example, device) -> dict[str, torch.Tensor]:
     }
 
 
+def _teacher_forced(target, drafter, example: Example):
+    """`example_batch` and the target's forward over it, with the drafter's captured layers."""
+    batch = example_batch(example, target.device)
+    out = target.forward(
+        batch["input_ids"], attention_mask=batch["attention_mask"],
+        capture_layers=list(drafter.capture_layers),
+    )  # fmt: skip
+    return batch, out
+
+
 @torch.no_grad()
 def simulate(
     target, drafter, examples: Sequence[Example], decode: DecodeConfig
@@ -56,11 +67,7 @@ def simulate(
     decode = drafter.decode_settings(decode)
     out = []
     for example in examples:
-        batch = example_batch(example, target.device)
-        target_out = target.forward(
-            batch["input_ids"], attention_mask=batch["attention_mask"],
-            capture_layers=list(drafter.capture_layers),
-        )  # fmt: skip
+        batch, target_out = _teacher_forced(target, drafter, example)
         drafts = training_path_drafts(drafter, batch, target_out, decode)
         if drafts is None:
             replayed = replay_serving(target, drafter, batch, target_out, decode)
@@ -74,10 +81,7 @@ def simulate(
 
 def merged(stats: Sequence[Stats]) -> Stats:
     """Per-example statistics summed over the examples (tau over all their passes)."""
-    total = Stats()
-    for s in stats:
-        total = total.merge(s)
-    return total
+    return functools.reduce(Stats.merge, stats, Stats())
 
 
 def simulated_tau_on(
@@ -114,11 +118,7 @@ def sampled_tau_on(
     examples = served_examples(target, prompts, max_new_tokens, temperature=1.0, seed=seed)
     tokens = passes = 0.0
     for example in examples:
-        batch = example_batch(example, target.device)
-        target_out = target.forward(
-            batch["input_ids"], attention_mask=batch["attention_mask"],
-            capture_layers=list(drafter.capture_layers),
-        )  # fmt: skip
+        batch, target_out = _teacher_forced(target, drafter, example)
         reach = sampled_reach(drafter, batch, target_out, decode)
         if reach is None:
             return None
@@ -138,14 +138,12 @@ def served_sampled_tau(
 ) -> float:
     """The tau the loop serves sampling the prompts at temperature 1 with `decode`, with one
     sampling seed: what `sampled_tau_on` estimates, with decode's copying off."""
-    total = Stats()
-    for prompt in prompts:
-        run = generate(
-            target, prompt, drafter, max_new_tokens=max_new_tokens, temperature=1.0, seed=seed,
-            decode=decode,
-        )  # fmt: skip
-        total = total.merge(run.stats)
-    return total.tau
+    runs = [
+        generate(target, prompt, drafter, max_new_tokens=max_new_tokens, temperature=1.0,
+                 seed=seed, decode=decode).stats
+        for prompt in prompts
+    ]  # fmt: skip
+    return merged(runs).tau
 
 
 def folder_simulated_tau(
@@ -192,20 +190,12 @@ def replay_serving(
     target, drafter, batch: dict[str, torch.Tensor], target_out, decode: DecodeConfig
 ) -> list[Stats] | None:
     """The loop's statistics at temperature 0 per row of a batch of the target's greedy
-    continuations (as metrics.simulate_serving reads them: the prompt unscored, the served
-    output scored up to its EOS), walked with the drafter's serving session (module docstring);
-    `target_out`: the target's forward over the batch, with the hidden states of the layers the
-    drafter captures. None for a session that drafts on the target's own KV cache (LayerSkip),
-    which needs the target's passes."""
-    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
-    lengths = batch["attention_mask"].sum(1)
-    rows = []
-    for b in range(ids.shape[0]):
-        scored = loss_mask[b].nonzero()
-        if not len(scored):
-            continue
-        start, end = int(scored[0]), int(lengths[b])
-        stop = start + int(loss_mask[b].sum())  # where the served output ends
+    continuations (as metrics.served_rows reads them), walked with the drafter's serving
+    session (module docstring); `target_out`: the target's forward over the batch, with the
+    hidden states of the layers the drafter captures. None for a session that drafts on the
+    target's own KV cache (LayerSkip), which needs the target's passes."""
+    ids, rows = batch["input_ids"], []
+    for b, start, end, stop in served_rows(batch):
         session, stats = drafting_session(target, drafter, decode)
         if session.drafts_on_target_cache:
             return None
@@ -286,10 +276,8 @@ class _Recording:
             pending = next(iter(hidden_states.values())).shape[1] - len(tree)
             keep = list(range(pending)) + [pending + i for i in path]
             for layer, h in hidden_states.items():
-                for offset, row in enumerate(keep):
-                    self._record["hidden"].setdefault(layer, {})[self._verified + offset] = h[
-                        0, row
-                    ]
+                at = self._record["hidden"].setdefault(layer, {})
+                at.update({self._verified + offset: h[0, row] for offset, row in enumerate(keep)})
             self._verified += len(keep)
         return self._session.accept(tree, path, hidden_states)
 
@@ -341,9 +329,7 @@ def first_difference(
         # the served chain's accepted prefix against the one the training path predicts for a
         # draft asked for at most as many tokens as the loop asked for then
         truth = ids[length : length + len(tokens)]
-        served = 0
-        while served < len(truth) and tokens[served] == truth[served]:
-            served += 1
+        served = next((j for j, t in enumerate(truth) if tokens[j] != t), len(truth))
         cap = min(decode.gamma, len(ids) - length - 1)
         predicted = int(drafts.accepted[0, length - 1, cap - 1])
         if served != predicted:

@@ -25,15 +25,16 @@ loop that runs on a CPU (eagenerate, medusa_generate), both decode each prompt g
 chain, and their outputs and accepted lengths per step must be equal.
 
 --engine llama.cpp (a `scripts/export.py --format gguf` folder; llama.cpp built once per machine
-from the registry's source, specdraft/llamacpp_build.py) serves the export in llama.cpp's own server,
-greedy, at each --lengths draft length (default: the length it was tuned to) and without the
-drafter, on the same prompts (first turns; the target's tokenizer renders them), and compares
-the outputs: where they part, the two tokens' logit gap in plain decoding is shown, and a gap
-within --tie-gap (default: how far llama.cpp's own arithmetic moves such a gap between a
+from the registry's source, specdraft/llamacpp_build.py) serves the export in llama.cpp's own
+server, greedy, at each --lengths draft length (default: the length it was tuned to) and without
+the drafter, on the same prompts (first turns; the target's tokenizer renders them), and
+compares the outputs: where they part, the two tokens' logit gap in plain decoding is shown, and
+a gap within --tie-gap (default: how far llama.cpp's own arithmetic moves such a gap between a
 one-token pass and a pass over many tokens, measured on the same prompts) is counted as a
-near-tie its batched verification split, apart from a disagreement. It prints llama.cpp's own counters (drafted, accepted, verification passes). The
-files are checked first: a drafter made with another tokenizer, or an EAGLE-3 head for a target
-of another width, is refused before llama.cpp runs.
+near-tie its batched verification split, apart from a disagreement. It prints llama.cpp's own
+counters (drafted, accepted, verification passes). The files are checked first: a drafter made
+with another tokenizer, or an EAGLE-3 head for a target of another width, is refused before
+llama.cpp runs.
 
 Exit status: 0 when every drafted step agrees on every position's top-1 token (and logits within
 --atol + --rtol x the largest |logit|: fp32 sums in another order), and decoded outputs and
@@ -120,7 +121,6 @@ def engine_python(engine: str, log=print) -> Path:
     if ready.is_file():
         return python
     venv.parent.mkdir(parents=True, exist_ok=True)
-    # one process makes it (the test suite's two workers may both need it); the others wait
     with open(venv.parent / f"{spec.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not ready.is_file():
@@ -235,35 +235,29 @@ def verify(
         save_file({k: v.contiguous().cpu() for k, v in inputs.items()}, request["inputs"])
         Path(f"{tmp}/request.json").write_text(json.dumps(request))
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        done = subprocess.run(
-            [str(python), str(WORKER), f"{tmp}/request.json"],
-            capture_output=True,
-            text=True,
-            env=env,
-        )
+        command = [str(python), str(WORKER), f"{tmp}/request.json"]
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
         if done.returncode != 0:
-            report = Report(engine, str(folder))
-            report.problems.append(f"the {engine} loader failed:\n{done.stderr.strip()[-3000:]}")
-            return report
+            problem = f"the {engine} loader failed:\n{done.stderr.strip()[-3000:]}"
+            return Report(engine, str(folder), problems=[problem])
         try:
             theirs = load_file(request["outputs"])
             notes = json.loads(done.stdout.strip().splitlines()[-1])
         except (OSError, ValueError, IndexError) as e:
-            report = Report(engine, str(folder))
-            report.problems.append(
+            problem = (
                 f"the {engine} side wrote no readable result ({e}); its output:\n"
                 f"{done.stdout.strip()[-2000:]}\n{done.stderr.strip()[-2000:]}"
             )
-            return report
+            return Report(engine, str(folder), problems=[problem])
     report = compare(engine, folder, ours, theirs, notes, atol, rtol)
     if not report.steps or any(s["positions"] == 0 for s in report.steps):
         report.problems.append("no drafted position was compared")
     # Medusa decodes with the export's medusa_choices: a tree of them gives our greedy output
     # too, but other accepted lengths than our chain (only a chain's are compared)
     tree = engine == "medusa" and notes.get("chain") == 0
-    if chain and not tree and notes.get("chain") != chain:
-        report.problems.append(f"the {engine} side decoded with {notes.get('chain')}, not a chain of {chain}")  # fmt: skip
     if chain:
+        if not tree and notes.get("chain") != chain:
+            report.problems.append(f"the {engine} side decoded with {notes.get('chain')}, not a chain of {chain}")  # fmt: skip
         for i in range(len(texts)):
             report.decoded.append(decode_both(target, drafter, inputs[f"prompt.{i}"], theirs, i, engine, chain, max_new_tokens, report, not tree))  # fmt: skip
     return report
@@ -370,11 +364,8 @@ def decode_both(
         )
     n = min(len(mine), len(tokens))
     steps_in = len(_within(accepted, n, chain))
-    common = 0
-    while common < steps_in and common < len(their_accepted):
-        if accepted[common] != their_accepted[common]:
-            break
-        common += 1
+    both = min(steps_in, len(their_accepted))  # steps whose accepted lengths agree, from the first
+    common = next((j for j in range(both) if accepted[j] != their_accepted[j]), both)
     row = {
         "prompt": i, "tokens": n, "equal": mine[:n] == tokens[:n], "steps": steps_in,
         "accepted_equal": common == steps_in, "ours": accepted[:steps_in],
@@ -433,9 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2  # LlamaCppError is a ValueError too
     print_report(report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report.__dict__ | {"ok": report.ok}, indent=2) + "\n")
-    return 0 if report.ok else 1
+    return verdict(report.problems, report.__dict__ | {"ok": report.ok}, args.json)
 
 
 def verify_llamacpp(args: argparse.Namespace) -> int:
@@ -473,12 +462,7 @@ def verify_llamacpp(args: argparse.Namespace) -> int:
                 f"    near-tie: prompt {d['prompt']} parts at token {d['first_difference']}, "
                 f"logit gap {d['gap']:.4f}"
             )
-    for problem in report["problems"]:
-        print(f"  MISMATCH: {problem}")
-    print(f"[verify] {'in agreement' if report['ok'] else 'NOT in agreement'}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if report["ok"] else 1
+    return verdict(report["problems"], report, args.json)
 
 
 def print_report(report: Report) -> None:
@@ -498,9 +482,16 @@ def print_report(report: Report) -> None:
                 f"{'equal' if d['accepted_equal'] else 'DIFFER'} {d['ours']}"
             )
         )
-    for problem in report.problems:
+
+
+def verdict(problems: list[str], figures: dict, json_path: str | None) -> int:
+    """Print each problem and the verdict, write the figures to --json; the exit status."""
+    for problem in problems:
         print(f"  MISMATCH: {problem}")
-    print(f"[verify] {'in agreement' if report.ok else 'NOT in agreement'}")
+    print(f"[verify] {'in agreement' if figures['ok'] else 'NOT in agreement'}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(figures, indent=2) + "\n")
+    return 0 if figures["ok"] else 1
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -69,40 +69,40 @@ def speculators(request: dict, inputs: dict, prompts: list[int]):
     model = model.eval()
     if getattr(config, "speculators_model_type", None) in ("dflash", "dspark"):
         return dflash(model, request, inputs, prompts)
-    outputs = {}
+    outputs, caught = {}, []
+    model.lm_head.register_forward_hook(lambda m, a, o: caught.append(o.detach()))
     for i in prompts:
         ids, features = inputs[f"ids.{i}"], inputs[f"features.{i}"]
-        caught: list[torch.Tensor] = []
-        hook = model.lm_head.register_forward_hook(
-            lambda m, a, o, caught=caught: caught.append(o.detach())
-        )
-        try:
-            with torch.no_grad():
-                if config.speculators_model_type == "peagle":
-                    outputs.update(peagle(model, ids, features, request["steps"], caught, i))
-                    continue
-                model(
-                    hidden_states=features[:, :-1],
-                    input_ids=ids[:, 1:],
-                    document_ids=torch.zeros_like(ids[:, 1:]),
-                    ttt_steps=request["steps"],
-                )
-        finally:
-            hook.remove()
+        caught.clear()
+        with torch.no_grad():
+            if config.speculators_model_type == "peagle":
+                outputs.update(peagle(model, ids, features, request["steps"], caught, i))
+                continue
+            model(
+                hidden_states=features[:, :-1],
+                input_ids=ids[:, 1:],
+                document_ids=torch.zeros_like(ids[:, 1:]),
+                ttt_steps=request["steps"],
+            )
         for k, logits in enumerate(caught):  # step k: rows t < n - 1 - k are teacher-forced
             outputs[f"logits.{i}.{k}"] = logits[:, : ids.shape[1] - 1 - k].float()
     # what the model builds and the folder does not hold, which speculators lets pass: it fills
     # a missing embedding from the verifier only where its copy is NaN, and under its
     # transformers the copy is whatever memory held (zeros, garbage, by luck the right values)
-    files = [os.path.join(request["folder"], n) for n in os.listdir(request["folder"])]
-    held = {k for f in files if f.endswith(".safetensors") for k in load_file(f)}
     optional = {"verifier_lm_head.weight", "verifier_norm.weight"}
     if config.draft_vocab_size == model.embed_tokens.weight.shape[0]:
         optional |= {"d2t", "t2d"}  # the whole vocabulary needs no maps
     if not getattr(config, "norm_before_fc", False):
         optional.add("input_norm.weight")
-    notes = {"missing": sorted(set(model.state_dict()) - held - optional), "unexpected": []}
-    return outputs, notes
+    return outputs, missing(model, request["folder"], optional)
+
+
+def missing(model, folder: str, optional: set[str]) -> dict:
+    """The notes on what `model` builds that the folder's safetensors files do not hold, beside
+    the `optional` names."""
+    files = [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors")]
+    held = {k for f in files for k in load_file(f)}
+    return {"missing": sorted(set(model.state_dict()) - held - optional), "unexpected": []}
 
 
 def peagle(model, ids, features, steps: int, caught: list, i: int) -> dict:
@@ -161,17 +161,10 @@ def dflash(model, request: dict, inputs: dict, prompts: list[int]):
                 )
         for k in range(B - first):  # anchor 0 has no context, and is never drafted from: left out
             outputs[f"logits.{i}.{k}"] = blocks[None, 1:, k + first].float()
-    held = {
-        k
-        for f in os.listdir(request["folder"])
-        if f.endswith(".safetensors")
-        for k in load_file(os.path.join(request["folder"], f))
-    }
     # taken from the verifier, as the layout intends (load_verifier_weights)
     shared = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
               "verifier_norm.weight", "d2t", "t2d"}  # fmt: skip
-    notes = {"missing": sorted(set(model.state_dict()) - held - shared), "unexpected": []}
-    return outputs, notes
+    return outputs, missing(model, request["folder"], shared)
 
 
 # --- SafeAILab/EAGLE ------------------------------------------------------------------------------
