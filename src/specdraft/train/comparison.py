@@ -1,21 +1,18 @@
 """The drafting families side by side on one target (scripts/compare.py).
 
 A family is a drafter kind with a demo config (configs/KIND/demo.yaml; the kind registry,
-drafters/base.py, says which kinds exist). Each is trained in this process by its trainer's
-own function (train/KIND_trainer.py's `run`, which `specdraft train KIND` calls) on that config with an equal
-budget of training tokens, its printing going to OUTPUT/KIND.log; a family whose training raises
-is reported as failed and the others go on. Or it is taken from a folder already trained. Each
-one's decoding settings are then chosen by measured tokens/s on this machine
-(measuring/tuning.py), and all of them are measured in one process on the same prompts beside
-plain decoding, prompt lookup and transformers' own assisted and early-exit generation
-(measuring/evaluation.py's runs): greedy, then sampled at temperature 1. The report
-(train/comparison_report.py) has one row per family: tau, speedups, overhead, drafting
-share, extra parameters and memory, what training cost, what it cost the target (a kind that
-fine-tunes it), and the simulated tau training predicted beside the measured one; then every
-run's own row, as scripts/evaluate.py reports it. With several batch sizes (`--batch-sizes`)
-every run is measured at each, as scripts/evaluate.py measures them: the family table holds the
-smallest batch size's figures and each family's greedy crossover (the smallest batch size where
-it is slower than plain decoding), and batch_sizes.png the greedy sweep.
+drafters/base.py, says which kinds exist). Each is trained in this process by its trainer's own
+function (kinds/KIND/KIND_trainer.py's `run`, which `specdraft train KIND` calls) on that config
+with an equal budget of training tokens, its printing going to OUTPUT/KIND.log; a family whose
+training raises is reported as failed and the others go on. Or it is taken from a folder already
+trained. Each one's decoding settings are then chosen by measured tokens/s on this machine
+(measuring/tuning.py), and all of them are measured in one process on the same prompts beside plain
+decoding, prompt lookup and transformers' own assisted and early-exit generation
+(measuring/evaluation.py's runs): greedy, then sampled at temperature 1, and reported
+(train/comparison_report.py) one row per family, then every run's own row. With several batch sizes
+(`--batch-sizes`) every run is measured at each, as scripts/evaluate.py measures them: the family
+table holds the smallest batch size's figures and each family's greedy crossover (the smallest batch
+size where it is slower than plain decoding), and batch_sizes.png the greedy sweep.
 """
 
 from __future__ import annotations
@@ -42,11 +39,8 @@ from specdraft.formats.reading import fine_tuned_target, load_decoding, load_dra
 from specdraft.inference.metrics import simulated_tau
 from specdraft.measuring.evaluation import EvalSpec, build_runs, check_batch_sizes
 from specdraft.measuring.evaluation_report import make_report
-from specdraft.measuring.measure import Run, measure_requests, read_requests, request_ids
-from specdraft.measuring.report_writer import (
-    Report,
-    write_report,
-)
+from specdraft.measuring.measure import measure_requests, read_requests, request_ids
+from specdraft.measuring.report_writer import Report, write_report
 from specdraft.measuring.tuning import default_space, search_decode
 from specdraft.simulation.continuations import CORPUS
 from specdraft.simulation.serving_parity import folder_simulated_tau
@@ -58,7 +52,7 @@ from specdraft.train.comparison_report import (
     compare_report,
 )
 from specdraft.train.entry import Recipe
-from specdraft.train.train_config import TrainConfig
+from specdraft.train.resume import STATE_NAME, checkpoints
 
 # beside a run trained by compare: its wall-clock time and training tokens, so a later
 # comparison that takes the folder (--folder) still reports what training it cost
@@ -158,11 +152,6 @@ class TrainingFailed(RuntimeError):
         self.family = family
 
 
-def tokens_per_step(cfg: TrainConfig) -> int:
-    """The training tokens of one step, padded: micro_batch_size x grad_accum x max_length."""
-    return cfg.micro_batch_size * cfg.grad_accum * cfg.data.max_length
-
-
 def train_family(
     family: str, target: str, budget_tokens: int, out: Path, overrides: Sequence[str] = ()
 ) -> Family:
@@ -176,7 +165,8 @@ def train_family(
     with log.open("w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
         try:
             recipe = Recipe.of(family)
-            per_step = tokens_per_step(recipe.config(overrides))
+            cfg = recipe.config(overrides)  # a step's training tokens, padded
+            per_step = cfg.micro_batch_size * cfg.grad_accum * cfg.data.max_length
             steps = max(1, math.ceil(budget_tokens / per_step))
             cfg = recipe.config([
                 f"target={target}", f"output_dir={run_dir}", f"max_steps={steps}",
@@ -202,13 +192,7 @@ def train_family(
         "steps": result.step,
     }
     (run_dir / TRAINING_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-    found = Family(family, folder=result.output_dir / "final")
-    _read_evals(found, result.evals)
-    found.train_tokens_per_s = result.throughput.get("tokens_per_s")
-    found.train_peak_memory_mb = result.throughput.get("peak_memory_mb")
-    found.train_seconds, found.train_tokens = record["seconds"], record["tokens"]
-    found.quality = _quality(result.output_dir)
-    return found
+    return collect(family, result.output_dir / "final")  # the run's records, as written
 
 
 def collect(family: str, folder: Path) -> Family:
@@ -220,36 +204,25 @@ def collect(family: str, folder: Path) -> Family:
         raise ValueError(f"{folder} holds a {kind} drafter, not {family}")
     found = Family(family, folder=Path(folder))
     run = Path(folder).parent
-    states = sorted(run.glob("checkpoint-*/trainer_state.json"), key=_step_of)
-    if states:
-        _read_evals(found, json.loads(states[-1].read_text())["evals"])
-    if (run / "throughput.json").is_file():
-        throughput = json.loads((run / "throughput.json").read_text())
-        found.train_tokens_per_s = throughput.get("tokens_per_s")
-        found.train_peak_memory_mb = throughput.get("peak_memory_mb")
-    if (run / TRAINING_RECORD).is_file():  # trained by scripts/compare.py: what it took
-        record = json.loads((run / TRAINING_RECORD).read_text())
+
+    def read(path: Path) -> dict | None:
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    states = [c / STATE_NAME for c in checkpoints(run) if (c / STATE_NAME).is_file()]
+    evals = read(states[-1])["evals"] if states else []
+    if evals:  # the simulated tau over training, the last evaluation's greedy agreement per depth
+        found.simulated = [{"step": e["step"], "tau": e["served"]} for e in evals]
+        found.alpha_greedy = list(evals[-1].get("alpha_greedy") or [])
+        # runs from before evaluation could run on the target's continuations ran on the corpus
+        found.simulated_on = evals[-1].get("eval_on", CORPUS)
+    throughput = read(run / "throughput.json") or {}
+    found.train_tokens_per_s = throughput.get("tokens_per_s")
+    found.train_peak_memory_mb = throughput.get("peak_memory_mb")
+    record = read(run / TRAINING_RECORD)  # trained by scripts/compare.py: what it took
+    if record:
         found.train_seconds, found.train_tokens = record["seconds"], record["tokens"]
-    found.quality = _quality(run)
+    found.quality = read(run / "target_quality.json")  # what fine-tuning cost a target it tunes
     return found
-
-
-def _read_evals(found: Family, evals: Sequence[dict]) -> None:
-    """The simulated tau over training and the last evaluation's greedy agreement per depth."""
-    found.simulated = [{"step": e["step"], "tau": e["served"]} for e in evals]
-    found.alpha_greedy = list(evals[-1].get("alpha_greedy") or []) if evals else []
-    # runs from before evaluation could run on the target's continuations ran on the corpus
-    found.simulated_on = evals[-1].get("eval_on", CORPUS) if evals else None
-
-
-def _quality(run: Path) -> dict | None:
-    """What fine-tuning cost the target (target_quality.json), for a kind that fine-tunes it."""
-    path = Path(run) / "target_quality.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _step_of(path: Path) -> int:
-    return int(path.parent.name.removeprefix("checkpoint-"))
 
 
 # --- tuning and measuring ----------------------------------------------------------------------
@@ -259,8 +232,7 @@ def tune_family(found: Family, target, prompts, max_new_tokens: int, log=None) -
     """Choose the family's chain settings by measured tokens/s (gamma, stop rule, int8, copying,
     the kind's own settings such as an exit layer) and save them into its folder. Trees are left
     out: a CPU verifies them at more than they return (BENCHMARKS.md)."""
-    tuned_target = fine_tuned_target(str(found.folder), target)
-    decoder = tuned_target or target
+    decoder = fine_tuned_target(str(found.folder), target) or target
     drafter = load_drafter(found.folder, decoder)
     space = default_space(drafter, decoder)
     space.pop("tree_top_k"), space.pop("tree_budget")
@@ -287,10 +259,9 @@ def measure_all(
     requests,
     temperature: float,
     loaded: dict | None = None,
-) -> tuple[dict, list[Run]]:
+) -> dict:
     """Every trained family plus the baselines on every turn of `requests` at `temperature`, in
-    this process:
-    evaluate.py's runs and report rows (one per run). Transformers' own methods run greedy only;
+    this process: evaluate.py's report, one row per run. Transformers' own methods run greedy only;
     a drafter that copies from the context also runs alone (lookup_ngram=0): what the drafter
     buys by itself, and greedy the tau that training's simulated tau predicts. `loaded`: the
     fine-tuned targets already loaded (evaluate.fine_tuned_target), shared across the passes."""
@@ -311,16 +282,7 @@ def measure_all(
     cases = measure_requests(
         runs, requests, target, log=lambda m: print(f"[compare] {m}", file=sys.stderr)
     )
-    return make_report(eval_spec, [target], runs, cases=cases, requests=requests), runs
-
-
-def predict_tree(found: Family, target, loaded: dict | None = None) -> None:
-    """Where the family is served as a tree: training's prediction for that tree
-    (`Drafter.predicted_tree_tau`), read from the drafter as it loads."""
-    decode = load_decoding(found.folder)
-    if decode.tree_top_k > 1:
-        decoder = fine_tuned_target(str(found.folder), target, loaded) or target
-        found.tree_tau = load_drafter(found.folder, decoder).predicted_tree_tau(decode)
+    return make_report(eval_spec, [target], runs, cases=cases, requests=requests)
 
 
 def served_simulated_tau(found: Family, decode: dict) -> tuple[float | None, str]:
@@ -417,25 +379,19 @@ def first_turn(row: dict) -> dict:
 # --- the whole comparison ---------------------------------------------------------------------
 
 
-def check_prompts(spec: CompareSpec) -> None:
-    """Before any training: the prompts exist, fill every batch size and fit the target's
-    context with the new tokens (EvalSpec.check_prompts). ValueError names the problem."""
-    spec.eval_spec(0.0).check_prompts(spec.target)
-
-
 def compare(spec: CompareSpec) -> Report:
     """scripts/compare.py's work: train (or take) each family, tune, measure, and write the
     report into spec.output. Returns the report written."""
-    check_prompts(spec)
-    for name, folder in spec.folders.items():  # a folder that is no drafter, or another family's
-        if name in spec.families:
-            collect(name, Path(folder))
+    # before any training: the prompts exist, fill every batch size and fit the target's context
+    spec.eval_spec(0.0).check_prompts(spec.target)
+    # a folder that is no drafter, or another family's, named before any training
+    taken = {n: collect(n, Path(f)) for n, f in spec.folders.items() if n in spec.families}
     out = Path(spec.output)
     out.mkdir(parents=True, exist_ok=True)
     found: list[Family] = []
     for name in spec.families:
-        if name in spec.folders:
-            found.append(collect(name, Path(spec.folders[name])))
+        if name in taken:
+            found.append(taken[name])
             continue
         print(f"[compare] training {name} on {spec.target} ({spec.budget_tokens:,} tokens; "
               f"log in {out / f'{name}.log'})", file=sys.stderr)  # fmt: skip
@@ -458,7 +414,10 @@ def compare(spec: CompareSpec) -> Report:
             tune_family(f, target, prompts[: spec.tune_prompts], spec.max_new_tokens, log=log)
     loaded: dict = {}  # fine-tuned targets, loaded once for both passes
     for f in trained:
-        predict_tree(f, target, loaded)
+        decode = load_decoding(f.folder)
+        if decode.tree_top_k > 1:  # served as a tree: training's prediction for it, as it loads
+            decoder = fine_tuned_target(str(f.folder), target, loaded) or target
+            f.tree_tau = load_drafter(f.folder, decoder).predicted_tree_tau(decode)
         try:  # a failure here costs the column, not the families trained
             at = partial(folder_simulated_tau, f.folder, target, prompts, spec.max_new_tokens,
                          spec.batch_sizes[0], loaded)  # fmt: skip
@@ -466,10 +425,8 @@ def compare(spec: CompareSpec) -> Report:
             f.simulated_measured_t1 = at(temperature=1.0) if spec.sampled else None
         except (ValueError, RuntimeError) as e:
             print(f"[compare] {f.name}: no simulation on these prompts: {e}", file=sys.stderr)
-    greedy, _ = measure_all(found, spec, target, requests, 0.0, loaded)
-    sampled = None
-    if spec.sampled:
-        sampled, _ = measure_all(found, spec, target, requests, 1.0, loaded)
+    greedy = measure_all(found, spec, target, requests, 0.0, loaded)
+    sampled = measure_all(found, spec, target, requests, 1.0, loaded) if spec.sampled else None
     rows = family_rows(found, greedy, sampled)
     turns = greedy["benchmark"]["turns"]
     summary = (

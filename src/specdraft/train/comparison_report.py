@@ -62,11 +62,7 @@ COLUMNS = (
         "{:+.1%}",
         note=_flag("tau_gap_same_prompts", SAME_PROMPTS_FLAG),
     ),
-    Column(
-        "simulated_t1_same_prompts",
-        "simulated τ T=1, prompts measured",
-        "{:.2f}",
-    ),
+    Column("simulated_t1_same_prompts", "simulated τ T=1, prompts measured", "{:.2f}"),
     Column(
         "tau_gap_t1_same_prompts",
         "simulated vs measured T=1 without copying, same prompts",
@@ -100,9 +96,8 @@ def markdown(report: dict) -> str:
         "",
         *family_table(report),
     ]
-    for mode in ("greedy", "sampled"):
+    for mode, title in (("greedy", "greedy"), ("sampled", "sampled at temperature 1")):
         if report[mode] is not None:
-            title = "greedy" if mode == "greedy" else "sampled at temperature 1"
             lines += ["", f"## Every run, {title}", "", *runs_markdown(report[mode]["runs"])]
             for part in (breakdown_markdown(report[mode]), sweep_markdown(report[mode])):
                 lines += [line.replace("## ", "### ", 1) for line in part]
@@ -143,10 +138,9 @@ def _frontier(plt, ok, runs):
         ax.annotate(r["family"], (r["extra_memory_mb"], r["speedup"]), xytext=(5, 5),
                     textcoords="offset points")  # fmt: skip
     smallest = min(r["batch_size"] for r in runs)
+    baselines = ("prompt_lookup", "hf_assisted", "hf_early_exit")
     for r in runs:
-        if r["batch_size"] != smallest:
-            continue
-        if r["method"] in ("prompt_lookup", "hf_assisted", "hf_early_exit"):
+        if r["batch_size"] == smallest and r["method"] in baselines:
             mib = r["extra_memory_bytes"] / 2**20  # transformers' assisted: the draft's weights
             ax.scatter(mib, r["speedup_vs_ar"], marker="x", color="grey")
             ax.annotate(r["label"], (mib, r["speedup_vs_ar"]), xytext=(5, -10),
