@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-from pathlib import Path
 
 import torch
 from accelerate import PartialState
@@ -39,18 +37,21 @@ from specdraft.targets.target import load_target
 def loop_prompts(eval_loop, data_path: str, target, eval_examples) -> list[Request]:
     """The requests a training script measures its drafter on after training (every turn of
     each), read before training starts so that a bad prompt file fails at once (their first
-    turns are tokenized here). `eval_loop` is the config's `LoopEvalConfig`; prompts=auto means
-    the demo's held-out prompts for the demo corpus, else the prompt part of the held-out split.
-    Empty when the measurement is off."""
+    turns are tokenized here). `eval_loop` is the config's `LoopEvalConfig`. Empty when the
+    measurement is off."""
     if not eval_loop.enabled:
         return []
-    source = eval_loop.prompts
-    if source == "auto":
-        source = "demo" if data_path == "demo" else "eval"
+    source = _prompt_source(eval_loop, data_path)
     requests = read_requests(source, eval_loop.num_prompts, eval_examples)
     for r in requests:
         request_ids(target.tokenizer, r, [])
     return requests
+
+
+def _prompt_source(eval_loop, data_path: str) -> str:
+    """eval_loop.prompts; auto: the demo's for the demo corpus, else the held-out split's."""
+    auto = "demo" if data_path == "demo" else "eval"
+    return auto if eval_loop.prompts == "auto" else eval_loop.prompts
 
 
 def heldout_examples(cfg, target, eval_examples) -> tuple[list, str]:
@@ -68,27 +69,13 @@ def heldout_examples(cfg, target, eval_examples) -> tuple[list, str]:
             "hidden_cache or target_sharding): set eval_on=corpus or auto"
         )
     loop = cfg.eval_loop
-    source = loop.prompts
-    if source == "auto":
-        source = "demo" if cfg.data.path == "demo" else "eval"
+    source = _prompt_source(loop, cfg.data.path)
     prompts = load_prompts(source, loop.num_prompts, target, eval_examples)
-    state = PartialState()
-    with state.main_process_first():  # one process decodes; the others read its cache
+    with PartialState().main_process_first():  # one process decodes; the others read its cache
         examples = served_examples(
             target, prompts, loop.max_new_tokens, loop.temperature, seed=cfg.seed
         )
     return examples, SERVED_GREEDY if loop.temperature == 0 else SERVED_SAMPLED
-
-
-def warn_the_loop_loads_the_whole_target(cfg, prompts) -> None:
-    """Before a sharded run: the measurement at its end needs the target whole on one device."""
-    if cfg.target_sharding != "none" and prompts:
-        print(
-            "[specdraft] eval_loop is on: after training the main process loads the whole target "
-            "on its device to decode with the drafter; for a target that does not fit one device "
-            "set eval_loop.enabled=false (training and its checkpoints are unaffected)",
-            file=sys.stderr,
-        )
 
 
 def loop_dtype(asked: str, target) -> torch.dtype:
@@ -104,22 +91,22 @@ def loop_dtype(asked: str, target) -> torch.dtype:
 def report_after_training(target, result, prompts, cfg) -> dict | None:
     """The end of a training script (`result` from `train`, `cfg` its config): print the simulated
     tau before and after training, then serve the saved `final/` drafter in our loop against
-    plain decoding on every turn of the requests `prompts` (from `loop_prompts`), write output_dir/eval_loop.json with the
-    simulated tau beside the measured one, and print one line. The drafter decodes with the
-    settings saved with it (cfg.decode). Returns the figures, or None where nothing was
-    measured."""
+    plain decoding on every turn of the requests `prompts` (from `loop_prompts`), write
+    output_dir/eval_loop.json with the simulated tau beside the measured one, and print one
+    line. The drafter decodes with the settings saved with it (cfg.decode). Returns the
+    figures, or None where nothing was measured."""
     if result.stopped_by_signal or not result.main_process:
         return None
     final = result.output_dir / "final"
     # the simulated tau of the decoding it is measured with (TrainConfig.served_tau_key)
     key = cfg.served_tau_key()
-    simulated = result.evals[-1][key] if result.evals else None
+    kind = "greedy" if key == "tau_greedy" else "sampled"
+    last = result.evals[-1] if result.evals else {}
+    simulated = last.get(key)
     if result.evals:
-        first, last = result.evals[0], result.evals[-1]
-        kind = "greedy" if key == "tau_greedy" else "sampled"
         print(
             f"[specdraft] simulated {kind} tau (depth {len(last['alpha'])}): before "
-            f"{first[key]:.3f}, after {simulated:.3f}; drafter in {final}"
+            f"{result.evals[0][key]:.3f}, after {simulated:.3f}; drafter in {final}"
         )
     if not prompts:
         return None
@@ -129,7 +116,7 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
     # trained against a bf16 copy, decoded as saved: fp32)
     if not target.complete or dtype != target.dtype:
         tuned = target.fingerprint.get("adapter")  # Medusa-2: the base with the run's adapter
-        adapter = Path(result.output_dir) / "final" / "adapter" if tuned else None
+        adapter = final / "adapter" if tuned else None
         target = load_target(cfg.target, dtype=dtype, device=target.device, adapter=adapter)
     threads = torch.get_num_threads()
     if target.device.type == "cpu":
@@ -152,8 +139,7 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
                 passes=cfg.eval_loop.tune_passes,
                 temperature=cfg.eval_loop.temperature, seed=cfg.seed,
             )  # fmt: skip
-            best = final.parent / "best"
-            tuned = [f for f in (final, best) if f.is_dir()]
+            tuned = [f for f in (final, final.parent / "best") if f.is_dir()]
             for number, key in dict.fromkeys((r["pass"], r["round"]) for r in tuning):
                 rows = [r for r in tuning if (r["pass"], r["round"]) == (number, key)]
                 # nothing kept (every candidate changed the output): the incumbent, row 0, stays
@@ -183,10 +169,9 @@ def report_after_training(target, result, prompts, cfg) -> dict | None:
         torch.set_num_threads(threads)
     m["simulated_tau"] = simulated
     # which text the simulation ran on, and whether it walked the loop's steps
-    m["simulated_on"] = result.evals[-1].get("eval_on", CORPUS) if result.evals else None
-    how = "greedy_simulation" if cfg.served_tau_key() == "tau_greedy" else "sampled_simulation"
-    m["simulation"] = result.evals[-1].get(how) if result.evals else None
-    path = Path(result.output_dir) / "eval_loop.json"
+    m["simulated_on"] = last.get("eval_on", CORPUS) if last else None
+    m["simulation"] = last.get(f"{kind}_simulation")
+    path = result.output_dir / "eval_loop.json"
     path.write_text(json.dumps(m, indent=2) + "\n")
     sim = "none" if simulated is None else f"{simulated:.3f} on {m['simulated_on']} text"
     notes = ""

@@ -16,11 +16,7 @@ from specdraft.drafting import build_draft_vocab
 from specdraft.targets.frozen import frozen_targets
 from specdraft.targets.hidden_cache import CachedTarget, HiddenStateCache
 from specdraft.targets.target import Target
-from specdraft.train.after_training import (
-    loop_prompts,
-    report_after_training,
-    warn_the_loop_loads_the_whole_target,
-)
+from specdraft.train.after_training import loop_prompts, report_after_training
 from specdraft.train.launch import whole_model_loading
 from specdraft.train.train_config import TrainConfig, setting_up
 from specdraft.train.trainer import TrainResult, train
@@ -63,7 +59,14 @@ def train_beside_target(
             cache = HiddenStateCache(hidden_cache, target, examples, drafter.capture_layers)
             frozen = CachedTarget(target, cache)
         prompts = loop_prompts(cfg.eval_loop, cfg.data.path, target, eval_examples)
-        warn_the_loop_loads_the_whole_target(cfg, prompts)
+        if cfg.target_sharding != "none" and prompts:  # the measurement needs it whole
+            print(
+                "[specdraft] eval_loop is on: after training the main process loads the whole "
+                "target on its device to decode with the drafter; for a target that does not fit "
+                "one device set eval_loop.enabled=false (training and its checkpoints are "
+                "unaffected)",
+                file=sys.stderr,
+            )
     cfg.drafter = drafter.config  # as resolved by `build`, into train_config.yaml
     print(summary.format(), file=sys.stderr)
     print(f"[specdraft] {describe(drafter, target)}", file=sys.stderr)

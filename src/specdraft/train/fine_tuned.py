@@ -39,17 +39,13 @@ def finish_fine_tuning(
     digest = adapter_hash(get_peft_model_state_dict(peft_model))
     peft_model.eval()
     tokens = cfg.eval_loop.max_new_tokens
+    held_out = (eval_examples, cfg.micro_batch_size, cfg.eval_batches, cfg.loss_chunk_tokens)
     with peft_model.disable_adapter():
-        base = heldout_loss(
-            target, eval_examples, cfg.micro_batch_size, cfg.eval_batches, cfg.loss_chunk_tokens
-        )
+        base = heldout_loss(target, *held_out)
         base_looping = greedy_looping(target, prompts, tokens)
-    tuned = heldout_loss(
-        target, eval_examples, cfg.micro_batch_size, cfg.eval_batches, cfg.loss_chunk_tokens
-    )
-    looping = looping_figures(
-        base_looping, greedy_looping(target, prompts, tokens), prompts, tokens
-    )
+    tuned = heldout_loss(target, *held_out)
+    tuned_looping = greedy_looping(target, prompts, tokens)
+    looping = looping_figures(base_looping, tuned_looping, prompts, tokens)
     write_quality(cfg.output_dir, base, tuned, digest, what, looping)
     out = Path(cfg.output_dir)
     plain = peft_model.unload()  # the adapters taken out, unmerged
@@ -114,11 +110,9 @@ def heldout_loss(
     held-out micro-batches (0: all), from its final states and LM head `chunk_tokens` positions
     at a time (specdraft/losses.py; 0: all at once): its (batch, seq, vocab) logits are never
     made."""
-    n = len(examples) if not batches else min(len(examples), batches * batch_size)
     L = target.num_layers
     total = count = 0.0
-    for start in range(0, n, batch_size):
-        batch = collate(examples[start : min(n, start + batch_size)], target.device)
+    for batch in _heldout_batches(examples, batch_size, batches, target.device):
         out = target.forward(
             batch["input_ids"], **target_inputs(batch), capture_layers=[L], logits_to_keep=1
         )
@@ -137,17 +131,22 @@ def exit_agreement(drafter, examples, batch_size: int, batches: int) -> dict[int
     """A LayerSkip drafter's per-exit figures over the first `batches` held-out micro-batches
     (0: all): {exit: {"agreement": top-1 agreement with the final layer, "alpha": sampled
     acceptance}} for every candidate exit layer."""
-    n = len(examples) if not batches else min(len(examples), batches * batch_size)
     device = next(drafter.parameters()).device
     sums: dict[int, torch.Tensor] = {}
-    for start in range(0, n, batch_size):
-        batch = collate(examples[start : min(n, start + batch_size)], device)
+    for batch in _heldout_batches(examples, batch_size, batches, device):
         for e, figures in drafter.agreement_per_exit(batch).items():
             sums[e] = sums.get(e, 0) + figures.double().cpu()
     return {
         e: {"agreement": float(s[0] / max(s[2], 1)), "alpha": float(s[1] / max(s[2], 1))}
         for e, s in sums.items()
     }
+
+
+def _heldout_batches(examples, batch_size: int, batches: int, device):
+    """The first `batches` held-out micro-batches (0: all), collated on `device`."""
+    n = len(examples) if not batches else min(len(examples), batches * batch_size)
+    for start in range(0, n, batch_size):
+        yield collate(examples[start : min(n, start + batch_size)], device)
 
 
 def finish_layerskip(

@@ -11,8 +11,9 @@ padding of a short share counts nothing (its weight is 0).
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -40,9 +41,7 @@ def sums(
     alpha = greedy = count = 0.0
     extra: dict[str, torch.Tensor] = {}
     model.eval()
-    for chunk, weight in chunks:
-        batch = collate([examples[i] for i in chunk], acc.device)
-        target_out = forward(batch)
+    for batch, target_out, weight in _batches(chunks, examples, forward, acc):
         with acc.autocast():
             loss, _ = model(batch, target_out)
             a, g, c = model.acceptance(batch, target_out, cfg.decode)
@@ -76,19 +75,11 @@ def simulate_serving(
     metrics.simulate_serving) with the decoding settings the run saves, or where it has none
     for those settings or serving rounds otherwise (int8 drafting), by the serving session
     itself walked on the continuations ("session": simulation/serving_parity.py, `replay_serving`);
-    (None, None) where neither can (LayerSkip drafts on the target's cache).
-
-    It reads the drafter as its checkpoint would load: with the held-out statistics this
-    evaluation just measured (`heldout`: Medusa's tree is built from them) on a shallow copy,
-    so nothing is written on the module."""
+    (None, None) where neither can (LayerSkip drafts on the target's cache). The drafter is
+    read as its checkpoint would load (`_as_loaded`)."""
     total, how = Stats(), "served"
-    model.eval()
-    loaded = copy.copy(model)  # after eval(): its flag is copied, its modules are shared
-    loaded.checkpoint = model.checkpoint.with_heldout(heldout)
-    try:
-        for chunk, weight in chunks:
-            batch = collate([examples[i] for i in chunk], acc.device)
-            target_out = forward(batch)
+    with _as_loaded(model, heldout) as loaded:
+        for batch, target_out, weight in _batches(chunks, examples, forward, acc):
             with acc.autocast():
                 drafts = training_path_drafts(loaded, batch, target_out, cfg.decode)
             if drafts is not None:
@@ -101,8 +92,6 @@ def simulate_serving(
                     return None, None
             for stats in rows:
                 total = total.merge(stats) if weight else total
-    finally:
-        model.train()
     total = summed_over_processes(total, acc)
     return (total, how) if total.target_passes else (None, None)
 
@@ -120,30 +109,43 @@ def expected_tau(
     """The tau the loop is expected to serve at eval_loop.temperature over the held-out
     continuations sampled there (`served.sampled_reach` walked by metrics.expected_passes,
     as simulation/serving_parity.py's sampled_tau_on), with the decoding settings the run saves and
-    without copying; None where the kind has no such walk for them. The drafter is read as
-    `simulate_serving` reads it."""
+    without copying; None where the kind has no such walk for them. The drafter is read as its
+    checkpoint would load (`_as_loaded`)."""
     tokens = torch.zeros((), device=acc.device, dtype=torch.float64)
     passes = torch.zeros((), device=acc.device, dtype=torch.float64)
-    model.eval()
-    loaded = copy.copy(model)
-    loaded.checkpoint = model.checkpoint.with_heldout(heldout)
-    try:
-        for chunk, weight in chunks:
-            batch = collate([examples[i] for i in chunk], acc.device)
-            target_out = forward(batch)
+    temperature = cfg.eval_loop.temperature
+    with _as_loaded(model, heldout) as loaded:
+        for batch, target_out, weight in _batches(chunks, examples, forward, acc):
             with acc.autocast():
-                reach = sampled_reach(
-                    loaded, batch, target_out, cfg.decode, cfg.eval_loop.temperature
-                )
+                reach = sampled_reach(loaded, batch, target_out, cfg.decode, temperature)
             if reach is None:
                 return None
             for emitted, expected in expected_passes(reach, batch, model.drafts_after_prefill):
                 tokens += emitted * weight
                 passes += expected * weight
-    finally:
-        model.train()
     tokens, passes = acc.reduce(tokens, "sum"), acc.reduce(passes, "sum")
     return float(tokens / passes) if passes > 0 else None
+
+
+def _batches(chunks: Chunks, examples: Sequence, forward: Callable, acc) -> Iterator[tuple]:
+    """(batch, the target's forward of it, weight) per chunk."""
+    for chunk, weight in chunks:
+        batch = collate([examples[i] for i in chunk], acc.device)
+        yield batch, forward(batch), weight
+
+
+@contextlib.contextmanager
+def _as_loaded(model: Drafter, heldout: dict) -> Iterator[Drafter]:
+    """The drafter in eval mode as its checkpoint would load: with the held-out statistics this
+    evaluation just measured (`heldout`: Medusa's tree is built from them), on a shallow copy
+    so that nothing is written on the module; back in train mode after."""
+    model.eval()
+    loaded = copy.copy(model)  # after eval(): its flag is copied, its modules are shared
+    loaded.checkpoint = model.checkpoint.with_heldout(heldout)
+    try:
+        yield loaded
+    finally:
+        model.train()
 
 
 def summed_over_processes(total: Stats, acc) -> Stats:

@@ -32,16 +32,24 @@ def make_accelerator(cfg: TrainConfig) -> Accelerator:
     AcceleratorState._reset_state()
     GradientState._reset_state()
     find_shipped_deepspeed_config()
+    # Without a GPU accelerate picks no process-group backend unless told cpu=True (every process
+    # would then think it is the main one); cpu=True gives MULTI_CPU over gloo, but would silently
+    # drop a DeepSpeed config, so several DeepSpeed processes get gloo named instead (which
+    # DeepSpeed's CPU accelerator uses when oneCCL is not installed).
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    no_gpu = not torch.cuda.is_available()
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    gloo = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and several and no_gpu else []
     acc = Accelerator(
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=cfg.grad_accum,
-        cpu=cpu_only(),
+        cpu=no_gpu and not deepspeed,
         log_with=None if cfg.report_to == "none" else cfg.report_to,
         project_config=ProjectConfiguration(
             project_dir=str(cfg.output_dir),
             logging_dir=os.path.join(str(cfg.output_dir), "tensorboard"),
         ),
-        kwargs_handlers=process_group_kwargs(),
+        kwargs_handlers=gloo,
     )
     check_process_group(acc)
     if acc.device.type == "cpu":
@@ -93,10 +101,8 @@ def whole_model_loading():
 
 def full_parameters(acc: Accelerator, model):
     """Under ZeRO-3, gather the partitioned parameters for saving; otherwise nothing to do."""
-    plugin = (
-        acc.state.deepspeed_plugin if acc.distributed_type == DistributedType.DEEPSPEED else None
-    )
-    if plugin is None or plugin.zero_stage != 3:
+    deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
+    if not deepspeed or acc.state.deepspeed_plugin.zero_stage != 3:
         return contextlib.nullcontext()
     import deepspeed
 
@@ -132,28 +138,6 @@ _LOCAL_SIZE_VARS = (
 )  # fmt: skip
 
 
-def cpu_only() -> bool:
-    """True on a machine without CUDA, unless DeepSpeed was asked for.
-
-    Without a GPU, accelerate picks no process-group backend unless told cpu=True, and every
-    process would then think it is the main one; cpu=True gives MULTI_CPU over gloo. cpu=True
-    would also silently drop a DeepSpeed config, so DeepSpeed is left to itself.
-    """
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    return not torch.cuda.is_available() and not deepspeed
-
-
-def process_group_kwargs() -> list:
-    """DeepSpeed on several CPU processes: accelerate selects no process-group backend without a
-    GPU (and then runs every process as the only one), so name gloo, which DeepSpeed's CPU
-    accelerator uses when oneCCL is not installed."""
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if deepspeed and several and not torch.cuda.is_available():
-        return [InitProcessGroupKwargs(backend="gloo")]
-    return []
-
-
 def check_process_group(acc: Accelerator) -> None:
     """Refuse to run when accelerate and torch.distributed disagree on the number of processes."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -168,16 +152,18 @@ def check_process_group(acc: Accelerator) -> None:
             )
 
 
-def throughput(timed: dict, device: torch.device) -> dict:
-    """Training throughput over the timed steps (all but the first): tokens/s, the share of
-    step time in the target forward, peak memory; {} when no step was timed."""
-    if not timed["steps"]:
+def throughput(timed: list[dict], device: torch.device) -> dict:
+    """Training throughput over the timed steps' logs (all but the first step's): tokens/s, the
+    share of step time in the target forward, peak memory; {} when no step was timed."""
+    if not timed:
         return {}
+    seconds = sum(logs["step_time_s"] for logs in timed)
+    target_seconds = sum(logs["target_forward_share"] * logs["step_time_s"] for logs in timed)
     return {
-        "tokens_per_s": timed["tokens"] / timed["seconds"],
-        "target_forward_share": timed["target_seconds"] / timed["seconds"],
+        "tokens_per_s": sum(logs["tokens"] for logs in timed) / seconds,
+        "target_forward_share": target_seconds / seconds,
         "peak_memory_mb": peak_memory_mb(device),
-        "steps": timed["steps"],
+        "steps": len(timed),
     }
 
 

@@ -62,11 +62,8 @@ def examples_for(
     """
     mb = cfg.micro_batch_size
     start = (step * cfg.grad_accum * world + micro * world + rank) * mb
-    indices = []
-    for pos in range(start, start + mb):
-        epoch, offset = divmod(pos, n_examples)
-        indices.append(int(_epoch_order(cfg.seed, epoch, n_examples)[offset]))
-    return indices
+    at = (divmod(pos, n_examples) for pos in range(start, start + mb))  # (epoch, offset)
+    return [int(_epoch_order(cfg.seed, epoch, n_examples)[offset]) for epoch, offset in at]
 
 
 @functools.lru_cache(maxsize=2)  # a memo of a pure function: the current and the next epoch

@@ -162,22 +162,20 @@ def _misfit(path: Path, meta: dict, drafter, why) -> str:
     now = dataclasses.asdict(drafter.config) if dataclasses.is_dataclass(drafter.config) else {}
     differ = _differences(saved, now, "drafter")
     said = "; ".join(str(why).splitlines()[:2])
-    if differ:
-        listed = ", ".join(f"{key}: {old!r} there, {new!r} here" for key, old, new in differ)
-        override = " ".join(
-            shlex.quote(
-                f"{key}={old if isinstance(old, str) else json.dumps(old, separators=(',', ':'))}"
-            )
-            for key, old, _ in differ
-        )  # YAML on the command line: null, true, [1,2], strings bare
-        return (
-            f"{path} does not fit the drafter this config builds ({said}). Its drafter settings "
-            f"differ: {listed}. Resume with the settings it was trained with ({override}), or "
-            "start afresh in a new output_dir; the checkpoint is untouched."
+    misfit = f"{path} does not fit the drafter this config builds ({said})"
+    afresh = "start afresh in a new output_dir; the checkpoint is untouched."
+    if not differ:
+        return f"{misfit}; resume with the config it was trained with, or {afresh}"
+    listed = ", ".join(f"{key}: {old!r} there, {new!r} here" for key, old, new in differ)
+    override = " ".join(
+        shlex.quote(
+            f"{key}={old if isinstance(old, str) else json.dumps(old, separators=(',', ':'))}"
         )
+        for key, old, _ in differ
+    )  # YAML on the command line: null, true, [1,2], strings bare
     return (
-        f"{path} does not fit the drafter this config builds ({said}); resume with the config "
-        "it was trained with, or start afresh in a new output_dir; the checkpoint is untouched."
+        f"{misfit}. Its drafter settings differ: {listed}. Resume with the settings it was "
+        f"trained with ({override}), or {afresh}"
     )
 
 
@@ -203,11 +201,11 @@ def _resume_problem(path: Path) -> str | None:
         checkpoint.check_complete(path)
     except checkpoint.CheckpointError as e:
         return str(e)
+    weights_only = "(a best/ or final/ folder holds weights only, not the resume state)"
     if not any(path.glob("optimizer*.pt")):
-        return "it has no optimizer state (a best/ or final/ folder holds weights only, not the resume state)"
-    for name in (STATE_NAME,):
-        if not (path / name).is_file():
-            return f"it has no {name} (a best/ or final/ folder holds weights only, not the resume state)"
+        return f"it has no optimizer state {weights_only}"
+    if not (path / STATE_NAME).is_file():
+        return f"it has no {STATE_NAME} {weights_only}"
     try:
         json.loads((path / STATE_NAME).read_text())
     except json.JSONDecodeError as e:

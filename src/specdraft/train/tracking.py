@@ -20,16 +20,12 @@ def init_trackers(acc: Accelerator, cfg: TrainConfig, out: Path) -> None:
     """The tracker (main process only): W&B under output_dir/wandb, TensorBoard under
     output_dir/tensorboard/<run_name>; accelerate's project name is W&B's project and
     TensorBoard's run folder."""
+    wandb = {"name": cfg.run_name, "tags": list(cfg.tags), "dir": str(out), "resume": "allow"}
     acc.init_trackers(
         cfg.wandb_project if cfg.report_to == "wandb" else str(cfg.run_name),
         config=tracker_config(cfg),
-        init_kwargs={
-            "wandb": {
-                "name": cfg.run_name, "tags": list(cfg.tags), "dir": str(out),
-                "resume": "allow",
-            }
-        },
-    )  # fmt: skip
+        init_kwargs={"wandb": wandb},
+    )
 
 
 def tracker_config(cfg: TrainConfig) -> dict[str, Any]:

@@ -42,6 +42,14 @@ def setting_up() -> Iterator[None]:
         raise SetupError(str(e)) from e
 
 
+def _at_least(config, lows: dict[str, int], prefix: str = "") -> None:
+    """A ConfigError naming the first key of `lows` whose value is below its minimum."""
+    for key, low in lows.items():
+        if getattr(config, key) < low:
+            got = getattr(config, key)
+            raise ConfigError(f"{prefix}{key} must be >= {low}; got {got}", key=prefix + key)
+
+
 @dataclass
 class LoopEvalConfig:
     """After training: the saved drafter measured in the inference loop against plain decoding
@@ -107,12 +115,8 @@ class LoopEvalConfig:
                 f"setting of the drafter's own kind ({', '.join(kinds_own_settings())})",
                 key="eval_loop.tune",
             )
-        for key in ("num_prompts", "max_new_tokens", "tune_prompts", "tune_passes"):
-            if getattr(self, key) < 1:
-                raise ConfigError(
-                    f"eval_loop.{key} must be >= 1; got {getattr(self, key)}",
-                    key=f"eval_loop.{key}",
-                )
+        keys = ("num_prompts", "max_new_tokens", "tune_prompts", "tune_passes")
+        _at_least(self, dict.fromkeys(keys, 1), prefix="eval_loop.")
         if self.temperature < 0:
             raise ConfigError("eval_loop.temperature must be >= 0", key="eval_loop.temperature")
 
@@ -257,22 +261,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         # OmegaConf.to_object calls this too, so files, overrides and code are held to one standard.
         check_choices(self, prefix="")
-        for key, low in (
-            ("max_steps", 1),
-            ("micro_batch_size", 1),
-            ("grad_accum", 1),
-            ("weight_decay", 0),
-            ("warmup_steps", 0),
-            ("max_grad_norm", 0),
-            ("log_every", 1),
-            ("eval_every", 0),
-            ("eval_batches", 0),
-            ("save_every", 0),
-            ("keep_last", 0),
-            ("cpu_threads", 0),
-        ):
-            if getattr(self, key) < low:
-                raise ConfigError(f"{key} must be >= {low}; got {getattr(self, key)}", key=key)
+        lows = {
+            "max_steps": 1, "micro_batch_size": 1, "grad_accum": 1, "weight_decay": 0,
+            "warmup_steps": 0, "max_grad_norm": 0, "log_every": 1, "eval_every": 0,
+            "eval_batches": 0, "save_every": 0, "keep_last": 0, "cpu_threads": 0,
+        }  # fmt: skip
+        _at_least(self, lows)
         try:
             self.loss_chunk_tokens = check_chunk_tokens(self.loss_chunk_tokens)
         except ValueError as e:

@@ -188,10 +188,11 @@ class _Training:
             # run skips the step-0 evaluation that would switch it: train mode from the start,
             # so dropout is the same whether or not the run was interrupted.
             self.model.train()
-            if self.start_step == 0 and cfg.eval_every > 0 and self.eval_examples:
+            evaluates = cfg.eval_every > 0 and bool(self.eval_examples)
+            if evaluates and self.start_step == 0:
                 self._evaluate(0, bar, label="before training")
             step = self.start_step
-            timed = {"tokens": 0.0, "seconds": 0.0, "target_seconds": 0.0, "steps": 0}
+            timed = []  # logs of the steps after the first, which warms up (allocations, kernels)
             while step < cfg.max_steps:
                 logs = self._step(step)
                 if self.skipped_steps and self.skipped_steps[-1] == step:
@@ -200,11 +201,8 @@ class _Training:
                         f"was skipped ({len(self.skipped_steps)} so far; routine with fp16)",
                         file=sys.stderr,
                     )
-                if step > self.start_step:  # the first step warms up (allocations, kernels)
-                    timed["tokens"] += logs["tokens"]
-                    timed["seconds"] += logs["step_time_s"]
-                    timed["target_seconds"] += logs["target_forward_share"] * logs["step_time_s"]
-                    timed["steps"] += 1
+                if step > self.start_step:
+                    timed.append(logs)
                 step += 1
                 self.losses.append(logs["loss"])
                 bar.update(1)
@@ -215,11 +213,7 @@ class _Training:
                 )
                 if step % cfg.log_every == 0 or step == cfg.max_steps:
                     self.acc.log({f"train/{k}": v for k, v in logs.items()}, step=step)
-                if (
-                    cfg.eval_every > 0
-                    and self.eval_examples
-                    and (step % cfg.eval_every == 0 or step == cfg.max_steps)
-                ):
+                if evaluates and (step % cfg.eval_every == 0 or step == cfg.max_steps):
                     self._evaluate(step, bar)
                 stop = self._agreed_signal()
                 if stop or (
@@ -313,7 +307,7 @@ class _Training:
                 "warmup_steps), check the data for empty or extreme rows, or use "
                 "mixed_precision=no, then resume with resume_from=latest."
             )
-        if self.acc.distributed_type != DistributedType.DEEPSPEED:
+        if not self._sharded():
             # a group before its start_step (Medusa-2's adapters in the heads' warm-up): no
             # gradient, so AdamW leaves its weights and moments alone (ZeRO keeps its own
             # gradient buffers; there the group's zero lr holds its weights)
@@ -405,15 +399,14 @@ class _Training:
             "greedy_simulation": "agreement",  # the product of agreement per depth
             "sampled_simulation": "acceptance",  # alpha per depth as a chain of gamma
         }
-        served, how = (None, None)
         if self.eval_on == SERVED_GREEDY:  # the loop's own steps, walked on the continuations
             served, how = heldout.simulate_serving(
                 model, self.heldout, chunks, self.eval_examples, forward, self.target, cfg, acc,
             )  # fmt: skip
-        if served is not None:  # the loop's own steps on the target's greedy continuations
-            result["tau_greedy"] = served.tau
-            result["alpha_greedy"] = served.acceptance_per_position
-            result["greedy_simulation"] = how
+            if served is not None:
+                result["tau_greedy"] = served.tau
+                result["alpha_greedy"] = served.acceptance_per_position
+                result["greedy_simulation"] = how
         if self.eval_on == SERVED_SAMPLED:  # the loop's walk in expectation there
             walked = heldout.expected_tau(
                 model, self.heldout, chunks, self.eval_examples, forward, cfg, acc
