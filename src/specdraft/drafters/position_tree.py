@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdraft.core import DecodeConfig, DraftTree, SamplingSettings, children_of
-from specdraft.drafting import DraftVocab, draft_chain, draft_chains, process_logits
+from specdraft.drafting import DraftVocab, draft_chains, process_logits
 
 if TYPE_CHECKING:
     from specdraft.drafters.base import Drafter
@@ -169,19 +169,13 @@ def position_tree(
 ) -> DraftTree:
     """What one pass's positions draft with `decode`. logits: (depth, draft vocab), position d
     predicting the token d + 1 below the root. tree_top_k = 1: a chain of each position's draw
-    (drafting.draft_chain: greedy or sampled, ended early by stop_below). Otherwise the tree of
+    (`slot_drafts`: greedy or sampled, ended early by stop_below). Otherwise the tree of
     `shape` (`confident_shape` of these logits when None), ranked when greedy, sampled else."""
-    depth = logits.shape[0]
     if decode.chain:
-        return draft_chain(
-            logits[0:1],
-            lambda _token, i: logits[i + 1 : i + 2],
-            depth=depth,
-            sampling=sampling,
-            generator=generator,
-            stop_below=decode.stop_below,
-            vocab=vocab,
-        )
+        return slot_drafts(
+            logits[None], [logits.shape[0]], decode=decode, sampling=sampling,
+            generator=generator, vocab=vocab, device=device,
+        )[0]  # fmt: skip
     if shape is None:
         shape = confident_shape(logits, decode, sampling)
     if sampling.greedy:

@@ -16,9 +16,9 @@ Training: anchors are drawn per sequence among positions with room for a whole b
 of them per sequence per step, from a generator seeded by the step and the example's index:
 `prepare_batch`). In a packed row (data.pack) each conversation is such a sequence: its anchors
 are drawn from its own index, its blocks stay inside it and see only its context, so it trains
-exactly as in a row of its own. Slot i learns the target's own distribution at anchor + i - 1 (KL), weighted by
-exp(-(i - 1) / position_decay). The loss sum is over the anchors' scored slots, which the batch
-alone counts (`loss_tokens`).
+exactly as in a row of its own. Slot i learns the target's own distribution at anchor + i - 1
+(KL), weighted by exp(-(i - 1) / position_decay). The loss sum is over the anchors' scored slots,
+which the batch alone counts (`loss_tokens`).
 
 Decoding (DFlashSession, for one row or a batch's rows, one block pass for all): the
 context's keys and values per layer are computed once, from the verification forward's hidden
@@ -29,9 +29,9 @@ independently, a valid proposal distribution for the chain). With tree_top_k > 1
 tree of the slots' top candidates instead (drafters/position_tree.py), drafted row by row in a
 batch.
 
-Read top to bottom: the config, the layers, the module (features, context keys, the block), the
-loss and acceptance; the session (one row or a batch's) is kinds/dflash/dflash_session.py. Weight
-names are speculators' (kinds/dflash/dflash_export.py).
+Read top to bottom: the config, the module (features, context keys, the block; its layers are
+kinds/dflash/dflash_layers.py), the loss and acceptance; the session (one row or a batch's) is
+kinds/dflash/dflash_session.py. Weight names are speculators' (kinds/dflash/dflash_export.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
@@ -59,8 +58,13 @@ from specdraft.drafters.base import Drafter, Metrics, sum_and_count
 from specdraft.drafters.position_tree import tree_reach
 from specdraft.kinds.dflash.dflash_layers import DFlashLayer
 from specdraft.kinds.dflash.dflash_session import ContextKV, DFlashSession
-from specdraft.kinds.eagle.eagle import default_feature_layers
-from specdraft.kinds.eagle.eagle_layers import head_rope
+from specdraft.kinds.eagle.eagle import (
+    alpha_agreement,
+    default_feature_layers,
+    depth_sums,
+    target_at,
+)
+from specdraft.kinds.eagle.eagle_layers import head_layer_config
 from specdraft.losses import token_losses
 
 # --- config ------------------------------------------------------------------------------------
@@ -119,7 +123,7 @@ def resolve_config(config: DFlashConfig, target) -> DFlashConfig:
     layers = config.aux_layers or default_feature_layers(target.num_layers)
     config.aux_layers = target.check_layer_ids(layers)
     if config.mask_token_id is None:
-        config.mask_token_id = default_mask_token(target.tokenizer, target.vocab_size)
+        config.mask_token_id = default_mask_token(target)
     mask = config.mask_token_id
     if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < target.vocab_size:
         raise ValueError(
@@ -129,38 +133,21 @@ def resolve_config(config: DFlashConfig, target) -> DFlashConfig:
     return config
 
 
-def default_mask_token(tokenizer, vocab_size: int) -> int:
-    """The tokenizer's mask token, else pad, else unk, else the last id of the vocabulary."""
+def default_mask_token(target) -> int:
+    """The target tokenizer's mask token, else pad, else unk, else the vocabulary's last id (the
+    mask token of DFlash's blocks and P-EAGLE's parallel slots)."""
+    tokenizer, V = getattr(target, "tokenizer", None), target.vocab_size
     for name in ("mask_token_id", "pad_token_id", "unk_token_id"):
         value = getattr(tokenizer, name, None)
-        if isinstance(value, int) and 0 <= value < vocab_size:
+        if isinstance(value, int) and 0 <= value < V:
             return value
-    return vocab_size - 1
+    return V - 1
 
 
 def layer_config(target_config, num_layers: int) -> Qwen3Config:
     """The drafter's layers as a Qwen3Config in the target's shape (what speculators'
     transformer_layer_config holds), with num_hidden_layers the drafter's layer count."""
-    c = target_config
-    heads = c.num_attention_heads
-    return Qwen3Config(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-        hidden_act=getattr(c, "hidden_act", "silu"),
-        max_position_embeddings=c.max_position_embeddings,
-        rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
-        rope_parameters=head_rope(c),
-        attention_bias=False,
-        tie_word_embeddings=False,
-        bos_token_id=getattr(c, "bos_token_id", None),
-        eos_token_id=getattr(c, "eos_token_id", None),
-        pad_token_id=getattr(c, "pad_token_id", None),
-    )
+    return head_layer_config(Qwen3Config, target_config, num_layers)
 
 
 # --- module ------------------------------------------------------------------------------------
@@ -352,11 +339,11 @@ class DFlashDrafter(Drafter):
     def slots(
         self, batch: Mapping[str, torch.Tensor], target_out, logits: bool = True
     ) -> dict[str, torch.Tensor]:
-        """Every anchor's block in one pass: h (batch, anchors, D, hidden) the states of
-        the drafting slots, at (same but hidden) the position a + j of the target's distribution
-        drafting slot j learns, valid (batch, anchors, D); with `logits`, also the slots' logits
-        (batch, anchors, D, vocab) and the target's there, p_logits (the loss leaves both
-        out and makes them a chunk at a time, specdraft/losses.py).
+        """Every anchor's block in one pass: x (batch, anchors, D, ...) the drafting slots'
+        `head_inputs` (their states, teacher-forced), at (batch, anchors, D) the position a + j
+        of the target's distribution drafting slot j learns, valid (batch, anchors, D); with
+        `logits`, also the slots' logits (batch, anchors, D, vocab) and the target's there,
+        p_logits (the loss leaves both out and makes them a chunk at a time, specdraft/losses.py).
 
         The blocks of a row are laid side by side as queries; keys are the row's context
         features then every block. Block j's positions see the context before its anchor
@@ -392,12 +379,23 @@ class DFlashDrafter(Drafter):
         h = self.block_states(tokens, positions, context, mask)  # (batch, N * B, hidden)
         h = h.view(Bt, N, Bs, -1)[:, :, self.first_slot :]  # the drafting slots
         at = (start[..., None] + offsets[: self.drafts_per_block]).clamp(max=T - 1)  # a + j
-        out = {"h": h, "at": at, "valid": self.slot_valid(batch, anchors)}
+        # teacher-forced: the token before each drafted one is the data's
+        x = self.head_inputs(h, ids.gather(1, at.flatten(1)).view_as(at))
+        out = {"x": x, "at": at, "valid": self.slot_valid(batch, anchors)}
         if logits:
             rows = torch.arange(Bt, device=device)[:, None, None]
-            out["logits"] = self.draft_logits(h)
+            out["logits"] = self.logits_of(x)
             out["p_logits"] = target_out.logits[rows, at]
         return out
+
+    def head_inputs(self, h: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) drafting slots' states and (...) the tokens before their drafted ones ->
+        what the slots' logits are made from (`logits_of`): the states (DSpark adds to them)."""
+        return h
+
+    def logits_of(self, x: torch.Tensor) -> torch.Tensor:
+        """`head_inputs` -> (..., vocab) the slots' logits."""
+        return self.draft_logits(x)
 
     def slot_weights(self, device) -> torch.Tensor:
         """(D,) the loss weight of the drafting slots: exp(-j / position_decay) for the j-th."""
@@ -406,39 +404,35 @@ class DFlashDrafter(Drafter):
         return torch.exp(-i / decay) if decay > 0 else torch.ones_like(i)
 
     def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, Metrics]:
-        """Sum over every anchor's scored slots of w_i * KL(p || q_i) (or drafter.divergence), p the target's
-        distribution at a + i - 1 and q_i slot i's; over `loss_tokens(batch)` slots. Both sides'
-        logits are made inside specdraft/losses.py, `loss_chunk_tokens` slots at a time: the
-        target's from its final states where the forward captured them (the trainer does, as
-        `reads_target_logits` is False), else taken from its logits."""
+        """Sum over every anchor's scored slots of w_i * KL(p || q_i) (or drafter.divergence), p
+        the target's distribution at a + i - 1 and q_i slot i's; over `loss_tokens(batch)` slots.
+        Both sides' logits are made inside specdraft/losses.py, `loss_chunk_tokens` slots at a
+        time: the target's from its final states where the forward captured them (the trainer
+        does, as `reads_target_logits` is False), else taken from its logits."""
+        return self.slot_losses(batch, target_out)[:2]
+
+    def slot_losses(self, batch: Mapping[str, torch.Tensor], target_out, overlap: bool = False):
+        """`loss`'s (sum, metrics), then what a kind adds to it builds on: token_losses' result
+        (with `overlap`, each slot's alpha), the scored slots' head inputs x (n, ...) and their
+        weights (n,)."""
         s = self.slots(batch, target_out, logits=False)
         valid = s["valid"]  # (batch, N, D)
         rows, _, slot = valid.nonzero(as_tuple=True)  # the scored slots, (n,) each
-        target, target_head = self.target_at(target_out, rows, s["at"][valid])
+        target, target_head = target_at(self, target_out, rows, s["at"][valid])
+        x = s["x"][valid]
         scored = token_losses(
-            s["h"][valid], self.draft_logits, target=target, target_head=target_head,
+            x, self.logits_of, target=target, target_head=target_head,
             divergence=self.config.divergence, top_k=1, chunk_tokens=self.loss_chunk_tokens,
+            overlap=overlap,
         )  # fmt: skip
         kl = scored.divergence  # (n,)
-        total = (kl * self.slot_weights(kl.device)[slot]).sum()
+        weight = self.slot_weights(kl.device)[slot]
         metrics: Metrics = {}
         for i in range(self.drafts_per_block):
             here = slot == i
             metrics[f"loss_{i + 1}"] = sum_and_count(kl, here)
             metrics[f"top1_{i + 1}"] = sum_and_count(scored.hits[:, 0], here)
-        return total, metrics
-
-    def target_at(self, target_out, rows: torch.Tensor, at: torch.Tensor):
-        """(the target's final states at batch rows `rows`, positions `at`, the function that
-        makes its logits), or its logits there and None where the forward brought no final
-        state."""
-        final = target_out.hidden_states.get(self.target.num_layers)
-        if final is None:
-            return target_out.logits[rows, at], None
-        return final[rows, at], self._target_logits
-
-    def _target_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.target.lm_head(h.to(self.target.dtype))
+        return (kl * weight).sum(), metrics, scored, x, weight
 
     def loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The scored slots of the batch's anchors (from the batch alone: the anchors are
@@ -457,25 +451,12 @@ class DFlashDrafter(Drafter):
         those, how many agree at slot d and their alpha_d = sum_x min(p(x), q_d(x)). Depths
         beyond D (drafts_per_block) are never drafted (0 of 0)."""
         s = self.slots(batch, target_out)
-        p = F.softmax(s["p_logits"].float(), dim=-1)
-        q = F.softmax(s["logits"].float(), dim=-1)
-        alpha = torch.minimum(p, q).sum(-1)  # (batch, N, D)
-        agree = s["logits"].argmax(-1) == s["p_logits"].argmax(-1)
-        valid = s["valid"]
-        reach = torch.ones_like(valid)
-        sums, greedy, counts = [], [], []
-        zero = alpha.new_zeros(())
-        for d in range(decode.gamma):
-            if d >= self.drafts_per_block:
-                sums.append(zero), greedy.append(zero), counts.append(zero)
-                continue
-            here = reach[..., d] & valid[..., d]
-            sums.append((alpha[..., d] * here).sum())
-            greedy.append((agree[..., d] & here).sum().float())
-            counts.append(here.sum().float())
-            if d + 1 < self.drafts_per_block:
-                reach[..., d + 1] = here & agree[..., d]
-        return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
+        alpha, agree = alpha_agreement(s["p_logits"], s["logits"])  # (batch, N, D) each
+        prefix = (s["valid"] & agree).long().cumprod(-1).bool()  # slots 1..d scored and agreed
+        counted = s["valid"].clone()
+        counted[..., 1:] &= prefix[..., :-1]
+        at = [slice(d, d + 1) for d in range(decode.gamma)]  # past the block: empty, 0 of 0
+        return depth_sums((alpha[..., d], agree[..., d], counted[..., d]) for d in at)
 
     @torch.no_grad()
     def served_logits(
@@ -490,23 +471,15 @@ class DFlashDrafter(Drafter):
         logits = self.slots({**batch, "anchors": anchors}, target_out)["logits"]
         return logits[:, :, : min(decode.gamma, self.drafts_per_block)]  # (B, T, depth, V)
 
-    def sampled_tree_reach(
-        self,
-        batch: Mapping[str, torch.Tensor],
-        target_out,
-        decode: DecodeConfig,
-        temperature: float,
-    ) -> torch.Tensor | None:
-        """The tree the session samples from each
-        block's own confidences (position_tree.tree_reach)."""
+    def sampled_tree_reach(self, batch, target_out, decode, temperature):
+        # the tree the session samples from each block's own confidences
         return tree_reach(self, batch, target_out, decode, temperature=temperature)
 
     # --- decoding -------------------------------------------------------------------------------
 
     def depth_cap(self) -> tuple[int, str]:
-        if self.first_slot == 0:
-            return self.block_size, f"a block of {self.block_size} drafts block_size tokens"
-        return self.block_size - 1, f"a block of {self.block_size} drafts block_size - 1 tokens"
+        less = "" if self.first_slot == 0 else " - 1"  # DSpark's anchor slot drafts too
+        return self.drafts_per_block, f"a block of {self.block_size} drafts block_size{less} tokens"
 
     def ignored_settings(self, decode: DecodeConfig) -> list[str]:
         ignored = super().ignored_settings(decode)

@@ -30,11 +30,8 @@ class DFlashAttention(nn.Module):
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         H, D = config.hidden_size, config.head_dim
-        self.heads, self.kv_heads, self.head_dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            D,
-        )
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = D
         self.q_proj = nn.Linear(H, self.heads * D, bias=False)
         self.k_proj = nn.Linear(H, self.kv_heads * D, bias=False)
         self.v_proj = nn.Linear(H, self.kv_heads * D, bias=False)

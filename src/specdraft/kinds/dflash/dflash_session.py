@@ -12,7 +12,7 @@ import torch
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, SamplingSettings
 from specdraft.drafters.position_tree import slot_drafts
 from specdraft.drafters.sessions import BatchSession, check_features_known, check_trees_alone
-from specdraft.kinds.eagle.eagle_session import verified_rows
+from specdraft.kinds.eagle.eagle_session import verified_states
 
 if TYPE_CHECKING:
     from specdraft.kinds.dflash.dflash import DFlashDrafter
@@ -112,11 +112,9 @@ class DFlashSession(BatchSession):
     def draft_rows(
         self, h: torch.Tensor, anchors: torch.Tensor, depths: list[int]
     ) -> list[DraftTree]:
-        """Each row's chain from (rows, deepest, hidden) states of its block's drafting slots
-        (`anchors` (rows,) the tokens in slot 0), drawn slot by slot (q recorded when
-        sampling); a slot does not read the token drawn before it, so the step only hands over
-        the next slot's logits. A session of one row drafting trees: the tree of its slots' top
-        candidates, as P-EAGLE's slots (drafters/position_tree.py)."""
+        """Each row's draft from (rows, deepest, hidden) states of its block's drafting slots,
+        as P-EAGLE's slots (position_tree.slot_drafts); `anchors` (rows,), the tokens in slot 0,
+        are for a kind whose slots read the token before them (DSpark)."""
         return slot_drafts(
             self.drafter.draft_logits(h), depths, decode=self.decode, sampling=self.sampling,
             generator=self.generator, vocab=None, device=self.device,
@@ -132,16 +130,7 @@ class DFlashSession(BatchSession):
         """Append each row's verified positions (its pending token(s), then its accepted nodes,
         of any drafter's tree) to its context; every row's keys and values in one call."""
         d = self.drafter
-        picked = [
-            verified_rows(self, tree, path, hidden)
-            for tree, path, hidden in zip(trees, paths, hidden_states, strict=True)
-        ]
-        verified = list(zip(hidden_states, picked, strict=True))
-        joined = {
-            layer: torch.cat([h[layer][0, rows].to(self.device) for h, rows in verified])[None]
-            for layer in self.capture_layers
-        }  # layer -> (1, verified positions of every row, hidden)
-        counts = [len(rows) for rows in picked]
+        joined, counts = verified_states(self, trees, paths, hidden_states)
         grown = [k + n for k, n in zip(self.known, counts, strict=True)]
         row = torch.repeat_interleave(
             torch.arange(len(counts), device=self.device), torch.tensor(counts, device=self.device)

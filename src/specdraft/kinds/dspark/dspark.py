@@ -42,7 +42,6 @@ from specdraft.core import DecodeConfig
 from specdraft.drafters.base import Metrics, sum_and_count
 from specdraft.kinds.dflash.dflash import DFlashConfig, DFlashDrafter
 from specdraft.kinds.dspark.dspark_session import DSparkSession
-from specdraft.losses import token_losses
 
 # --- config ------------------------------------------------------------------------------------
 
@@ -154,49 +153,15 @@ class DSparkDrafter(DFlashDrafter):
         """(..., hidden + rank) head inputs -> (...) the confidence logits."""
         return self.confidence_head(x.to(self.confidence_head.proj.weight.dtype))
 
-    def slots(
-        self, batch: Mapping[str, torch.Tensor], target_out, logits: bool = True
-    ) -> dict[str, torch.Tensor]:
-        """DFlash's slots with x (batch, anchors, D, hidden + rank), each slot's head inputs
-        from the data's token before its drafted one (teacher-forced: what a chain drafts
-        while it agrees with the data), and with `logits` the slots' Markov-biased logits."""
-        out = super().slots(batch, target_out, logits=False)
-        ids = batch["input_ids"]
-        at = out["at"]  # (batch, anchors, D): the position before each slot's drafted token
-        previous = ids.gather(1, at.flatten(1)).view_as(at)
-        out["x"] = self.head_inputs(out["h"], previous)
-        if logits:
-            rows = torch.arange(ids.shape[0], device=ids.device)[:, None, None]
-            out["logits"] = self.logits_of(out["x"])
-            out["p_logits"] = target_out.logits[rows, at]
-        return out
-
     # --- training -------------------------------------------------------------------------------
 
     def loss(self, batch: Mapping[str, torch.Tensor], target_out) -> tuple[torch.Tensor, Metrics]:
         """DFlash's weighted divergence over every anchor's scored slots, from the Markov-biased
-        logits, plus confidence_head_alpha x the weighted binary cross-entropy of each slot's
-        confidence logit against its alpha = sum_x min(p(x), q(x)) (no gradient through alpha);
-        over `loss_tokens(batch)` slots."""
-        s = self.slots(batch, target_out, logits=False)
-        valid = s["valid"]  # (batch, N, D)
-        rows, _, slot = valid.nonzero(as_tuple=True)
-        target, target_head = self.target_at(target_out, rows, s["at"][valid])
-        x = s["x"][valid]  # (n, hidden + rank)
+        logits (its slots' teacher-forced `head_inputs`), plus confidence_head_alpha x the
+        weighted binary cross-entropy of each slot's confidence logit against its alpha =
+        sum_x min(p(x), q(x)) (no gradient through alpha); over `loss_tokens(batch)` slots."""
         confidence = self.confidence_head is not None
-        scored = token_losses(
-            x, self.logits_of, target=target, target_head=target_head,
-            divergence=self.config.divergence, top_k=1, chunk_tokens=self.loss_chunk_tokens,
-            overlap=confidence,
-        )  # fmt: skip
-        weight = self.slot_weights(x.device)[slot]
-        divergence = scored.divergence
-        total = (divergence * weight).sum()
-        metrics: Metrics = {}
-        for i in range(self.drafts_per_block):
-            here = slot == i
-            metrics[f"loss_{i + 1}"] = sum_and_count(divergence, here)
-            metrics[f"top1_{i + 1}"] = sum_and_count(scored.hits[:, 0], here)
+        total, metrics, scored, x, weight = self.slot_losses(batch, target_out, confidence)
         if confidence:
             logit = self.confidence_logit(x).float()
             bce = F.binary_cross_entropy_with_logits(logit, scored.overlap, reduction="none")
@@ -226,5 +191,3 @@ class DSparkDrafter(DFlashDrafter):
         x = self.slots({**batch, "anchors": anchors}, target_out, logits=False)["x"]
         predicted = self.confidence_logit(x[:, :, : logits.shape[2]]).float().sigmoid()
         return predicted.cumprod(-1) >= decode.stop_below
-
-    # --- decoding -------------------------------------------------------------------------------

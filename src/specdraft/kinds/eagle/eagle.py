@@ -118,11 +118,15 @@ class EagleConfig:
             raise ValueError("drafter.feature_noise, reg_weight and cls_weight must be >= 0")
         if self.version == "eagle1" and self.reg_weight == 0 and self.cls_weight == 0:
             raise ValueError("drafter.reg_weight and cls_weight are both 0: eagle1 trains nothing")
-        if self.feature_layers is not None and len(self.feature_layers) != 3:
-            raise ValueError(
-                f"drafter.feature_layers must name 3 target layers (low, mid, high); got "
-                f"{self.feature_layers}"
-            )
+        check_feature_layers(self.feature_layers)
+
+
+def check_feature_layers(layers: list[int] | None) -> None:
+    """An EAGLE-3 head's (EAGLE's or P-EAGLE's) drafter.feature_layers: None or 3 layers."""
+    if layers is not None and len(layers) != 3:
+        raise ValueError(
+            f"drafter.feature_layers must name 3 target layers (low, mid, high); got {layers}"
+        )
 
 
 def default_feature_layers(num_layers: int) -> list[int]:
@@ -142,14 +146,7 @@ def resolve_config(config: EagleConfig, target) -> EagleConfig:
     if config.feature_noise is None:
         config.feature_noise = 0.0 if config.version == "eagle3" else 0.1
     if config.version == "eagle3":
-        layers = config.feature_layers or default_feature_layers(target.num_layers)
-        config.feature_layers = target.check_layer_ids(layers)
-        if config.draft_vocab_size > target.vocab_size:
-            raise ValueError(
-                f"drafter.draft_vocab_size={config.draft_vocab_size} is larger than the target "
-                f"{target.name!r}'s vocabulary ({target.vocab_size} tokens); use at most "
-                f"{target.vocab_size}, or 0 for the whole vocabulary"
-            )
+        resolve_eagle3(config, target)
     else:
         if getattr(config, "norm_before_fc", False) or getattr(config, "norm_output", False):
             raise ValueError(
@@ -160,6 +157,64 @@ def resolve_config(config: EagleConfig, target) -> EagleConfig:
         config.draft_vocab_size = 0  # eagle1 drafts through the target's own LM head
         config.norm_before_residual = False  # EAGLE-3's layer only
     return config
+
+
+def resolve_eagle3(config, target) -> None:
+    """Fill in an EAGLE-3 head's feature layers for `target` (EAGLE's or P-EAGLE's config) and
+    check its draft vocabulary fits the target's."""
+    layers = config.feature_layers or default_feature_layers(target.num_layers)
+    config.feature_layers = target.check_layer_ids(layers)
+    if config.draft_vocab_size > target.vocab_size:
+        raise ValueError(
+            f"drafter.draft_vocab_size={config.draft_vocab_size} is larger than the target "
+            f"{target.name!r}'s vocabulary ({target.vocab_size} tokens); use at most "
+            f"{target.vocab_size}, or 0 for the whole vocabulary"
+        )
+
+
+def scored(
+    loss_mask: torch.Tensor, depths: int, documents: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(batch, depths, S) bool, S = seq - 1 positions: step (or P-EAGLE's depth) d at position t
+    predicts token t + 2 + d, which must exist, carry loss and, in packed rows (`documents`, the
+    batch's document_ids), lie in position t's document."""
+    S = loss_mask.shape[1] - 1
+    rows = {"loss_mask": loss_mask, "document_ids": documents}
+    steps = [loss_targets(rows, 2 + d) for d in range(depths)]  # (batch, max(0, S - 1 - d)) each
+    return torch.stack([F.pad(step, (0, S - step.shape[1])) for step in steps], dim=1)
+
+
+def target_at(drafter: Drafter, target_out, rows: torch.Tensor, at: torch.Tensor):
+    """(the target's final states at batch rows `rows`, positions `at`, the function that makes
+    its logits), or its logits there and None where the forward brought no final state or the
+    drafter's copy of the target has no LM head (its `reads_target_logits`)."""
+    target = drafter.target
+    final = target_out.hidden_states.get(target.num_layers)
+    if final is None or drafter.reads_target_logits:
+        return target_out.logits[rows, at], None
+    return final[rows, at], lambda h: target.lm_head(h.to(target.dtype))
+
+
+def alpha_agreement(
+    p_logits: torch.Tensor, logits: torch.Tensor, d2t: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., vocab) target and (..., draft vocab) draft logits -> (...) alpha = sum_x min(p(x),
+    q(x)), the chance a sampled draft token is accepted (q mapped to the target's vocabulary
+    through d2t, 0 outside the draft vocabulary), and (...) bool greedy agreement: the draft's
+    argmax is the target's, what greedy verification accepts."""
+    p = F.softmax(p_logits.float(), dim=-1)
+    q = F.softmax(logits.float(), dim=-1)
+    best = logits.argmax(-1)
+    if d2t is not None:
+        q, best = torch.zeros_like(p).index_copy_(-1, d2t, q), d2t[best]
+    return torch.minimum(p, q).sum(-1), best == p_logits.argmax(-1)
+
+
+def depth_sums(per_depth) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A drafter's `acceptance`: (alpha summed, greedy agreement summed, count) per depth, from
+    each depth's (alpha, agreement, bool mask of the positions it counts)."""
+    sums = [((a * m).sum(), (g & m).sum().float(), m.sum().float()) for a, g, m in per_depth]
+    return tuple(torch.stack(column) for column in zip(*sums, strict=True))
 
 
 # --- module ------------------------------------------------------------------------------------
@@ -367,6 +422,7 @@ class EagleDrafter(Drafter):
         # Packed rows (data.pack): positions restart at each document, and step 0's keys are
         # those of the query's own document; a later step's key at t is the query's own.
         documents = batch.get("document_ids")
+        valid = scored(batch["loss_mask"], steps, documents)  # (B, steps, S)
         start = t[None].expand(B, S) if documents is None else batch["position_ids"][:, :S]
         if documents is not None:
             documents = documents[:, :S]
@@ -379,17 +435,13 @@ class EagleDrafter(Drafter):
         out = []
         for k in range(steps):
             idx = (t + 1 + k).clamp(max=T - 1)  # (S,) token / target position; clamped = invalid
-            # (B, S): the token the step predicts, t + 2 + k, exists, carries loss and lies in
-            # position t's document
-            scored = loss_targets(batch, 2 + k)  # (B, max(0, T - 2 - k))
-            valid = F.pad(scored, (0, S - scored.shape[1]))
             mask = None  # ttt_attention: the structure, without a mask
             if dense:
                 allowed = torch.cat([causal] + [eye] * k, dim=2)  # (1 or B, S, (k + 1) S)
                 mask = float_mask(allowed, dtype)[:, None].expand(B, 1, -1, -1)
             positions = start + k
             h = self.step(input_ids[:, idx], feature, positions, mask, cache, documents)
-            step = {"h": h, "p_at": idx, "valid": valid, "next_feature": features[:, idx]}
+            step = {"h": h, "p_at": idx, "valid": valid[:, k], "next_feature": features[:, idx]}
             if logits:
                 step["logits"] = self.draft_logits(h)
             out.append(step)
@@ -414,7 +466,7 @@ class EagleDrafter(Drafter):
         for k, s in enumerate(self.unroll(batch, target_out, cfg.ttt_steps, logits=False)):
             valid = s["valid"]  # (B, S)
             rows, at = valid.nonzero(as_tuple=True)  # the scored positions, (n,) each
-            target, target_head = self._target_rows(target_out, rows, s["p_at"][at])
+            target, target_head = target_at(self, target_out, rows, s["p_at"][at])
             scored = token_losses(
                 s["h"][valid], self.draft_logits, target=target, target_head=target_head,
                 target_rows=self.d2t if self.reduced_vocab else None,
@@ -451,18 +503,6 @@ class EagleDrafter(Drafter):
         train/eagle.py: the sharded forward gives the logits)."""
         return self.target.model.get_output_embeddings().weight.is_meta
 
-    def _target_rows(self, target_out, rows: torch.Tensor, at: torch.Tensor):
-        """(the target's final states at batch rows `rows`, positions `at`, the function that
-        makes its logits), or its logits there and None where the forward brought no final
-        state or this head's copy of the target has no LM head."""
-        final = target_out.hidden_states.get(self.target.num_layers)
-        if final is None or self.reads_target_logits:
-            return target_out.logits[rows, at], None
-        return final[rows, at], self._target_logits
-
-    def _target_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.target.lm_head(h.to(self.target.dtype))
-
     @torch.no_grad()
     def acceptance(
         self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig
@@ -475,23 +515,11 @@ class EagleDrafter(Drafter):
         (tokens outside the draft vocabulary get 0); greedy agreement: the head's argmax is the
         target's, what greedy verification accepts.
         """
-        sums, greedy, counts = [], [], []
-        for s in self.unroll(batch, target_out, decode.gamma):
-            p_logits = target_out.logits[:, s["p_at"]]  # (B, S, V)
-            p = F.softmax(p_logits.float(), dim=-1)
-            q_draft = F.softmax(s["logits"].float(), dim=-1)
-            if self.config.version == "eagle3":
-                q = torch.zeros_like(p).index_copy_(-1, self.d2t, q_draft)
-            else:
-                q = q_draft
-            alpha = torch.minimum(p, q).sum(-1)  # (B, S)
-            best = s["logits"].argmax(-1)
-            best = self.d2t[best] if self.config.version == "eagle3" else best
-            agree = best == p_logits.argmax(-1)  # (B, S)
-            sums.append((alpha * s["valid"]).sum())
-            greedy.append((agree & s["valid"]).sum().float())
-            counts.append(s["valid"].sum().float())
-        return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
+        d2t = self.d2t if self.config.version == "eagle3" else None
+        return depth_sums(
+            (*alpha_agreement(target_out.logits[:, s["p_at"]], s["logits"], d2t), s["valid"])
+            for s in self.unroll(batch, target_out, decode.gamma)
+        )
 
     @torch.no_grad()
     def served_logits(

@@ -1,6 +1,6 @@
 """The EAGLE head's layers: the training-time test's attention (`ttt_attention`, registered with
 transformers as TTT_ATTENTION) and the reference architecture's layers the engines compute
-(`llama_layer_config`, `Eagle3Layer`, EAGLE-1's `eagle1_reference_layer`); the head is
+(`head_layer_config`, `Eagle3Layer`, EAGLE-1's `eagle1_reference_layer`); the head is
 kinds/eagle/eagle.py."""
 
 from __future__ import annotations
@@ -109,17 +109,18 @@ AttentionInterface.register(TTT_ATTENTION, ttt_attention)
 # --- the reference architecture's layers ----------------------------------------------------------
 
 
-def llama_layer_config(target_config, attn_implementation: str = TTT_ATTENTION) -> LlamaConfig:
-    """A one-layer LlamaConfig of the target's shape: the reference heads are Llama layers
-    whatever the target's family (SpecForge and speculators train LlamaForCausalLMEagle3 heads
-    for Qwen targets too), with the target's sizes, activation, norm epsilon and rotary."""
+def head_layer_config(config_class, target_config, num_layers: int = 1, **extra):
+    """A `config_class` (LlamaConfig, Qwen3Config) of `num_layers` layers in the target's shape:
+    the reference heads are such layers whatever the target's family (SpecForge and speculators
+    train LlamaForCausalLMEagle3 heads for Qwen targets too), with the target's sizes,
+    activation, norm epsilon and rotary."""
     c = target_config
     heads = c.num_attention_heads
-    config = LlamaConfig(
+    return config_class(
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
-        num_hidden_layers=1,
+        num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
@@ -128,12 +129,17 @@ def llama_layer_config(target_config, attn_implementation: str = TTT_ATTENTION) 
         rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
         rope_parameters=head_rope(c),
         attention_bias=False,
-        mlp_bias=False,
         tie_word_embeddings=False,
         bos_token_id=getattr(c, "bos_token_id", None),
         eos_token_id=getattr(c, "eos_token_id", None),
         pad_token_id=getattr(c, "pad_token_id", None),
+        **extra,
     )
+
+
+def llama_layer_config(target_config, attn_implementation: str = TTT_ATTENTION) -> LlamaConfig:
+    """The EAGLE head's one Llama layer (`head_layer_config`)."""
+    config = head_layer_config(LlamaConfig, target_config, mlp_bias=False)
     config._attn_implementation = attn_implementation
     return config
 
@@ -143,11 +149,7 @@ def head_rope(target_config) -> dict | None:
     type (Gemma-3: local layers at theta 10k, global ones at 1M) gives its full-attention
     layers' rope: the head attends over the whole context, as those layers do."""
     rope = copy.deepcopy(getattr(target_config, "rope_parameters", None))
-    if (
-        isinstance(rope, dict)
-        and "full_attention" in rope
-        and isinstance(rope["full_attention"], dict)
-    ):
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
         return rope["full_attention"]
     return rope
 

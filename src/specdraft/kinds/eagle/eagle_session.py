@@ -114,26 +114,38 @@ class EagleModuleWeights:
         return 0  # the modules' weights are the head's parameters
 
 
-def verified_rows(
-    session, tree: DraftTree, path: list[int], hidden_states: Mapping[int, torch.Tensor] | None
-) -> list[int]:
-    """The rows of the verification forward's `hidden_states` that hold verified tokens: the
-    pending token(s), then the accepted nodes of `tree` along `path`. For a session whose
-    drafter reads the target's features (EAGLE's, DFlash's), whose `accept` needs them."""
+def verified_states(
+    session,
+    trees: Sequence[DraftTree],
+    paths: Sequence[list[int]],
+    hidden_states: Sequence[Mapping[int, torch.Tensor] | None],
+) -> tuple[dict[int, torch.Tensor], list[int]]:
+    """The verification forward's hidden states at the session's `capture_layers` of each row's
+    verified tokens (its pending token(s), then the accepted nodes of its tree along its path),
+    every row's joined: layer -> (1, verified tokens of every row, hidden), and each row's count.
+    For a session whose drafter reads the target's features (EAGLE's, DFlash's) in `accept`."""
     name = type(session).__name__
-    if hidden_states is None:
-        raise ValueError(
-            f"{name}.accept needs hidden_states: the verification forward's hidden states at "
-            f"layers {session.capture_layers} (see the {name} docstring)"
-        )
-    positions = next(iter(hidden_states.values())).shape[1]
-    pending = positions - len(tree)
-    if pending < 1:
-        raise ValueError(
-            f"{name}.accept got hidden states for {positions} positions; expected the pending "
-            f"token(s) then the {len(tree)} tree nodes"
-        )
-    return list(range(pending)) + [pending + i for i in path]
+    picked = []
+    for tree, path, hidden in zip(trees, paths, hidden_states, strict=True):
+        if hidden is None:
+            raise ValueError(
+                f"{name}.accept needs hidden_states: the verification forward's hidden states at "
+                f"layers {session.capture_layers} (see the {name} docstring)"
+            )
+        positions = next(iter(hidden.values())).shape[1]
+        pending = positions - len(tree)
+        if pending < 1:
+            raise ValueError(
+                f"{name}.accept got hidden states for {positions} positions; expected the "
+                f"pending token(s) then the {len(tree)} tree nodes"
+            )
+        picked.append(list(range(pending)) + [pending + i for i in path])
+    rows = list(zip(hidden_states, picked, strict=True))
+    joined = {
+        layer: torch.cat([h[layer][:, at].to(session.device) for h, at in rows], dim=1)
+        for layer in session.capture_layers
+    }
+    return joined, [len(at) for at in picked]
 
 
 class EagleSession(BatchSession):
@@ -365,17 +377,8 @@ class EagleSession(BatchSession):
     ) -> None:
         """Take each row's true features of its verified tokens (its pending token(s), then its
         accepted nodes, of any drafter's tree), every row's fused in one call."""
-        picked = [
-            verified_rows(self, tree, path, hidden)
-            for tree, path, hidden in zip(trees, paths, hidden_states, strict=True)
-        ]
-        joined = {
-            layer: torch.cat(
-                [h[layer][:, rows] for h, rows in zip(hidden_states, picked, strict=True)], dim=1
-            )
-            for layer in self.capture_layers
-        }  # layer -> (1, verified tokens of every row, hidden)
-        new = self.w.fused(joined, self.capture_layers).split([len(rows) for rows in picked], dim=1)
+        joined, counts = verified_states(self, trees, paths, hidden_states)
+        new = self.w.fused(joined, self.capture_layers).split(counts, dim=1)
         for r, f in enumerate(new):
             known = self.features[r]
             self.features[r] = f if known is None else torch.cat([known, f], dim=1)

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdraft.attention import document_seeds, document_spans
@@ -48,7 +47,16 @@ from specdraft.core import DecodeConfig, DraftContext, DraftTree, float_mask
 from specdraft.drafters.base import Metrics, sum_and_count
 from specdraft.drafters.position_tree import slot_drafts, tree_reach
 from specdraft.drafters.served import one_later
-from specdraft.kinds.eagle.eagle import EagleDrafter, default_feature_layers
+from specdraft.kinds.dflash.dflash import default_mask_token
+from specdraft.kinds.eagle.eagle import (
+    EagleDrafter,
+    alpha_agreement,
+    check_feature_layers,
+    depth_sums,
+    resolve_eagle3,
+    scored,
+    target_at,
+)
 from specdraft.kinds.eagle.eagle_session import EagleSession
 from specdraft.losses import token_losses
 
@@ -98,11 +106,7 @@ class PEagleConfig:
             )
         if self.draft_vocab_size < 0:
             raise ValueError(f"drafter.draft_vocab_size must be >= 0; got {self.draft_vocab_size}")
-        if self.feature_layers is not None and len(self.feature_layers) != 3:
-            raise ValueError(
-                f"drafter.feature_layers must name 3 target layers (low, mid, high); got "
-                f"{self.feature_layers}"
-            )
+        check_feature_layers(self.feature_layers)
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise ValueError(f"drafter.mask_token_id must be >= 0; got {self.mask_token_id}")
 
@@ -111,60 +115,22 @@ class PEagleConfig:
         return max(self.down_sample_ratio**depth, self.down_sample_ratio_min) if depth else 1.0
 
 
-def mask_token(target, wanted: int | None) -> int:
-    """The mask token id: `wanted` if it is one of the target's tokens, else (None) the
-    tokenizer's mask, pad or unk token, else the vocabulary's last id."""
-    V = target.vocab_size
-    if wanted is not None:
-        if not 0 <= wanted < V:
-            raise ValueError(
-                f"drafter.mask_token_id={wanted} is not a token of the target {target.name!r} "
-                f"(ids 0..{V - 1}); pick one of its ids, or null for its mask/pad/unk token"
-            )
-        return int(wanted)
-    tokenizer = getattr(target, "tokenizer", None)
-    for name in ("mask_token_id", "pad_token_id", "unk_token_id"):
-        token = getattr(tokenizer, name, None)
-        if isinstance(token, int) and 0 <= token < V:
-            return token
-    return V - 1
-
-
 def resolve_config(config: PEagleConfig, target) -> PEagleConfig:
     """A copy of `config` with the feature layers and the mask token filled in for `target`, or a
     clear error."""
     config = copy.deepcopy(config)
-    layers = config.feature_layers or default_feature_layers(target.num_layers)
-    config.feature_layers = target.check_layer_ids(layers)
-    if config.draft_vocab_size > target.vocab_size:
+    resolve_eagle3(config, target)
+    wanted, V = config.mask_token_id, target.vocab_size
+    if wanted is not None and not 0 <= wanted < V:
         raise ValueError(
-            f"drafter.draft_vocab_size={config.draft_vocab_size} is larger than the target "
-            f"{target.name!r}'s vocabulary ({target.vocab_size} tokens); use at most "
-            f"{target.vocab_size}, or 0 for the whole vocabulary"
+            f"drafter.mask_token_id={wanted} is not a token of the target {target.name!r} "
+            f"(ids 0..{V - 1}); pick one of its ids, or null for its mask/pad/unk token"
         )
-    config.mask_token_id = mask_token(target, config.mask_token_id)
+    config.mask_token_id = default_mask_token(target) if wanted is None else int(wanted)
     return config
 
 
 # --- COD sampling ------------------------------------------------------------------------------
-
-
-def scored(
-    loss_mask: torch.Tensor, depths: int, documents: torch.Tensor | None = None
-) -> torch.Tensor:
-    """(batch, depths, S) bool, S = seq - 1 anchors: depth d at anchor t predicts token
-    t + 2 + d, which must exist, carry loss and, in packed rows (`documents`, the batch's
-    document_ids), lie in anchor t's document."""
-    T = loss_mask.shape[1]
-    t = torch.arange(T - 1, device=loss_mask.device)
-    rows = []
-    for d in range(depths):
-        nxt = (t + 2 + d).clamp(max=T - 1)
-        ok = (t + 2 + d < T)[None] & loss_mask[:, nxt].bool()
-        if documents is not None:
-            ok = ok & (documents[:, nxt] == documents[:, t])
-        rows.append(ok)
-    return torch.stack(rows, dim=1)
 
 
 def cod_keep(valid: torch.Tensor, config: PEagleConfig, generator: torch.Generator) -> torch.Tensor:
@@ -228,10 +194,6 @@ class PEagleDrafter(EagleDrafter):
         H = target.hidden_size
         # the parallel slots' feature before fc, at the width of the fused target states
         self.mask_hidden = nn.Parameter(torch.randn(1, 1, 3 * H))
-
-    @staticmethod
-    def capture_layers_for(config: PEagleConfig, target) -> list[int]:
-        return list(config.feature_layers)
 
     def mask_feature(self) -> torch.Tensor:
         """(1, 1, hidden): the parallel slots' feature, fc(mask_hidden)."""
@@ -328,7 +290,7 @@ class PEagleDrafter(EagleDrafter):
         argmax is outside the draft vocabulary adds 0. Over `loss_tokens(batch)` slots."""
         s = self.slots(batch, target_out, self._keep(batch), logits=False)
         rows, slot = s["valid"].nonzero(as_tuple=True)  # the scored slots, (n,) each
-        target, target_head = self._target_rows(target_out, rows, s["p_at"][rows, slot])
+        target, target_head = target_at(self, target_out, rows, s["p_at"][rows, slot])
         scored = token_losses(
             s["h"][rows, slot], self.draft_logits, target=target, target_head=target_head,
             target_rows=self.d2t if self.reduced_vocab else None, divergence=self.config.divergence,
@@ -358,17 +320,8 @@ class PEagleDrafter(EagleDrafter):
         p_logits = target_out.logits.gather(
             1, s["p_at"][..., None].expand(-1, -1, target_out.logits.shape[-1])
         )  # (B, N, vocab)
-        p = F.softmax(p_logits.float(), dim=-1)
-        q = torch.zeros_like(p).index_copy_(-1, self.d2t, F.softmax(s["logits"].float(), -1))
-        alpha = torch.minimum(p, q).sum(-1)  # (B, N)
-        agree = self.d2t[s["logits"].argmax(-1)] == p_logits.argmax(-1)
-        sums, greedy, counts = [], [], []
-        for d in range(depths):
-            at = s["valid"] & (s["depth"] == d)
-            sums.append((alpha * at).sum())
-            greedy.append((agree & at).sum().float())
-            counts.append(at.sum().float())
-        return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
+        alpha, agree = alpha_agreement(p_logits, s["logits"], self.d2t)  # (B, N) each
+        return depth_sums((alpha, agree, s["valid"] & (s["depth"] == d)) for d in range(depths))
 
     @torch.no_grad()
     def served_logits(
@@ -385,15 +338,8 @@ class PEagleDrafter(EagleDrafter):
         logits = logits.view(B, depths, S, -1).transpose(1, 2)  # (B, S, depths, Vd)
         return one_later(logits, 0.0)  # nothing is drafted after the first token alone
 
-    def sampled_tree_reach(
-        self,
-        batch: Mapping[str, torch.Tensor],
-        target_out,
-        decode: DecodeConfig,
-        temperature: float,
-    ) -> torch.Tensor | None:
-        """The tree the session samples from each
-        block's own confidences (position_tree.tree_reach)."""
+    def sampled_tree_reach(self, batch, target_out, decode, temperature):
+        # the tree the session samples from each block's own confidences
         return tree_reach(self, batch, target_out, decode, temperature=temperature)
 
     # --- decoding ---------------------------------------------------------------------------
