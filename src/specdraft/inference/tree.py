@@ -6,6 +6,8 @@ pending tokens attend causally, as in plain decoding; each node attends to the c
 tokens, its ancestors and itself, at position `past + pending - 1 + depth`. Then every node sees
 exactly the sequence it would see if its root-to-leaf path were decoded alone, which is what makes
 tree verification exact. A chain's tree mask is the plain causal mask, so chains need neither.
+`SequenceCache` is the target's cache of a prompt decoded alone (a plain cache, compacted to each
+accepted path).
 """
 
 from __future__ import annotations

@@ -152,15 +152,16 @@ def check_process_group(acc: Accelerator) -> None:
             )
 
 
-def throughput(timed: list[dict], device: torch.device) -> dict:
-    """Training throughput over the timed steps' logs (all but the first step's): tokens/s, the
-    share of step time in the target forward, peak memory; {} when no step was timed."""
+def throughput(timed: list[tuple[float, float, float]], device: torch.device) -> dict:
+    """Training throughput over the timed steps' (tokens, seconds, target forward share), all
+    but the first step's: tokens/s, the share of step time in the target forward, peak memory;
+    {} when no step was timed."""
     if not timed:
         return {}
-    seconds = sum(logs["step_time_s"] for logs in timed)
-    target_seconds = sum(logs["target_forward_share"] * logs["step_time_s"] for logs in timed)
+    seconds = sum(s for _, s, _ in timed)
+    target_seconds = sum(share * s for _, s, share in timed)
     return {
-        "tokens_per_s": sum(logs["tokens"] for logs in timed) / seconds,
+        "tokens_per_s": sum(tokens for tokens, _, _ in timed) / seconds,
         "target_forward_share": target_seconds / seconds,
         "peak_memory_mb": peak_memory_mb(device),
         "steps": len(timed),

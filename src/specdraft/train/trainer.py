@@ -192,7 +192,9 @@ class _Training:
             if evaluates and self.start_step == 0:
                 self._evaluate(0, bar, label="before training")
             step = self.start_step
-            timed = []  # logs of the steps after the first, which warms up (allocations, kernels)
+            # (tokens, seconds, target forward share) of the steps after the first, which warms up
+            # (allocations, kernels): a few numbers a step, as `losses` keeps
+            timed: list[tuple[float, float, float]] = []
             while step < cfg.max_steps:
                 logs = self._step(step)
                 if self.skipped_steps and self.skipped_steps[-1] == step:
@@ -202,7 +204,9 @@ class _Training:
                         file=sys.stderr,
                     )
                 if step > self.start_step:
-                    timed.append(logs)
+                    timed.append(
+                        (logs["tokens"], logs["step_time_s"], logs["target_forward_share"])
+                    )
                 step += 1
                 self.losses.append(logs["loss"])
                 bar.update(1)

@@ -471,8 +471,11 @@ class DFlashDrafter(Drafter):
         logits = self.slots({**batch, "anchors": anchors}, target_out)["logits"]
         return logits[:, :, : min(decode.gamma, self.drafts_per_block)]  # (B, T, depth, V)
 
-    def sampled_tree_reach(self, batch, target_out, decode, temperature):
-        # the tree the session samples from each block's own confidences
+    def sampled_tree_reach(
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig,
+        temperature: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """The tree the session samples from each block's slots' own confidences (position_tree.tree_reach)."""
         return tree_reach(self, batch, target_out, decode, temperature=temperature)
 
     # --- decoding -------------------------------------------------------------------------------

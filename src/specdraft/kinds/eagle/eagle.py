@@ -467,15 +467,15 @@ class EagleDrafter(Drafter):
             valid = s["valid"]  # (B, S)
             rows, at = valid.nonzero(as_tuple=True)  # the scored positions, (n,) each
             target, target_head = target_at(self, target_out, rows, s["p_at"][at])
-            scored = token_losses(
+            losses = token_losses(
                 s["h"][valid], self.draft_logits, target=target, target_head=target_head,
                 target_rows=self.d2t if self.reduced_vocab else None,
                 divergence=cfg.divergence, top_k=1, chunk_tokens=self.loss_chunk_tokens,
             )  # fmt: skip
             # eagle3: the target's argmax must be draftable, else the restricted target is
             # meaningless
-            keep = scored.target_token >= 0
-            per_token = scored.divergence  # (n,)
+            keep = losses.target_token >= 0
+            per_token = losses.divergence  # (n,)
             if cfg.version == "eagle1":
                 reg = F.smooth_l1_loss(
                     s["h"][valid].float(), s["next_feature"][valid].float(), reduction="none"
@@ -484,7 +484,7 @@ class EagleDrafter(Drafter):
             step_sum = per_token.where(keep, 0).sum() * cfg.ttt_decay**k
             total = step_sum if total is None else total + step_sum
             metrics[f"loss_{k}"] = sum_and_count(per_token, keep)
-            metrics[f"top1_{k}"] = sum_and_count(scored.hits[:, 0], keep)
+            metrics[f"top1_{k}"] = sum_and_count(losses.hits[:, 0], keep)
         return total, metrics
 
     def loss_tokens(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

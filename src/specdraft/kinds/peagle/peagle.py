@@ -291,18 +291,18 @@ class PEagleDrafter(EagleDrafter):
         s = self.slots(batch, target_out, self._keep(batch), logits=False)
         rows, slot = s["valid"].nonzero(as_tuple=True)  # the scored slots, (n,) each
         target, target_head = target_at(self, target_out, rows, s["p_at"][rows, slot])
-        scored = token_losses(
+        losses = token_losses(
             s["h"][rows, slot], self.draft_logits, target=target, target_head=target_head,
             target_rows=self.d2t if self.reduced_vocab else None, divergence=self.config.divergence,
             top_k=1, chunk_tokens=self.loss_chunk_tokens,
         )  # fmt: skip
-        valid = scored.target_token >= 0  # (n,): the target's argmax is draftable
-        kl, depth = scored.divergence, s["depth"][rows, slot]
+        valid = losses.target_token >= 0  # (n,): the target's argmax is draftable
+        kl, depth = losses.divergence, s["depth"][rows, slot]
         metrics: Metrics = {}
         for d in range(self.config.num_depths):
             at = valid & (depth == d)
             metrics[f"loss_{d}"] = sum_and_count(kl, at)
-            metrics[f"top1_{d}"] = sum_and_count(scored.hits[:, 0], at)
+            metrics[f"top1_{d}"] = sum_and_count(losses.hits[:, 0], at)
         return kl.where(valid, 0).sum(), metrics
 
     @torch.no_grad()
@@ -338,8 +338,11 @@ class PEagleDrafter(EagleDrafter):
         logits = logits.view(B, depths, S, -1).transpose(1, 2)  # (B, S, depths, Vd)
         return one_later(logits, 0.0)  # nothing is drafted after the first token alone
 
-    def sampled_tree_reach(self, batch, target_out, decode, temperature):
-        # the tree the session samples from each block's own confidences
+    def sampled_tree_reach(
+        self, batch: Mapping[str, torch.Tensor], target_out, decode: DecodeConfig,
+        temperature: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """The tree the session samples from its slots' own confidences (position_tree.tree_reach)."""
         return tree_reach(self, batch, target_out, decode, temperature=temperature)
 
     # --- decoding ---------------------------------------------------------------------------
