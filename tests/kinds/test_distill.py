@@ -11,12 +11,12 @@ import torch
 from testkit import assert_chunking_exact
 from transformers import AutoModelForCausalLM
 
+from specdraft.drafters.served import alpha_agreement
 from specdraft.kinds.distill.distill import (
     DistillConfig,
     DistillDrafter,
     build_student,
     divergence,
-    simulated_alpha,
 )
 from specdraft.targets.target import TargetOutput
 from specdraft.train.entry import main as train_main
@@ -61,8 +61,8 @@ def test_divergence_equals_the_naive_loop(kind, temperature):
 def test_alpha_is_one_minus_total_variation():
     g = torch.Generator().manual_seed(1)
     p, q = torch.randn(7, 13, generator=g), torch.randn(7, 13, generator=g)
-    assert simulated_alpha(p, q) == pytest.approx(1 - divergence(p, q, "tvd"), abs=1e-6)
-    assert simulated_alpha(p, p) == pytest.approx(torch.ones(7), abs=1e-6)
+    assert alpha_agreement(p, q)[0] == pytest.approx(1 - divergence(p, q, "tvd"), abs=1e-6)
+    assert alpha_agreement(p, p)[0] == pytest.approx(torch.ones(7), abs=1e-6)
 
 
 def test_loss_counts_only_loss_tokens_and_adds_cross_entropy(tiny_target):

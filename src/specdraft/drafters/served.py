@@ -2,7 +2,7 @@
 training path teacher-forced on the batch's tokens: the input of the simulation of serving
 (inference/metrics.py), at temperature 0 (`ServedDrafts`, walked step by step) and at
 temperature 1 (`chain_reach`, walked in expectation). docs/architecture.md, "Training predicts
-serving".
+serving". And what a drafter's `acceptance` sums on held-out data, per draft depth.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -194,3 +195,38 @@ def sampled_reach(
         logits, target_out.logits / temperature, confident, batch["input_ids"],
         decode.gamma, None if vocab is None else vocab.t2d,
     )  # fmt: skip
+
+
+# --- held-out acceptance (Drafter.acceptance) -------------------------------------------------
+
+
+def alpha_agreement(
+    p_logits: torch.Tensor, logits: torch.Tensor, d2t: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., vocab) target and (..., draft vocab) draft logits -> (...) alpha = sum_x min(p(x),
+    q(x)), the chance a sampled draft token is accepted (q mapped to the target's vocabulary
+    through d2t, 0 outside the draft vocabulary), and (...) bool greedy agreement: the draft's
+    argmax is the target's, what greedy verification accepts."""
+    p = F.softmax(p_logits.float(), dim=-1)
+    q = F.softmax(logits.float(), dim=-1)
+    best = logits.argmax(-1)
+    if d2t is not None:
+        q, best = torch.zeros_like(p).index_copy_(-1, d2t, q), d2t[best]
+    return torch.minimum(p, q).sum(-1), best == p_logits.argmax(-1)
+
+
+def depth_sums(per_depth) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A drafter's `acceptance`: (alpha summed, greedy agreement summed, count) per depth, from
+    each depth's (alpha, agreement, bool mask of the positions it counts)."""
+    sums = [((a * m).sum(), (g & m).sum().float(), m.sum().float()) for a, g, m in per_depth]
+    return tuple(torch.stack(column) for column in zip(*sums, strict=True))
+
+
+def agreement_sums(
+    target_logits: torch.Tensor, student_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(n, vocab) x2 -> (alpha summed, greedy agreement summed, n): how a chain drafted from the
+    student's logits fares against the target's at n positions (a chain drafter's `acceptance`,
+    one estimate for every depth)."""
+    alpha, agree = alpha_agreement(target_logits, student_logits)
+    return alpha.sum(), agree.sum().float(), alpha.new_tensor(float(student_logits.shape[0]))

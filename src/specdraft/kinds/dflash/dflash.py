@@ -56,12 +56,11 @@ from specdraft.core import (
 )
 from specdraft.drafters.base import Drafter, Metrics, sum_and_count
 from specdraft.drafters.position_tree import tree_reach
+from specdraft.drafters.served import alpha_agreement, depth_sums
 from specdraft.kinds.dflash.dflash_layers import DFlashLayer
 from specdraft.kinds.dflash.dflash_session import ContextKV, DFlashSession
 from specdraft.kinds.eagle.eagle import (
-    alpha_agreement,
     default_feature_layers,
-    depth_sums,
     target_at,
 )
 from specdraft.kinds.eagle.eagle_layers import head_layer_config

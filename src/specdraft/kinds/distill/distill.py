@@ -22,6 +22,7 @@ from specdraft.config import choice
 from specdraft.core import DecodeConfig, SamplingSettings
 from specdraft.drafters.base import Drafter, Metrics, sum_and_count
 from specdraft.drafters.lean import SharedWeights
+from specdraft.drafters.served import agreement_sums
 from specdraft.drafting import draft_token
 from specdraft.kinds.distill.distill_layers import ModelWeights, lean_model_supported
 from specdraft.kinds.distill.distill_session import DistillSession
@@ -389,23 +390,6 @@ def divergence(
     log_p = F.log_softmax(target_logits.float() / temperature, dim=-1)
     log_q = F.log_softmax(student_logits.float() / temperature, dim=-1)
     return divergence_per_row(log_p, log_q, kind, beta)
-
-
-def simulated_alpha(target_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
-    """(n, vocab) -> (n,): sum_x min(p(x), q(x)), the chance a sampled draft token is accepted."""
-    p = F.softmax(target_logits.float(), dim=-1)
-    q = F.softmax(student_logits.float(), dim=-1)
-    return torch.minimum(p, q).sum(-1)
-
-
-def agreement_sums(
-    target_logits: torch.Tensor, student_logits: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(n, vocab) x2 -> (alpha summed, greedy agreement summed, n): how a chain drafted from the
-    student's logits fares against the target's at n positions (the chain kinds' `acceptance`)."""
-    alpha = simulated_alpha(target_logits, student_logits).sum()
-    agree = (student_logits.argmax(-1) == target_logits.argmax(-1)).sum().float()
-    return alpha, agree, alpha.new_tensor(float(student_logits.shape[0]))
 
 
 @torch.no_grad()

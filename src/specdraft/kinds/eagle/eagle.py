@@ -46,7 +46,7 @@ from specdraft.drafters.lean import (
     SharedWeights,
     lean_supported,
 )
-from specdraft.drafters.served import one_later
+from specdraft.drafters.served import alpha_agreement, depth_sums, one_later
 from specdraft.drafting import DraftVocab
 from specdraft.kinds.eagle.eagle_layers import (
     Eagle3Layer,
@@ -193,28 +193,6 @@ def target_at(drafter: Drafter, target_out, rows: torch.Tensor, at: torch.Tensor
     if final is None or drafter.reads_target_logits:
         return target_out.logits[rows, at], None
     return final[rows, at], lambda h: target.lm_head(h.to(target.dtype))
-
-
-def alpha_agreement(
-    p_logits: torch.Tensor, logits: torch.Tensor, d2t: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., vocab) target and (..., draft vocab) draft logits -> (...) alpha = sum_x min(p(x),
-    q(x)), the chance a sampled draft token is accepted (q mapped to the target's vocabulary
-    through d2t, 0 outside the draft vocabulary), and (...) bool greedy agreement: the draft's
-    argmax is the target's, what greedy verification accepts."""
-    p = F.softmax(p_logits.float(), dim=-1)
-    q = F.softmax(logits.float(), dim=-1)
-    best = logits.argmax(-1)
-    if d2t is not None:
-        q, best = torch.zeros_like(p).index_copy_(-1, d2t, q), d2t[best]
-    return torch.minimum(p, q).sum(-1), best == p_logits.argmax(-1)
-
-
-def depth_sums(per_depth) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A drafter's `acceptance`: (alpha summed, greedy agreement summed, count) per depth, from
-    each depth's (alpha, agreement, bool mask of the positions it counts)."""
-    sums = [((a * m).sum(), (g & m).sum().float(), m.sum().float()) for a, g, m in per_depth]
-    return tuple(torch.stack(column) for column in zip(*sums, strict=True))
 
 
 # --- module ------------------------------------------------------------------------------------

@@ -38,8 +38,8 @@ from specdraft.core import (
     check_integer,
 )
 from specdraft.drafters.base import Drafter, LoraConfig, Metrics, sum_and_count
+from specdraft.drafters.served import agreement_sums
 from specdraft.drafters.sessions import RowSessions
-from specdraft.kinds.distill.distill import agreement_sums
 from specdraft.kinds.layerskip.layerskip_session import (
     LayerSkipRowSession,
     LayerSkipSession,

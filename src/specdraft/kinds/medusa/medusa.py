@@ -28,7 +28,7 @@ from specdraft.core import DecodeConfig
 from specdraft.drafters.base import CheckpointRecord, Drafter, Metrics, sum_and_count, warn_once
 from specdraft.drafters.lean import SharedWeights
 from specdraft.drafters.position_tree import expected_length, tree_paths, tree_reach
-from specdraft.drafters.served import ServedDrafts, one_later
+from specdraft.drafters.served import ServedDrafts, alpha_agreement, depth_sums, one_later
 from specdraft.drafting import DraftVocab
 from specdraft.kinds.medusa.medusa_config import MedusaConfig, MedusaDecode
 from specdraft.kinds.medusa.medusa_layers import MedusaHead
@@ -364,17 +364,11 @@ class MedusaDrafter(Drafter):
         """(alpha summed, greedy agreement summed, count) per draft depth 1..min(gamma, K) of a
         chain (head d - 1 at depth d). alpha = sum_x min(p(x), q(x)), q mapped to the target's
         vocabulary through d2t; greedy agreement: the head's argmax is the target's."""
-        sums, greedy, counts = [], [], []
         depth = min(decode.gamma, self.config.num_heads)
-        for s in self.per_head(batch, target_out)[:depth]:
-            p = F.softmax(s["p_logits"].float(), dim=-1)  # (B, S, V)
-            q = torch.zeros_like(p).index_copy_(-1, self.d2t, F.softmax(s["logits"].float(), -1))
-            alpha = torch.minimum(p, q).sum(-1)  # (B, S)
-            agree = self.d2t[s["logits"].argmax(-1)] == s["p_logits"].argmax(-1)
-            sums.append((alpha * s["valid"]).sum())
-            greedy.append((agree & s["valid"]).sum().float())
-            counts.append(s["valid"].sum().float())
-        return torch.stack(sums), torch.stack(greedy), torch.stack(counts)
+        return depth_sums(
+            (*alpha_agreement(s["p_logits"], s["logits"], self.d2t), s["valid"])
+            for s in self.per_head(batch, target_out)[:depth]
+        )
 
     @torch.no_grad()
     def served_logits(

@@ -46,13 +46,11 @@ from specdraft.config import choice
 from specdraft.core import DecodeConfig, DraftContext, DraftTree, float_mask
 from specdraft.drafters.base import Metrics, sum_and_count
 from specdraft.drafters.position_tree import slot_drafts, tree_reach
-from specdraft.drafters.served import one_later
+from specdraft.drafters.served import alpha_agreement, depth_sums, one_later
 from specdraft.kinds.dflash.dflash import default_mask_token
 from specdraft.kinds.eagle.eagle import (
     EagleDrafter,
-    alpha_agreement,
     check_feature_layers,
-    depth_sums,
     resolve_eagle3,
     scored,
     target_at,
