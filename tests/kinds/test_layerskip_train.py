@@ -411,6 +411,8 @@ def test_lora_trains_adapters_and_saves_a_merged_model(tiny_target_path, tmp_pat
     merged = load_target(tiny_target_path, adapter=final / "adapter")
     assert torch.allclose(tuned.model.state_dict()[q], merged.model.state_dict()[q], atol=1e-6)
     assert json.loads((out / "eval_loop.json").read_text())["matches_ar"] is True
+    # the checkpoint reader builds its nested lora settings as their dataclass
+    assert load_drafter(final, tuned).config.lora.rank == 4
 
 
 def test_lora_modules_that_match_nothing_are_named(tiny_target_path, tmp_path, capsys):

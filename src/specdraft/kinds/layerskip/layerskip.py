@@ -123,8 +123,6 @@ class LayerSkipConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        if isinstance(self.lora, Mapping):
-            self.lora = LoraConfig(**self.lora)
         choices = (
             ("dropout_scale", self.dropout_scale, DROPOUT_SCALES),
             ("early_exit_scale", self.early_exit_scale, EXIT_SCALES),
