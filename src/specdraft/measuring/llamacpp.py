@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from specdraft.formats.gguf_export import gguf_problems
 from specdraft.llamacpp_build import LlamaCpp, LlamaCppError
+from specdraft.targets.sharded_target import free_port
 
 START_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 1800
@@ -251,12 +251,6 @@ def greedy(ids: list[int], max_new_tokens: int) -> dict:
         "return_tokens": True,
         "seed": 0,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- an export's files, checked before llama.cpp runs ---------------------------------------------

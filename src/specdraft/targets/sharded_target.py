@@ -163,7 +163,8 @@ def load_sharded_target(
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on now (the OS's pick): for a process group of one."""
+    """A TCP port nothing listens on now (the OS's pick): for a process group of one, or a
+    server started to be measured (measuring/llamacpp.py)."""
     import socket
 
     with socket.socket() as sock:

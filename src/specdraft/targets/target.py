@@ -504,7 +504,6 @@ def merge_adapter(model: PreTrainedModel, adapter: str | Path) -> PreTrainedMode
     naming the adapter's hash (the fingerprint's `adapter`); a clear error for a folder that is
     not an adapter or does not fit the model."""
     from peft import PeftModel
-    from peft.utils import get_peft_model_state_dict
 
     folder = Path(adapter).expanduser()
     if not (folder / "adapter_config.json").is_file():
@@ -520,7 +519,7 @@ def merge_adapter(model: PreTrainedModel, adapter: str | Path) -> PreTrainedMode
             f"the adapter in {folder} does not fit this target ({detail}...); load the base "
             "model it was trained on"
         ) from err
-    digest = adapter_hash(get_peft_model_state_dict(peft_model))
+    digest = peft_hash(peft_model)
     merged = peft_model.merge_and_unload()
     setattr(merged.config, ADAPTER_ATTRIBUTE, digest)
     return merged
@@ -534,3 +533,10 @@ def adapter_hash(state: Mapping[str, torch.Tensor]) -> str:
         digest.update(key.encode())
         digest.update(state[key].detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def peft_hash(peft_model) -> str:
+    """adapter_hash of a peft model's adapter weights, as peft saves them."""
+    from peft.utils import get_peft_model_state_dict
+
+    return adapter_hash(get_peft_model_state_dict(peft_model))

@@ -19,7 +19,7 @@ from specdraft.formats.checkpoint import save_target_folder
 from specdraft.inference.generate import generate
 from specdraft.kinds.layerskip.layerskip import LayerSkipDrafter
 from specdraft.losses import token_losses
-from specdraft.targets.target import Target, adapter_hash, load_target, merge_adapter
+from specdraft.targets.target import Target, load_target, merge_adapter, peft_hash
 from specdraft.train.after_training import report_after_training
 from specdraft.train.lr_schedule import collate
 
@@ -34,9 +34,7 @@ def finish_fine_tuning(
     a user loads, also after a bf16 run), and save it to output_dir/target when
     cfg.save_merged_target. `peft_model` is `target`'s model with the
     adapters in; after this the base is gone from memory."""
-    from peft.utils import get_peft_model_state_dict
-
-    digest = adapter_hash(get_peft_model_state_dict(peft_model))
+    digest = peft_hash(peft_model)
     peft_model.eval()
     tokens = cfg.eval_loop.max_new_tokens
     held_out = (eval_examples, cfg.micro_batch_size, cfg.eval_batches, cfg.loss_chunk_tokens)

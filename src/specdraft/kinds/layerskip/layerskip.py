@@ -51,6 +51,7 @@ from specdraft.targets.target import (
     final_logits,
     layer_rotary,
     llama_parts,
+    peft_hash,
     weights_hash,
 )
 
@@ -296,12 +297,7 @@ class LayerSkipDrafter(Drafter):
         """The fine-tuned model's own fingerprint: the base's, with the trained weights' hash as
         its `adapter` (save_drafter writes it into the saved model's config.json, so
         load_target(folder) gives the same fingerprint back)."""
-        if self.peft is not None:
-            from peft.utils import get_peft_model_state_dict
-
-            digest = adapter_hash(get_peft_model_state_dict(self.peft))
-        else:
-            digest = weights_digest(self.hf_model)
+        digest = peft_hash(self.peft) if self.peft is not None else weights_digest(self.hf_model)
         fingerprint = {**target.fingerprint, "adapter": digest}
         served = weights_hash(self.hf_model)  # full fine-tuning may have moved the embedding
         if served is not None and "weights" in fingerprint:

@@ -34,7 +34,7 @@ from specdraft.kinds.medusa.medusa_config import MedusaConfig, MedusaDecode
 from specdraft.kinds.medusa.medusa_layers import MedusaHead
 from specdraft.kinds.medusa.medusa_session import MedusaSession, tree_shapes
 from specdraft.losses import token_losses
-from specdraft.targets.target import adapter_hash
+from specdraft.targets.target import peft_hash
 
 
 class MedusaDrafter(Drafter):
@@ -145,9 +145,7 @@ class MedusaDrafter(Drafter):
         one, its adapter's hash added to the base's."""
         if self.peft is None:
             return target.fingerprint
-        from peft.utils import get_peft_model_state_dict
-
-        return {**target.fingerprint, "adapter": adapter_hash(get_peft_model_state_dict(self.peft))}
+        return {**target.fingerprint, "adapter": peft_hash(self.peft)}
 
     def write_extra(self, folder) -> None:
         """Checkpoint files beside the weights: Medusa-2's adapter in peft's format (adapter/),
