@@ -179,14 +179,7 @@ def _decode(
         t0 = time.perf_counter()
         trees = [no_draft] * len(active)
         if session is not None:
-            contexts = [
-                DraftContext(seq[r : r + 1, : length[r]], max_depth=left - 1) if left > 1 else None
-                for r, left in zip(active, remaining, strict=True)
-            ]
-            trees = session.propose(contexts)
-            if __debug__:  # a drafter bug stops here, not as a wrong verification
-                for tree in trees:
-                    tree.check()
+            trees = _drafted(session, [seq[r : r + 1, : length[r]] for r in active], remaining)
             sync()
         t1 = time.perf_counter()
 
@@ -208,19 +201,7 @@ def _decode(
                 capture_layers=capture,
                 logits_to_keep=N + 1,
             )
-        top = out.logits.argmax(-1).tolist() if sampling.greedy else None
-        paths, nexts, probs = [], [], []
-        for i, tree in enumerate(trees):
-            n = len(tree)
-            if sampling.greedy:
-                path, next_token = verify_greedy(tree, top[i][: n + 1])
-            else:
-                p = process_logits(out.logits[i, : n + 1], sampling)
-                own = session.verify_sampled(i, tree, p, generator) if session else None
-                path, next_token = own if own is not None else verify_sampling(tree, p, generator)
-                probs.append(p)
-            paths.append(path)
-            nexts.append(next_token)
+        paths, nexts, probs = _verified(out.logits, trees, sampling, session, generator)
 
         # 3. Keep both caches on the accepted paths; each row's new token stays pending.
         cache.keep(
@@ -233,15 +214,8 @@ def _decode(
             cached[r] = length[r] + len(paths[i])
         t2 = time.perf_counter()
         if session is not None:  # hidden states: for drafters fed by the target's (EAGLE)
-            hidden = [None] * len(active)
-            if capture:
-                hidden = [
-                    {
-                        layer: h[i : i + 1, P - len(pending[i]) : P + len(trees[i])]
-                        for layer, h in out.hidden_states.items()
-                    }
-                    for i in range(len(active))
-                ]
+            no_states = [None] * len(active)
+            hidden = _row_states(out.hidden_states, pending, trees, P) if capture else no_states
             session.accept(trees, paths, hidden)
         t3 = time.perf_counter()
 
@@ -274,21 +248,72 @@ def _decode(
                 cache.select_rows(keep)
                 if session is not None:
                     session.drop(keep)
-    wall = time.perf_counter() - start
+    stats.total_seconds = time.perf_counter() - start
+    stats.drafter_kv_bytes = peak_memory
     for r in range(rows):
         row_stats[r].log_p_sum = float(log_p[r])
+    rows_out = [seq[r, prompt_len[r] : length[r]] for r in range(rows)]
+    return _output(rows_out, stats, row_stats, pad)
+
+
+def _drafted(session: BatchSession, contexts: list[torch.Tensor], remaining: list[int]):
+    """Each row's draft: a tree the session proposes for its context ((1, length) ids), no
+    deeper than its remaining tokens - 1; a row with one token left drafts nothing."""
+    trees = session.propose(
+        [
+            DraftContext(ids, max_depth=left - 1) if left > 1 else None
+            for ids, left in zip(contexts, remaining, strict=True)
+        ]
+    )
+    if __debug__:  # a drafter bug stops here, not as a wrong verification
+        for tree in trees:
+            tree.check()
+    return trees
+
+
+def _verified(logits, trees, sampling, session, generator):
+    """Each row's accepted path through its tree and the target's own next token, and at
+    T > 0 each row's p (the target's distribution at its root and nodes)."""
+    top = logits.argmax(-1).tolist() if sampling.greedy else None
+    paths, nexts, probs = [], [], []
+    for i, tree in enumerate(trees):
+        n = len(tree)
+        if sampling.greedy:
+            path, next_token = verify_greedy(tree, top[i][: n + 1])
+        else:
+            p = process_logits(logits[i, : n + 1], sampling)
+            own = session.verify_sampled(i, tree, p, generator) if session else None
+            path, next_token = own if own is not None else verify_sampling(tree, p, generator)
+            probs.append(p)
+        paths.append(path)
+        nexts.append(next_token)
+    return paths, nexts, probs
+
+
+def _row_states(hidden_states, pending, trees, P):
+    """Each row's captured hidden states over its pending tokens and tree: {layer: (1, n, H)}."""
+    return [
+        {layer: h[i : i + 1, P - len(pend) : P + len(tree)] for layer, h in hidden_states.items()}
+        for i, (pend, tree) in enumerate(zip(pending, trees, strict=True))
+    ]
+
+
+def _output(rows_out: list[torch.Tensor], stats: Stats, row_stats: list[Stats], pad: int):
+    """The call's GenerateOutput: each row's new tokens, padded on the right, and its stats
+    merged with the call's own (times, extra memory, whether a drafter drafted)."""
+    for row in row_stats:
         for name in ("lossy", "drafter_off", "copies", "drafter_params"):  # the call's
-            setattr(row_stats[r], name, getattr(stats, name))
+            setattr(row, name, getattr(stats, name))
     merged = functools.reduce(Stats.merge, row_stats)  # one row: its own Stats
-    merged.total_seconds = wall
-    merged.draft_seconds, merged.verify_seconds = stats.draft_seconds, stats.verify_seconds
-    merged.drafter_kv_bytes = peak_memory
-    merged.batch_size = rows
-    new_lengths = [length[r] - prompt_len[r] for r in range(rows)]
-    tokens = torch.full((rows, max(new_lengths)), pad, dtype=torch.long, device=device)
-    for r in range(rows):
-        tokens[r, : new_lengths[r]] = seq[r, prompt_len[r] : length[r]]
-    return GenerateOutput(tokens, merged, new_lengths, row_stats, pad)
+    for name in ("total_seconds", "draft_seconds", "verify_seconds", "drafter_kv_bytes"):
+        setattr(merged, name, getattr(stats, name))
+    merged.batch_size = len(rows_out)
+    lengths = [len(row) for row in rows_out]
+    shape, device = (len(rows_out), max(lengths)), rows_out[0].device
+    tokens = torch.full(shape, pad, dtype=torch.long, device=device)
+    for r, row in enumerate(rows_out):
+        tokens[r, : lengths[r]] = row
+    return GenerateOutput(tokens, merged, lengths, row_stats, pad)
 
 
 def drafting_session(
