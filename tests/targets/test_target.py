@@ -37,6 +37,26 @@ def test_captured_states_equal_output_hidden_states(tiny_target):
     assert torch.equal(neg.hidden_states[-1], ref.hidden_states[-1])
 
 
+def test_lm_head_multiplies_rows_whatever_the_input_strides(tiny_target):
+    """A slice of a batch-of-one block (DFlash's drafting slots) keeps the block's strides, and
+    torch's 3-D linear on it multiplies through a copy of the whole head weight: the head is
+    given 2-D rows, and the logits keep the input's leading shape."""
+    block = torch.randn(
+        1, 8, tiny_target.config.hidden_size, generator=torch.Generator().manual_seed(0)
+    )
+    head = tiny_target.model.get_output_embeddings()
+    seen = []
+    handle = head.register_forward_pre_hook(lambda _module, args: seen.append(args[0].dim()))
+    try:
+        for h in (block[:, 1:8], block[:, :1], block[0]):
+            logits = tiny_target.lm_head(h)
+            assert logits.shape == (*h.shape[:-1], tiny_target.vocab_size)
+            assert torch.allclose(logits, head(h.contiguous()), atol=1e-6)
+    finally:
+        handle.remove()
+    assert seen[::2] == [2, 2, 2]  # the calls lm_head made (the reference calls between)
+
+
 def test_embed_matches_model_embedding(tiny_target):
     ids = torch.tensor([[1, 2, 3]])
     assert torch.equal(tiny_target.embed(ids), tiny_target.model.model.embed_tokens(ids))
