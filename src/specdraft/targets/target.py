@@ -273,9 +273,9 @@ def final_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """The logits a HF causal LM computes from final-normed `hidden`: its LM head, then
     cap * tanh(logits / cap) where its config sets final_logit_softcapping (Gemma-2)."""
     # rows, not (..., hidden): on a slice of a batch-of-one tensor (its own strides) torch's
-    # linear multiplies through a copy of the whole head (bf16 CPU: ~10x the time)
+    # linear multiplies through a copy of the whole frozen head (torch 2.13, bf16 CPU: ~10x)
     rows = model.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1]))
-    logits = rows.view(*hidden.shape[:-1], rows.shape[-1])
+    logits = rows.reshape(*hidden.shape[:-1], rows.shape[-1])
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
